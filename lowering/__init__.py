@@ -1,0 +1,3 @@
+"""spmd.lowering: graph capture and the passes that turn a model into a runnable plan."""
+
+__all__: list[str] = []

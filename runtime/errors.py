@@ -1,0 +1,23 @@
+"""The exceptions of the runtime.
+
+Every runtime failure is a :class:`DistError`. A timeout is a :class:`DistTimeoutError`,
+which is also the built-in :class:`TimeoutError`, so ``except TimeoutError`` works for
+code that does not know this library. Bad arguments are never ``DistError``: they raise
+``ValueError`` or ``TypeError`` before anything is sent.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DistError", "DistTimeoutError", "DistStoreError"]
+
+
+class DistError(RuntimeError):
+    """Root of every runtime failure (a peer died, a server refused, a backend failed)."""
+
+
+class DistTimeoutError(DistError, TimeoutError):
+    """A blocking call gave up after its timeout; the message names what it waited for."""
+
+
+class DistStoreError(DistError):
+    """A key-value store failed: refused connection, lost server, a bad value for ``add``."""

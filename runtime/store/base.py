@@ -1,0 +1,237 @@
+"""The one interface every key-value store implements.
+
+Processes meet in a store: they publish addresses, count arrivals and wait for each
+other. The semantics are PyTorch's (``torch.distributed.Store``): keys are ``str``,
+values are ``bytes`` (a ``str`` value is stored UTF-8 encoded), ``get`` and ``wait``
+block until the key exists or the store's timeout passes.
+
+Subclasses implement the underscored methods; the public methods here check every
+argument first, so a bad call raises ``TypeError``/``ValueError`` before any I/O.
+"""
+
+from __future__ import annotations
+
+import abc
+from datetime import timedelta
+from typing import Iterable, Sequence, Union
+
+from spmd.runtime import config
+from spmd.runtime.errors import DistStoreError
+
+__all__ = ["Store", "Value"]
+
+Value = Union[bytes, bytearray, memoryview, str]
+
+
+def _key(key: object, what: str = "key") -> str:
+    if not isinstance(key, str):
+        raise TypeError(f"store {what} must be a str, got {type(key).__name__}")
+    return key
+
+
+def _keys(keys: object) -> list[str]:
+    if isinstance(keys, (str, bytes)):
+        raise TypeError(
+            f"store keys must be a list of str, got a single {type(keys).__name__} "
+            f"({keys!r}); pass [{keys!r}]"
+        )
+    try:
+        items = list(keys)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(f"store keys must be a list of str, got {type(keys).__name__}") from None
+    for item in items:
+        _key(item, "key in the list")
+    return items
+
+
+def _value(value: object, what: str = "value") -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"store {what} must be bytes or str, got {type(value).__name__}")
+
+
+def as_seconds(timeout: object, what: str = "timeout") -> float:
+    """A positive timeout in seconds from a ``timedelta`` or a number of seconds."""
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"{what} must be a datetime.timedelta, got {type(timeout).__name__}")
+    if not seconds > 0:
+        raise ValueError(f"{what} must be positive, got {timeout!r}")
+    return seconds
+
+
+class Store(abc.ABC):
+    """A key-value store shared by the processes of a job.
+
+    Every blocking method gives up after a timeout and raises
+    :class:`~spmd.runtime.DistTimeoutError` naming the keys it waited for.
+
+    Example::
+
+        store = HashStore()
+        store.set("addr/0", "127.0.0.1:29500")
+        store.add("arrived", 1)          # -> 1
+        store.wait(["addr/0"])
+        store.get("addr/0")              # -> b"127.0.0.1:29500"
+    """
+
+    def __init__(self, timeout: timedelta | float | None = None) -> None:
+        self._timeout = as_seconds(config.store_timeout() if timeout is None else timeout)
+
+    # -- timeout ---------------------------------------------------------------------
+
+    @property
+    def timeout(self) -> timedelta:
+        """How long blocking calls wait before raising ``DistTimeoutError``."""
+        return timedelta(seconds=self._timeout)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Change the timeout of every later blocking call on this store object."""
+        self._timeout = as_seconds(timeout)
+
+    # -- public API: argument checks, then the implementation ------------------------
+
+    def set(self, key: str, value: Value) -> None:
+        """Store ``value`` under ``key``, replacing any previous value."""
+        self._set(_key(key), _value(value))
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``, waiting up to the store's timeout for it to be set."""
+        return self._multi_get([_key(key)], self._timeout)[0]
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the counter at ``key`` (0 when missing); the new value.
+
+        The counter is kept as decimal ASCII, so ``get`` reads it as e.g. ``b"3"``.
+        A value that is not a decimal integer raises ``DistStoreError``.
+        """
+        _key(key)
+        if not isinstance(amount, int) or isinstance(amount, bool):
+            raise TypeError(f"add amount must be an int, got {type(amount).__name__}")
+        return self._add(key, amount)
+
+    def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
+        """Atomically replace ``expected`` by ``desired``; returns the value now stored.
+
+        When the key is missing and ``expected`` is empty, ``desired`` is stored; when it
+        is missing and ``expected`` is not empty, nothing changes and ``expected`` is
+        returned (PyTorch's semantics).
+        """
+        return self._compare_set(
+            _key(key), _value(expected, "expected value"), _value(desired, "desired value")
+        )
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        """Block until every key exists; ``timeout=None`` means the store's timeout."""
+        seconds = self._timeout if timeout is None else as_seconds(timeout)
+        self._wait(_keys(keys), seconds)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """True when every key exists right now (never blocks)."""
+        return self._check(_keys(keys))
+
+    def delete_key(self, key: str) -> bool:
+        """Remove ``key``; False when it did not exist."""
+        return self._delete_key(_key(key))
+
+    def num_keys(self) -> int:
+        """How many keys users have set (internal bookkeeping is never counted)."""
+        return self._num_keys()
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """The values of all ``keys``, waiting (one timeout for all) until each exists."""
+        return self._multi_get(_keys(keys), self._timeout)
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
+        """Set several keys at once (atomically where the store can)."""
+        ks = _keys(keys)
+        if isinstance(values, (str, bytes)):
+            raise TypeError("multi_set values must be a list of bytes or str")
+        vs = [_value(v) for v in values]
+        if len(ks) != len(vs):
+            raise ValueError(f"multi_set got {len(ks)} keys but {len(vs)} values")
+        self._multi_set(ks, vs)
+
+    def append(self, key: str, value: Value) -> None:
+        """Atomically append ``value`` to the value at ``key`` (created when missing)."""
+        self._append(_key(key), _value(value))
+
+    def close(self) -> None:
+        """Release the store's resources (connections, files). Idempotent."""
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- implementation --------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _set(self, key: str, value: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def _multi_get(self, keys: list[str], timeout: float) -> list[bytes]: ...
+
+    @abc.abstractmethod
+    def _add(self, key: str, amount: int) -> int: ...
+
+    @abc.abstractmethod
+    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes: ...
+
+    @abc.abstractmethod
+    def _wait(self, keys: list[str], timeout: float) -> None: ...
+
+    @abc.abstractmethod
+    def _check(self, keys: list[str]) -> bool: ...
+
+    @abc.abstractmethod
+    def _delete_key(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def _num_keys(self) -> int: ...
+
+    @abc.abstractmethod
+    def _multi_set(self, keys: list[str], values: list[bytes]) -> None: ...
+
+    @abc.abstractmethod
+    def _append(self, key: str, value: bytes) -> None: ...
+
+
+def parse_counter(current: bytes | None, amount: int, key: str) -> bytes:
+    """The new decimal value of a counter; ``DistStoreError`` naming the key otherwise."""
+    if current is None:
+        return str(amount).encode()
+    try:
+        base = int(current.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        shown = current[:40]
+        raise DistStoreError(
+            f"add({key!r}): the value at this key is {shown!r}, not a decimal integer"
+        ) from None
+    return str(base + amount).encode()
+
+
+def compare_set_result(
+    current: bytes | None, expected: bytes, desired: bytes
+) -> tuple[bytes, bool]:
+    """PyTorch's compare_set rule: (value to return, whether to store ``desired``)."""
+    if current is None:
+        return (desired, True) if expected == b"" else (expected, False)
+    if current == expected:
+        return desired, True
+    return current, False
+
+
+def describe_missing(keys: Iterable[str], limit: int = 5) -> str:
+    missing = list(keys)
+    shown = ", ".join(repr(k) for k in missing[:limit])
+    more = f" and {len(missing) - limit} more" if len(missing) > limit else ""
+    return shown + more

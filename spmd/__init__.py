@@ -1,0 +1,33 @@
+"""spmd: compiler-driven SPMD training for PyTorch.
+
+Trace, plan, lower, run. Names are resolved lazily so that ``import spmd.runtime`` does
+not drag in the compiler.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {}
+_SUBMODULES = ("runtime", "lowering", "kernels")
+
+__all__ = [*_SUBMODULES, *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"spmd.{name}")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'spmd' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,39 @@
+"""Shared fixtures: stores of every kind, each live (TCP ones over real sockets)."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+
+from spmd.runtime import FileStore, HashStore, PrefixStore, TCPStore
+
+STORE_KINDS = ["hash", "file", "tcp", "prefix"]
+
+
+def make_store(kind: str, tmp_path, timeout: float = 5.0):
+    """A store of ``kind`` and the objects that keep it alive (master, base store)."""
+    t = timedelta(seconds=timeout)
+    if kind == "hash":
+        store = HashStore(t)
+        return store, [store]
+    if kind == "file":
+        store = FileStore(os.path.join(tmp_path, "store"), timeout=t)
+        return store, [store]
+    if kind == "tcp":
+        master = TCPStore("127.0.0.1", 0, 2, True, t, wait_for_workers=False)
+        client = TCPStore("127.0.0.1", master.port, 2, False, t)
+        return client, [client, master]
+    if kind == "prefix":
+        master = TCPStore("127.0.0.1", 0, 1, True, t)
+        return PrefixStore("ns", master), [master]
+    raise ValueError(kind)
+
+
+@pytest.fixture(params=STORE_KINDS)
+def store(request, tmp_path):
+    store, keep = make_store(request.param, tmp_path)
+    yield store
+    for s in keep:
+        s.close()
