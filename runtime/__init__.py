@@ -5,6 +5,9 @@ compiler layers above it.
 """
 
 from spmd.runtime.errors import DistError, DistStoreError, DistTimeoutError
+from spmd.runtime.context import RankContext
+from spmd.runtime.launch import SpawnContext, SpawnError, spawn
+from spmd.runtime.rendezvous import rendezvous
 from spmd.runtime.store import FileStore, HashStore, PrefixStore, Store, TCPStore
 
 __all__ = [
@@ -16,7 +19,12 @@ __all__ = [
     "FileStore",
     "PrefixStore",
     "HashStore",
+    "rendezvous",
     "to_torch_store",
+    "spawn",
+    "SpawnContext",
+    "SpawnError",
+    "RankContext",
 ]
 
 

@@ -1,0 +1,329 @@
+"""``spawn``: start local ranks for examples, notebooks and tests.
+
+Each rank gets ``MASTER_ADDR``, ``MASTER_PORT`` (a free port), ``RANK``, ``LOCAL_RANK``
+and ``WORLD_SIZE``, so ``init_process_group("gloo")`` needs no arguments. Return values
+travel back as ordinary pickles (tensors by value, not as shared-memory handles), so they
+survive the rank's process. The first rank to fail stops the others and its traceback is
+raised here; nothing waits forever.
+
+Multi-node jobs are launched with torchrun (``env://``), not with this.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+from spmd.runtime.context import RankContext, rank_context
+from spmd.runtime.errors import DistError, DistTimeoutError
+
+__all__ = ["spawn", "SpawnContext", "SpawnError", "free_port"]
+
+_START_METHODS = ("spawn", "fork", "forkserver", "thread")
+_EXIT_GRACE = 10.0  # seconds a rank that returned may take to exit before it is killed
+
+
+class SpawnError(DistError):
+    """A rank raised, exited without returning, or hung past the timeout.
+
+    Attributes: ``rank``, ``exitcode`` (None for a raised exception or a thread-rank),
+    ``remote_traceback`` (the rank's formatted traceback, when it raised).
+    """
+
+    def __init__(
+        self, message: str, rank: int, exitcode: int | None = None,
+        remote_traceback: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.remote_traceback = remote_traceback
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _rank_env(rank: int, nprocs: int, port: int) -> dict[str, str]:
+    return {
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
+    }
+
+
+def _outcome(fn: Callable[..., Any], rank: int, args: tuple) -> bytes:
+    """Run ``fn(rank, *args)``; a pickle of ("ok", result) or ("error", traceback, exc)."""
+    try:
+        result = fn(rank, *args)
+    except BaseException as e:  # report everything, SystemExit and KeyboardInterrupt too
+        text = traceback.format_exc()
+        try:
+            exc: bytes | None = pickle.dumps(e)
+        except Exception:
+            exc = None
+        return pickle.dumps(("error", text, exc))
+    try:
+        return pickle.dumps(("ok", result))
+    except Exception as e:
+        return pickle.dumps(("error", f"the return value of rank {rank} cannot be pickled: {e!r}",
+                             None))
+
+
+def _child(fn: Callable[..., Any], rank: int, args: tuple, env: dict[str, str],
+           conn: multiprocessing.connection.Connection) -> None:
+    os.environ.update(env)
+    message = _outcome(fn, rank, args)
+    try:
+        conn.send_bytes(message)
+    finally:
+        conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _raise_failure(rank: int, message: bytes | None, exitcode: int | None) -> None:
+    if message is None:
+        raise SpawnError(f"rank {rank} {_describe_exit(exitcode)} without returning",
+                         rank, exitcode)
+    _, text, exc = pickle.loads(message)
+    cause = None
+    if exc is not None:
+        try:
+            cause = pickle.loads(exc)
+        except Exception:
+            cause = None
+    first = text.strip().splitlines()[-1] if text.strip() else "an error"
+    err = SpawnError(f"rank {rank} raised {first}\n\n--- traceback of rank {rank} ---\n{text}",
+                     rank, None, text)
+    raise err from cause
+
+
+class SpawnContext:
+    """Handle on ranks started with ``spawn(join=False)``; ``join()`` returns their results."""
+
+    def __init__(self, nprocs: int, timeout: float | None) -> None:
+        self.nprocs = nprocs
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._timeout = timeout
+        self._results: dict[int, Any] = {}
+
+    def _timeout_error(self, pending: Sequence[int]) -> DistTimeoutError:
+        ranks = ", ".join(map(str, sorted(pending)))
+        return DistTimeoutError(
+            f"spawn: rank(s) {ranks} did not finish within {self._timeout:g}s; stopped"
+        )
+
+    def join(self, timeout: float | None = None) -> list[Any]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class _ProcessContext(SpawnContext):
+    def __init__(self, procs: list, conns: list, timeout: float | None) -> None:
+        super().__init__(len(procs), timeout)
+        self.processes = procs
+        self._conns = conns
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def _stop_all(self) -> None:
+        for p in self.processes:
+            if p.is_alive():
+                p.terminate()
+        end = time.monotonic() + 2.0
+        for p in self.processes:
+            p.join(max(0.0, end - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+
+    def join(self, timeout: float | None = None) -> list[Any]:
+        """Wait for every rank; their return values in rank order, or the first failure."""
+        deadline = self._deadline
+        if timeout is not None:
+            deadline = time.monotonic() + timeout if deadline is None else min(
+                deadline, time.monotonic() + timeout)
+        pending = set(range(self.nprocs)) - set(self._results)
+        by_conn = {self._conns[r]: r for r in pending}
+        by_sentinel = {self.processes[r].sentinel: r for r in pending}
+        try:
+            while pending:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready = multiprocessing.connection.wait(
+                    [self._conns[r] for r in pending]
+                    + [self.processes[r].sentinel for r in pending], left)
+                if not ready and deadline is not None and time.monotonic() >= deadline:
+                    raise self._timeout_error(list(pending))
+                conns = [o for o in ready if o in by_conn]
+                exits = [o for o in ready if o in by_sentinel and by_sentinel[o] in pending]
+                for conn in conns:
+                    rank = by_conn[conn]
+                    if rank in pending:
+                        self._receive(rank, conn)
+                        pending.discard(rank)
+                for sentinel in exits:
+                    rank = by_sentinel[sentinel]
+                    if rank not in pending:
+                        continue
+                    conn = self._conns[rank]
+                    if conn.poll(0):
+                        self._receive(rank, conn)
+                        pending.discard(rank)
+                        continue
+                    self.processes[rank].join(0)
+                    _raise_failure(rank, None, self.processes[rank].exitcode)
+        except BaseException:
+            self._stop_all()
+            raise
+        end = time.monotonic() + _EXIT_GRACE
+        for p in self.processes:
+            p.join(max(0.0, end - time.monotonic()))
+        self._stop_all()  # anything still alive after returning its value
+        return [self._results[r] for r in range(self.nprocs)]
+
+    def _receive(self, rank: int, conn: multiprocessing.connection.Connection) -> None:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):
+            self.processes[rank].join(1.0)
+            _raise_failure(rank, None, self.processes[rank].exitcode)
+        status = pickle.loads(message)[0]
+        if status != "ok":
+            _raise_failure(rank, message, None)
+        self._results[rank] = pickle.loads(message)[1]
+
+
+class _ThreadContext(SpawnContext):
+    def __init__(self, fn: Callable[..., Any], args: tuple, nprocs: int, port: int,
+                 timeout: float | None) -> None:
+        super().__init__(nprocs, timeout)
+        self.contexts = [RankContext(_rank_env(r, nprocs, port)) for r in range(nprocs)]
+        self._messages: dict[int, bytes] = {}
+        self._done = threading.Condition()
+        self.threads = [
+            threading.Thread(target=self._run, args=(fn, r, args), daemon=True,
+                             name=f"spmd-rank-{r}")
+            for r in range(nprocs)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, fn: Callable[..., Any], rank: int, args: tuple) -> None:
+        with rank_context(self.contexts[rank]):
+            message = _outcome(fn, rank, args)
+        with self._done:
+            self._messages[rank] = message
+            self._done.notify_all()
+
+    def _abort_all(self, reason: str) -> None:
+        for ctx in self.contexts:
+            ctx.abort(reason)
+
+    def join(self, timeout: float | None = None) -> list[Any]:
+        """Wait for every thread-rank; results in rank order, or the first failure."""
+        deadline = self._deadline
+        if timeout is not None:
+            deadline = time.monotonic() + timeout if deadline is None else min(
+                deadline, time.monotonic() + timeout)
+        with self._done:
+            while True:
+                for rank, message in sorted(self._messages.items()):
+                    if pickle.loads(message)[0] != "ok":
+                        self._abort_all(f"rank {rank} failed")
+                        _raise_failure(rank, message, None)
+                if len(self._messages) == self.nprocs:
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    pending = set(range(self.nprocs)) - set(self._messages)
+                    error = self._timeout_error(list(pending))
+                    self._abort_all(str(error))
+                    raise error
+                self._done.wait(left)
+        return [pickle.loads(self._messages[r])[1] for r in range(self.nprocs)]
+
+
+def spawn(
+    fn: Callable[..., Any],
+    args: tuple = (),
+    nprocs: int = 2,
+    join: bool = True,
+    start_method: str = "spawn",
+    timeout: float | None = None,
+) -> list[Any] | SpawnContext:
+    """Run ``fn(rank, *args)`` on ``nprocs`` local ranks; their return values in rank order.
+
+    Args:
+        fn: the rank's entry point. With ``"spawn"``/``"forkserver"`` it must be
+            importable (defined at module level); ``"thread"`` takes any callable.
+        args: extra positional arguments after the rank.
+        nprocs: how many ranks.
+        join: wait and return the results; False returns a :class:`SpawnContext`.
+        start_method: ``"spawn"``, ``"fork"``, ``"forkserver"`` or ``"thread"`` (ranks as
+            threads of this process: works in notebooks, where functions cannot be pickled).
+        timeout: seconds before ranks still running are stopped and ``DistTimeoutError``
+            names them; None waits as long as ranks keep running.
+
+    Raises:
+        SpawnError: a rank raised (its traceback is in the message) or exited without
+            returning (its exit code); the other ranks are stopped first.
+
+    Example::
+
+        def work(rank):
+            dist.init_process_group("gloo")
+            t = torch.ones(1) * rank
+            dist.all_reduce(t)
+            return t
+
+        spawn(work, nprocs=2)  # -> [tensor([1.]), tensor([1.])]
+    """
+    if not callable(fn):
+        raise TypeError(f"spawn fn must be callable, got {type(fn).__name__}")
+    if not isinstance(args, tuple):
+        raise TypeError(f"spawn args must be a tuple, got {type(args).__name__}")
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+        raise ValueError(f"spawn nprocs must be a positive int, got {nprocs!r}")
+    if start_method not in _START_METHODS:
+        raise ValueError(f"spawn start_method must be one of {_START_METHODS}, got {start_method!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or timeout <= 0):
+        raise ValueError(f"spawn timeout must be a positive number of seconds, got {timeout!r}")
+    port = free_port()
+    context: SpawnContext
+    if start_method == "thread":
+        context = _ThreadContext(fn, args, nprocs, port, timeout)
+    else:
+        mp = multiprocessing.get_context(start_method)
+        procs, conns = [], []
+        for rank in range(nprocs):
+            recv, send = mp.Pipe(duplex=False)
+            p = mp.Process(target=_child, args=(fn, rank, args, _rank_env(rank, nprocs, port), send),
+                           name=f"spmd-rank-{rank}")
+            p.start()
+            send.close()
+            procs.append(p)
+            conns.append(recv)
+        context = _ProcessContext(procs, conns, timeout)
+    return context.join() if join else context

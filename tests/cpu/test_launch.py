@@ -1,0 +1,125 @@
+"""spawn(): ranks as processes or threads, results back intact, failures named by rank."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from spmd.runtime import DistTimeoutError, SpawnError, spawn
+from spmd.runtime.context import getenv
+
+
+def _identity(rank, extra):
+    return {
+        "rank": rank, "extra": extra, "env": {k: getenv(k) for k in
+                                              ("RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                               "MASTER_ADDR")},
+        "port": int(getenv("MASTER_PORT")),
+    }
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork", "forkserver", "thread"])
+def test_every_start_method_returns_results_in_rank_order(method):
+    out = spawn(_identity, args=("x",), nprocs=3, start_method=method, timeout=60)
+    assert [o["rank"] for o in out] == [0, 1, 2]
+    for r, o in enumerate(out):
+        assert o["extra"] == "x"
+        assert o["env"] == {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "3",
+                            "MASTER_ADDR": "127.0.0.1"}
+    assert len({o["port"] for o in out}) == 1
+
+
+def _tensor(rank):
+    import torch
+
+    return torch.full((1000,), float(rank))
+
+
+def test_tensor_results_survive_the_process():
+    import torch
+
+    out = spawn(_tensor, nprocs=2, start_method="forkserver", timeout=60)
+    assert torch.equal(out[1], torch.full((1000,), 1.0))
+
+
+def _raise_on_one(rank):
+    if rank == 1:
+        raise ValueError("rank one is unhappy")
+    time.sleep(30)
+
+
+@pytest.mark.parametrize("method", ["forkserver", "thread"])
+def test_a_raising_rank_stops_the_others_and_is_named(method):
+    start = time.monotonic()
+    with pytest.raises(SpawnError, match="rank 1 raised ValueError: rank one is unhappy") as e:
+        spawn(_raise_on_one, nprocs=3, start_method=method, timeout=60)
+    assert time.monotonic() - start < 15
+    assert e.value.rank == 1
+    assert "_raise_on_one" in e.value.remote_traceback
+    assert isinstance(e.value.__cause__, ValueError)
+
+
+def _exit_on_zero(rank):
+    if rank == 0:
+        os._exit(3)
+    time.sleep(30)
+
+
+def test_a_rank_that_exits_without_returning_is_named():
+    with pytest.raises(SpawnError, match="rank 0 exited with code 3 without returning"):
+        spawn(_exit_on_zero, nprocs=2, start_method="forkserver", timeout=60)
+
+
+def _kill_self(rank):
+    if rank == 1:
+        os.kill(os.getpid(), 9)
+    time.sleep(30)
+
+
+def test_a_killed_rank_is_named():
+    with pytest.raises(SpawnError, match="rank 1 was killed by SIGKILL"):
+        spawn(_kill_self, nprocs=2, start_method="forkserver", timeout=60)
+
+
+def _hang_on_two(rank):
+    if rank == 2:
+        time.sleep(60)
+    return rank
+
+
+@pytest.mark.parametrize("method", ["forkserver", "thread"])
+def test_a_hanging_rank_is_reported_after_the_timeout(method):
+    start = time.monotonic()
+    with pytest.raises(DistTimeoutError, match=r"rank\(s\) 2 did not finish within 1s"):
+        spawn(_hang_on_two, nprocs=3, start_method=method, timeout=1)
+    assert time.monotonic() - start < 10
+
+
+def test_join_false_gives_a_context():
+    ctx = spawn(_identity, args=(1,), nprocs=2, start_method="forkserver", join=False)
+    assert len(ctx.pids()) == 2
+    assert [o["rank"] for o in ctx.join()] == [0, 1]
+
+
+def test_threads_accept_closures():
+    seen = []
+    out = spawn(lambda rank: seen.append(rank) or rank * 10, nprocs=4, start_method="thread")
+    assert out == [0, 10, 20, 30] and sorted(seen) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc",
+    [
+        ({"fn": 3}, TypeError),
+        ({"args": [1]}, TypeError),
+        ({"nprocs": 0}, ValueError),
+        ({"start_method": "clone"}, ValueError),
+        ({"timeout": -1}, ValueError),
+    ],
+)
+def test_bad_spawn_arguments(kwargs, exc):
+    call = {"fn": _identity, "args": (0,), **kwargs}
+    with pytest.raises(exc):
+        spawn(**call)
