@@ -1,0 +1,31 @@
+# Two commands on a fresh machine:
+#   make demo   set up .venv and run the main job
+#   make test   set up .venv and run the test suite (what .ci/run calls)
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# The CPU build of torch 2.13.0; pyproject.toml itself accepts a range.
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/runtime_demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) benchmarks/store.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info
