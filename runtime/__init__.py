@@ -1,37 +1,59 @@
-"""spmd.runtime: stores, rendezvous, process groups, collectives, RPC.
+"""spmd.runtime: stores, rendezvous, process groups, collectives, launching.
 
-Usable on its own as a ``torch.distributed``-shaped package; it imports nothing from the
-compiler layers above it.
+Usable on its own as a ``torch.distributed``-shaped package
+(``from spmd import runtime as dist``); it imports nothing from the compiler layers above
+it. Names that need torch are resolved on first use, so the stores alone stay light.
 """
 
-from spmd.runtime.errors import DistError, DistStoreError, DistTimeoutError
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from spmd.runtime.context import RankContext
+from spmd.runtime.errors import DistError, DistStoreError, DistTimeoutError
 from spmd.runtime.launch import SpawnContext, SpawnError, spawn
 from spmd.runtime.rendezvous import rendezvous
 from spmd.runtime.store import FileStore, HashStore, PrefixStore, Store, TCPStore
 
+# name -> module, imported when first used (these import torch)
+_LAZY = {
+    "to_torch_store": "spmd.runtime.store.torch_adapter",
+    "ReduceOp": "spmd.runtime.reduce_op",
+    "ProcessGroup": "spmd.runtime.process_group",
+    "Work": "spmd.runtime.process_group",
+    "Mesh": "spmd.runtime.mesh",
+    **{name: "spmd.runtime.groups" for name in (
+        "init_process_group", "destroy_process_group", "is_initialized", "get_rank",
+        "get_world_size", "get_backend", "new_group", "get_process_group_ranks",
+        "get_group_rank", "get_global_rank")},
+    **{name: "spmd.runtime.collectives" for name in (
+        "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather",
+        "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+        "all_to_all_single", "barrier")},
+    **{name: "spmd.runtime.p2p" for name in (
+        "send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv")},
+    **{name: "spmd.runtime.objects" for name in (
+        "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
+        "monitored_barrier")},
+}
+
 __all__ = [
-    "DistError",
-    "DistTimeoutError",
-    "DistStoreError",
-    "Store",
-    "TCPStore",
-    "FileStore",
-    "PrefixStore",
-    "HashStore",
-    "rendezvous",
-    "to_torch_store",
-    "spawn",
-    "SpawnContext",
-    "SpawnError",
-    "RankContext",
+    "DistError", "DistTimeoutError", "DistStoreError",
+    "Store", "TCPStore", "FileStore", "PrefixStore", "HashStore",
+    "rendezvous", "spawn", "SpawnContext", "SpawnError", "RankContext",
+    *_LAZY,
 ]
 
 
-def __getattr__(name: str) -> object:
-    # Resolved on first use: the adapter imports torch, which the stores alone never need.
-    if name == "to_torch_store":
-        from spmd.runtime.store.torch_adapter import to_torch_store
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'spmd.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        return to_torch_store
-    raise AttributeError(f"module 'spmd.runtime' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -12,7 +12,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 # public name -> module that defines it
-_EXPORTS: dict[str, str] = {}
+_EXPORTS: dict[str, str] = {
+    "Mesh": "spmd.runtime.mesh",
+}
 _SUBMODULES = ("runtime", "lowering", "kernels")
 
 __all__ = [*_SUBMODULES, *_EXPORTS]
