@@ -9,6 +9,10 @@ variable                   default          meaning
 ``SPMD_STORE_TIMEOUT``     ``300``          seconds a store waits for a key, a peer, a join
 ``SPMD_AUTH_TOKEN``        unset            shared secret stores and RPC agents demand
 ``SPMD_STORE_MAX_MESSAGE`` ``1073741824``   largest request a store server accepts (bytes)
+``SPMD_TIMEOUT``           ``1800``         seconds a process-group operation may take
+``SPMD_DEBUG``             ``off``          ``detail``: ranks compare every collective first
+``SPMD_HEARTBEAT_INTERVAL`` ``0.5``         seconds between a rank's liveness beats
+``GLOO_SOCKET_IFNAME``     unset            network interface Gloo uses (PyTorch's variable)
 =========================  ===============  ================================================
 """
 
@@ -17,7 +21,8 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-__all__ = ["store_timeout", "auth_token", "store_max_message"]
+__all__ = ["store_timeout", "auth_token", "store_max_message", "process_group_timeout",
+           "debug_levels", "heartbeat_interval"]
 
 
 def _float_env(name: str, default: float) -> float:
@@ -50,3 +55,21 @@ def store_max_message() -> int:
     it is far above what any real key or value needs (64 MiB values are tested).
     """
     return int(_float_env("SPMD_STORE_MAX_MESSAGE", float(1 << 30)))
+
+
+def process_group_timeout() -> timedelta:
+    """Default timeout of process-group operations (``SPMD_TIMEOUT`` seconds, 30 minutes
+    like PyTorch's Gloo groups)."""
+    return timedelta(seconds=_float_env("SPMD_TIMEOUT", 1800.0))
+
+
+def debug_levels(value: str | None = None) -> frozenset[str]:
+    """The debug levels switched on (``SPMD_DEBUG``, comma-separated; e.g. ``detail``)."""
+    raw = os.environ.get("SPMD_DEBUG", "") if value is None else value
+    return frozenset(part.strip().lower() for part in raw.split(",") if part.strip())
+
+
+def heartbeat_interval() -> float:
+    """Seconds between liveness beats (``SPMD_HEARTBEAT_INTERVAL``, 0.5). A dead rank is
+    named about 2.5 intervals after a collective fails."""
+    return _float_env("SPMD_HEARTBEAT_INTERVAL", 0.5)

@@ -24,6 +24,7 @@ class RankContext:
         self.env: dict[str, str] = dict(env or {})
         self.state: dict[str, Any] = {}
         self._abort_hooks: list[Callable[[str], None]] = []
+        self._close_hooks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self.aborted: str | None = None
 
@@ -39,6 +40,21 @@ class RankContext:
 
         return remove
 
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` when the rank ends (thread-ranks release what they built)."""
+        with self._lock:
+            self._close_hooks.append(hook)
+
+    def close(self) -> None:
+        """Run the close hooks, newest first; errors in them are swallowed."""
+        with self._lock:
+            hooks, self._close_hooks = self._close_hooks[::-1], []
+        for hook in hooks:
+            try:
+                hook()
+            except Exception:
+                pass
+
     def abort(self, reason: str) -> None:
         """Make this rank's blocking calls fail soon (threads cannot be killed)."""
         with self._lock:
@@ -51,18 +67,22 @@ class RankContext:
                 pass
 
 
+class _Local(threading.local):
+    context: RankContext | None = None  # a class default: no AttributeError on the hot path
+
+
 _process_context = RankContext()
-_local = threading.local()
+_local = _Local()
 
 
 def current() -> RankContext:
     """The context of the calling thread-rank, or the process's when it is not one."""
-    return getattr(_local, "context", None) or _process_context
+    return _local.context or _process_context
 
 
 def getenv(name: str, default: str | None = None) -> str | None:
     """An environment variable as this rank sees it (thread-ranks have their own)."""
-    ctx = getattr(_local, "context", None)
+    ctx = _local.context
     if ctx is not None and name in ctx.env:
         return ctx.env[name]
     return os.environ.get(name, default)
@@ -71,7 +91,7 @@ def getenv(name: str, default: str | None = None) -> str | None:
 @contextmanager
 def rank_context(context: RankContext) -> Iterator[RankContext]:
     """Run the body as the rank ``context`` describes (used by thread-ranks)."""
-    previous = getattr(_local, "context", None)
+    previous = _local.context
     _local.context = context
     try:
         yield context

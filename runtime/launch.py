@@ -220,6 +220,7 @@ class _ThreadContext(SpawnContext):
         super().__init__(nprocs, timeout)
         self.contexts = [RankContext(_rank_env(r, nprocs, port)) for r in range(nprocs)]
         self._messages: dict[int, bytes] = {}
+        self._order: list[int] = []  # ranks in the order they finished
         self._done = threading.Condition()
         self.threads = [
             threading.Thread(target=self._run, args=(fn, r, args), daemon=True,
@@ -230,11 +231,13 @@ class _ThreadContext(SpawnContext):
             t.start()
 
     def _run(self, fn: Callable[..., Any], rank: int, args: tuple) -> None:
-        with rank_context(self.contexts[rank]):
+        with rank_context(self.contexts[rank]) as ctx:
             message = _outcome(fn, rank, args)
-        with self._done:
-            self._messages[rank] = message
-            self._done.notify_all()
+            with self._done:  # report before cleaning up: closing may break the others
+                self._messages[rank] = message
+                self._order.append(rank)
+                self._done.notify_all()
+            ctx.close()  # e.g. destroy the process groups this rank left behind
 
     def _abort_all(self, reason: str) -> None:
         for ctx in self.contexts:
@@ -248,7 +251,8 @@ class _ThreadContext(SpawnContext):
                 deadline, time.monotonic() + timeout)
         with self._done:
             while True:
-                for rank, message in sorted(self._messages.items()):
+                for rank in self._order:  # the first failure is the cause; later ones follow
+                    message = self._messages[rank]
                     if pickle.loads(message)[0] != "ok":
                         self._abort_all(f"rank {rank} failed")
                         _raise_failure(rank, message, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from datetime import timedelta
 
@@ -10,6 +11,11 @@ import pytest
 from spmd.runtime import FileStore, HashStore, PrefixStore, TCPStore
 
 STORE_KINDS = ["hash", "file", "tcp", "prefix"]
+
+# Ranks started with start_method="forkserver" fork from a server that has torch imported
+# already: a rank starts in milliseconds instead of re-importing torch.
+multiprocessing.set_forkserver_preload(["torch", "spmd.runtime.collectives"])
+os.environ.setdefault("SPMD_HEARTBEAT_INTERVAL", "0.2")
 
 
 def make_store(kind: str, tmp_path, timeout: float = 5.0):

@@ -1,0 +1,327 @@
+"""Tensor collectives, with the signatures of ``torch.distributed``.
+
+Each function checks its arguments (raising ``TypeError``/``ValueError`` before anything
+is sent), takes the group's next sequence number, and launches the backend's operation
+through ``ProcessGroup._launch``, which waits (or returns a ``Work`` with
+``async_op=True``) and turns failures into errors naming ranks. Ranks in arguments are
+global ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as _dist
+
+from spmd.runtime import checks
+from spmd.runtime.groups import resolve_group
+from spmd.runtime.process_group import ProcessGroup, Work
+from spmd.runtime.reduce_op import ReduceOp
+
+W = checks.wire
+
+__all__ = [
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather",
+    "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+    "barrier",
+]
+
+_OPTIONS: dict[tuple[type, ReduceOp], Any] = {}
+
+
+def _options(kind: type, rop: ReduceOp) -> Any:
+    """A reusable c10d options object for ``rop`` (the backend copies it per call)."""
+    opts = _OPTIONS.get((kind, rop))
+    if opts is None:
+        opts = kind()
+        opts.reduceOp = rop.to_torch()
+        _OPTIONS[(kind, rop)] = opts
+    return opts
+
+
+def _reduction(pg: ProcessGroup, op: Any, dtype: torch.dtype, name: str) -> tuple[ReduceOp, bool]:
+    """(the op the backend runs, whether to divide by the group size afterwards)."""
+    if op is ReduceOp.SUM:  # the hot path: defined for every dtype
+        return op, False
+    rop = ReduceOp.of(op)
+    rop.check_dtype(dtype, name)
+    if rop is ReduceOp.AVG and pg.backend != "nccl":
+        return ReduceOp.SUM, True
+    return rop, False
+
+
+def _then(*steps: Callable[[], Any] | None) -> Callable[[], None] | None:
+    live = [s for s in steps if s is not None]
+    if not live:
+        return None
+
+    def run() -> None:
+        for step in live:
+            step()
+
+    return run
+
+
+def _staged(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], Any] | None]:
+    """A contiguous buffer for an in-place op on ``t`` and the copy back, if one is needed."""
+    if t.is_contiguous():
+        return t, None
+    buf = t.contiguous()
+    return buf, lambda: t.copy_(buf)
+
+
+def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
+               group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Reduce ``tensor`` across the group in place; every rank gets the result."""
+    pg = resolve_group(group, "all_reduce")
+    checks.tensor(tensor, "all_reduce", pg)
+    rop, divide = _reduction(pg, op, tensor.dtype, "all_reduce")
+    seq = pg._begin("all_reduce", lambda: f"{checks.describe(tensor)}, op={ReduceOp.of(op).name}")
+    buf, back = _staged(tensor)
+    opts = _options(_dist.AllreduceOptions, rop)
+    size = pg.size()
+    post = _then((lambda: buf.div_(size)) if divide else None, back)
+    backend = pg._backend
+    return pg._launch("all_reduce", seq, lambda: backend.allreduce([W(buf)], opts), async_op, post)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
+              async_op: bool = False) -> Work | None:
+    """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
+    pg = resolve_group(group, "broadcast")
+    checks.tensor(tensor, "broadcast", pg)
+    root = checks.root(pg, src, "broadcast", "src")
+    seq = pg._begin("broadcast", lambda: f"{checks.describe(tensor)}, src={src}")
+    buf, back = _staged(tensor)
+    opts = _dist.BroadcastOptions()
+    opts.rootRank = root
+    backend = pg._backend
+    return pg._launch("broadcast", seq, lambda: backend.broadcast([W(buf)], opts), async_op, back)
+
+
+def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM,
+           group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Reduce ``tensor`` across the group into global rank ``dst``'s copy."""
+    pg = resolve_group(group, "reduce")
+    checks.tensor(tensor, "reduce", pg)
+    root = checks.root(pg, dst, "reduce", "dst")
+    rop, divide = _reduction(pg, op, tensor.dtype, "reduce")
+    seq = pg._begin("reduce", lambda: f"{checks.describe(tensor)}, op={ReduceOp.of(op).name}, "
+                                      f"dst={dst}")
+    buf, back = _staged(tensor)
+    opts = _dist.ReduceOptions()
+    opts.reduceOp = rop.to_torch()
+    opts.rootRank = root
+    size = pg.size()
+    on_root = divide and pg.rank() == root
+    post = _then((lambda: buf.div_(size)) if on_root else None, back)
+    backend = pg._backend
+    return pg._launch("reduce", seq, lambda: backend.reduce([W(buf)], opts), async_op, post)
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
+               group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Every rank's ``tensor`` into ``tensor_list[rank]`` on every rank."""
+    pg = resolve_group(group, "all_gather")
+    checks.tensor(tensor, "all_gather", pg)
+    outputs = checks.tensor_list(tensor_list, "all_gather", pg, "tensor_list", like=tensor)
+    checks.contiguous(tensor, "all_gather")
+    seq = pg._begin("all_gather", lambda: checks.describe(tensor))
+    staged = [_staged(t) for t in outputs]
+    bufs = [b for b, _ in staged]
+    post = _then(*(back for _, back in staged))
+    backend = pg._backend
+    return pg._launch("all_gather", seq, lambda: backend.allgather([[W(b) for b in bufs]], [W(tensor)]), async_op,
+                      post)
+
+
+def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                           group: ProcessGroup | None = None,
+                           async_op: bool = False) -> Work | None:
+    """Every rank's ``input_tensor`` concatenated (or stacked) into ``output_tensor``."""
+    pg = resolve_group(group, "all_gather_into_tensor")
+    op = "all_gather_into_tensor"
+    checks.tensor(output_tensor, op, pg, "output_tensor")
+    checks.tensor(input_tensor, op, pg, "input_tensor")
+    if output_tensor.dtype != input_tensor.dtype:
+        raise TypeError(f"{op}: output_tensor is {output_tensor.dtype} but input_tensor is "
+                        f"{input_tensor.dtype}")
+    if output_tensor.numel() != pg.size() * input_tensor.numel():
+        raise ValueError(f"{op}: output_tensor has {output_tensor.numel()} elements; it needs "
+                         f"{pg.size()} x {input_tensor.numel()} = "
+                         f"{pg.size() * input_tensor.numel()} (group size x input)")
+    checks.contiguous(output_tensor, op, "output_tensor")
+    checks.contiguous(input_tensor, op, "input_tensor")
+    seq = pg._begin(op, lambda: checks.describe([output_tensor, input_tensor]))
+    backend = pg._backend
+    return pg._launch(op, seq, lambda: backend._allgather_base(W(output_tensor).view(-1), W(input_tensor).view(-1)),
+                      async_op)
+
+
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
+           group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Every rank's ``tensor`` into ``gather_list`` on global rank ``dst`` only."""
+    pg = resolve_group(group, "gather")
+    checks.tensor(tensor, "gather", pg)
+    checks.contiguous(tensor, "gather")
+    root = checks.root(pg, dst, "gather", "dst")
+    if pg.rank() == root:
+        if gather_list is None:
+            raise ValueError(f"gather: rank {dst} is the destination and must pass gather_list")
+        outputs = [checks.tensor_list(gather_list, "gather", pg, "gather_list", like=tensor)]
+    else:
+        if gather_list:
+            raise ValueError(f"gather: gather_list must be None on ranks other than dst={dst}")
+        outputs = []
+    seq = pg._begin("gather", lambda: f"{checks.describe(tensor)}, dst={dst}")
+    opts = _dist.GatherOptions()
+    opts.rootRank = root
+    staged = [[_staged(t) for t in outputs[0]]] if outputs else []
+    bufs = [[b for b, _ in staged[0]]] if staged else []
+    post = _then(*(back for _, back in staged[0])) if staged else None
+    backend = pg._backend
+    return pg._launch("gather", seq, lambda: backend.gather([[W(b) for b in bs] for bs in bufs], [W(tensor)], opts), async_op, post)
+
+
+def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0,
+            group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """``scatter_list[i]`` of global rank ``src`` into ``tensor`` on the group's rank i."""
+    pg = resolve_group(group, "scatter")
+    checks.tensor(tensor, "scatter", pg)
+    root = checks.root(pg, src, "scatter", "src")
+    if pg.rank() == root:
+        if scatter_list is None:
+            raise ValueError(f"scatter: rank {src} is the source and must pass scatter_list")
+        inputs = [checks.tensor_list(scatter_list, "scatter", pg, "scatter_list", like=tensor)]
+        inputs = [[t.contiguous() for t in inputs[0]]]
+    else:
+        if scatter_list:
+            raise ValueError(f"scatter: scatter_list must be None on ranks other than src={src}")
+        inputs = []
+    seq = pg._begin("scatter", lambda: f"{checks.describe(tensor)}, src={src}")
+    opts = _dist.ScatterOptions()
+    opts.rootRank = root
+    buf, back = _staged(tensor)
+    backend = pg._backend
+    return pg._launch("scatter", seq, lambda: backend.scatter([W(buf)], [[W(t) for t in ts] for ts in inputs], opts), async_op, back)
+
+
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
+                   op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+                   async_op: bool = False) -> Work | None:
+    """Reduce ``input_list[i]`` across ranks into ``output`` of the group's rank i."""
+    pg = resolve_group(group, "reduce_scatter")
+    checks.tensor(output, "reduce_scatter", pg, "output")
+    inputs = checks.tensor_list(input_list, "reduce_scatter", pg, "input_list", like=output)
+    rop, divide = _reduction(pg, op, output.dtype, "reduce_scatter")
+    seq = pg._begin("reduce_scatter",
+                    lambda: f"{checks.describe(output)}, op={ReduceOp.of(op).name}")
+    opts = _dist.ReduceScatterOptions()
+    opts.reduceOp = rop.to_torch()
+    buf, back = _staged(output)
+    ins = [t.contiguous() for t in inputs]
+    size = pg.size()
+    post = _then((lambda: buf.div_(size)) if divide else None, back)
+    backend = pg._backend
+    return pg._launch("reduce_scatter", seq, lambda: backend.reduce_scatter([W(buf)], [[W(t) for t in ins]], opts),
+                      async_op, post)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
+                          op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+                          async_op: bool = False) -> Work | None:
+    """Reduce ``input`` (group size x ``output``) across ranks; rank i keeps chunk i."""
+    name = "reduce_scatter_tensor"
+    pg = resolve_group(group, name)
+    checks.tensor(output, name, pg, "output")
+    checks.tensor(input, name, pg, "input")
+    if output.dtype != input.dtype:
+        raise TypeError(f"{name}: output is {output.dtype} but input is {input.dtype}")
+    if input.numel() != pg.size() * output.numel():
+        raise ValueError(f"{name}: input has {input.numel()} elements; it needs {pg.size()} x "
+                         f"{output.numel()} = {pg.size() * output.numel()} (group size x output)")
+    checks.contiguous(output, name, "output")
+    checks.contiguous(input, name, "input")
+    rop, divide = _reduction(pg, op, output.dtype, name)
+    seq = pg._begin(name, lambda: f"{checks.describe([output, input])}, op={ReduceOp.of(op).name}")
+    opts = _dist.ReduceScatterOptions()
+    opts.reduceOp = rop.to_torch()
+    size = pg.size()
+    post = (lambda: output.div_(size)) if divide else None
+    backend = pg._backend
+    return pg._launch(name, seq, lambda: backend._reduce_scatter_base(W(output).view(-1), W(input).view(-1), opts),
+                      async_op, post)
+
+
+def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
+               group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """``input_tensor_list[j]`` of rank i lands in ``output_tensor_list[i]`` of rank j."""
+    pg = resolve_group(group, "all_to_all")
+    outs = checks.tensor_list(output_tensor_list, "all_to_all", pg, "output_tensor_list")
+    ins = checks.tensor_list(input_tensor_list, "all_to_all", pg, "input_tensor_list")
+    for i, (o, t) in enumerate(zip(outs, ins)):
+        if o.dtype != t.dtype:
+            raise TypeError(f"all_to_all: output_tensor_list[{i}] is {o.dtype} but "
+                            f"input_tensor_list[{i}] is {t.dtype}")
+    seq = pg._begin("all_to_all", lambda: f"{checks.describe(outs)} <- {checks.describe(ins)}")
+    staged = [_staged(t) for t in outs]
+    bufs = [b for b, _ in staged]
+    contiguous_ins = [t.contiguous() for t in ins]
+    post = _then(*(back for _, back in staged))
+    opts = _dist.AllToAllOptions()
+    backend = pg._backend
+    return pg._launch("all_to_all", seq, lambda: backend.alltoall([W(b) for b in bufs], [W(t) for t in contiguous_ins], opts),
+                      async_op, post)
+
+
+def _splits(splits: Sequence[int] | None, t: torch.Tensor, size: int, name: str) -> list[int]:
+    if splits is None or len(splits) == 0:
+        if t.dim() == 0 or t.shape[0] % size:
+            raise ValueError(f"all_to_all_single: without {name}, dimension 0 of the tensor "
+                             f"({tuple(t.shape)}) must divide evenly by the group size {size}")
+        return []
+    values = list(splits)
+    if len(values) != size or any(not isinstance(v, int) or v < 0 for v in values):
+        raise ValueError(f"all_to_all_single: {name} must be {size} non-negative ints, got "
+                         f"{values}")
+    rows = t.shape[0] if t.dim() else 0
+    if sum(values) != rows:
+        raise ValueError(f"all_to_all_single: {name} sum to {sum(values)} but dimension 0 of the "
+                         f"tensor is {rows}")
+    return values
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None,
+                      group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Split ``input`` along dim 0, send piece j to rank j, concatenate what arrives."""
+    name = "all_to_all_single"
+    pg = resolve_group(group, name)
+    checks.tensor(output, name, pg, "output")
+    checks.tensor(input, name, pg, "input")
+    if output.dtype != input.dtype:
+        raise TypeError(f"{name}: output is {output.dtype} but input is {input.dtype}")
+    out_splits = _splits(output_split_sizes, output, pg.size(), "output_split_sizes")
+    in_splits = _splits(input_split_sizes, input, pg.size(), "input_split_sizes")
+    checks.contiguous(output, name, "output")
+    checks.contiguous(input, name, "input")
+    seq = pg._begin(name, lambda: f"{checks.describe([output, input])}")
+    opts = _dist.AllToAllOptions()
+    backend = pg._backend
+    return pg._launch(name, seq,
+                      lambda: backend.alltoall_base(W(output), W(input), out_splits, in_splits, opts),
+                      async_op)
+
+
+def barrier(group: ProcessGroup | None = None, async_op: bool = False,
+            device_ids: list[int] | None = None) -> Work | None:
+    """Block until every rank of the group has reached this barrier."""
+    pg = resolve_group(group, "barrier")
+    seq = pg._begin("barrier", lambda: "")
+    opts = _dist.BarrierOptions()
+    if device_ids is not None:
+        opts.device_ids = list(device_ids)
+    backend = pg._backend
+    return pg._launch("barrier", seq, lambda: backend.barrier(opts), async_op)

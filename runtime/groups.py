@@ -1,0 +1,277 @@
+"""The default process group and its relatives: init, destroy, new_group, who am I.
+
+State lives in the calling rank's context (``spmd.runtime.context``), not in the
+process, so ranks that are threads of one process each have their own default group.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Sequence
+
+from spmd.runtime import backends, config, context
+from spmd.runtime.process_group import ProcessGroup
+from spmd.runtime.rendezvous import rendezvous
+from spmd.runtime.store.base import Store, as_seconds
+from spmd.runtime.store.hash_store import HashStore
+from spmd.runtime.store.prefix_store import PrefixStore
+from spmd.runtime.store.tcp_store import TCPStore
+
+__all__ = [
+    "init_process_group", "destroy_process_group", "is_initialized", "get_rank",
+    "get_world_size", "get_backend", "new_group", "get_process_group_ranks",
+    "get_group_rank", "get_global_rank", "resolve_group", "world",
+]
+
+_DEBUG_LEVELS = ("off", "detail")
+
+
+class _World:
+    """Everything ``init_process_group`` set up for one rank."""
+
+    def __init__(self, store: Store, rank: int, size: int, backend: str, timeout: timedelta,
+                 debug: bool, master_host: str | None, store_host_rank: int | None) -> None:
+        self.store = store
+        self.rank = rank
+        self.size = size
+        self.backend = backend
+        self.timeout = timeout
+        self.debug = debug
+        self.master_host = master_host
+        self.store_host_rank = store_host_rank
+        self.groups: dict[str, ProcessGroup] = {}
+        self.default: ProcessGroup | None = None
+        self.counter = 0  # new_group() calls, for names
+        self.meshes = 0  # Mesh() calls, for names
+
+
+def _debug_level(debug: object) -> bool:
+    if debug is None:
+        return "detail" in config.debug_levels(context.getenv("SPMD_DEBUG"))
+    if isinstance(debug, bool):
+        return debug
+    if not isinstance(debug, str):
+        raise TypeError(f"debug must be a bool or one of {_DEBUG_LEVELS}, got {debug!r}")
+    return "detail" in config.debug_levels(debug)
+
+
+def world(op: str = "this call") -> _World:
+    """This rank's state; ``RuntimeError`` when ``init_process_group`` has not run."""
+    state = context.current().state.get("world")
+    if state is None:
+        raise RuntimeError(
+            f"{op}: the default process group is not initialized; call "
+            f"spmd.runtime.init_process_group() first")
+    return state
+
+
+def resolve_group(group: ProcessGroup | None, op: str) -> ProcessGroup:
+    """The group an operation runs on (None: the default), checked usable."""
+    if group is None:
+        pg = world(op).default
+        assert pg is not None
+    elif isinstance(group, ProcessGroup):
+        pg = group
+    else:
+        raise TypeError(f"{op}: group must be a ProcessGroup or None, got {type(group).__name__}")
+    pg.require(op)
+    return pg
+
+
+def is_initialized() -> bool:
+    """True when this rank has a default process group."""
+    return context.current().state.get("world") is not None
+
+
+def _store_host(store: Store, master_host: str | None) -> tuple[str | None, int | None]:
+    if isinstance(store, TCPStore):
+        return store.host, 0
+    if isinstance(store, HashStore):
+        return None, None
+    return master_host, None
+
+
+def init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: timedelta | None = None,
+    world_size: int = -1,
+    rank: int = -1,
+    store: Store | None = None,
+    group_name: str = "",
+    *,
+    debug: bool | str | None = None,
+) -> None:
+    """Join the job: rendezvous, then build the default process group over the store.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"``, ``"mpi"`` or None (NCCL with CUDA, else Gloo).
+        init_method: ``env://`` (default), ``tcp://host:port`` or ``file:///path``.
+        timeout: how long any operation may take before ``DistTimeoutError``
+            (default ``SPMD_TIMEOUT``, 30 minutes).
+        world_size, rank: required with ``store``; otherwise they override the URL and
+            the environment. -1 means "not given".
+        store: a store every rank can reach, instead of ``init_method``.
+        group_name: the default group's name (``"default"`` when empty).
+        debug: compare every collective's fingerprint across ranks before running it
+            (``SPMD_DEBUG=detail``); a mismatch raises on every rank.
+
+    Example::
+
+        dist.init_process_group("gloo")   # under spawn or torchrun
+        dist.all_reduce(torch.ones(3))
+    """
+    if is_initialized():
+        raise RuntimeError("init_process_group: this rank is already initialized; call "
+                           "destroy_process_group() first")
+    name = backends.check_backend(backend) if backend is not None else backends.default_backend()
+    for arg, value in (("world_size", world_size), ("rank", rank)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"init_process_group: {arg} must be an int, got {type(value).__name__}")
+    if not isinstance(group_name, str):
+        raise TypeError(f"init_process_group: group_name must be a str, got {group_name!r}")
+    pg_timeout = config.process_group_timeout() if timeout is None else timedelta(
+        seconds=as_seconds(timeout, "timeout"))
+    debug_on = _debug_level(debug)
+    if store is not None:
+        if init_method is not None:
+            raise ValueError("init_process_group: pass either store or init_method, not both")
+        if not isinstance(store, Store):
+            raise TypeError(f"init_process_group: store must be an spmd.runtime Store, got "
+                            f"{type(store).__name__}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"init_process_group: with a store, pass world_size >= 1 and rank "
+                             f"in [0, world_size); got world_size={world_size}, rank={rank}")
+        base, me, size = store, rank, world_size
+    else:
+        url = "env://" if init_method is None else init_method
+        base, me, size = rendezvous(url, rank if rank >= 0 else None,
+                                    world_size if world_size > 0 else None, pg_timeout)
+    master_host, host_rank = _store_host(base, context.getenv("MASTER_ADDR"))
+    state = _World(base, me, size, name, pg_timeout, debug_on, master_host, host_rank)
+    group = _make_group(state, group_name or "default", list(range(size)), name, pg_timeout)
+    state.default = group
+    ctx = context.current()
+    ctx.state["world"] = state
+    ctx.on_close(lambda: is_initialized() and destroy_process_group())
+
+
+def _make_group(state: _World, name: str, ranks: list[int], backend: str,
+                timeout: timedelta) -> ProcessGroup:
+    store = PrefixStore(f"pg/{name}", state.store)
+    inner = None
+    if state.rank in ranks:
+        me = ranks.index(state.rank)
+        inner = backends.make_backend(backend, store, me, len(ranks), timeout,
+                                      state.master_host, ranks, name)
+    group = ProcessGroup(name=name, backend_name=backend, backend=inner, store=store,
+                         ranks=ranks, global_rank=state.rank, timeout=timeout,
+                         debug=state.debug, store_host_rank=state.store_host_rank)
+    state.groups[name] = group
+    return group
+
+
+def new_group(
+    ranks: Sequence[int] | None = None,
+    timeout: timedelta | None = None,
+    backend: str | None = None,
+    *,
+    group_name: str | None = None,
+) -> ProcessGroup:
+    """A process group of ``ranks`` (global ranks; None: all). Every rank must call it.
+
+    Only members build a backend; a non-member gets a handle whose operations raise.
+    Groups are named in call order, so every rank must create groups in the same order.
+
+    Example::
+
+        evens = dist.new_group([0, 2])
+        if dist.get_rank() in (0, 2):
+            dist.all_reduce(t, group=evens)
+    """
+    state = world("new_group")
+    if ranks is None:
+        members = list(range(state.size))
+    else:
+        if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+            raise TypeError(f"new_group: ranks must be a list of ints, got {type(ranks).__name__}")
+        members = list(ranks)
+        for r in members:
+            if not isinstance(r, int) or isinstance(r, bool):
+                raise TypeError(f"new_group: ranks must be ints, got {r!r}")
+            if not 0 <= r < state.size:
+                raise ValueError(f"new_group: rank {r} is outside the world [0, {state.size})")
+        if len(set(members)) != len(members):
+            raise ValueError(f"new_group: ranks contain duplicates: {members}")
+        if not members:
+            raise ValueError("new_group: ranks is empty")
+        members = sorted(members)
+    name_backend = state.backend if backend is None else backends.check_backend(backend)
+    pg_timeout = state.timeout if timeout is None else timedelta(seconds=as_seconds(timeout))
+    if group_name is None:  # named in call order, which every rank shares
+        state.counter += 1
+        name = f"group{state.counter}"
+    elif not isinstance(group_name, str) or not group_name:
+        raise ValueError(f"new_group: group_name must be a non-empty str, got {group_name!r}")
+    else:
+        name = group_name
+    if name in state.groups:
+        raise ValueError(f"new_group: a group named {name!r} already exists")
+    return _make_group(state, name, members, name_backend, pg_timeout)
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Destroy ``group``, or with None every group of this rank (then re-init is possible)."""
+    ctx = context.current()
+    state = world("destroy_process_group")
+    if group is None:
+        for g in list(state.groups.values()):
+            g._destroy()
+        state.groups.clear()
+        ctx.state.pop("world", None)
+        if isinstance(state.store, TCPStore) and not state.store.is_master:
+            state.store.close()
+        return
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"destroy_process_group: expected a ProcessGroup, got {type(group)}")
+    if group is state.default:
+        destroy_process_group(None)
+        return
+    group._destroy()
+    state.groups.pop(group.name, None)
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """This rank in ``group`` (the global rank for the default group; -1 if not a member)."""
+    pg = world("get_rank").default if group is None else group
+    assert pg is not None
+    return pg.rank()
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    pg = world("get_world_size").default if group is None else group
+    assert pg is not None
+    return pg.size()
+
+
+def get_backend(group: ProcessGroup | None = None) -> str:
+    pg = world("get_backend").default if group is None else group
+    assert pg is not None
+    return pg.backend
+
+
+def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group``'s members, in group order."""
+    pg = world("get_process_group_ranks").default if group is None else group
+    assert pg is not None
+    return list(pg.ranks)
+
+
+def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
+    """``global_rank``'s index in ``group``."""
+    return group.group_rank(global_rank, "global_rank")
+
+
+def get_global_rank(group: ProcessGroup, group_rank: int) -> int:
+    """The global rank of ``group``'s member number ``group_rank``."""
+    return group.global_rank(group_rank)

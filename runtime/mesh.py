@@ -1,0 +1,201 @@
+"""Mesh: ranks arranged in an n-dimensional grid with named dimensions.
+
+``Mesh(shape=(2, 4), dim_names=("dp", "tp"))`` lays the world's ranks out row-major;
+rank 5 sits at coordinate (1, 1). Along each dimension, the ranks that differ only in
+that coordinate form a slice with its own process group, so ``mesh.get_group("tp")``
+is the group this rank all-reduces with for tensor parallelism. ``Mesh.simulated``
+describes a mesh of any size without processes, for planning.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Sequence
+
+from spmd.runtime.groups import new_group, world
+from spmd.runtime.process_group import ProcessGroup
+
+__all__ = ["Mesh"]
+
+
+def _shape(shape: object) -> tuple[int, ...]:
+    dims = (shape,) if isinstance(shape, int) else shape
+    if isinstance(dims, (str, bytes)) or not hasattr(dims, "__iter__"):
+        raise TypeError(f"Mesh shape must be an int or a tuple of ints, got {shape!r}")
+    out = tuple(dims)  # type: ignore[arg-type]
+    if not out:
+        raise ValueError("Mesh shape must have at least one dimension")
+    for d in out:
+        if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+            raise ValueError(f"Mesh shape must be positive ints, got {shape!r}")
+    return out
+
+
+def _names(names: object, ndim: int) -> tuple[str, ...]:
+    if names is None:
+        return ("dp",) if ndim == 1 else tuple(f"dim{i}" for i in range(ndim))
+    if isinstance(names, str):
+        names = (names,)
+    out = tuple(names)  # type: ignore[arg-type]
+    if len(out) != ndim:
+        raise ValueError(f"Mesh dim_names has {len(out)} names for {ndim} dimensions: {out}")
+    if any(not isinstance(n, str) or not n for n in out):
+        raise TypeError(f"Mesh dim_names must be non-empty strings, got {out}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"Mesh dim_names must be unique, got {out}")
+    return out
+
+
+class Mesh:
+    """An n-dimensional arrangement of global ranks with named dimensions.
+
+    Args:
+        shape: the grid, e.g. ``8`` or ``(2, 4)``; its product is the number of ranks.
+        dim_names: one name per dimension (default ``("dp",)`` for one dimension).
+        ranks: the global ranks laid out row-major (default: the whole world, which must
+            then have exactly ``prod(shape)`` ranks). Every rank of the world calls
+            ``Mesh(...)`` in the same order, as with ``new_group``.
+
+    Example::
+
+        mesh = Mesh(shape=(2, 2), dim_names=("dp", "tp"))
+        mesh.coordinate()             # (1, 0) on rank 2
+        dist.all_reduce(t, group=mesh.get_group("tp"))
+    """
+
+    def __init__(self, shape: int | Sequence[int], dim_names: Sequence[str] | None = None,
+                 ranks: Sequence[int] | None = None, *, _simulated: bool = False) -> None:
+        self.shape = _shape(shape)
+        self.dim_names = _names(dim_names, len(self.shape))
+        self.simulated = _simulated
+        total = math.prod(self.shape)
+        self._groups: dict[int, ProcessGroup] = {}
+        self._coordinate: tuple[int, ...] | None = None
+        if _simulated:
+            self.ranks = list(range(total))
+            return
+        state = world("Mesh")
+        if ranks is None:
+            if total != state.size:
+                raise ValueError(f"Mesh shape {self.shape} holds {total} ranks but the world has "
+                                 f"{state.size}; pass ranks= to use a subset")
+            self.ranks = list(range(total))
+        else:
+            self.ranks = [int(r) for r in ranks]
+            if len(self.ranks) != total:
+                raise ValueError(f"Mesh shape {self.shape} holds {total} ranks, got "
+                                 f"{len(self.ranks)} in ranks")
+            if len(set(self.ranks)) != total or any(not 0 <= r < state.size for r in self.ranks):
+                raise ValueError(f"Mesh ranks must be distinct ranks of the world "
+                                 f"[0, {state.size}), got {self.ranks}")
+        state.meshes += 1
+        tag = f"mesh{state.meshes}"
+        if state.rank in self.ranks:
+            self._coordinate = self.coordinate_of(state.rank)
+            for dim, name in enumerate(self.dim_names):
+                members = self._slice(self._coordinate, dim)
+                index = self._slice_index(self._coordinate, dim)
+                self._groups[dim] = new_group(members, group_name=f"{tag}/{name}/{index}")
+
+    @classmethod
+    def simulated(cls, shape: int | Sequence[int],
+                  dim_names: Sequence[str] | None = None) -> "Mesh":
+        """A mesh of any size that exists only on paper: no processes, no operations."""
+        return cls(shape, dim_names, _simulated=True)
+
+    # -- geometry ---------------------------------------------------------------------
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def _dim(self, dim: int | str) -> int:
+        if isinstance(dim, str):
+            if dim not in self.dim_names:
+                raise ValueError(f"Mesh has no dimension {dim!r}; it has {self.dim_names}")
+            return self.dim_names.index(dim)
+        if not isinstance(dim, int) or not -self.ndim <= dim < self.ndim:
+            raise ValueError(f"Mesh dimension {dim!r} is out of range for {self.ndim} dimensions")
+        return dim % self.ndim
+
+    def size(self, dim: int | str | None = None) -> int:
+        """Ranks along ``dim``, or in the whole mesh."""
+        return math.prod(self.shape) if dim is None else self.shape[self._dim(dim)]
+
+    def coordinate_of(self, rank: int) -> tuple[int, ...]:
+        """Where global rank ``rank`` sits in the grid."""
+        try:
+            index = self.ranks.index(rank)
+        except ValueError:
+            raise ValueError(f"rank {rank} is not in this mesh (ranks {self.ranks})") from None
+        coord = []
+        for extent in reversed(self.shape):
+            coord.append(index % extent)
+            index //= extent
+        return tuple(reversed(coord))
+
+    def rank_at(self, coordinate: Sequence[int]) -> int:
+        """The global rank at ``coordinate``."""
+        coord = tuple(coordinate)
+        if len(coord) != self.ndim or any(not 0 <= c < e for c, e in zip(coord, self.shape)):
+            raise ValueError(f"coordinate {coord} is outside the mesh {self.shape}")
+        index = 0
+        for c, extent in zip(coord, self.shape):
+            index = index * extent + c
+        return self.ranks[index]
+
+    def _slice(self, coord: tuple[int, ...], dim: int) -> list[int]:
+        return [self.rank_at(coord[:dim] + (i,) + coord[dim + 1:]) for i in range(self.shape[dim])]
+
+    def _slice_index(self, coord: tuple[int, ...], dim: int) -> int:
+        rest = coord[:dim] + coord[dim + 1:]
+        extents = self.shape[:dim] + self.shape[dim + 1:]
+        index = 0
+        for c, e in zip(rest, extents):
+            index = index * e + c
+        return index
+
+    def slices(self, dim: int | str) -> list[list[int]]:
+        """Every slice along ``dim``: the rank lists whose process groups the mesh builds."""
+        d = self._dim(dim)
+        others = [range(e) for i, e in enumerate(self.shape) if i != d]
+        out = []
+        for rest in itertools.product(*others):
+            coord = rest[:d] + (0,) + rest[d:]
+            out.append(self._slice(coord, d))
+        return out
+
+    # -- this rank --------------------------------------------------------------------
+
+    def _live(self, what: str) -> None:
+        if self.simulated:
+            raise RuntimeError(f"Mesh.{what}: a simulated mesh has no processes; it is for "
+                               f"planning only")
+        if self._coordinate is None:
+            raise RuntimeError(f"Mesh.{what}: this rank is not in the mesh (ranks {self.ranks})")
+
+    def coordinate(self) -> tuple[int, ...]:
+        """This rank's coordinate in the grid."""
+        self._live("coordinate")
+        assert self._coordinate is not None
+        return self._coordinate
+
+    def get_group(self, dim: int | str = 0) -> ProcessGroup:
+        """The process group of this rank's slice along ``dim``."""
+        d = self._dim(dim)
+        self._live("get_group")
+        return self._groups[d]
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{n}={s}" for n, s in zip(self.dim_names, self.shape))
+        kind = "simulated " if self.simulated else ""
+        return f"Mesh({kind}{dims})"
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Mesh) and self.shape == other.shape
+                and self.dim_names == other.dim_names and self.ranks == other.ranks
+                and self.simulated == other.simulated)
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self.dim_names, tuple(self.ranks), self.simulated))

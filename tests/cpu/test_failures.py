@@ -1,0 +1,201 @@
+"""Failures never hang: timeouts, dead ranks and mismatched calls end in errors naming ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from spmd import runtime as dist
+from spmd.runtime import DistError, DistTimeoutError, SpawnError
+
+
+def _attempt(fn):
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # returned to the test process for inspection
+        return type(e).__name__, str(e), time.monotonic() - start, isinstance(e, TimeoutError)
+    return None
+
+
+def _hanging_rank(rank):
+    dist.init_process_group("gloo", timeout=timedelta(seconds=3))
+    dist.all_reduce(torch.ones(1))
+    if rank == 2:
+        time.sleep(8)
+        return None
+    result = _attempt(lambda: dist.all_reduce(torch.ones(1)))
+    if rank == 0:
+        time.sleep(1)  # rank 0 serves the store: let rank 1 finish its diagnosis
+    return result
+
+
+def test_timeout_names_the_rank_that_did_not_take_part():
+    out = dist.spawn(_hanging_rank, nprocs=3, start_method="forkserver", timeout=60)
+    for name, message, elapsed, is_timeout in out[:2]:
+        assert name == "DistTimeoutError" and is_timeout
+        assert "all_reduce on process group 'default' (collective 2) timed out after 3s" in message
+        assert "rank 2 (at collective 1) did not take part in collective 2" in message
+        assert elapsed < 3 + 3
+
+
+def _report(outbox, rank, result):
+    """Survivors write their answer to a file: spawn stops them once the killed rank is seen."""
+    import pickle
+
+    tmp = os.path.join(outbox, f"{rank}.tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(result, f)
+    os.rename(tmp, os.path.join(outbox, f"{rank}.pkl"))
+    return result
+
+
+def _answers(outbox, ranks, timeout=30.0):
+    import pickle
+
+    deadline = time.monotonic() + timeout
+    paths = [os.path.join(outbox, f"{r}.pkl") for r in ranks]
+    while not all(os.path.exists(p) for p in paths):
+        assert time.monotonic() < deadline, f"no answer from ranks {ranks}"
+        time.sleep(0.05)
+    out = []
+    for p in paths:
+        with open(p, "rb") as f:
+            out.append(pickle.load(f))
+    return out
+
+
+def _dying_rank(rank, where, outbox):
+    dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+    dist.all_reduce(torch.ones(1))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if where == "collective":
+        result = _attempt(lambda: dist.all_reduce(torch.ones(1000)))
+    else:
+        result = _attempt(lambda: dist.recv(torch.ones(4), src=1))
+    _report(outbox, rank, result)
+    time.sleep(60)  # stay alive: the test, not this rank, decides when it is over
+
+
+@pytest.mark.parametrize("where", ["collective", "p2p"])
+def test_a_killed_rank_is_named_within_the_timeout(where, tmp_path):
+    nprocs = 3 if where == "collective" else 2
+    ctx = dist.spawn(_dying_rank, args=(where, str(tmp_path)), nprocs=nprocs,
+                     start_method="forkserver", join=False, timeout=60)
+    survivors = [r for r in range(nprocs) if r != 1]
+    for name, message, elapsed, _ in _answers(str(tmp_path), survivors):
+        assert name == "DistError", message
+        assert "rank 1 is gone" in message, message
+        assert elapsed < 20
+    with pytest.raises(SpawnError, match="rank 1 was killed by SIGKILL"):
+        ctx.join()
+
+
+def _store_host_dies(rank, outbox):
+    dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+    dist.all_reduce(torch.ones(1))
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    _report(outbox, rank, _attempt(lambda: dist.all_reduce(torch.ones(1))))
+    time.sleep(60)
+
+
+def test_death_of_the_store_host_is_explained(tmp_path):
+    ctx = dist.spawn(_store_host_dies, args=(str(tmp_path),), nprocs=2,
+                     start_method="forkserver", join=False, timeout=60)
+    ((name, message, _, _),) = _answers(str(tmp_path), [1])
+    assert "rank 0" in message and "store" in message, message
+    with pytest.raises(SpawnError, match="rank 0 was killed"):
+        ctx.join()
+
+
+def _mismatch(rank):
+    dist.init_process_group("gloo", timeout=timedelta(seconds=10), debug="detail")
+    dist.all_reduce(torch.ones(2))
+    if rank == 1:
+        result = _attempt(lambda: dist.broadcast(torch.ones(3), src=0))
+    else:
+        result = _attempt(lambda: dist.all_reduce(torch.ones(2)))
+    if rank == 0:
+        time.sleep(0.5)  # rank 0 serves the store: let the others finish reading from it
+    return result
+
+
+def test_debug_mode_reports_what_every_rank_called():
+    out = dist.spawn(_mismatch, nprocs=3, start_method="forkserver", timeout=60)
+    for name, message, _, _ in out:
+        assert name == "DistError"
+        assert "collective mismatch on process group 'default' at collective 2" in message
+        assert "rank 0: all_reduce((2,):float32, op=SUM)" in message
+        assert "rank 1: broadcast((3,):float32, src=0)" in message
+        assert "rank 2: all_reduce((2,):float32, op=SUM)" in message
+
+
+def _skipper(rank):
+    os.environ["SPMD_DEBUG"] = "detail"  # the environment switch, not the argument
+    dist.init_process_group("gloo", timeout=timedelta(seconds=2))
+    if rank == 1:
+        time.sleep(4)
+        return None
+    return _attempt(lambda: dist.all_reduce(torch.ones(2)))
+
+
+def test_debug_mode_names_a_rank_that_never_calls():
+    out = dist.spawn(_skipper, nprocs=2, start_method="forkserver", timeout=60)
+    name, message, _, is_timeout = out[0]
+    assert is_timeout and "rank 1 never called collective 1" in message
+
+
+def _late_for_barrier(rank, wait_all):
+    dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+    if rank >= 2:
+        time.sleep(4)
+        return None
+    return _attempt(lambda: dist.monitored_barrier(timeout=timedelta(seconds=1),
+                                                   wait_all_ranks=wait_all))
+
+
+@pytest.mark.parametrize("wait_all", [False, True])
+def test_monitored_barrier_names_missing_ranks(wait_all):
+    out = dist.spawn(_late_for_barrier, args=(wait_all,), nprocs=4, start_method="thread",
+                     timeout=60)
+    name, message, _, is_timeout = out[0]
+    assert is_timeout
+    assert ("rank 2, 3 did not arrive" if wait_all else "rank 2 did not arrive") in message
+    assert out[1][0] == "DistTimeoutError" and "did not arrive" in out[1][1]
+
+
+def _raise_while_others_wait(rank):
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    if rank == 2:
+        raise KeyError("rank two gives up")
+    dist.all_reduce(torch.ones(1))
+
+
+def test_thread_rank_failure_aborts_the_others_quickly():
+    start = time.monotonic()
+    with pytest.raises(SpawnError, match="rank 2 raised KeyError"):
+        dist.spawn(_raise_while_others_wait, nprocs=3, start_method="thread", timeout=60)
+    assert time.monotonic() - start < 10
+
+
+def _short_wait(rank):
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    if rank == 1:
+        time.sleep(2)
+    work = dist.all_reduce(torch.ones(1), async_op=True)
+    result = _attempt(lambda: work.wait(timeout=timedelta(seconds=0.2))) if rank == 0 else None
+    work.wait()
+    return result
+
+
+def test_work_wait_with_a_short_timeout():
+    out = dist.spawn(_short_wait, nprocs=2, start_method="forkserver", timeout=60)
+    name, message, _, is_timeout = out[0]
+    assert is_timeout and "still running" in message
