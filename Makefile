@@ -26,6 +26,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/store.py
+	$(PY) benchmarks/collectives.py --overhead
+	$(PY) benchmarks/collectives.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
