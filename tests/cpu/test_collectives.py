@@ -122,6 +122,45 @@ def every_op(rank: int) -> dict:
     dist.all_to_all_single(recv, send, [rank + 1] * n, [j + 1 for j in range(n)])
     out["all_to_all_single uneven"] = recv
 
+    # the same operations again with async_op=True: a Work each, waited on at the end
+    works = []
+    t = base(rank)
+    works.append(dist.broadcast(t, src=0, async_op=True))
+    out[("async", "broadcast")] = t
+    t = base(rank)
+    works.append(dist.reduce(t, dst=0, async_op=True))
+    out[("async", "reduce")] = t
+    ag = [torch.zeros(4) for _ in range(n)]
+    works.append(dist.all_gather(ag, base(rank), async_op=True))
+    out[("async", "all_gather")] = ag
+    agt = torch.zeros(4 * n)
+    works.append(dist.all_gather_into_tensor(agt, base(rank), async_op=True))
+    out[("async", "all_gather_into_tensor")] = agt
+    gl = [torch.zeros(4) for _ in range(n)] if rank == 0 else None
+    works.append(dist.gather(base(rank), gl, dst=0, async_op=True))
+    out[("async", "gather")] = gl
+    sc = torch.zeros(4)
+    works.append(dist.scatter(sc, [base(r) * 10 for r in range(n)] if rank == 0 else None,
+                              src=0, async_op=True))
+    out[("async", "scatter")] = sc
+    rsa = torch.zeros(4)
+    works.append(dist.reduce_scatter(rsa, [base(rank) + i for i in range(n)], async_op=True))
+    out[("async", "reduce_scatter")] = rsa
+    rsta = torch.zeros(4)
+    works.append(dist.reduce_scatter_tensor(rsta, torch.cat([base(rank) + i for i in range(n)]),
+                                            async_op=True))
+    out[("async", "reduce_scatter_tensor")] = rsta
+    a2 = [torch.zeros(2) for _ in range(n)]
+    works.append(dist.all_to_all(a2, [torch.full((2,), float(10 * rank + j)) for j in range(n)],
+                                 async_op=True))
+    out[("async", "all_to_all")] = a2
+    a2s = torch.zeros(2 * n)
+    works.append(dist.all_to_all_single(a2s, torch.arange(2 * n, dtype=torch.float32)
+                                        + 100 * rank, async_op=True))
+    out[("async", "all_to_all_single")] = a2s
+    works.append(dist.barrier(async_op=True))
+    out["async waits"] = [w.wait() for w in works]
+
     out["barrier"] = dist.barrier()
     dist.monitored_barrier(timeout=timedelta(seconds=30))
     objs = [None] * n
@@ -249,3 +288,22 @@ def test_barriers_and_objects(runs):
         assert r["broadcast_object_list"] == ["from 1", 1]
         assert r["scatter_object_list"] == {"to": k}
     assert runs[0]["gather_object"] == [("hi", j) for j in range(n)]
+
+
+def test_every_operation_also_runs_async(runs):
+    n = len(runs)
+    for k, r in enumerate(runs):
+        assert r["async waits"] == [True] * 11
+        assert torch.equal(r[("async", "broadcast")], base(0))
+        assert torch.equal(r[("async", "all_gather_into_tensor")],
+                           torch.cat([base(j) for j in range(n)]))
+        assert all(torch.equal(a, b) for a, b in zip(r[("async", "all_gather")], r["all_gather"]))
+        assert torch.equal(r[("async", "scatter")], r["scatter"])
+        assert torch.equal(r[("async", "reduce_scatter")], r["reduce_scatter"])
+        assert torch.equal(r[("async", "reduce_scatter_tensor")],
+                           r[("reduce_scatter_tensor", "SUM")])
+        assert [t.tolist() for t in r[("async", "all_to_all")]] == \
+            [t.tolist() for t in r["all_to_all"]]
+        assert torch.equal(r[("async", "all_to_all_single")], r["all_to_all_single"])
+    assert torch.equal(runs[0][("async", "reduce")], expected_reduce("SUM", n, torch.float32))
+    assert all(torch.equal(g, base(j)) for j, g in enumerate(runs[0][("async", "gather")]))
