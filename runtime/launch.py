@@ -265,6 +265,8 @@ class _ThreadContext(SpawnContext):
                     self._abort_all(str(error))
                     raise error
                 self._done.wait(left)
+        for t in self.threads:  # let each rank finish releasing what it built (close hooks)
+            t.join(_EXIT_GRACE)
         return [pickle.loads(self._messages[r])[1] for r in range(self.nprocs)]
 
 
