@@ -13,6 +13,11 @@ variable                   default          meaning
 ``SPMD_DEBUG``             ``off``          ``detail``: ranks compare every collective first
 ``SPMD_HEARTBEAT_INTERVAL`` ``0.5``         seconds between a rank's liveness beats
 ``GLOO_SOCKET_IFNAME``     unset            network interface Gloo uses (PyTorch's variable)
+``SPMD_KERNELS``           ``auto``         ``torch``: torch reference kernels everywhere;
+                                            ``triton``: Triton on CPU too (interpreted); see
+                                            ``spmd.kernels.kernels_setting``
+``SPMD_BUCKET_CAP_MB``     unset            ``parallelize``'s bucket cap when not passed
+``SPMD_COMPILE_COMPUTE``   unset            ``parallelize``'s compile_compute when not passed
 =========================  ===============  ================================================
 """
 

@@ -1,0 +1,111 @@
+"""The Triton kernel behind ``pack`` and ``unpack``: many tensors to or from one flat buffer
+in one launch, scaled and cast on the way.
+
+Tensors reach the kernel through the pointer table of ``spmd.kernels.layout``; each program
+copies one chunk of one tensor. The flat side is always contiguous; the tensor side is
+either contiguous (the fast path) or walked through up to four merged dimensions
+(``STRIDED``), so transposed or sliced gradients need no staging copy. Imported only when a
+Triton kernel is launched (``spmd.kernels.dispatch``); the torch reference is in
+``spmd.kernels.packing`` and the benchmark in ``benchmarks/kernels.py``.
+
+Bytes moved: ``numel * (itemsize(tensor) + itemsize(flat))``, plus ``numel *
+itemsize(tensor)`` more when unpacking with ``accumulate``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from spmd.kernels.dispatch import launchable, on_device
+from spmd.kernels.layout import MAX_DIMS, aligned, collapse, launch_layout, offsets
+
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def cast(x, DTYPE: tl.constexpr):
+    """float32 ``x`` rounded to ``DTYPE``, to nearest even. bfloat16 is rounded by hand,
+    as torch does it, because Triton 3.9's interpreter truncates (and its "rtne" mode
+    rounds ties away from zero); on a GPU the few integer operations cost nothing next to
+    the memory traffic, and the CPU tests then check the very code the GPU runs."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        bits = tl.where(x != x, 0x7FC0, bits)  # NaN stays NaN, as in torch
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def copy_kernel(rows, chunks, flat, scale,
+                WIDTH: tl.constexpr, DTYPE: tl.constexpr, STRIDED: tl.constexpr,
+                ALIGNED: tl.constexpr, TO_FLAT: tl.constexpr, ACCUMULATE: tl.constexpr,
+                CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    # Which tensor (a row of the table) and which of its chunks this program copies.
+    pid = tl.program_id(0)
+    row = rows + tl.load(chunks + 2 * pid) * WIDTH
+    first = tl.load(chunks + 2 * pid + 1)
+    tensor = tl.load(row).to(tl.pointer_type(DTYPE))
+    numel = tl.load(row + 1)
+    offset = tl.load(row + 2)
+    if ALIGNED:  # checked on the host; lets the compiler use 16-byte loads and stores
+        tensor = tl.multiple_of(tensor, 16)
+        numel = tl.multiple_of(numel, 8)
+        offset = tl.multiple_of(offset, 8)
+        first = tl.multiple_of(first, BLOCK)
+    flat += offset
+    for step in range(0, CHUNK, BLOCK):
+        idx = first + step + tl.arange(0, BLOCK)  # logical index within the tensor
+        mask = idx < numel
+        if STRIDED:
+            # row[3:6]: sizes of merged dims 1..3; row[6:10]: strides of dims 0..3
+            # (padded at the front with size 1, stride 0).
+            rest = idx
+            where = (rest % tl.load(row + 5)) * tl.load(row + 9)
+            rest = rest // tl.load(row + 5)
+            where += (rest % tl.load(row + 4)) * tl.load(row + 8)
+            rest = rest // tl.load(row + 4)
+            where += (rest % tl.load(row + 3)) * tl.load(row + 7)
+            where += (rest // tl.load(row + 3)) * tl.load(row + 6)
+        else:
+            where = idx
+        if TO_FLAT:
+            x = tl.load(tensor + where, mask=mask).to(tl.float32) * scale
+            tl.store(flat + idx, cast(x, flat.dtype.element_ty), mask=mask)
+        else:
+            x = tl.load(flat + idx, mask=mask).to(tl.float32) * scale
+            if ACCUMULATE:
+                x = tl.load(tensor + where, mask=mask).to(tl.float32) + x
+            tl.store(tensor + where, cast(x, DTYPE), mask=mask)
+
+
+def copy(tensors: list[torch.Tensor], flat: torch.Tensor, scale: float, *, to_flat: bool,
+         accumulate: bool) -> None:
+    """Launch ``copy_kernel`` once per group of ``tensors`` that share a dtype and a way
+    of being walked (strided, aligned or neither): pack when ``to_flat``, unpack otherwise.
+    Arguments are already checked."""
+    groups: dict[tuple[torch.dtype, bool, bool], list[list[int]]] = {}
+    flat_aligned = flat.data_ptr() % 16 == 0
+    for t, start in zip(tensors, offsets([t.numel() for t in tensors])):
+        if t.numel() == 0:
+            continue
+        row = [t.data_ptr(), t.numel(), start]
+        sizes, strides = collapse(t)
+        is_strided = strides not in ((), (1,))
+        if is_strided:
+            pad = MAX_DIMS - len(sizes)
+            row += [*((1,) * pad + sizes)[1:], *((0,) * pad + strides)]
+        is_aligned = flat_aligned and not is_strided and aligned(row[:1], row[1], row[2])
+        groups.setdefault((t.dtype, is_strided, is_aligned), []).append(row)
+    kernel = launchable(copy_kernel, flat.device)
+    with on_device(flat.device):
+        for (dtype, is_strided, is_aligned), rows in groups.items():
+            launch = launch_layout(rows, flat.device)
+            kernel[(launch.grid,)](
+                launch.rows, launch.chunks, flat, scale,
+                WIDTH=launch.width, DTYPE=TL_DTYPES[dtype], STRIDED=is_strided,
+                ALIGNED=is_aligned, TO_FLAT=to_flat, ACCUMULATE=accumulate,
+                CHUNK=launch.chunk, BLOCK=launch.block, enable_fp_fusion=False)
