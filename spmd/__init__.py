@@ -13,7 +13,14 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
+    "parallelize": "spmd.api",
+    "inspect": "spmd.inspection",
+    "Plan": "spmd.plan",
     "Mesh": "spmd.runtime.mesh",
+    "Replicate": "spmd.lowering.placements",
+    "Shard": "spmd.lowering.placements",
+    "Partial": "spmd.lowering.placements",
+    "Options": "spmd.lowering.options",
 }
 _SUBMODULES = ("runtime", "lowering", "kernels")
 

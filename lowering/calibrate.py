@@ -1,0 +1,41 @@
+"""Fit the cost model's α and β to a measurement of the live group.
+
+``spmd.runtime.calibration`` times all-reduces of a few sizes (decided on the group's
+first rank and shared); a least-squares line T(n) = a + b·n through them is mapped back
+through the ring formula — a = 2(p-1)·α, b = 2(p-1)/p·β — so the model keeps its shape
+and only its constants change.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+
+from spmd.lowering.cost_model import CostModel
+
+__all__ = ["calibrate", "fit"]
+
+
+def fit(samples: list[tuple[int, float]], model: CostModel) -> CostModel:
+    """``model`` with α, β fitted to ``(bytes, seconds)`` samples of ring all-reduces."""
+    if len(samples) < 2:
+        raise ValueError("calibration needs at least two sizes")
+    sizes = np.array([s for s, _ in samples], dtype=float)
+    times = np.array([t for _, t in samples], dtype=float)
+    slope, intercept = np.polyfit(sizes, times, 1)
+    p = model.world_size
+    alpha = max(intercept, 1e-7) / (2 * (p - 1))
+    beta = max(slope, 1e-13) * p / (2 * (p - 1))
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return model.with_measurement(alpha, beta, f"calibrated on the live group, {stamp}")
+
+
+def calibrate(group: Any, model: CostModel) -> CostModel:
+    """Measure ``group``'s all-reduce and fit ``model`` to it (same result on every rank)."""
+    from spmd.runtime.calibration import measure_all_reduce
+
+    if group is None or group.size() <= 1:
+        return model
+    return fit(measure_all_reduce(group), model)

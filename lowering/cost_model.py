@@ -1,0 +1,147 @@
+"""The α–β–γ cost model of collectives, and the bucket size it implies.
+
+Each collective's time is written symbolically (sympy) per algorithm, after Thakur,
+Rabenseifner and Gropp, "Optimization of Collective Communication Operations in MPICH"
+(IJHPCA 2005): α is the latency of one message, β the time per byte on a link, γ the
+time per byte of reduction arithmetic, p the number of ranks, n the bytes of the buffer.
+
+    ring all_reduce     2(p-1)α + 2(p-1)/p·nβ + (p-1)/p·nγ
+    tree all_reduce     2⌈log2 p⌉(α + nβ) + ⌈log2 p⌉·nγ
+    ring all_gather     (p-1)α + (p-1)/p·nβ             (n: output bytes)
+    ring reduce_scatter (p-1)α + (p-1)/p·nβ + (p-1)/p·nγ (n: input bytes)
+    tree broadcast      ⌈log2 p⌉(α + nβ)
+
+The bucket size is derived, not guessed: with S gradient bytes cut into buckets of b
+bytes, each all-reduce costs A + B·b (A, B from the formula above), and all but the last
+bucket can hide behind T seconds of backward compute. The exposed time
+
+    E(b) = A + B·b + max(0, (S/b - 1)(A + B·b) - T)
+
+falls with b while communication outruns compute and rises with b once it hides, so
+the optimum is where the buckets' communication exactly fills the compute:
+(S - b)(A + B·b) = T·b, a quadratic that sympy solves below.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, replace
+
+import sympy
+
+__all__ = ["CostModel", "formula", "DEFAULTS"]
+
+p, n, alpha, beta, gamma = sympy.symbols("p n alpha beta gamma", positive=True)
+_log_p = sympy.ceiling(sympy.log(p, 2))
+
+FORMULAS: dict[tuple[str, str], sympy.Expr] = {
+    ("all_reduce", "ring"): 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta
+    + (p - 1) / p * n * gamma,
+    ("all_reduce", "tree"): 2 * _log_p * (alpha + n * beta) + _log_p * n * gamma,
+    ("all_gather", "ring"): (p - 1) * alpha + (p - 1) / p * n * beta,
+    ("reduce_scatter", "ring"): (p - 1) * alpha + (p - 1) / p * n * beta
+    + (p - 1) / p * n * gamma,
+    ("broadcast", "tree"): _log_p * (alpha + n * beta),
+}
+
+# Constants measured on this project's development machine: a 2-core x86_64 VM (AMD
+# EPYC), Gloo over loopback, torch 2.13.0+cpu, 2 ranks, 2026-11-25, with
+# benchmarks/collectives.py: a 4-byte all_reduce took ~190 µs and a 64 MiB one ~38 ms.
+# Fitting the ring formula at p=2 (2(p-1)=2, 2(p-1)/p=1): α ≈ 95 µs, β ≈ 0.57 ns/B.
+# γ is folded into β (Gloo reduces while it copies). Calibration replaces them.
+DEFAULTS = {
+    "gloo": dict(alpha=95e-6, beta=0.57e-9, gamma=0.0,
+                 source="measured 2026-11-25, 2-core VM, Gloo loopback, 2 ranks"),
+    # NCCL on one H100 node, order of magnitude from NVIDIA's nccl-tests reports
+    # (≈10 µs latency, ≈150 GB/s bus bandwidth for large all_reduce over NVLink).
+    "nccl": dict(alpha=10e-6, beta=1 / 150e9, gamma=0.0,
+                 source="nccl-tests order of magnitude, NVLink; calibrate for real figures"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def formula(kind: str, algorithm: str = "ring") -> sympy.Expr:
+    """The symbolic time of one collective (symbols p, n, alpha, beta, gamma)."""
+    try:
+        return FORMULAS[(kind, algorithm)]
+    except KeyError:
+        known = ", ".join(f"{k}/{a}" for k, a in FORMULAS)
+        raise ValueError(f"no cost formula for {kind}/{algorithm}; known: {known}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _lambdified(kind: str, algorithm: str):
+    return sympy.lambdify((p, n, alpha, beta, gamma), formula(kind, algorithm), "math")
+
+
+@functools.lru_cache(maxsize=None)
+def _optimum():
+    """The bucket size b solving (S - b)(A + B·b) = T·b, as a function of S, A, B, T."""
+    S, A, B, T, b = sympy.symbols("S A B T b", positive=True)
+    roots = sympy.solve(sympy.Eq((S - b) * (A + B * b), T * b), b)
+    # the quadratic has one positive root; pick it symbolically by its + sqrt branch
+    positive = [r for r in roots if r.subs({S: 1e6, A: 1e-4, B: 1e-9, T: 1e-2}) > 0]
+    return sympy.lambdify((S, A, B, T), positive[0], "math")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostModel:
+    """α, β, γ for one backend at one world size, and where they came from."""
+
+    backend: str
+    world_size: int
+    alpha: float
+    beta: float
+    gamma: float = 0.0
+    algorithm: str = "ring"
+    source: str = ""
+
+    @classmethod
+    def default(cls, backend: str, world_size: int) -> "CostModel":
+        consts = DEFAULTS.get(backend, DEFAULTS["gloo"])
+        return cls(backend=backend, world_size=world_size, **consts)
+
+    def with_measurement(self, alpha: float, beta: float, source: str) -> "CostModel":
+        return replace(self, alpha=alpha, beta=beta, gamma=0.0, source=source)
+
+    def seconds(self, kind: str, nbytes: int, algorithm: str | None = None) -> float:
+        """Predicted time of one ``kind`` collective over ``nbytes``."""
+        if self.world_size <= 1:
+            return 0.0
+        if algorithm is None:
+            algorithm = self.algorithm if kind == "all_reduce" else (
+                "tree" if kind == "broadcast" else "ring")
+        fn = _lambdified(kind, algorithm)
+        return float(fn(self.world_size, nbytes, self.alpha, self.beta, self.gamma))
+
+    def all_reduce_line(self) -> tuple[float, float]:
+        """(A, B): an all-reduce of n bytes costs A + B·n under this model."""
+        zero = self.seconds("all_reduce", 0)
+        return zero, (self.seconds("all_reduce", 1 << 20) - zero) / (1 << 20)
+
+    def bucket_bytes(self, total_bytes: int, backward_seconds: float | None,
+                     minimum: int = 1 << 18) -> int:
+        """The bucket cap that minimises exposed all-reduce time (see the module doc).
+
+        Without a measured backward time the model assumes backward compute about as long
+        as all the gradients' communication in one piece (compute and communication of
+        one magnitude), which puts the optimum near sqrt(S·A/B).
+        """
+        if total_bytes <= 0 or self.world_size <= 1:
+            return max(total_bytes, minimum)
+        a, b = self.all_reduce_line()
+        if b <= 0:
+            return total_bytes
+        t = backward_seconds if backward_seconds is not None else a + b * total_bytes
+        best = float(_optimum()(float(total_bytes), a, b, max(t, 1e-9)))
+        if not math.isfinite(best):
+            return total_bytes
+        return int(min(max(best, minimum), total_bytes))
+
+    def exposed_seconds(self, total_bytes: int, bucket: int, backward_seconds: float) -> float:
+        """E(b) of the module doc, for reporting."""
+        a, b = self.all_reduce_line()
+        k = max(1, math.ceil(total_bytes / max(bucket, 1)))
+        per = a + b * min(bucket, total_bytes)
+        return per + max(0.0, (k - 1) * per - backward_seconds)

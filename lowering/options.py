@@ -1,0 +1,104 @@
+"""The options of ``parallelize``: one frozen spec, checked before anything is traced."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+__all__ = ["Options", "STRATEGIES"]
+
+STRATEGIES = ("ddp",)
+_WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Options:
+    """How ``parallelize`` plans and runs a model.
+
+    Attributes:
+        strategy: ``"ddp"``: parameters replicated, batch sharded along dim 0,
+            gradients averaged.
+        bucket_cap_mb: the most gradient bytes (MiB) per all-reduce; None lets the cost
+            model choose; 0 turns bucketing off (one all-reduce per parameter).
+            Environment: ``SPMD_BUCKET_CAP_MB``.
+        overlap: issue each bucket's all-reduce as soon as its gradients exist and wait
+            only where the result is needed; False waits right after each issue.
+        reduce_dtype: the dtype gradients travel in (e.g. ``torch.bfloat16``); results
+            are accumulated back in each parameter's dtype. None keeps the parameter dtype.
+        broadcast_buffers: broadcast buffers (BatchNorm statistics) from rank 0 before
+            every training forward, as DistributedDataParallel does.
+        compile_compute: compile the captured graphs' compute with Inductor (True), run
+            them as generated Python (False), or let the planner measure both (None).
+            Environment: ``SPMD_COMPILE_COMPUTE`` (0 or 1).
+        calibrate: measure the collective cost model's latency and bandwidth on the live
+            group when the model is parallelized (decided on rank 0, shared).
+    """
+
+    strategy: str = "ddp"
+    bucket_cap_mb: float | None = None
+    overlap: bool = True
+    reduce_dtype: torch.dtype | None = None
+    broadcast_buffers: bool = True
+    compile_compute: bool | None = None
+    calibrate: bool = False
+
+    @classmethod
+    def from_kwargs(cls, where: str, **kwargs: Any) -> "Options":
+        """Options from ``parallelize``'s keywords; ``TypeError``/``ValueError`` naming the
+        offending argument."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"{where}: unknown option(s) {', '.join(unknown)}; expected "
+                            f"{', '.join(sorted(known))}")
+        if kwargs.get("bucket_cap_mb") is None and os.environ.get("SPMD_BUCKET_CAP_MB"):
+            kwargs["bucket_cap_mb"] = _env_float("SPMD_BUCKET_CAP_MB")
+        if kwargs.get("compile_compute") is None and os.environ.get("SPMD_COMPILE_COMPUTE"):
+            kwargs["compile_compute"] = os.environ["SPMD_COMPILE_COMPUTE"] not in ("0", "")
+        options = cls(**kwargs)
+        options.check(where)
+        return options
+
+    def check(self, where: str) -> None:
+        if not isinstance(self.strategy, str):
+            raise TypeError(f"{where}: strategy must be a str, got {type(self.strategy).__name__}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"{where}: strategy {self.strategy!r} is not supported; expected one "
+                             f"of {', '.join(STRATEGIES)}")
+        cap = self.bucket_cap_mb
+        if cap is not None:
+            if isinstance(cap, bool) or not isinstance(cap, (int, float)):
+                raise TypeError(f"{where}: bucket_cap_mb must be a number or None, got "
+                                f"{type(cap).__name__}")
+            if cap < 0 or cap != cap:
+                raise ValueError(f"{where}: bucket_cap_mb must be >= 0 (0 turns bucketing off), "
+                                 f"got {cap}")
+        for name in ("overlap", "broadcast_buffers", "calibrate"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{where}: {name} must be a bool, got "
+                                f"{type(getattr(self, name)).__name__}")
+        if self.compile_compute is not None and not isinstance(self.compile_compute, bool):
+            raise TypeError(f"{where}: compile_compute must be a bool or None, got "
+                            f"{type(self.compile_compute).__name__}")
+        if self.reduce_dtype is not None:
+            if not isinstance(self.reduce_dtype, torch.dtype):
+                raise TypeError(f"{where}: reduce_dtype must be a torch.dtype or None, got "
+                                f"{type(self.reduce_dtype).__name__}")
+            if self.reduce_dtype not in _WIRE_DTYPES:
+                raise ValueError(f"{where}: reduce_dtype must be a floating dtype, got "
+                                 f"{self.reduce_dtype}")
+
+    @property
+    def bucket_cap_bytes(self) -> int | None:
+        return None if self.bucket_cap_mb is None else int(self.bucket_cap_mb * (1 << 20))
+
+
+def _env_float(name: str) -> float:
+    raw = os.environ[name]
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None

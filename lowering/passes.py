@@ -1,0 +1,63 @@
+"""Passes: each ``(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule``, run in a
+plain list.
+
+A pass can be switched off by name (``disabled=``). With ``SPMD_DEBUG=plan`` every pass
+logs its time and the graph it produced under the ``spmd.lowering`` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch.fx as fx
+
+from spmd.lowering.context import LoweringContext
+
+__all__ = ["Pass", "Provenance", "run_passes", "debug_plan"]
+
+log = logging.getLogger("spmd.lowering")
+
+Pass = Callable[[fx.GraphModule, LoweringContext], fx.GraphModule]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Provenance:
+    """Why a node exists: which parameters, which pass, and the reason in words."""
+
+    params: tuple[str, ...]
+    pass_name: str
+    reason: str
+
+    def __str__(self) -> str:
+        shown = ", ".join(self.params[:4]) + (f" (+{len(self.params) - 4})"
+                                              if len(self.params) > 4 else "")
+        return f"{self.pass_name}: {self.reason} [{shown}]"
+
+
+def debug_plan() -> bool:
+    raw = os.environ.get("SPMD_DEBUG", "")
+    return "plan" in {part.strip().lower() for part in raw.split(",")}
+
+
+def run_passes(gm: fx.GraphModule, ctx: LoweringContext,
+               passes: Iterable[tuple[str, Pass]], disabled: Iterable[str] = ()) -> fx.GraphModule:
+    """Run ``passes`` in order on ``gm``; each one's time is recorded in ``gm.meta``."""
+    skip = set(disabled)
+    verbose = debug_plan()
+    timings = gm.meta.setdefault("spmd_pass_seconds", {})
+    for name, fn in passes:
+        if name in skip:
+            continue
+        start = time.perf_counter()
+        gm = fn(gm, ctx)
+        gm.graph.lint()
+        elapsed = time.perf_counter() - start
+        timings[name] = elapsed
+        if verbose:
+            log.info("pass %s on %s: %.2f ms\n%s", name, ctx.graph_name, elapsed * 1e3, gm.graph)
+    gm.recompile()
+    return gm

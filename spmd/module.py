@@ -1,0 +1,277 @@
+"""Parallelizing an ``nn.Module`` instance for data parallelism.
+
+The instance is kept (no wrapper, so ``state_dict()`` keys, hooks, ``.train()`` and
+``isinstance`` are untouched); its class is swapped for a generated subclass whose
+``forward`` runs the captured graphs and which adds ``no_sync()``, as FSDP2 does. What
+the compiler decided lives in ``module._spmd`` (a :class:`ModuleState`), and
+``spmd.inspect(module)`` reads it as a :class:`~spmd.plan.Plan`.
+
+One training step:
+
+1. (``broadcast_buffers``) buffers are broadcast from the group's first rank;
+2. the compiled forward runs (Dynamo + AOTAutograd, emitted by ``spmd.lowering``);
+3. backward runs the planned backward graphs: each bucket's all-reduce starts as soon
+   as its gradients exist and is waited on at the end, so gradients land in ``.grad``
+   averaged;
+4. gradients no graph reduced (graph breaks into eager code, a model Dynamo refused,
+   accumulation under ``no_sync()``) are averaged by the eager safety net when the
+   backward pass ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import types
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+import spmd.kernels as kernels
+from spmd.lowering.capture import Capture, GraphRecord, time_forward
+from spmd.lowering.context import InputInfo, LoweringContext
+from spmd.lowering.cost_model import CostModel
+from spmd.lowering.ops import SyncState
+from spmd.lowering.options import Options
+from spmd.plan import Fallback, Plan, plan_from_records
+from spmd.reducer import EagerReducer, broadcast_coalesced
+from spmd.runtime.errors import DistError
+
+__all__ = ["ModuleState", "parallelize_module", "DataParallel"]
+
+log = logging.getLogger("spmd")
+
+
+class ModuleState:
+    """What ``parallelize`` attached to one module: its group, options, graphs and plan."""
+
+    def __init__(self, module: nn.Module, options: Options, group: Any, world_size: int,
+                 cost_model: CostModel, index: int) -> None:
+        self.options = options
+        self.group = group
+        self.world_size = world_size
+        self.cost_model = cost_model
+        self.index = index  # the how-many-th parallelized model of this rank (same everywhere)
+        self.sync = SyncState()
+        self.params = dict(module.named_parameters())
+        self.buffers = dict(module.named_buffers())
+        names = {id(p): ("param", n) for n, p in self.params.items()}
+        names.update({id(b): ("buffer", n) for n, b in self.buffers.items()})
+        self.capture = Capture(names, self._context, self._check_plan)
+        self.reducer = EagerReducer(group, world_size,
+                                    options.bucket_cap_bytes or cost_model.bucket_bytes(
+                                        sum(p.numel() * p.element_size()
+                                            for p in self.params.values()), None),
+                                    options.reduce_dtype)
+        self.fallbacks: dict[str, str] = {}
+        self.accumulated = False  # gradients were accumulated under no_sync()
+        self.finish_queued = False
+        self.compiled = None
+        self.steps = 0
+        self._hooks = []
+        self._install_hooks()
+
+    # -- planning ---------------------------------------------------------------------
+
+    def _context(self, inputs: tuple[InputInfo, ...], name: str,
+                 record: GraphRecord) -> LoweringContext:
+        return LoweringContext(group=self.group, world_size=self.world_size,
+                               options=self.options, cost_model=self.cost_model, inputs=inputs,
+                               graph_name=name, sync=self.sync,
+                               backward_seconds=self._backward_estimate(record))
+
+    def _backward_estimate(self, record: GraphRecord) -> float | None:
+        """Backward compute is about twice the forward's (a gradient matmul for the input
+        and one for the weight per forward matmul). The forward is timed on the group's
+        first rank and the figure shared, so every rank derives the same buckets."""
+        if self.group is None or self.world_size <= 1:
+            return None  # nothing to overlap: no collectives
+        key = f"spmd/measure/{self.index}/{record.name}"
+        store = self.group._store
+        if self.group.rank() == 0:
+            seconds = time_forward(record)
+            store.set(key, "none" if seconds is None else repr(2.0 * seconds))
+        raw = store.get(key).decode()
+        return None if raw == "none" else float(raw)
+
+    def _check_plan(self, record: GraphRecord) -> None:
+        """Every rank must have planned this graph identically before it first runs."""
+        if self.group is None or self.world_size <= 1:
+            return
+        plan = plan_from_records([record], strategy=self.options.strategy,
+                                 world_size=self.world_size, group_name=self.group.name,
+                                 group_ranks=tuple(self.group.ranks), options=self.options,
+                                 cost_model=self.cost_model, fallbacks=[], frozen=[],
+                                 kernel="")
+        mine = plan.fingerprint()
+        store = self.group._store
+        key = f"spmd/plan/{self.index}/{record.name}"
+        store.set(f"{key}/{self.group.rank()}", mine)
+        try:
+            every = [v.decode() for v in store.multi_get(
+                [f"{key}/{r}" for r in range(self.group.size())])]
+        except TimeoutError:
+            raise DistError(f"parallelize: not every rank planned {record.name} within the store "
+                            f"timeout; ranks are running different graphs (data-dependent "
+                            f"control flow?)") from None
+        differ = [self.group.ranks[r] for r, h in enumerate(every) if h != every[0]]
+        if differ:
+            raise DistError(f"parallelize: ranks planned {record.name} differently (plan "
+                            f"{every[0]} on rank {self.group.ranks[0]}, other plans on rank(s) "
+                            f"{', '.join(map(str, differ))}); every rank must trace the same "
+                            f"graph")
+
+    def plan(self) -> Plan:
+        frozen = [n for n, p in self.params.items() if not p.requires_grad]
+        for record in self.capture.records:
+            if record.fallback_reason:
+                for name in record.trainable:
+                    self.fallbacks.setdefault(name, record.fallback_reason)
+        fallbacks = [Fallback(param=n, reason=r) for n, r in self.fallbacks.items()]
+        device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
+        return plan_from_records(
+            self.capture.records, strategy=self.options.strategy, world_size=self.world_size,
+            group_name=self.group.name if self.group is not None else "simulated",
+            group_ranks=tuple(self.group.ranks) if self.group is not None else (),
+            options=self.options, cost_model=self.cost_model, fallbacks=fallbacks,
+            frozen=frozen, kernel=kernels.implementation(device))
+
+    # -- the eager safety net ---------------------------------------------------------
+
+    def _install_hooks(self) -> None:
+        if self.group is None or self.world_size <= 1:
+            return  # nothing to average: one rank, or a simulated mesh
+        for name, param in self.params.items():
+            if param.requires_grad:
+                self._hooks.append(param.register_hook(functools.partial(self._on_grad, name)))
+
+    def _on_grad(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """Every parameter's summed gradient for this backward passes here once."""
+        if not self.sync.enabled:
+            return grad
+        if self.reducer.pending:  # accumulated under no_sync(): finish with this backward
+            self._queue_finish()
+        key = grad.untyped_storage().data_ptr()
+        if key in self.sync.reduced:
+            return grad  # a planned bucket already averaged it
+        part = grad.detach().clone()
+        reason = "received its gradient outside any compiled graph (graph break or eager code)"
+        if any(name in s.params for s in self.sync.reduced.values()):
+            reason = "received gradient from a compiled graph and also from eager code"
+            part = part - self._reduced_part(name).to(part.dtype)
+        self.fallbacks.setdefault(name, reason)
+        self.reducer.add(self.params[name], part)
+        self._queue_finish()
+        return grad
+
+    def _reduced_part(self, name: str) -> torch.Tensor:
+        for key, spec in self.sync.reduced.items():
+            if name in spec.params:
+                flat = self.sync.flats[key]
+                at = spec.params.index(name)
+                start = sum(self.params[p].numel() for p in spec.params[:at])
+                n = self.params[name].numel()
+                return flat[start:start + n].view(self.params[name].shape)
+        raise KeyError(name)
+
+    def _queue_finish(self) -> None:
+        if not self.finish_queued:
+            self.finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    def _finish(self) -> None:
+        self.finish_queued = False
+        self.reducer.finish()
+
+    # -- running ----------------------------------------------------------------------
+
+    def forward(self, module: nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:
+        training = module.training and torch.is_grad_enabled()
+        if training:
+            self.sync.begin_step()
+            if self.options.broadcast_buffers and self.buffers and self.world_size > 1:
+                broadcast_coalesced(self.buffers.values(), self.group.ranks[0], self.group)
+            if self.sync.enabled and self.accumulated:
+                self._reduce_accumulated()
+            elif not self.sync.enabled:
+                self.accumulated = True
+            self.steps += 1
+        if self.compiled is None:
+            self.compiled = _compile(module, original, self.capture)
+        return self.compiled(*args, **kwargs)
+
+    def _reduce_accumulated(self) -> None:
+        """Gradients summed locally under no_sync() join this step's averaging."""
+        self.accumulated = False
+        for param in self.params.values():
+            if param.grad is not None:
+                self.reducer.add(param, param.grad.detach().clone())
+        # averaged with the rest of this step's eager parts when backward ends (the first
+        # gradient hook queues it): .grad += avg(part) - part, as for eager code
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous = self.sync.enabled
+        self.sync.enabled = False
+        try:
+            yield
+        finally:
+            self.sync.enabled = previous
+
+
+def _compile(module: nn.Module, original: Any, capture: Capture) -> Any:
+    """``torch.compile`` of this instance's forward, with a code object of its own.
+
+    Dynamo caches compiled code per code object and stops recompiling after a limit;
+    a fresh copy of the trampoline's code per instance keeps instances from sharing (and
+    exhausting) one cache.
+    """
+    def trampoline(*args: Any, **kwargs: Any) -> Any:
+        return original(module, *args, **kwargs)
+
+    code = trampoline.__code__.replace(co_name=f"spmd_forward_{id(module):x}")
+    fresh = types.FunctionType(code, trampoline.__globals__, code.co_name,
+                               trampoline.__defaults__, trampoline.__closure__)
+    return torch.compile(fresh, backend=capture)
+
+
+class DataParallel:
+    """Methods the generated subclass adds to a parallelized module."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        state: ModuleState = self._spmd  # type: ignore[attr-defined]
+        return state.forward(self, self._spmd_original_forward, *args, **kwargs)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Skip gradient averaging in this context (gradient accumulation), as DDP does:
+        the next backward outside it averages everything accumulated."""
+        return self._spmd.no_sync()  # type: ignore[attr-defined]
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _parallel_class(cls: type) -> type:
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        sub = type(f"Parallel{cls.__name__}", (DataParallel, cls),
+                   {"_spmd_original_forward": staticmethod(cls.forward),
+                    "__module__": cls.__module__})
+        _SUBCLASSES[cls] = sub
+    return sub
+
+
+def parallelize_module(module: nn.Module, options: Options, group: Any, world_size: int,
+                       index: int, cost_model: CostModel) -> nn.Module:
+    """Turn ``module`` (in place) into a data-parallel module; returns it."""
+    if isinstance(module, DataParallel):
+        raise ValueError("parallelize: this module is already parallelized")
+    state = ModuleState(module, options, group, world_size, cost_model, index)
+    if group is not None and world_size > 1:
+        src = group.ranks[0]
+        broadcast_coalesced([*state.params.values(), *state.buffers.values()], src, group)
+    module.__class__ = _parallel_class(type(module))
+    module._spmd = state
+    return module

@@ -1,0 +1,158 @@
+"""Plan: everything the compiler decided for a parallelized model, for people to read.
+
+A plan is built from the captured graphs: their buckets, every collective with its size,
+group and provenance (which parameters, which pass, why), the parameters the eager
+safety net handled and why, and the cost model's predictions. ``summary()`` prints it as
+a table; ``str(plan)`` is the summary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from spmd.lowering.collectives import collective_nodes
+from spmd.lowering.cost_model import CostModel
+from spmd.lowering.options import Options
+from spmd.lowering.passes import Provenance
+
+__all__ = ["Plan", "Bucket", "Collective", "Fallback", "plan_from_records"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Bucket:
+    """One flat buffer of gradients reduced by one collective."""
+
+    index: int
+    graph: str
+    params: tuple[str, ...]
+    dtype: torch.dtype
+    wire_dtype: torch.dtype
+    numel: int
+    bytes: int
+    kernel: str  # "triton" or "torch": what packs and unpacks it
+    predicted_seconds: float
+    collective: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Collective:
+    """One inserted collective: what, how big, on which group, and why it exists."""
+
+    name: str
+    kind: str
+    bytes: int
+    group: str
+    group_ranks: tuple[int, ...]
+    bucket: int
+    graph: str
+    provenance: Provenance
+    predicted_seconds: float
+
+    def __repr__(self) -> str:
+        return (f"Collective({self.kind} {self.name} in {self.graph}, {self.bytes} B on group "
+                f"{self.group!r}, bucket {self.bucket}; {self.provenance})")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fallback:
+    """A parameter whose gradient the eager safety net synchronised, and why."""
+
+    param: str
+    reason: str
+
+
+@dataclass(eq=False)
+class Plan:
+    """The plan of a parallelized model's last captured step."""
+
+    strategy: str
+    world_size: int
+    group: str
+    options: Options
+    cost_model: CostModel
+    graphs: dict[str, fx.GraphModule] = field(default_factory=dict)
+    buckets: list[Bucket] = field(default_factory=list)
+    collectives: list[Collective] = field(default_factory=list)
+    fallbacks: list[Fallback] = field(default_factory=list)
+    frozen: list[str] = field(default_factory=list)
+    bucket_caps: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def fingerprint(self) -> str:
+        """A hash of the decisions every rank must share (bucket layout and collectives)."""
+        h = hashlib.sha256()
+        for b in self.buckets:
+            h.update(repr((b.graph, b.params, str(b.dtype), str(b.wire_dtype), b.numel)).encode())
+        return h.hexdigest()[:16]
+
+    def predicted_communication_seconds(self) -> float:
+        return sum(c.predicted_seconds for c in self.collectives)
+
+    def summary(self) -> str:
+        regions = {name.rsplit(".", 1)[0] for name in self.graphs}
+        lines = [f"Plan: {self.strategy} over {self.world_size} rank(s) (group {self.group!r}), "
+                 f"{len(regions)} captured region(s), {len(self.buckets)} "
+                 f"bucket(s), {len(self.collectives)} collective(s), "
+                 f"{sum(b.bytes for b in self.buckets) / 2**20:.2f} MiB reduced per step"]
+        lines.append(f"cost model: {self.cost_model.backend} α={self.cost_model.alpha * 1e6:.1f} µs "
+                     f"β={self.cost_model.beta * 1e9:.3f} ns/B ({self.cost_model.source})")
+        if self.buckets:
+            lines.append("")
+            lines.append(f"{'bucket':>6}  {'graph':<8} {'params':>6}  {'dtype':<9} {'wire':<9} "
+                         f"{'numel':>10} {'bytes':>12} {'kernel':<6} {'pred µs':>9}  first params")
+            for b in self.buckets:
+                names = ", ".join(b.params[:3]) + (f" +{len(b.params) - 3}" if len(b.params) > 3
+                                                   else "")
+                lines.append(f"{b.index:>6}  {b.graph:<8} {len(b.params):>6}  "
+                             f"{str(b.dtype).removeprefix('torch.'):<9} "
+                             f"{str(b.wire_dtype).removeprefix('torch.'):<9} {b.numel:>10,} "
+                             f"{b.bytes:>12,} {b.kernel:<6} {b.predicted_seconds * 1e6:>9.1f}  {names}")
+        if self.fallbacks:
+            lines.append("")
+            lines.append("synchronised by the eager safety net:")
+            lines += [f"  {f.param}: {f.reason}" for f in self.fallbacks]
+        if self.frozen:
+            lines.append(f"frozen (no gradient, never reduced): {', '.join(self.frozen)}")
+        lines.append(f"predicted communication per step: "
+                     f"{self.predicted_communication_seconds() * 1e3:.3f} ms; plan {self.fingerprint()}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def __repr__(self) -> str:
+        return (f"Plan({self.strategy}, world_size={self.world_size}, buckets={len(self.buckets)}, "
+                f"collectives={len(self.collectives)}, fallbacks={len(self.fallbacks)})")
+
+
+def plan_from_records(records: list, *, strategy: str, world_size: int, group_name: str,
+                      group_ranks: tuple[int, ...], options: Options, cost_model: CostModel,
+                      fallbacks: list[Fallback], frozen: list[str], kernel: str) -> Plan:
+    """Read the plan off the planned graphs: the graphs are the source of truth."""
+    plan = Plan(strategy=strategy, world_size=world_size, group=group_name, options=options,
+                cost_model=cost_model, fallbacks=list(fallbacks), frozen=list(frozen))
+    for record in records:
+        if record.forward is not None:
+            plan.graphs[f"{record.name}.forward"] = record.forward
+        if record.backward is None:
+            continue
+        plan.graphs[f"{record.name}.{getattr(record, 'label', 'backward')}"] = record.backward
+        plan.bucket_caps[record.name] = record.backward.meta.get("spmd_bucket_cap", 0)
+        for node in collective_nodes(record.backward):
+            meta = node.meta["spmd"]
+            seconds = cost_model.seconds("all_reduce", meta["bytes"])
+            index = len(plan.buckets)
+            plan.buckets.append(Bucket(
+                index=index, graph=record.name, params=meta["spec"].params, dtype=meta["dtype"],
+                wire_dtype=meta["wire_dtype"], numel=sum(meta["numels"]), bytes=meta["bytes"],
+                kernel=kernel, predicted_seconds=seconds, collective=node.name))
+            plan.collectives.append(Collective(
+                name=node.name, kind="all_reduce", bytes=meta["bytes"], group=group_name,
+                group_ranks=group_ranks, bucket=index, graph=record.name,
+                provenance=meta["provenance"], predicted_seconds=seconds))
+    return plan

@@ -1,0 +1,72 @@
+"""The eager side of data parallelism: coalesced broadcasts and the safety-net reducer.
+
+``broadcast_coalesced`` sends many tensors from one rank in one collective per dtype
+(parameters and buffers at parallelize time, buffers before each forward).
+
+``EagerReducer`` averages gradient contributions that no compiled graph reduced: from a
+region Dynamo could not capture, from a model that refused capture, or accumulated under
+``no_sync()``. It buckets them with the same cap and the same kernels as the compiled
+path, and corrects ``.grad`` by ``avg(part) - part`` once backward is over, which is
+exact because averaging is linear.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from spmd.lowering import flat as buffers
+from spmd.lowering.bucketing import plan_buckets
+
+__all__ = ["broadcast_coalesced", "EagerReducer"]
+
+
+def broadcast_coalesced(tensors: Iterable[torch.Tensor], src: int, group: Any) -> None:
+    """Overwrite ``tensors`` on every rank with ``src``'s values; one broadcast per dtype."""
+    from spmd.runtime.collectives import broadcast
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_dtype.setdefault(t.dtype, []).append(t.detach())
+    for items in by_dtype.values():
+        flat = buffers.pack(items)
+        broadcast(flat, src=src, group=group)
+        buffers.unpack(flat, items)
+
+
+class EagerReducer:
+    """Collects ``(param, local part)`` pairs during backward; :meth:`finish` averages them."""
+
+    def __init__(self, group: Any, world_size: int, cap_bytes: int,
+                 wire_dtype: torch.dtype | None) -> None:
+        self.group = group
+        self.world_size = world_size
+        self.cap_bytes = max(cap_bytes, 1)
+        self.wire_dtype = wire_dtype
+        self.pending: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+
+    def add(self, param: torch.nn.Parameter, part: torch.Tensor) -> None:
+        self.pending.append((param, part))
+
+    def finish(self) -> None:
+        """Average every pending part across ranks and fix ``.grad``."""
+        from spmd.runtime.collectives import all_reduce
+
+        pending, self.pending = self.pending, []
+        if not pending or self.group is None or self.world_size <= 1:
+            return
+        parts = [part for _, part in pending]
+        sizes = [p.numel() * p.element_size() for p in parts]
+        works = []
+        for members in plan_buckets(sizes, [p.dtype for p in parts], self.cap_bytes):
+            chunk = [parts[i] for i in members]
+            flat = buffers.pack(chunk, scale=1.0 / self.world_size, dtype=self.wire_dtype)
+            works.append((members, flat, all_reduce(flat, group=self.group, async_op=True)))
+        with torch.no_grad():
+            for members, flat, work in works:
+                work.wait()
+                grads = [pending[i][0].grad for i in members]
+                buffers.unpack(flat, grads, accumulate=True)  # + avg(part)
+                torch._foreach_sub_(grads, [parts[i].to(g.dtype) for i, g in zip(members, grads)])

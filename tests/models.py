@@ -1,0 +1,129 @@
+"""Small models covering what data parallelism must get right, shared by the tests.
+
+Each factory builds the same weights every time (its own seeded generator), so every
+rank and the single-process reference start equal without relying on a broadcast.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _seeded(build):
+    def make():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return build()
+    make.__name__ = build.__name__
+    return make
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.out = nn.Linear(8, width), nn.Linear(width, width), nn.Linear(width, 4)
+
+    def forward(self, x):
+        return self.out(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 3, padding=1)
+        self.conv2 = nn.Conv2d(6, 8, 3, padding=1)
+        self.head = nn.Linear(8 * 2 * 2, 4)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.head(x.flatten(1))
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        # bias=False: the key projection's bias has an identically zero gradient (softmax
+        # ignores a shift), and AdamW turns rounding noise on a zero gradient into full steps
+        layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0,
+                                           batch_first=True, bias=False)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.embed = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):  # x: (batch, 8) -> a sequence of 4 tokens per sample
+        tokens = self.embed(x).unsqueeze(1).expand(-1, 4, -1) + torch.arange(4.0).view(1, 4, 1)
+        return self.head(self.encoder(tokens).mean(1))
+
+
+class Frozen(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1.requires_grad_(False)
+
+
+class SometimesUnused(MLP):
+    """``extra`` is used on even steps only (the same on every rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        y = super().forward(x)
+        return self.extra(y) if self.calls % 2 == 0 else y
+
+
+class GraphBreak(MLP):
+    """Dynamo splits this forward in two graphs."""
+
+    def forward(self, x):
+        h = F.relu(self.fc1(x))
+        torch._dynamo.graph_break()
+        return self.out(F.relu(self.fc2(h)))
+
+
+@torch._dynamo.disable
+def _eager_block(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return F.relu(layer(h))
+
+
+class EagerRegion(MLP):
+    """``fc2`` runs in code Dynamo must not capture: its gradient is computed eagerly."""
+
+    def forward(self, x):
+        return self.out(_eager_block(self.fc2, F.relu(self.fc1(x))))
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        # no bias before BatchNorm: its gradient would be identically zero (see Encoder)
+        self.fc1, self.bn = nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(F.relu(self.bn(self.fc1(x))))
+
+
+MODELS = {
+    "mlp": _seeded(MLP),
+    "cnn": _seeded(CNN),
+    "encoder": _seeded(Encoder),
+    "frozen": _seeded(Frozen),
+    "sometimes_unused": _seeded(SometimesUnused),
+    "graph_break": _seeded(GraphBreak),
+    "eager_region": _seeded(EagerRegion),
+    "batchnorm": _seeded(WithBatchNorm),
+}
+
+
+def batch(name: str, size: int = 12, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(size, 3, 8, 8, generator=g) if name == "cnn" else torch.randn(size, 8,
+                                                                                   generator=g)
+    return x, torch.randn(size, 4, generator=g)
