@@ -59,7 +59,7 @@ def bucketing(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
     groups = plan_buckets(sizes, [n.meta["spmd"]["dtype"] for n in singles], cap)
     positions = gm.meta["spmd_grad_positions"]
     outputs = gradient_outputs(gm)
-    for number, members in enumerate(groups):
+    for members in groups:
         nodes = [singles[i] for i in members]
         params = [n.meta["spmd"]["spec"].params[0] for n in nodes]
         infos = [ctx.inputs[positions[p]] for p in params]
@@ -67,8 +67,7 @@ def bucketing(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
         why = Provenance(params=tuple(params), pass_name="bucketing",
                          reason=f"{len(params)} gradient(s) ready in this order, one dtype; "
                                 f"{reason}")
-        reduced = build_bucket(gm, ctx, grads, infos, why,
-                               name=f"{ctx.graph_name}:bucket{number}")
+        reduced = build_bucket(gm, ctx, grads, infos, why)
         for p, value in zip(params, reduced):
             outputs[positions[p]] = value
     _set_outputs(gm, outputs)

@@ -56,6 +56,8 @@ class GraphRecord:
     fallback_reason: str | None = None
     forward_seconds: float | None = None  # the first real forward call, timed
     forward_run: Callable[[list], Any] | None = None  # the emitted forward
+    compute: str = "emit"  # "emit" (generated Python) or "inductor"
+    compute_reason: str = ""
     compile_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -79,11 +81,33 @@ class Capture:
 
     def __init__(self, names: dict[int, tuple[str, str]],
                  make_context: Callable[[tuple[InputInfo, ...], str], LoweringContext],
-                 on_backward: Callable[[GraphRecord], None]) -> None:
+                 on_backward: Callable[[GraphRecord], None],
+                 compile_compute: bool | None = None) -> None:
         self.names = names
+        self.compile_compute = compile_compute
         self.make_context = make_context
         self.on_backward = on_backward
         self.records: list[GraphRecord] = []
+        self.profiler: Any = None  # a spmd.profiling.Profiler while one records
+
+    def choose_compute(self, example_inputs: list[Any]) -> tuple[str, str]:
+        """Inductor or generated Python for a region's compute, and why.
+
+        Measured on this project's 2-core CPU VM (2026-11-25, torch 2.13, one thread, the
+        models of benchmarks/ddp.py, step times): Inductor was slower than eager on both
+        the transformer encoder (19.4 ms against 14.8) and the model of many small layers
+        (8.5 against 4.6), after 14 and 20 s of compilation. On GPUs Inductor's fusion
+        pays (PyTorch 2, Ansel et al., ASPLOS 2024: 1.41x mean training speed-up on A100
+        across 180+ models). So the planner picks Inductor for CUDA graphs and generated
+        Python elsewhere; ``compile_compute`` forces either.
+        """
+        if self.compile_compute is not None:
+            mode = "inductor" if self.compile_compute else "emit"
+            return mode, f"compile_compute={self.compile_compute}"
+        cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+        if cuda:
+            return "inductor", "CUDA tensors: Inductor's fusion wins on GPUs"
+        return "emit", "CPU tensors: Inductor measured slower than generated Python here"
 
     def describe(self, example_inputs: list[Any]) -> tuple[InputInfo, ...]:
         infos = []
@@ -102,17 +126,27 @@ class Capture:
         name = f"graph{len(self.records)}"
         inputs = self.describe(example_inputs)
         record = GraphRecord(name=name, inputs=inputs, dynamo_graph=gm)
+        record.compute, record.compute_reason = self.choose_compute(example_inputs)
         self.records.append(record)
+        inductor = record.compute == "inductor"
 
-        def forward_compiler(fw: fx.GraphModule, _: list[Any]) -> Callable[..., Any]:
+        def compile_graph(graph: fx.GraphModule, fake_inputs: list[Any],
+                          backward: bool) -> Callable[[list], Any]:
+            if inductor:
+                from torch._inductor.compile_fx import compile_fx_inner
+
+                return compile_fx_inner(graph, fake_inputs, is_backward=backward)
+            return emit(graph)
+
+        def forward_compiler(fw: fx.GraphModule, fake_inputs: list[Any]) -> Callable[..., Any]:
             start = time.perf_counter()
             record.forward = fw
-            run = emit(fw)
+            run = compile_graph(fw, fake_inputs, False)
             record.forward_run = run
             record.compile_seconds["forward"] = time.perf_counter() - start
-            return _timed_first_call(run, record)
+            return _instrument(run, self, record, "forward")
 
-        def backward_compiler(bw: fx.GraphModule, _: list[Any]) -> Callable[..., Any]:
+        def backward_compiler(bw: fx.GraphModule, fake_inputs: list[Any]) -> Callable[..., Any]:
             start = time.perf_counter()
             ctx = self.make_context(inputs, name, record)
             try:
@@ -121,32 +155,45 @@ class Capture:
                 record.fallback_reason = str(e)
                 log.warning("spmd: %s left to the eager safety net: %s", name, e)
             record.backward = bw
-            run = emit(bw)
+            run = compile_graph(bw, fake_inputs, True)
             record.compile_seconds["backward"] = time.perf_counter() - start
             if record.fallback_reason is None:
                 self.on_backward(record)
-            return run
+            return _instrument(run, self, record, "backward")
 
+        decompositions = None
+        if inductor:  # Inductor lowers only graphs decomposed with its own table
+            from torch._inductor.decomposition import select_decomp_table
+
+            decompositions = select_decomp_table()
         return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler,
-                            inference_compiler=forward_compiler)(gm, example_inputs)
+                            inference_compiler=forward_compiler,
+                            decompositions=decompositions)(gm, example_inputs)
 
 
-def _timed_first_call(run: Callable[[list], Any], record: GraphRecord) -> Callable[[list], Any]:
-    """Time the first real forward (it estimates the backward compute for the cost model),
-    then hand every later call straight to ``run``."""
-    state = {"first": True}
+def _instrument(run: Callable[[list], Any], capture: "Capture", record: GraphRecord,
+                phase: str) -> Callable[[list], Any]:
+    """``run``, plus: the first forward call is timed, and while a profiler is attached
+    to the capture every call records its start and end."""
+    label = f"{record.name} {phase}"
 
-    def first(args: list) -> Any:
-        if not state["first"]:
+    def call(args: list) -> Any:
+        profiler = capture.profiler
+        if profiler is None and (phase != "forward" or record.forward_seconds is not None):
             return run(args)
-        state["first"] = False
         start = time.perf_counter()
+        if profiler is not None:
+            profiler.event("compute_start", label, start)
         out = run(args)
-        record.forward_seconds = time.perf_counter() - start
+        end = time.perf_counter()
+        if profiler is not None:
+            profiler.event("compute_end", label, end)
+        if phase == "forward" and record.forward_seconds is None:
+            record.forward_seconds = end - start
         return out
 
-    first._boxed_call = True  # type: ignore[attr-defined]
-    return first
+    call._boxed_call = True  # type: ignore[attr-defined]
+    return call
 
 
 def time_forward(record: GraphRecord, repeats: int = 3) -> float | None:

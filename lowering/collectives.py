@@ -35,17 +35,22 @@ def _set_outputs(gm: fx.GraphModule, outputs: list) -> None:
 
 
 def build_bucket(gm: fx.GraphModule, ctx: LoweringContext, grads: list[fx.Node],
-                 infos: list[InputInfo], provenance: Provenance, name: str) -> list[fx.Node]:
+                 infos: list[InputInfo], provenance: Provenance) -> list[fx.Node]:
     """Insert one bucket's collective, wait and unpacking; the reduced gradients' nodes."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     wire = ctx.options.reduce_dtype
-    spec = ops.CollectiveSpec(group=ctx.group, world_size=ctx.world_size, wire_dtype=wire,
-                              params=tuple(i.name for i in infos), sync=ctx.sync, name=name)
-    handle = ops.register_spec(spec)
     last = max(grads, key=order.__getitem__)
+    number = sum(1 for n in graph.nodes if n.op == "call_function"
+                 and n.target is ops.bucket_all_reduce)
     with graph.inserting_after(last):
-        flat = graph.call_function(ops.bucket_all_reduce, (list(grads), handle))
+        flat = graph.create_node("call_function", ops.bucket_all_reduce, (list(grads), 0),
+                                 name=f"all_reduce_{number}")
+    spec = ops.CollectiveSpec(group=ctx.group, world_size=ctx.world_size, wire_dtype=wire,
+                              params=tuple(i.name for i in infos), sync=ctx.sync,
+                              name=f"{ctx.graph_name}:{flat.name}")
+    handle = ops.register_spec(spec)
+    flat.args = (list(grads), handle)
     numels = [int(torch.Size(i.shape).numel()) for i in infos]
     wire_dtype = wire or infos[0].dtype
     flat.meta["spmd"] = {"provenance": provenance, "spec": spec, "handle": handle,
@@ -86,8 +91,7 @@ def insert_collectives(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModu
         why = Provenance(params=(name,), pass_name="insert_collectives",
                          reason=f"gradient of replicated parameter is {placements[position]}; "
                                 f"all_reduce makes it Replicate()")
-        (outputs[position],) = build_bucket(gm, ctx, [outputs[position]], [info], why,
-                                            name=f"{ctx.graph_name}:{name}")
+        (outputs[position],) = build_bucket(gm, ctx, [outputs[position]], [info], why)
     _set_outputs(gm, outputs)
     gm.meta["spmd_grad_positions"] = {name: pos for pos, name in gm.meta["spmd_param_grads"].items()}
     return gm

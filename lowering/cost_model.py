@@ -96,6 +96,7 @@ class CostModel:
     gamma: float = 0.0
     algorithm: str = "ring"
     source: str = ""
+    reference_world_size: int = 2  # the world size the constants were measured at
 
     @classmethod
     def default(cls, backend: str, world_size: int) -> "CostModel":
@@ -103,7 +104,8 @@ class CostModel:
         return cls(backend=backend, world_size=world_size, **consts)
 
     def with_measurement(self, alpha: float, beta: float, source: str) -> "CostModel":
-        return replace(self, alpha=alpha, beta=beta, gamma=0.0, source=source)
+        return replace(self, alpha=alpha, beta=beta, gamma=0.0, source=source,
+                       reference_world_size=self.world_size)
 
     def seconds(self, kind: str, nbytes: int, algorithm: str | None = None) -> float:
         """Predicted time of one ``kind`` collective over ``nbytes``."""
@@ -115,22 +117,27 @@ class CostModel:
         fn = _lambdified(kind, algorithm)
         return float(fn(self.world_size, nbytes, self.alpha, self.beta, self.gamma))
 
-    def all_reduce_line(self) -> tuple[float, float]:
-        """(A, B): an all-reduce of n bytes costs A + B·n under this model."""
-        zero = self.seconds("all_reduce", 0)
-        return zero, (self.seconds("all_reduce", 1 << 20) - zero) / (1 << 20)
+    def all_reduce_line(self, world_size: int | None = None) -> tuple[float, float]:
+        """(A, B): an all-reduce of n bytes costs A + B·n under this model (at
+        ``world_size`` ranks; by default the model's own)."""
+        model = self if world_size is None else replace(self, world_size=world_size)
+        zero = model.seconds("all_reduce", 0)
+        return zero, (model.seconds("all_reduce", 1 << 20) - zero) / (1 << 20)
 
     def bucket_bytes(self, total_bytes: int, backward_seconds: float | None,
                      minimum: int = 1 << 18) -> int:
         """The bucket cap that minimises exposed all-reduce time (see the module doc).
 
-        Without a measured backward time the model assumes backward compute about as long
-        as all the gradients' communication in one piece (compute and communication of
-        one magnitude), which puts the optimum near sqrt(S·A/B).
+        The cap is derived at the world size the constants describe
+        (``reference_world_size``), not the planned one, so one model and one set of
+        options bucket alike whatever the number of ranks; only the predicted
+        communication changes with it. Without a measured backward time the model
+        assumes backward compute about as long as all the gradients' communication in
+        one piece (compute and communication of one magnitude).
         """
-        if total_bytes <= 0 or self.world_size <= 1:
+        if total_bytes <= 0:
             return max(total_bytes, minimum)
-        a, b = self.all_reduce_line()
+        a, b = self.all_reduce_line(max(2, self.reference_world_size))
         if b <= 0:
             return total_bytes
         t = backward_seconds if backward_seconds is not None else a + b * total_bytes

@@ -39,6 +39,7 @@ class SyncState:
     """
 
     enabled: bool = True
+    profiler: Any = None  # set while a profile records this model's steps
     reduced: dict[int, "CollectiveSpec"] = field(default_factory=dict)
     flats: dict[int, torch.Tensor] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -101,6 +102,11 @@ def _bucket_all_reduce(grads: list[torch.Tensor], handle: int) -> torch.Tensor:
         from spmd.runtime.collectives import all_reduce
 
         work = all_reduce(flat, group=s.group, async_op=True)
+        profiler = s.sync.profiler
+        if profiler is not None:
+            work.spmd_profiler, work.spmd_name = profiler, s.name
+            profiler.event("issue", s.name)
+            work._inner.get_future().add_done_callback(lambda _: profiler.event("done", s.name))
         key = flat.untyped_storage().data_ptr()
         with _PENDING_LOCK:
             _PENDING[key] = work
@@ -113,8 +119,15 @@ def _bucket_all_reduce(grads: list[torch.Tensor], handle: int) -> torch.Tensor:
 def _wait(tensor: torch.Tensor) -> torch.Tensor:
     with _PENDING_LOCK:
         work = _PENDING.pop(tensor.untyped_storage().data_ptr(), None)
-    if work is not None:
+    if work is None:
+        return tensor
+    profiler = getattr(work, "spmd_profiler", None)
+    if profiler is None:
         work.wait()
+        return tensor
+    profiler.event("wait_start", work.spmd_name)
+    work.wait()
+    profiler.event("wait_end", work.spmd_name)
     return tensor
 
 

@@ -7,6 +7,7 @@ constants and reaches the same plan.
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Sequence
 
@@ -17,10 +18,11 @@ __all__ = ["measure_all_reduce"]
 DEFAULT_SIZES = (4, 64 << 10, 1 << 20, 4 << 20)
 
 
-def measure_all_reduce(group: Any, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5,
+def measure_all_reduce(group: Any, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7,
                        warmup: int = 2) -> list[tuple[int, float]]:
-    """``(bytes, seconds)`` of one float32 all-reduce per size: the best of ``repeats``,
-    timed on the group's first rank and shared with every rank.
+    """``(bytes, seconds)`` of one float32 all-reduce per size: the median of ``repeats``
+    (a typical call, not the luckiest), timed on the group's first rank and shared with
+    every rank.
 
     Example::
 
@@ -34,13 +36,13 @@ def measure_all_reduce(group: Any, sizes: Sequence[int] = DEFAULT_SIZES, repeats
         t = torch.zeros(max(1, nbytes // 4))
         for _ in range(warmup):
             all_reduce(t, group=group)
-        best = float("inf")
+        times = []
         for _ in range(repeats):
             barrier(group=group)
             start = time.perf_counter()
             all_reduce(t, group=group)
-            best = min(best, time.perf_counter() - start)
-        samples.append((t.numel() * 4, best))
+            times.append(time.perf_counter() - start)
+        samples.append((t.numel() * 4, statistics.median(times)))
     shared = [samples]
     broadcast_object_list(shared, src=group.ranks[0], group=group)
     return shared[0]

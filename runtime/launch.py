@@ -6,6 +6,9 @@ travel back as ordinary pickles (tensors by value, not as shared-memory handles)
 survive the rank's process. The first rank to fail stops the others and its traceback is
 raised here; nothing waits forever.
 
+Thread-ranks hand back their return values as they are (no pickling), so a notebook can
+return plans, figures or models from its ranks.
+
 Multi-node jobs are launched with torchrun (``env://``), not with this.
 """
 
@@ -63,28 +66,45 @@ def _rank_env(rank: int, nprocs: int, port: int) -> dict[str, str]:
     }
 
 
-def _outcome(fn: Callable[..., Any], rank: int, args: tuple) -> bytes:
-    """Run ``fn(rank, *args)``; a pickle of ("ok", result) or ("error", traceback, exc)."""
+def _attempt(fn: Callable[..., Any], rank: int, args: tuple) -> tuple:
+    """Run ``fn(rank, *args)``: ("ok", result) or ("error", traceback text, exception)."""
     try:
-        result = fn(rank, *args)
+        return ("ok", fn(rank, *args))
     except BaseException as e:  # report everything, SystemExit and KeyboardInterrupt too
-        text = traceback.format_exc()
+        return ("error", traceback.format_exc(), e)
+
+
+def _encode(outcome: tuple, rank: int) -> bytes:
+    """An outcome as bytes for the parent process (the exception pickled on its own, so an
+    unpicklable exception still leaves its traceback)."""
+    if outcome[0] == "ok":
         try:
-            exc: bytes | None = pickle.dumps(e)
-        except Exception:
-            exc = None
-        return pickle.dumps(("error", text, exc))
+            return pickle.dumps(outcome)
+        except Exception as e:
+            return pickle.dumps(("error", f"the return value of rank {rank} cannot be pickled: "
+                                          f"{e!r}", None))
+    _, text, exc = outcome
     try:
-        return pickle.dumps(("ok", result))
-    except Exception as e:
-        return pickle.dumps(("error", f"the return value of rank {rank} cannot be pickled: {e!r}",
-                             None))
+        raw: bytes | None = pickle.dumps(exc)
+    except Exception:
+        raw = None
+    return pickle.dumps(("error", text, raw))
+
+
+def _decode(message: bytes) -> tuple:
+    outcome = pickle.loads(message)
+    if outcome[0] == "ok" or outcome[2] is None:
+        return outcome
+    try:
+        return ("error", outcome[1], pickle.loads(outcome[2]))
+    except Exception:
+        return ("error", outcome[1], None)
 
 
 def _child(fn: Callable[..., Any], rank: int, args: tuple, env: dict[str, str],
            conn: multiprocessing.connection.Connection) -> None:
     os.environ.update(env)
-    message = _outcome(fn, rank, args)
+    message = _encode(_attempt(fn, rank, args), rank)
     try:
         conn.send_bytes(message)
     finally:
@@ -102,21 +122,15 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def _raise_failure(rank: int, message: bytes | None, exitcode: int | None) -> None:
-    if message is None:
+def _raise_failure(rank: int, outcome: tuple | None, exitcode: int | None) -> None:
+    if outcome is None:
         raise SpawnError(f"rank {rank} {_describe_exit(exitcode)} without returning",
                          rank, exitcode)
-    _, text, exc = pickle.loads(message)
-    cause = None
-    if exc is not None:
-        try:
-            cause = pickle.loads(exc)
-        except Exception:
-            cause = None
+    _, text, cause = outcome
     first = text.strip().splitlines()[-1] if text.strip() else "an error"
     err = SpawnError(f"rank {rank} raised {first}\n\n--- traceback of rank {rank} ---\n{text}",
                      rank, None, text)
-    raise err from cause
+    raise err from (cause if isinstance(cause, BaseException) else None)
 
 
 class SpawnContext:
@@ -208,10 +222,10 @@ class _ProcessContext(SpawnContext):
         except (EOFError, OSError):
             self.processes[rank].join(1.0)
             _raise_failure(rank, None, self.processes[rank].exitcode)
-        status = pickle.loads(message)[0]
-        if status != "ok":
-            _raise_failure(rank, message, None)
-        self._results[rank] = pickle.loads(message)[1]
+        outcome = _decode(message)
+        if outcome[0] != "ok":
+            _raise_failure(rank, outcome, None)
+        self._results[rank] = outcome[1]
 
 
 class _ThreadContext(SpawnContext):
@@ -219,7 +233,7 @@ class _ThreadContext(SpawnContext):
                  timeout: float | None) -> None:
         super().__init__(nprocs, timeout)
         self.contexts = [RankContext(_rank_env(r, nprocs, port)) for r in range(nprocs)]
-        self._messages: dict[int, bytes] = {}
+        self._outcomes: dict[int, tuple] = {}  # live objects: a thread-rank needs no pickle
         self._order: list[int] = []  # ranks in the order they finished
         self._done = threading.Condition()
         self.threads = [
@@ -232,9 +246,9 @@ class _ThreadContext(SpawnContext):
 
     def _run(self, fn: Callable[..., Any], rank: int, args: tuple) -> None:
         with rank_context(self.contexts[rank]) as ctx:
-            message = _outcome(fn, rank, args)
+            outcome = _attempt(fn, rank, args)
             with self._done:  # report before cleaning up: closing may break the others
-                self._messages[rank] = message
+                self._outcomes[rank] = outcome
                 self._order.append(rank)
                 self._done.notify_all()
             ctx.close()  # e.g. destroy the process groups this rank left behind
@@ -252,22 +266,22 @@ class _ThreadContext(SpawnContext):
         with self._done:
             while True:
                 for rank in self._order:  # the first failure is the cause; later ones follow
-                    message = self._messages[rank]
-                    if pickle.loads(message)[0] != "ok":
+                    outcome = self._outcomes[rank]
+                    if outcome[0] != "ok":
                         self._abort_all(f"rank {rank} failed")
-                        _raise_failure(rank, message, None)
-                if len(self._messages) == self.nprocs:
+                        _raise_failure(rank, outcome, None)
+                if len(self._outcomes) == self.nprocs:
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    pending = set(range(self.nprocs)) - set(self._messages)
+                    pending = set(range(self.nprocs)) - set(self._outcomes)
                     error = self._timeout_error(list(pending))
                     self._abort_all(str(error))
                     raise error
                 self._done.wait(left)
         for t in self.threads:  # let each rank finish releasing what it built (close hooks)
             t.join(_EXIT_GRACE)
-        return [pickle.loads(self._messages[r])[1] for r in range(self.nprocs)]
+        return [self._outcomes[r][1] for r in range(self.nprocs)]
 
 
 def spawn(

@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "parallelize": "spmd.api",
     "inspect": "spmd.inspection",
+    "profile": "spmd.profiling",
     "Plan": "spmd.plan",
     "Mesh": "spmd.runtime.mesh",
     "Replicate": "spmd.lowering.placements",

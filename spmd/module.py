@@ -43,6 +43,8 @@ __all__ = ["ModuleState", "parallelize_module", "DataParallel"]
 
 log = logging.getLogger("spmd")
 
+DISCOVERY_STEPS = 2  # steps with a hook on every parameter after each new graph
+
 
 class ModuleState:
     """What ``parallelize`` attached to one module: its group, options, graphs and plan."""
@@ -59,7 +61,7 @@ class ModuleState:
         self.buffers = dict(module.named_buffers())
         names = {id(p): ("param", n) for n, p in self.params.items()}
         names.update({id(b): ("buffer", n) for n, b in self.buffers.items()})
-        self.capture = Capture(names, self._context, self._check_plan)
+        self.capture = Capture(names, self._context, self._check_plan, options.compile_compute)
         self.reducer = EagerReducer(group, world_size,
                                     options.bucket_cap_bytes or cost_model.bucket_bytes(
                                         sum(p.numel() * p.element_size()
@@ -70,8 +72,13 @@ class ModuleState:
         self.finish_queued = False
         self.compiled = None
         self.steps = 0
-        self._hooks = []
-        self._install_hooks()
+        self.covered: set[str] = set()  # parameters some planned graph reduces
+        self.estimates: dict[str, float] = {}  # graph -> shared backward-seconds estimate
+        self.profiler: Any = None
+        self.measured: Any = None  # the last profiled step's Timeline
+        self.discovery = DISCOVERY_STEPS  # steps left with a hook on every parameter
+        self._hooks: dict[str, Any] = {}
+        self._hook_all()
 
     # -- planning ---------------------------------------------------------------------
 
@@ -87,17 +94,27 @@ class ModuleState:
         and one for the weight per forward matmul). The forward is timed on the group's
         first rank and the figure shared, so every rank derives the same buckets."""
         if self.group is None or self.world_size <= 1:
-            return None  # nothing to overlap: no collectives
+            seconds = time_forward(record)  # nothing to agree on: no collectives run
+            if seconds is not None:
+                self.estimates[record.name] = 2.0 * seconds
+            return None if seconds is None else 2.0 * seconds
         key = f"spmd/measure/{self.index}/{record.name}"
         store = self.group._store
         if self.group.rank() == 0:
             seconds = time_forward(record)
             store.set(key, "none" if seconds is None else repr(2.0 * seconds))
         raw = store.get(key).decode()
-        return None if raw == "none" else float(raw)
+        if raw == "none":
+            return None
+        self.estimates[record.name] = float(raw)
+        return float(raw)
 
     def _check_plan(self, record: GraphRecord) -> None:
         """Every rank must have planned this graph identically before it first runs."""
+        self.covered.update(p for s in _bucket_specs(record) for p in s.params)
+        if self.discovery <= 0:  # a new graph: watch every parameter again for a while
+            self.discovery = DISCOVERY_STEPS
+            self._hook_all()
         if self.group is None or self.world_size <= 1:
             return
         plan = plan_from_records([record], strategy=self.options.strategy,
@@ -131,27 +148,59 @@ class ModuleState:
                     self.fallbacks.setdefault(name, record.fallback_reason)
         fallbacks = [Fallback(param=n, reason=r) for n, r in self.fallbacks.items()]
         device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
-        return plan_from_records(
+        plan = plan_from_records(
             self.capture.records, strategy=self.options.strategy, world_size=self.world_size,
             group_name=self.group.name if self.group is not None else "simulated",
             group_ranks=tuple(self.group.ranks) if self.group is not None else (),
             options=self.options, cost_model=self.cost_model, fallbacks=fallbacks,
             frozen=frozen, kernel=kernels.implementation(device))
+        for record in self.capture.records:
+            backward = self.estimates.get(record.name)
+            if backward is None and record.forward_seconds is not None:
+                backward = 2.0 * record.forward_seconds
+            plan.compute[record.name] = ((backward or 0.0) / 2.0, backward or 0.0)
+        plan.measured = self.measured
+        return plan
+
+    # -- profiling --------------------------------------------------------------------
+
+    def attach_profiler(self, profiler: Any) -> None:
+        self.profiler = self.sync.profiler = self.capture.profiler = profiler
+
+    def _end_profiled_step(self) -> None:
+        profiler = self.profiler
+        if profiler is None:
+            return
+        self.measured = profiler.end_step()
+        if profiler.done:
+            self.profiler = self.sync.profiler = self.capture.profiler = None
 
     # -- the eager safety net ---------------------------------------------------------
 
-    def _install_hooks(self) -> None:
+    def _hook_all(self) -> None:
         if self.group is None or self.world_size <= 1:
             return  # nothing to average: one rank, or a simulated mesh
         for name, param in self.params.items():
-            if param.requires_grad:
-                self._hooks.append(param.register_hook(functools.partial(self._on_grad, name)))
+            if param.requires_grad and name not in self._hooks:
+                self._hooks[name] = param.register_hook(functools.partial(self._on_grad, name))
+
+    def _prune_hooks(self) -> None:
+        """After discovery, keep hooks only where gradients arrive from outside a graph.
+
+        A Python hook per parameter costs microseconds every step; a parameter whose
+        whole gradient comes from a planned graph needs none. Discovery runs for the first
+        steps after every new graph, so a parameter that eager code also uses is found
+        and keeps its hook.
+        """
+        for name in list(self._hooks):
+            if name in self.covered and name not in self.fallbacks:
+                self._hooks.pop(name).remove()
 
     def _on_grad(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         """Every parameter's summed gradient for this backward passes here once."""
         if not self.sync.enabled:
             return grad
-        if self.reducer.pending:  # accumulated under no_sync(): finish with this backward
+        if self.discovery > 0 or self.reducer.pending:
             self._queue_finish()
         key = grad.untyped_storage().data_ptr()
         if key in self.sync.reduced:
@@ -184,6 +233,10 @@ class ModuleState:
     def _finish(self) -> None:
         self.finish_queued = False
         self.reducer.finish()
+        if self.discovery > 0:
+            self.discovery -= 1
+            if self.discovery == 0:
+                self._prune_hooks()
 
     # -- running ----------------------------------------------------------------------
 
@@ -191,6 +244,8 @@ class ModuleState:
         training = module.training and torch.is_grad_enabled()
         if training:
             self.sync.begin_step()
+            if self.profiler is not None:
+                self.profiler.begin_step()
             if self.options.broadcast_buffers and self.buffers and self.world_size > 1:
                 broadcast_coalesced(self.buffers.values(), self.group.ranks[0], self.group)
             if self.sync.enabled and self.accumulated:
@@ -200,7 +255,15 @@ class ModuleState:
             self.steps += 1
         if self.compiled is None:
             self.compiled = _compile(module, original, self.capture)
-        return self.compiled(*args, **kwargs)
+        out = self.compiled(*args, **kwargs)
+        if training and self.reducer.pending:
+            # gradients accumulated under no_sync() wait in the reducer: make sure this
+            # backward ends by averaging them, even if no parameter hook remains
+            _on_first_gradient(out, self._queue_finish)
+        if training and self.profiler is not None:
+            engine = torch.autograd.Variable._execution_engine
+            _on_first_gradient(out, lambda: engine.queue_callback(self._end_profiled_step))
+        return out
 
     def _reduce_accumulated(self) -> None:
         """Gradients summed locally under no_sync() join this step's averaging."""
@@ -219,6 +282,22 @@ class ModuleState:
             yield
         finally:
             self.sync.enabled = previous
+
+
+def _bucket_specs(record: GraphRecord) -> list:
+    from spmd.lowering.collectives import collective_nodes
+
+    return [n.meta["spmd"]["spec"] for n in collective_nodes(record.backward)]
+
+
+def _on_first_gradient(out: Any, callback: Any) -> None:
+    """Run ``callback`` when backward first reaches ``out`` (a tensor in a nest)."""
+    import torch.utils._pytree as pytree
+
+    for leaf in pytree.tree_leaves(out):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            leaf.register_hook(lambda grad: (callback(), grad)[1])
+            return
 
 
 def _compile(module: nn.Module, original: Any, capture: Capture) -> Any:

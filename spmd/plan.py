@@ -81,6 +81,9 @@ class Plan:
     fallbacks: list[Fallback] = field(default_factory=list)
     frozen: list[str] = field(default_factory=list)
     bucket_caps: dict[str, int] = field(default_factory=dict)
+    compute: dict[str, tuple[float, float]] = field(default_factory=dict)  # graph -> (fwd, bwd) s
+    compute_paths: dict[str, str] = field(default_factory=dict)  # graph -> how its compute runs
+    measured: Any = None  # a measured Timeline, after spmd.profile
     extra: dict[str, Any] = field(default_factory=dict)
 
     def fingerprint(self) -> str:
@@ -101,6 +104,8 @@ class Plan:
                  f"{sum(b.bytes for b in self.buckets) / 2**20:.2f} MiB reduced per step"]
         lines.append(f"cost model: {self.cost_model.backend} α={self.cost_model.alpha * 1e6:.1f} µs "
                      f"β={self.cost_model.beta * 1e9:.3f} ns/B ({self.cost_model.source})")
+        for name, path in self.compute_paths.items():
+            lines.append(f"{name} compute: {path}")
         if self.buckets:
             lines.append("")
             lines.append(f"{'bucket':>6}  {'graph':<8} {'params':>6}  {'dtype':<9} {'wire':<9} "
@@ -112,6 +117,12 @@ class Plan:
                              f"{str(b.dtype).removeprefix('torch.'):<9} "
                              f"{str(b.wire_dtype).removeprefix('torch.'):<9} {b.numel:>10,} "
                              f"{b.bytes:>12,} {b.kernel:<6} {b.predicted_seconds * 1e6:>9.1f}  {names}")
+        if self.collectives:
+            lines.append("")
+            lines.append(f"{'collective':<24} {'kind':<11} {'bytes':>12}  {'group':<10} why")
+            for c in self.collectives:
+                lines.append(f"{c.name:<24} {c.kind:<11} {c.bytes:>12,}  {c.group:<10} "
+                             f"{c.provenance.pass_name}: {c.provenance.reason}")
         if self.fallbacks:
             lines.append("")
             lines.append("synchronised by the eager safety net:")
@@ -124,6 +135,38 @@ class Plan:
 
     def __str__(self) -> str:
         return self.summary()
+
+    # -- views (spmd.views) ---------------------------------------------------------------
+
+    def to_networkx(self) -> Any:
+        """The dependency graph of every captured graph (``networkx.DiGraph``)."""
+        from spmd.views import to_networkx
+
+        return to_networkx(self)
+
+    def predicted_timeline(self) -> Any:
+        """The cost model's :class:`~spmd.timeline.Timeline` of one step."""
+        from spmd.timeline import predict
+
+        return predict(self)
+
+    def timeline(self) -> Any:
+        """A matplotlib figure: compute, communication and exposed lanes, predicted and,
+        after ``spmd.profile``, measured."""
+        from spmd.views import timeline_figure
+
+        return timeline_figure(self)
+
+    def explain(self, x: Any) -> str:
+        """Why a collective, a bucket or a parameter's communication exists, and its cost."""
+        from spmd.views import explain
+
+        return explain(self, x)
+
+    def _repr_html_(self) -> str:
+        from spmd.views import html
+
+        return html(self)
 
     def __repr__(self) -> str:
         return (f"Plan({self.strategy}, world_size={self.world_size}, buckets={len(self.buckets)}, "
@@ -139,6 +182,8 @@ def plan_from_records(records: list, *, strategy: str, world_size: int, group_na
     for record in records:
         if record.forward is not None:
             plan.graphs[f"{record.name}.forward"] = record.forward
+        if hasattr(record, "compute"):
+            plan.compute_paths[record.name] = f"{record.compute} ({record.compute_reason})"
         if record.backward is None:
             continue
         plan.graphs[f"{record.name}.{getattr(record, 'label', 'backward')}"] = record.backward

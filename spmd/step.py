@@ -271,6 +271,13 @@ class ParallelStep:
             result[slot] = t
         return pytree.tree_unflatten(result, program.out_spec)
 
+    def plan_for(self, *args: Any, **kwargs: Any) -> Plan:
+        """Trace and plan a step for these arguments without running it."""
+        model, opt = self._find(args, kwargs)
+        self._prepare(model, opt)
+        self._trace(model, opt, args, kwargs)
+        return self.plan()
+
     def plan(self) -> Plan:
         _, _, group, world, cost, _, _, _ = self._setup or (None,) * 8
         if cost is None:
