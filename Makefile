@@ -1,5 +1,6 @@
 # Two commands on a fresh machine:
-#   make demo   set up .venv and run the main job
+#   make demo   set up .venv and run the main job (2 ranks train a transformer under
+#               @spmd.parallelize; plan, loss and step time against torch DDP)
 #   make test   set up .venv and run the test suite (what .ci/run calls)
 PYTHON ?= python3
 VENV   ?= .venv
@@ -19,12 +20,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/runtime_demo.py
+	$(PY) examples/train.py
 
 test: $(STAMP)
 	$(PY) -m pytest
 
 bench: $(STAMP)
+	$(PY) benchmarks/ddp.py
+	$(PY) benchmarks/planning.py
 	$(PY) benchmarks/store.py
 	$(PY) benchmarks/collectives.py --overhead
 	$(PY) benchmarks/collectives.py
