@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/store.py
 	$(PY) benchmarks/collectives.py --overhead
 	$(PY) benchmarks/collectives.py
+	$(PY) benchmarks/rpc.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -47,6 +47,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("rpc", "autograd", "optim"):  # subpackages, imported on first use
+        return importlib.import_module(f"spmd.runtime.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'spmd.runtime' has no attribute {name!r}")

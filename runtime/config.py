@@ -18,6 +18,14 @@ variable                   default          meaning
                                             ``spmd.kernels.kernels_setting``
 ``SPMD_BUCKET_CAP_MB``     unset            ``parallelize``'s bucket cap when not passed
 ``SPMD_COMPILE_COMPUTE``   unset            ``parallelize``'s compile_compute when not passed
+``SPMD_RPC_SHUTDOWN_TIMEOUT`` ``1800``      seconds a graceful rpc ``shutdown()`` waits for peers
+``SPMD_RPC_RETRY_INTERVAL`` ``1.0``         seconds before an unanswered RRef/cleanup message
+                                            is sent again (then 1.5x longer each time)
+``SPMD_RPC_HOST``          unset            address the RPC agent binds; default: the local
+                                            address that routes to the store's host
+``SPMD_RPC_CMA``           ``1``            ``0``: never read large tensors straight from a
+                                            same-host peer's memory (process_vm_readv)
+``SPMD_RPC_CMA_THRESHOLD`` ``3145728``      bytes from which a tensor buffer is read that way
 =========================  ===============  ================================================
 """
 
@@ -27,7 +35,8 @@ import os
 from datetime import timedelta
 
 __all__ = ["store_timeout", "auth_token", "store_max_message", "process_group_timeout",
-           "debug_levels", "heartbeat_interval"]
+           "debug_levels", "heartbeat_interval", "rpc_shutdown_timeout", "rpc_retry_interval",
+           "rpc_bind_host", "rpc_cma_enabled", "rpc_cma_threshold", "rpc_auth_token"]
 
 
 def _float_env(name: str, default: float) -> float:
@@ -78,3 +87,47 @@ def heartbeat_interval() -> float:
     """Seconds between liveness beats (``SPMD_HEARTBEAT_INTERVAL``, 0.5). A dead rank is
     named about 2.5 intervals after a collective fails."""
     return _float_env("SPMD_HEARTBEAT_INTERVAL", 0.5)
+
+
+def _context_getenv(name: str) -> str | None:
+    from spmd.runtime.context import getenv  # thread-ranks see their own variables
+
+    return getenv(name)
+
+
+def rpc_shutdown_timeout() -> float:
+    """Seconds ``shutdown(graceful=True)`` waits for every peer (``SPMD_RPC_SHUTDOWN_TIMEOUT``,
+    1800 like ``SPMD_TIMEOUT``): a job whose workers finish far apart passes ``timeout=``."""
+    return _float_env("SPMD_RPC_SHUTDOWN_TIMEOUT", 1800.0)
+
+
+def rpc_retry_interval() -> float:
+    """Seconds before a control message (RRef protocol, context cleanup) without an answer
+    is sent again (``SPMD_RPC_RETRY_INTERVAL``, 1.0 as PyTorch's agent); it backs off 1.5x."""
+    return _float_env("SPMD_RPC_RETRY_INTERVAL", 1.0)
+
+
+def rpc_bind_host() -> str | None:
+    """The address the agent binds (``SPMD_RPC_HOST``), or None to derive it."""
+    return _context_getenv("SPMD_RPC_HOST") or None
+
+
+def rpc_cma_enabled() -> bool:
+    """Whether same-host peers may read large buffers from each other's memory
+    (``SPMD_RPC_CMA``, on unless ``0``)."""
+    return (_context_getenv("SPMD_RPC_CMA") or "1").strip() not in ("0", "false", "no", "off")
+
+
+def rpc_cma_threshold() -> int:
+    """Smallest buffer (bytes) a same-host peer reads from our memory instead of receiving
+    it over the socket (``SPMD_RPC_CMA_THRESHOLD``, 3 MiB). Below it the socket is faster:
+    the release message and a fresh mapping cost ~300 µs; one rpc_sync of a float32
+    argument took 583/1275 µs (socket/read) at 1 MiB, 1991/1387 µs at 4 MiB (2-core VM,
+    2026-11, /tmp sweep with benchmarks/rpc.py's no-op)."""
+    return int(_float_env("SPMD_RPC_CMA_THRESHOLD", float(3 << 20)))
+
+
+def rpc_auth_token() -> bytes | None:
+    """The shared secret (``SPMD_AUTH_TOKEN``, as for stores), UTF-8 encoded, or None."""
+    token = _context_getenv("SPMD_AUTH_TOKEN") or auth_token()
+    return token.encode("utf-8") if token else None

@@ -14,7 +14,7 @@ STORE_KINDS = ["hash", "file", "tcp", "prefix"]
 
 # Ranks started with start_method="forkserver" fork from a server that has torch imported
 # already: a rank starts in milliseconds instead of re-importing torch.
-multiprocessing.set_forkserver_preload(["torch", "spmd.runtime.collectives"])
+multiprocessing.set_forkserver_preload(["torch", "spmd.runtime.collectives", "spmd.runtime.rpc"])
 os.environ.setdefault("SPMD_HEARTBEAT_INTERVAL", "0.2")
 
 

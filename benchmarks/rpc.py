@@ -1,0 +1,147 @@
+"""spmd.runtime.rpc against torch.distributed.rpc (TensorPipe), measured in the same run.
+
+    python benchmarks/rpc.py [--rounds 5] [--calls 1000] [--mib 64]
+
+Each library runs alone in its own pair of fresh worker processes (default options, 16
+worker threads), and rounds alternate the libraries (spmd, torch, torch, spmd, ...) so a
+load that comes and goes on a shared machine hits both alike. Rank 0 measures, rank 1
+serves:
+
+- round-trip latency of ``rpc_sync`` of a no-op (median of ``--calls`` calls);
+- no-op calls per second with 16 ``rpc_async`` calls in flight (``4 x --calls`` calls);
+- a ``--mib`` MiB float32 tensor as the argument of a no-op ``rpc_sync`` (median of 7),
+  and the rate in GB/s (tensor bytes / time);
+- the CPU an idle worker process uses (% of one core, over 1 s after the measurements).
+
+Each cell is the median over rounds. The libraries do not share processes: TensorPipe
+busy-polls (about half a core per idle process here), which also shortens the wake-ups
+of anything else in the process and would flatter a library measured beside it.
+Prints a markdown table with the ratio "spmd advantage" (> 1: spmd is better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import time
+
+
+def _noop(*args):
+    return None
+
+
+def _idle_cpu() -> float:
+    start = time.process_time()
+    time.sleep(1.0)
+    return (time.process_time() - start) * 100
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _measure(rpc, calls: int, mib: int) -> dict:
+    import torch
+
+    for _ in range(300):
+        rpc.rpc_sync("w1", _noop)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        rpc.rpc_sync("w1", _noop)
+        times.append(time.perf_counter() - start)
+    result = {"latency_us": statistics.median(times) * 1e6}
+    n = 4 * calls
+    start = time.perf_counter()
+    window = []
+    for _ in range(n):
+        window.append(rpc.rpc_async("w1", _noop))
+        if len(window) >= 16:
+            window.pop(0).wait()
+    for f in window:
+        f.wait()
+    result["calls_per_s"] = n / (time.perf_counter() - start)
+    big = torch.ones(mib << 18, dtype=torch.float32)
+    for _ in range(2):
+        rpc.rpc_sync("w1", _noop, args=(big,))
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        rpc.rpc_sync("w1", _noop, args=(big,))
+        times.append(time.perf_counter() - start)
+    result["big_ms"] = statistics.median(times) * 1e3
+    result["big_gbps"] = (mib << 20) / statistics.median(times) / 1e9
+    result["idle_cpu"] = (_idle_cpu() + rpc.rpc_sync("w1", _idle_cpu)) / 2
+    return result
+
+
+def _worker(kind: str, rank: int, port: int, calls: int, mib: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if kind == "spmd":
+        from spmd.runtime import rpc
+
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=2)
+    else:
+        import torch.distributed.rpc as rpc
+
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=2,
+                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(num_worker_threads=16))
+    result = _measure(rpc, calls, mib) if rank == 0 else None
+    rpc.shutdown()
+    if rank == 0:
+        out.send(result)
+
+
+def _run(kind: str, calls: int, mib: int) -> dict:
+    ctx = mp.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(kind, r, port, calls, mib, send)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    result = recv.recv()
+    for p in procs:
+        p.join(60)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--mib", type=int, default=64)
+    a = parser.parse_args()
+    runs: dict[str, list[dict]] = {"spmd": [], "torch": []}
+    for i in range(a.rounds):
+        for kind in (("spmd", "torch") if i % 2 == 0 else ("torch", "spmd")):
+            runs[kind].append(_run(kind, a.calls, a.mib))
+    med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
+    s, t = med["spmd"], med["torch"]
+    rows = [
+        ("no-op rpc_sync round trip (µs)", s["latency_us"], t["latency_us"],
+         t["latency_us"] / s["latency_us"]),
+        ("no-op calls/s, 16 in flight", s["calls_per_s"], t["calls_per_s"],
+         s["calls_per_s"] / t["calls_per_s"]),
+        (f"{a.mib} MiB tensor argument (ms)", s["big_ms"], t["big_ms"], t["big_ms"] / s["big_ms"]),
+        (f"{a.mib} MiB tensor argument (GB/s)", s["big_gbps"], t["big_gbps"],
+         s["big_gbps"] / t["big_gbps"]),
+        ("idle worker process (% of a core)", s["idle_cpu"], t["idle_cpu"],
+         t["idle_cpu"] / max(s["idle_cpu"], 0.01)),
+    ]
+    print("| measure | spmd | torch (TensorPipe) | spmd advantage (x) |")
+    print("|---|---:|---:|---:|")
+    for name, ours, theirs, ratio in rows:
+        print(f"| {name} | {ours:,.1f} | {theirs:,.1f} | {ratio:.2f} |")
+    for kind, results in runs.items():
+        print(f"\n{kind} rounds: " + "; ".join(
+            f"{r['latency_us']:.0f} µs, {r['calls_per_s']:.0f}/s, {r['big_ms']:.1f} ms"
+            for r in results))
+
+
+if __name__ == "__main__":
+    main()

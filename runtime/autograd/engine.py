@@ -1,0 +1,223 @@
+"""The distributed backward pass.
+
+Each worker runs torch's own engine on its part of the graph. One *pass* on a worker
+starts from some tensors and their gradients (the loss and ones on the caller; the
+tensors of one recorded send elsewhere), walks the local graph to the leaves it reaches,
+and asks ``torch.autograd.grad`` for their gradients:
+
+- a leaf that arrived in a message of this context (a "recv") sends its gradient back
+  to the sender (AUTOGRAD_BACKWARD), whose pass starts from the tensors it sent;
+- any other leaf accumulates its gradient in the context.
+
+The answer to a pass's message comes when that pass and all the passes it started are
+done, so the caller's ``backward`` returns when the whole job's backward is. Because
+gradients are linear, passes that reach a shared part of a graph from different sends
+sum to what one pass would give; the graph is therefore kept (``retain_graph``) until
+the context ends or its tensors are dropped. A send whose tensors never reach the loss
+gets no gradient and starts no pass: unused branches cannot hang the backward.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from spmd.runtime.autograd.contexts import DistAutogradContext
+from spmd.runtime.rpc.agent import AsyncResult
+from spmd.runtime.rpc.wire import Kind
+
+__all__ = ["backward", "get_gradients", "release"]
+
+
+def _agent(op: str) -> Any:
+    from spmd.runtime.rpc.api import current_agent
+
+    return current_agent(op)
+
+
+def _context(agent: Any, context_id: Any, op: str) -> DistAutogradContext:
+    if not isinstance(context_id, int) or isinstance(context_id, bool):
+        raise TypeError(f"{op}: context_id must be an int, got {type(context_id).__name__}")
+    ctx = agent.contexts.get(context_id)
+    if ctx is None:
+        raise ValueError(f"{op}: no distributed autograd context {context_id} on "
+                         f"{agent.describe(agent.rank)} (it ended, or never started here)")
+    return ctx
+
+
+def _leaves(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaf tensors requiring grad that ``tensors`` depend on."""
+    out: list[torch.Tensor] = []
+    seen_leaves: set[int] = set()
+    seen_nodes: set[Any] = set()
+    stack = []
+    for t in tensors:
+        if t.grad_fn is None:
+            if t.requires_grad and id(t) not in seen_leaves:
+                seen_leaves.add(id(t))
+                out.append(t)
+        else:
+            stack.append(t.grad_fn)
+    while stack:
+        node = stack.pop()
+        if node in seen_nodes:
+            continue
+        seen_nodes.add(node)
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            leaf = getattr(nxt, "variable", None)
+            if leaf is not None:
+                if id(leaf) not in seen_leaves:
+                    seen_leaves.add(id(leaf))
+                    out.append(leaf)
+            elif nxt not in seen_nodes:
+                stack.append(nxt)
+    return out
+
+
+def _all(futures: list[torch.futures.Future]) -> torch.futures.Future:
+    """Completes when every future has; with the first error if any failed."""
+    out: torch.futures.Future = torch.futures.Future()
+    if not futures:
+        out.set_result(None)
+        return out
+    lock = threading.Lock()
+    state = {"left": len(futures), "error": None}
+
+    def done(f: torch.futures.Future) -> None:
+        try:
+            f.value()
+        except BaseException as e:
+            with lock:
+                state["error"] = state["error"] or e
+        with lock:
+            state["left"] -= 1
+            last = state["left"] == 0
+        if last:
+            if state["error"] is not None:
+                out.set_exception(state["error"])
+            else:
+                out.set_result(None)
+
+    for f in futures:
+        f.add_done_callback(done)
+    return out
+
+
+def _run_pass(agent: Any, ctx: DistAutogradContext, tensors: list[torch.Tensor],
+              grads: list[torch.Tensor]) -> torch.futures.Future:
+    pairs = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad and g is not None]
+    leaves = _leaves([t for t, _ in pairs])
+    outgoing: dict[int, tuple[int, dict[int, torch.Tensor]]] = {}
+    if leaves:
+        results = torch.autograd.grad([t for t, _ in pairs], leaves, [g for _, g in pairs],
+                                      retain_graph=True, allow_unused=True)
+        for leaf, grad in zip(leaves, results):
+            if grad is None:
+                continue
+            origin = ctx.received(leaf)
+            if origin is None:
+                ctx.accumulate(leaf, grad)
+            else:
+                peer, msg_id, slot = origin
+                outgoing.setdefault(msg_id, (peer, {}))[1][slot] = grad
+    futures = []
+    for msg_id, (peer, by_slot) in outgoing.items():
+        entry = agent.request(peer, Kind.AUTOGRAD_BACKWARD, _propagate,
+                              (ctx.context_id, msg_id, by_slot), {}, timeout=agent.timeout,
+                              sync=False, what=f"backward of context {ctx.context_id} on "
+                                               f"{agent.describe(peer)}")
+        futures.append(entry.future)
+    return _all(futures)
+
+
+def _propagate(context_id: int, msg_id: int, by_slot: dict[int, torch.Tensor]) -> AsyncResult:
+    """Runs on the worker that sent message ``msg_id``: a pass from the tensors it sent."""
+    agent = _agent("dist_autograd backward")
+    ctx = _context(agent, context_id, "dist_autograd backward")
+    sent = ctx.sends.get(msg_id)
+    if sent is None:
+        raise ValueError(f"dist_autograd backward: context {context_id} on "
+                         f"{agent.describe(agent.rank)} recorded no message {msg_id}")
+    tensors = sent[1]
+    slots = sorted(by_slot)
+    return AsyncResult(_run_pass(agent, ctx, [tensors[s] for s in slots],
+                                 [by_slot[s] for s in slots]))
+
+
+def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
+    """Run the backward pass of ``roots`` across every worker of the context.
+
+    Gradients accumulate in the context on each worker (``get_gradients``), never in
+    ``.grad``. ``retain_graph`` is accepted for compatibility: graphs stay alive until
+    the context ends or their tensors are dropped, because passes from several
+    workers may cross one graph.
+
+    Raises:
+        TypeError/ValueError: an unknown context, roots that are not scalar tensors
+            requiring grad (before anything is sent).
+        The remote error of a worker whose part of the backward failed, with its
+        traceback; DistTimeoutError/DistError for a worker that timed out or died.
+
+    Example::
+
+        with dist_autograd.context() as cid:
+            loss = model(x).sum()
+            dist_autograd.backward(cid, [loss])
+    """
+    agent = _agent("dist_autograd.backward")
+    ctx = _context(agent, context_id, "dist_autograd.backward")
+    if isinstance(roots, torch.Tensor) or not isinstance(roots, (list, tuple)) or not roots:
+        raise TypeError("dist_autograd.backward: roots must be a non-empty list of tensors")
+    for i, root in enumerate(roots):
+        if not isinstance(root, torch.Tensor):
+            raise TypeError(f"dist_autograd.backward: roots[{i}] is a {type(root).__name__}, "
+                            f"not a tensor")
+        if not root.requires_grad:
+            raise ValueError(f"dist_autograd.backward: roots[{i}] does not require grad")
+        if root.numel() != 1:
+            raise ValueError(f"dist_autograd.backward: roots[{i}] has shape "
+                             f"{tuple(root.shape)}; roots must be scalars")
+    if not isinstance(retain_graph, bool):
+        raise TypeError("dist_autograd.backward: retain_graph must be a bool")
+    _run_pass(agent, ctx, list(roots), [torch.ones_like(r) for r in roots]).wait()
+
+
+def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """This worker's gradients of the context: ``{leaf tensor: gradient}``.
+
+    Example::
+
+        grads = dist_autograd.get_gradients(cid)
+        grads[w]        # the gradient of w, a parameter of this worker
+    """
+    agent = _agent("dist_autograd.get_gradients")
+    ctx = _context(agent, context_id, "dist_autograd.get_gradients")
+    with ctx.lock:
+        return dict(ctx.grads)
+
+
+def release(agent: Any, context_id: int) -> None:
+    """Delete the context here and tell the workers it exchanged messages with."""
+    with agent.contexts_lock:
+        ctx = agent.contexts.pop(context_id, None)
+    if ctx is None or agent.stopped:
+        return
+    with ctx.lock:
+        peers = sorted(ctx.workers - {agent.rank})
+    for peer in peers:
+        if peer in agent.lost:
+            continue
+        try:
+            agent.request(peer, Kind.AUTOGRAD_CLEANUP, _cleanup, (context_id,), {},
+                          timeout=agent.timeout, sync=False,
+                          what=f"ending context {context_id} on {agent.describe(peer)}")
+        except Exception:
+            pass  # a peer that is gone keeps nothing
+
+
+def _cleanup(context_id: int) -> None:
+    release(_agent("dist_autograd cleanup"), context_id)

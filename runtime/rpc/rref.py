@@ -1,0 +1,414 @@
+"""Remote references, with PyTorch's reference-counting protocol.
+
+The owner keeps a value; every other worker holds *forks* of it, each with a unique id.
+The owner keeps a record of the value while any fork is registered and drops it (and,
+once its local handles are gone too, the value) when the last one is deleted. A fork is
+never lost in flight:
+
+- owner -> user: the owner registers the child's fork before sending it;
+- user -> user: the parent keeps its own fork alive ("pending child") until the child
+  has registered its fork with the owner (RREF_FORK) and said so (RREF_ACCEPT);
+- user -> owner: the owner needs no fork; it tells the parent (RREF_ACCEPT).
+
+A user fork made by ``remote()`` is confirmed by the owner's answer; a user handle that
+dies sends RREF_DELETE. These control messages are retried until answered (wire.RETRIED).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+import weakref
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from spmd.runtime.errors import DistTimeoutError
+from spmd.runtime.rpc.agent import AsyncResult, is_async
+from spmd.runtime.rpc.options import UNSET_RPC_TIMEOUT, WorkerInfo, resolve_timeout
+from spmd.runtime.rpc.serialize import loading
+from spmd.runtime.rpc.wire import Kind
+
+__all__ = ["RRef", "RRefContext"]
+
+log = logging.getLogger("spmd.runtime.rpc")
+T = TypeVar("T")
+
+
+class _Record:
+    """The owner's side of one RRef: the value (a future) and the registered forks."""
+
+    __slots__ = ("rref_id", "future", "forks", "pins")
+
+    def __init__(self, rref_id: tuple[int, int]) -> None:
+        self.rref_id = rref_id
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.forks: set[tuple[int, int]] = set()
+        self.pins = 0
+
+
+class RRefContext:
+    """The RRef bookkeeping of one agent."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.lock = threading.Lock()
+        self.owners: dict[tuple[int, int], _Record] = {}
+        self.pending_users: dict[tuple[int, int], RRef] = {}
+        self.pending_children: dict[tuple[int, int], RRef] = {}
+        self.users: "weakref.WeakValueDictionary[tuple[int, int], RRef]" = \
+            weakref.WeakValueDictionary()
+        self._ids = itertools.count(1)
+
+    def new_id(self) -> tuple[int, int]:
+        return (self.agent.rank, next(self._ids))
+
+    def in_flight(self) -> int:
+        return len(self.pending_users) + len(self.pending_children)
+
+    def record(self, rref_id: tuple[int, int]) -> _Record:
+        with self.lock:
+            rec = self.owners.get(rref_id)
+            if rec is None:
+                rec = self.owners[rref_id] = _Record(rref_id)
+            return rec
+
+    def pin(self, rref_id: tuple[int, int]) -> _Record:
+        """The record of a ``remote()`` to this worker, kept until the call picks it up."""
+        with self.lock:
+            rec = self.owners.get(rref_id)
+            if rec is None:
+                rec = self.owners[rref_id] = _Record(rref_id)
+            rec.pins += 1
+            return rec
+
+    def add_fork(self, rref_id: tuple[int, int], fork_id: tuple[int, int],
+                 rec: _Record | None = None) -> None:
+        with self.lock:
+            rec = self.owners.setdefault(rref_id, rec or _Record(rref_id))
+            rec.forks.add(fork_id)
+
+    def _release(self, rref_id: tuple[int, int], fork_id: tuple[int, int] | None,
+                 unpin: bool = False) -> None:
+        with self.lock:
+            rec = self.owners.get(rref_id)
+            if rec is None:
+                return
+            if fork_id is not None:
+                rec.forks.discard(fork_id)
+            if unpin:
+                rec.pins -= 1
+            if not rec.forks and rec.pins <= 0:
+                del self.owners[rref_id]
+
+    def delete_fork(self, rref_id: tuple[int, int], fork_id: tuple[int, int]) -> None:
+        self._release(rref_id, fork_id)
+
+    def send_delete(self, owner: int, rref_id: tuple[int, int], fork_id: tuple[int, int]) -> None:
+        self._control(owner, Kind.RREF_DELETE, _owner_delete_fork, (rref_id, fork_id),
+                      f"deleting a fork of RRef {rref_id}")
+
+    def send_accept(self, parent: int, fork_id: tuple[int, int]) -> None:
+        self._control(parent, Kind.RREF_ACCEPT, _child_accepted, (fork_id,),
+                      f"accepting fork {fork_id}")
+
+    def _control(self, dest: int, kind: Kind, func: Any, args: tuple, what: str) -> Any:
+        agent = self.agent
+        try:
+            return agent.request(dest, kind, func, args, {}, timeout=agent.timeout, sync=False,
+                                 what=f"{what} on {agent.describe(dest)}").future
+        except Exception as e:
+            log.warning("rpc: %s on %s failed: %s", what, agent.describe(dest), e)
+            return None
+
+    def fork_to_owner(self, handle: "RRef", parent: int) -> None:
+        """A user fork from a user parent: register with the owner, then tell the parent."""
+        fork_id = handle._fork_id
+        self.pending_users[fork_id] = handle
+        future = self._control(handle._owner, Kind.RREF_FORK, _owner_add_fork,
+                               (handle._rref_id, fork_id), f"registering fork {fork_id}")
+
+        def registered(done: torch.futures.Future | None) -> None:
+            user = self.pending_users.pop(fork_id, None)
+            try:
+                if done is not None:
+                    done.value()
+                    if user is not None:
+                        user._confirmed = True
+            except Exception as e:
+                log.warning("rpc: the owner did not register fork %s: %s", fork_id, e)
+            if user is not None:
+                self.users[fork_id] = user
+            self.send_accept(parent, fork_id)
+
+        if future is None:
+            registered(None)
+        else:
+            future.add_done_callback(registered)
+
+    def sweep_users(self) -> int:
+        """Delete every confirmed user fork still alive here (graceful shutdown)."""
+        count = 0
+        for fork_id, handle in list(self.users.items()):
+            if not handle._deleted:
+                handle._deleted = True
+                self.send_delete(handle._owner, handle._rref_id, fork_id)
+                count += 1
+        return count
+
+
+def _wait(future: torch.futures.Future, timeout: float, what: str) -> Any:
+    if not future.done():
+        event = threading.Event()
+        future.add_done_callback(lambda _: event.set())
+        if not event.wait(timeout):
+            raise DistTimeoutError(f"{what} timed out after {timeout:g}s")
+    return future.wait()
+
+
+class RRef(Generic[T]):
+    """A reference to a value that lives on one worker (its owner).
+
+    ``RRef(value)`` makes this worker the owner of ``value``; ``remote()`` returns an
+    RRef to a value another worker owns. RRefs travel as arguments and results of RPCs,
+    nested in lists and dicts too, and keep the value alive on its owner while any of
+    them exists anywhere.
+
+    Example::
+
+        rref = rpc.remote("ps", torch.zeros, args=(4,))
+        rref.to_here()                      # tensor([0., 0., 0., 0.])
+        rref.rpc_sync().add(1)              # runs value.add(1) on the owner
+        local = RRef(torch.ones(2))         # owned here
+    """
+
+    def __init__(self, value: T, type_hint: Any = None) -> None:
+        from spmd.runtime.rpc.api import current_agent
+
+        agent = current_agent("RRef")
+        rec = _Record(agent.rrefs.new_id())
+        rec.future.set_result(value)
+        self._init(agent, rec.rref_id, agent.rank, None, rec)
+
+    def _init(self, agent: Any, rref_id: tuple[int, int], owner: int,
+              fork_id: tuple[int, int] | None, record: _Record | None) -> None:
+        self._agent = agent
+        self._rref_id = rref_id
+        self._owner = owner
+        self._fork_id = fork_id
+        self._record = record
+        self._confirmed = record is not None
+        self._created: torch.futures.Future | None = None
+        self._deleted = False
+
+    @classmethod
+    def _make(cls, agent: Any, rref_id: tuple[int, int], owner: int,
+              fork_id: tuple[int, int] | None, record: _Record | None) -> "RRef":
+        handle = cls.__new__(cls)
+        handle._init(agent, rref_id, owner, fork_id, record)
+        return handle
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def owner(self) -> WorkerInfo:
+        """The owner's ``WorkerInfo``."""
+        return self._agent.infos[self._owner]
+
+    def owner_name(self) -> str:
+        """The owner's worker name."""
+        return self.owner().name
+
+    def is_owner(self) -> bool:
+        """Whether this worker owns the value."""
+        return self._record is not None
+
+    def confirmed_by_owner(self) -> bool:
+        """Whether the owner knows of this reference (always true on the owner)."""
+        return self._confirmed
+
+    def local_value(self) -> T:
+        """The value itself; only on the owner (``ValueError`` elsewhere)."""
+        if self._record is None:
+            raise ValueError(f"local_value() of an RRef owned by {self.owner_name()!r} called on "
+                             f"{self._agent.name!r}: call it on the owner, or use to_here()")
+        return _wait(self._record.future, self._agent.timeout,
+                     f"local_value() of RRef {self._rref_id}")
+
+    def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> T:
+        """A copy of the value fetched from the owner (the value itself on the owner)."""
+        seconds = resolve_timeout(timeout, self._agent.timeout, "to_here")
+        what = f"to_here() of RRef {self._rref_id} owned by {self._agent.describe(self._owner)}"
+        if self._record is not None:
+            return _wait(self._record.future, seconds, what)
+        if self._created is not None and self._created.done():
+            self._created.wait()  # a failed or timed-out creation raises its error here
+        entry = self._agent.request(self._owner, Kind.FETCH, _owner_fetch, (self._rref_id,), {},
+                                    timeout=seconds, sync=True, what=what)
+        from spmd.runtime.rpc.api import wait_sync
+
+        return wait_sync(self._agent, entry)
+
+    def _get_future(self) -> torch.futures.Future:
+        """Completes when the owner has created the value (``remote()``), with None."""
+        if self._created is None:
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(None)
+            return done
+        return self._created
+
+    # -- proxies ---------------------------------------------------------------------------
+
+    def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+        """``rref.rpc_sync().method(*args)`` runs ``value.method(*args)`` on the owner."""
+        return _Proxy(self, "rpc_sync", timeout)
+
+    def rpc_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+        """``rref.rpc_async().method(*args)``: the same, returning a Future."""
+        return _Proxy(self, "rpc_async", timeout)
+
+    def remote(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+        """``rref.remote().method(*args)``: the same, the result an RRef on the owner."""
+        return _Proxy(self, "remote", timeout)
+
+    # -- pickling and lifetime -------------------------------------------------------------
+
+    def _rpc_reduce_(self, state: Any) -> Any:
+        agent = state.agent
+        if agent is not self._agent:
+            raise TypeError("an RRef can only be sent by the worker that holds it")
+        rc = agent.rrefs
+        fork_id = rc.new_id()
+        rref_id = self._rref_id
+        if self._record is not None:
+            rc.add_fork(rref_id, fork_id, self._record)  # registered before it leaves
+            state.rollbacks.append(lambda: rc.delete_fork(rref_id, fork_id))
+        else:
+            rc.pending_children[fork_id] = self  # kept alive until the child is known
+            state.rollbacks.append(lambda: rc.pending_children.pop(fork_id, None))
+        return _rebuild_rref, (rref_id, fork_id, self._owner, agent.rank)
+
+    def __reduce__(self) -> Any:
+        raise TypeError("an RRef can only be pickled inside an RPC (as an argument or result)")
+
+    def __del__(self) -> None:
+        try:
+            if self._fork_id is None or self._deleted or self._agent.stopped:
+                return
+            self._deleted = True
+            rc = self._agent.rrefs
+            self._agent.pool.put((rc.send_delete, (self._owner, self._rref_id, self._fork_id)))
+        except Exception:
+            pass  # interpreter shutdown
+
+    def __repr__(self) -> str:
+        kind = "OwnerRRef" if self.is_owner() else "UserRRef"
+        fork = "" if self._fork_id is None else f", fork_id={self._fork_id}"
+        return f"{kind}(rref_id={self._rref_id}{fork}, owner={self.owner_name()!r})"
+
+
+class _Proxy:
+    def __init__(self, rref: RRef, mode: str, timeout: float) -> None:
+        self._rref, self._mode, self._timeout = rref, mode, timeout
+
+    def __getattr__(self, name: str) -> Any:
+        from spmd.runtime.rpc import api
+
+        call = getattr(api, self._mode)
+        rref, timeout = self._rref, self._timeout
+
+        @functools.wraps(call)
+        def invoke(*args: Any, **kwargs: Any) -> Any:
+            return call(rref.owner(), _local_invoke, args=(rref, name, args, kwargs),
+                        timeout=timeout)
+
+        return invoke
+
+
+def _local_invoke(rref: RRef, name: str, args: tuple, kwargs: dict) -> Any:
+    method = getattr(rref.local_value(), name)
+    result = method(*args, **kwargs)
+    return AsyncResult(result) if is_async(method) else result
+
+
+def _rebuild_rref(rref_id: tuple[int, int], fork_id: tuple[int, int], owner: int,
+                  parent: int) -> RRef:
+    state = loading.state
+    if state is None:
+        raise TypeError("an RRef can only be unpickled inside an RPC")
+    agent = state.agent
+    rc = agent.rrefs
+    if owner == agent.rank:
+        rec = rc.record(rref_id)
+        handle = RRef._make(agent, rref_id, owner, None, rec)
+        if parent == agent.rank:
+            rc.delete_fork(rref_id, fork_id)  # registered when it left; not needed here
+        else:
+            rc.send_accept(parent, fork_id)
+        return handle
+    handle = RRef._make(agent, rref_id, owner, fork_id, None)
+    if parent == owner:
+        handle._confirmed = True  # the owner registered it before sending
+        rc.users[fork_id] = handle
+    else:
+        rc.fork_to_owner(handle, parent)
+    return handle
+
+
+# -- what runs on the owner and the parent (sent as control messages) ---------------------
+
+def _agent() -> Any:
+    from spmd.runtime.rpc.api import current_agent
+
+    return current_agent("rref")
+
+
+def _owner_add_fork(rref_id: tuple[int, int], fork_id: tuple[int, int]) -> None:
+    _agent().rrefs.add_fork(rref_id, fork_id)
+
+
+def _owner_delete_fork(rref_id: tuple[int, int], fork_id: tuple[int, int]) -> None:
+    _agent().rrefs.delete_fork(rref_id, fork_id)
+
+
+def _child_accepted(fork_id: tuple[int, int]) -> None:
+    _agent().rrefs.pending_children.pop(fork_id, None)
+
+
+def _owner_fetch(rref_id: tuple[int, int]) -> AsyncResult:
+    return AsyncResult(_agent().rrefs.record(rref_id).future)
+
+
+def _owner_run_remote(func: Any, args: tuple, kwargs: dict, rref_id: tuple[int, int],
+                      fork_id: tuple[int, int] | None) -> Any:
+    rc = _agent().rrefs
+    rec = rc.record(rref_id)
+    if fork_id is not None:
+        rc.add_fork(rref_id, fork_id, rec)
+    else:
+        rc._release(rref_id, None, unpin=True)  # remote() to itself: the handle holds rec
+    try:
+        result = func(*args, **kwargs)
+    except BaseException as e:
+        if not rec.future.done():
+            rec.future.set_exception(e)
+        raise
+    if isinstance(result, AsyncResult) or is_async(func):
+        inner = result.future if isinstance(result, AsyncResult) else result
+        ack: torch.futures.Future = torch.futures.Future()
+
+        def settle(done: torch.futures.Future) -> None:
+            try:
+                value = done.value()
+            except BaseException as e:
+                rec.future.set_exception(e)
+                ack.set_exception(e)
+                return
+            rec.future.set_result(value)
+            ack.set_result(None)
+
+        inner.add_done_callback(settle)
+        return AsyncResult(ack)
+    rec.future.set_result(result)
+    return None

@@ -1,0 +1,276 @@
+"""Pickle protocol 5 with tensor data out of band, and the frames a message is made of.
+
+A tensor pickles as its metadata plus one ``PickleBuffer`` over its bytes: pickle hands
+the buffer to ``buffer_callback`` instead of copying it, and the agent sends it as its
+own ZeroMQ frame (``copy=False``) or, to a same-host peer that can, lends it to be read
+straight from this process (see ``cma``). On the receiver the tensor is a view of the
+received frame: no copy after the socket. Only the tensor's own bytes travel, not the
+whole storage of a view. Accelerator tensors travel through host memory and arrive on
+the CPU, or on the device a device map names.
+
+Objects that need the RPC context to pickle (RRefs) define ``_rpc_reduce_(state)``;
+tensors that require grad inside a distributed autograd context are collected in
+``state.grad_tensors`` so the agent can record the send, and the receiver registers them
+as received through the load state of the thread that unpickles.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import pickle
+import threading
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from spmd.runtime.rpc import wire
+from spmd.runtime.rpc.options import RemoteError
+
+__all__ = ["DumpState", "LoadState", "Encoded", "encode", "decode", "loading",
+           "pack_exception", "unpack_exception"]
+
+INBAND_MAX = 4096  # smaller buffers ride inside the pickle: a frame costs more than a copy
+PACK_MAX = 1 << 16  # a message without buffers below this size is one frame: header+payload
+_Parameter = torch.nn.Parameter
+
+
+class DumpState:
+    """What pickling one message needs to know and collects."""
+
+    __slots__ = ("agent", "dest", "device_map", "record_grads", "grad_tensors", "rollbacks")
+
+    def __init__(self, agent: Any, dest: int, device_map: dict[str, str] | None,
+                 record_grads: bool) -> None:
+        self.agent = agent
+        self.dest = dest
+        self.device_map = device_map
+        self.record_grads = record_grads
+        self.grad_tensors: list[torch.Tensor] = []
+        self.rollbacks: list[Callable[[], None]] = []  # undo RRef forks if never sent
+
+    def rollback(self) -> None:
+        for undo in self.rollbacks:
+            try:
+                undo()
+            except Exception:
+                pass
+        self.rollbacks.clear()
+
+
+class LoadState:
+    """What unpickling one message needs: who sent it, and its autograd context."""
+
+    __slots__ = ("agent", "peer", "ctx", "grad_msg_id")
+
+    def __init__(self, agent: Any, peer: int, ctx: Any = None, grad_msg_id: int = -1) -> None:
+        self.agent = agent
+        self.peer = peer
+        self.ctx = ctx
+        self.grad_msg_id = grad_msg_id
+
+
+class Encoded:
+    """A pickled object and the out-of-band buffers it refers to, in pickle's order."""
+
+    __slots__ = ("payload", "buffers", "state")
+
+    def __init__(self, payload: bytes, buffers: list[pickle.PickleBuffer],
+                 state: DumpState) -> None:
+        self.payload = payload
+        self.buffers = buffers
+        self.state = state
+
+    def frames(self, header: bytes, lend_id: int, threshold: int | None
+               ) -> tuple[list[Any], list[Any]]:
+        """The message's frames, and the buffers lent (kept alive until released).
+
+        With ``threshold``, buffers of at least that many bytes are described (address
+        and size) instead of sent; the receiver reads them from this process.
+        """
+        if not self.buffers:
+            if len(self.payload) < PACK_MAX:  # one frame: a multipart send costs 4x one
+                return [header + self.payload], []
+            return [header, self.payload], []
+        raws = [b.raw() for b in self.buffers]
+        lent: list[Any] = []
+        items: list[tuple[int, int, int]] = []
+        if threshold is not None:
+            for raw in raws:
+                if raw.nbytes >= threshold:
+                    try:
+                        address = ctypes.addressof(ctypes.c_char.from_buffer(raw))
+                    except (TypeError, ValueError):  # read-only: send it inline
+                        items.append((0, 0, raw.nbytes))
+                        continue
+                    items.append((1, address, raw.nbytes))
+                    lent.append(raw)
+                else:
+                    items.append((0, 0, raw.nbytes))
+        if not lent:
+            return [header, self.payload, *raws], []
+        head = wire.HEADER.unpack(header)
+        header = wire.HEADER.pack(head[0], head[1], head[2] | wire.FLAG_LENT, *head[3:])
+        desc = wire.LENT_HEAD.pack(lend_id, len(items)) + b"".join(
+            wire.LENT_ITEM.pack(*item) for item in items)
+        inline = [raw for raw, item in zip(raws, items) if item[0] == 0]
+        return [header, self.payload, desc, *inline], lent
+
+
+class _Pickler(pickle.Pickler):
+    """Reused by its thread (building a pickler costs more than a small call's pickle)."""
+
+    def __init__(self) -> None:
+        self.file = io.BytesIO()
+        super().__init__(self.file, protocol=5, buffer_callback=self._buffer)
+        self.state: DumpState | None = None
+        self.oob: list = []
+        self.busy = False
+
+    def _buffer(self, buf: pickle.PickleBuffer) -> bool:
+        if buf.raw().nbytes < INBAND_MAX:
+            return True  # true: serialise in band
+        self.oob.append(buf)
+        return False
+
+    def reducer_override(self, obj: Any) -> Any:
+        cls = type(obj)
+        if cls is torch.Tensor or cls is _Parameter:
+            return _reduce_tensor(obj, self.state)
+        hook = getattr(cls, "_rpc_reduce_", None)
+        if hook is not None:
+            return hook(obj, self.state)
+        return NotImplemented
+
+
+class _Picklers(threading.local):
+    pickler: _Pickler | None = None
+
+
+_picklers = _Picklers()
+
+
+def _reduce_tensor(t: torch.Tensor, state: DumpState) -> Any:
+    if t.layout is not torch.strided or t.is_quantized or t.is_nested:
+        return NotImplemented  # torch's own pickling, in band
+    slot = -1
+    if t.requires_grad and state.record_grads:
+        slot = len(state.grad_tensors)
+        state.grad_tensors.append(t)
+    data = t.detach()
+    device = None
+    if data.device.type != "cpu":
+        if state.device_map:
+            device = state.device_map.get(str(data.device))
+        data = data.cpu()  # through host memory
+    if data.is_conj() or data.is_neg():
+        data = data.resolve_conj().resolve_neg()
+    if not data.is_contiguous():
+        data = data.contiguous()
+    if data.numel() == 0:
+        buf: Any = b""
+    else:
+        buf = pickle.PickleBuffer(data.reshape(-1).view(torch.uint8).numpy())
+    return _rebuild_tensor, (data.dtype, tuple(data.shape), t.requires_grad, device, slot,
+                             type(t) is _Parameter, buf)
+
+
+class _Loading(threading.local):
+    state: LoadState | None = None
+
+
+loading = _Loading()
+
+
+def _rebuild_tensor(dtype: torch.dtype, shape: tuple, requires_grad: bool, device: str | None,
+                    slot: int, is_param: bool, buf: Any) -> torch.Tensor:
+    count = 1
+    for n in shape:
+        count *= n
+    nbytes = count * dtype.itemsize
+    if nbytes == 0:
+        t = torch.empty(shape, dtype=dtype)
+    else:
+        size = memoryview(buf).nbytes
+        if size != nbytes:
+            raise ValueError(f"tensor of shape {shape} and {dtype} needs {nbytes} bytes, the "
+                             f"message carried {size}")
+        t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+    if device is not None:
+        t = t.to(device)
+    if is_param:
+        t = _Parameter(t, requires_grad)
+    elif requires_grad:
+        t.requires_grad_(True)
+    state = loading.state
+    if slot >= 0 and state is not None and state.ctx is not None:
+        state.ctx.record_recv(t, state.peer, state.grad_msg_id, slot)
+    return t
+
+
+def encode(obj: Any, state: DumpState) -> Encoded:
+    """Pickle ``obj``; ``TypeError`` naming the cause when it cannot be pickled."""
+    pickler = _picklers.pickler
+    if pickler is None or pickler.busy:  # busy: a reduce of ours pickles something else
+        pickler = _Pickler()
+        if _picklers.pickler is None:
+            _picklers.pickler = pickler
+    buffers: list[pickle.PickleBuffer] = []
+    pickler.busy, pickler.state, pickler.oob = True, state, buffers
+    file = pickler.file
+    try:
+        pickler.dump(obj)
+        payload = file.getvalue()
+    except Exception as e:
+        state.rollback()
+        raise TypeError(f"cannot pickle {type(e).__name__}: {e}") from e
+    finally:
+        pickler.clear_memo()  # the memo would keep the arguments alive
+        file.seek(0)
+        file.truncate()
+        pickler.busy, pickler.state, pickler.oob = False, None, []
+    return Encoded(payload, buffers, state)
+
+
+def decode(payload: Any, buffers: list[Any], state: LoadState) -> Any:
+    """Unpickle a payload with its out-of-band ``buffers``, under ``state``."""
+    previous = loading.state
+    loading.state = state
+    try:
+        return pickle.loads(payload, buffers=buffers)
+    finally:
+        loading.state = previous
+
+
+def pack_exception(exc: BaseException) -> tuple[str, str, str, bytes | None]:
+    """(type name, message, formatted traceback, the pickled exception or None)."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        raw: bytes | None = pickle.dumps(exc, protocol=5)
+        pickle.loads(raw)
+    except Exception:
+        raw = None
+    cls = type(exc)
+    return f"{cls.__module__}.{cls.__qualname__}", str(exc), text, raw
+
+
+def unpack_exception(info: tuple, where: str) -> BaseException:
+    """The remote exception, rebuilt with its type where possible; the message carries the
+    remote traceback and ``where`` it happened."""
+    type_name, message, text, raw = info
+    full = f"{message}\n\nRemote traceback ({where}):\n{text.rstrip()}"
+    cls = None
+    if raw is not None:
+        try:
+            cls = type(pickle.loads(raw))
+        except Exception:
+            cls = None
+    if cls is not None:
+        try:
+            exc = cls(full)
+            if exc.args and exc.args[0] == full:
+                return exc
+        except Exception:
+            pass
+    return RemoteError(f"{type_name}: {full}")

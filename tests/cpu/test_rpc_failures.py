@@ -1,0 +1,182 @@
+"""RPC failures never hang: timeouts, injected faults, a worker that dies, shutdown."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import time
+
+import pytest
+import torch
+
+from spmd.runtime import SpawnError, spawn
+
+OPTS = dict(rpc_timeout=20.0, num_worker_threads=4)
+
+
+def _init(rank: int, world: int):
+    from spmd.runtime import rpc
+
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world,
+                 rpc_backend_options=rpc.RpcBackendOptions(**OPTS))
+    return rpc
+
+
+def _attempt(fn):
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - start, isinstance(e, TimeoutError)
+    return None
+
+
+def _slow(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def _drop_my_answer():
+    from spmd.runtime.rpc import faults
+
+    faults.inject(drop={"RESPONSE": 1})  # the answer to this very call is lost
+    return True
+
+
+def _timeouts_rank(rank):
+    from spmd.runtime.rpc import faults
+
+    rpc = _init(rank, 2)
+    out = {}
+    if rank == 0:
+        out["sync"] = _attempt(lambda: rpc.rpc_sync("w1", _slow, args=(1.0,), timeout=0.3))
+        out["async"] = _attempt(lambda: rpc.rpc_async("w1", _slow, args=(1.0,),
+                                                      timeout=0.3).wait())
+        out["to_here"] = _attempt(lambda: rpc.remote("w1", _slow, args=(1.0,),
+                                                     timeout=0.3).to_here(timeout=0.3))
+        time.sleep(1.0)  # the slow calls have answered (too late) by now
+        out["dropped"] = _attempt(lambda: rpc.rpc_sync("w1", _drop_my_answer, timeout=0.5))
+        faults.inject(delay={"CALL": 1.0})
+        out["delayed"] = _attempt(lambda: rpc.rpc_sync("w1", torch.ones, args=(1,), timeout=0.3))
+        faults.clear()
+        out["after"] = rpc.rpc_sync("w1", torch.ones, args=(2,))
+    rpc.shutdown(timeout=30)
+    return out
+
+
+def test_calls_past_their_timeout_raise_dist_timeout_error():
+    out = spawn(_timeouts_rank, nprocs=2, start_method="forkserver", timeout=60)[0]
+    for key in ("sync", "async", "to_here", "dropped", "delayed"):
+        name, message, elapsed, is_timeout = out[key]
+        assert name == "DistTimeoutError" and is_timeout, (key, message)
+        assert "worker 'w1' (rank 1)" in message, (key, message)
+        assert f"timed out after {0.5 if key == 'dropped' else 0.3}s" in message, (key, message)
+        assert elapsed < 1.3, (key, elapsed)
+    assert torch.equal(out["after"], torch.ones(2))
+
+
+def _report(outbox, rank, result):
+    tmp = os.path.join(outbox, f"{rank}.tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(result, f)
+    os.rename(tmp, os.path.join(outbox, f"{rank}.pkl"))
+
+
+def _answer(outbox, rank, timeout=30.0):
+    path = os.path.join(outbox, f"{rank}.pkl")
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"no answer from rank {rank}"
+        time.sleep(0.05)
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def _die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _dying_rank(rank, outbox):
+    rpc = _init(rank, 2)
+    rpc.rpc_sync(f"w{1 - rank}", torch.zeros, args=(1,))
+    if rank == 1:
+        time.sleep(60)
+    out = {"in flight": _attempt(lambda: rpc.rpc_sync("w1", _slow, args=(0.5,)) and
+                                 rpc.rpc_sync("w1", _die))}
+    out["next call"] = _attempt(lambda: rpc.rpc_sync("w1", torch.ones, args=(1,)))
+    out["shutdown"] = _attempt(lambda: rpc.shutdown(timeout=15))
+    _report(outbox, rank, out)
+    time.sleep(60)
+
+
+def test_a_worker_that_dies_is_named_within_the_timeout(tmp_path):
+    ctx = spawn(_dying_rank, args=(str(tmp_path),), nprocs=2, start_method="forkserver",
+                join=False, timeout=60)
+    out = _answer(str(tmp_path), 0)
+    for key in ("in flight", "next call", "shutdown"):
+        name, message, elapsed, _ = out[key]
+        assert name == "DistError", (key, message)
+        assert "worker 'w1' (rank 1) is gone" in message, (key, message)
+        assert elapsed < 5, (key, elapsed)  # the call's timeout is 20 s
+    with pytest.raises(SpawnError, match="rank 1 was killed by SIGKILL"):
+        ctx.join()
+
+
+_done: list = []
+
+
+def _slow_then_mark(seconds):
+    time.sleep(seconds)
+    _done.append(seconds)
+    return seconds
+
+
+def _marks():
+    return list(_done)
+
+
+def _outstanding_rank(rank):
+    rpc = _init(rank, 2)
+    out = {}
+    if rank == 0:
+        fut = rpc.rpc_async("w1", _slow_then_mark, args=(1.0,))
+        rref = rpc.remote("w1", _slow_then_mark, args=(0.8,))
+        start = time.monotonic()
+        rpc.shutdown(timeout=30)  # w1 shut down at once: both calls still run there
+        out["waited"] = time.monotonic() - start
+        out["future"] = (fut.done(), fut.value())
+        out["rref confirmed"] = rref.confirmed_by_owner()
+    else:
+        rpc.shutdown(timeout=30)
+        out["marks"] = _marks()
+    return out
+
+
+def test_graceful_shutdown_waits_for_outstanding_work():
+    first, second = spawn(_outstanding_rank, nprocs=2, start_method="forkserver", timeout=60)
+    assert first["future"] == (True, 1.0)
+    assert first["rref confirmed"] is True
+    assert first["waited"] >= 0.7
+    assert sorted(second["marks"]) == [0.8, 1.0]
+
+
+def _stubborn_rank(rank, stubborn):
+    rpc = _init(rank, 3)
+    if rank == stubborn:
+        time.sleep(4.5)  # never calls shutdown; exits after the others gave up
+        return None
+    return _attempt(lambda: rpc.shutdown(timeout=2))
+
+
+@pytest.mark.parametrize("stubborn", [1, 0], ids=["a worker", "the coordinator"])
+def test_shutdown_names_a_worker_that_never_shuts_down(stubborn):
+    out = spawn(_stubborn_rank, args=(stubborn,), nprocs=3, start_method="forkserver",
+                timeout=60)
+    for rank, result in enumerate(out):
+        if rank == stubborn:
+            continue
+        name, message, elapsed, is_timeout = result
+        assert name == "DistTimeoutError" and is_timeout, message
+        assert f"worker 'w{stubborn}' (rank {stubborn})" in message, message
+        assert elapsed < 4.5, elapsed
