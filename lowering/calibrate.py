@@ -1,9 +1,9 @@
 """Fit the cost model's α and β to a measurement of the live group.
 
 ``spmd.runtime.calibration`` times all-reduces of a few sizes (decided on the group's
-first rank and shared); a least-squares line T(n) = a + b·n through them is mapped back
-through the ring formula — a = 2(p-1)·α, b = 2(p-1)/p·β — so the model keeps its shape
-and only its constants change.
+first rank and shared). A line T(n) = a + b·n is fitted by least squares on relative
+error, and mapped back through the ring formula — a = 2(p-1)·α, b = 2(p-1)/p·β — so the
+model keeps its shape and only its constants change.
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ def fit(samples: list[tuple[int, float]], model: CostModel) -> CostModel:
         raise ValueError("calibration needs at least two sizes")
     sizes = np.array([s for s, _ in samples], dtype=float)
     times = np.array([t for _, t in samples], dtype=float)
-    slope, intercept = np.polyfit(sizes, times, 1)
+    # least squares on relative error (weights 1/t): every size counts in proportion,
+    # so the small buckets' latency is not drowned by the large ones' absolute noise
+    slope, intercept = (float(c) for c in np.polyfit(sizes, times, 1, w=1.0 / times))
     p = model.world_size
-    alpha = max(intercept, 1e-7) / (2 * (p - 1))
+    alpha = max(float(intercept), 1e-7) / (2 * (p - 1))
     beta = max(slope, 1e-13) * p / (2 * (p - 1))
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return model.with_measurement(alpha, beta, f"calibrated on the live group, {stamp}")

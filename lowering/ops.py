@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,11 +102,12 @@ def _bucket_all_reduce(grads: list[torch.Tensor], handle: int) -> torch.Tensor:
     if active:
         from spmd.runtime.collectives import all_reduce
 
-        work = all_reduce(flat, group=s.group, async_op=True)
         profiler = s.sync.profiler
+        issued = time.perf_counter() if profiler is not None else 0.0  # before the launch
+        work = all_reduce(flat, group=s.group, async_op=True)
         if profiler is not None:
             work.spmd_profiler, work.spmd_name = profiler, s.name
-            profiler.event("issue", s.name)
+            profiler.event("issue", s.name, issued)
             work._inner.get_future().add_done_callback(lambda _: profiler.event("done", s.name))
         key = flat.untyped_storage().data_ptr()
         with _PENDING_LOCK:

@@ -13,6 +13,7 @@ Options are keyword-only and checked before anything is traced; a bad one raises
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Any
 
 import torch.nn as nn
@@ -80,6 +81,39 @@ def check_same_model(module: nn.Module, group: Any, where: str) -> None:
                          f"{len(reference)} parameters and buffers, rank {rank} has {len(sig)}")
 
 
+def cost_model_for(group: Any, world_size: int, backend: str, options: Options) -> CostModel:
+    """The cost model every rank of ``group`` plans with: defaults, calibrated on the live
+    group when asked, with the overlap share of this machine; decided on the group's
+    first rank and shared, so every rank derives the same buckets."""
+    import os
+
+    import torch
+
+    from spmd.lowering.cost_model import overlap_share
+
+    model = CostModel.default(backend, world_size)
+    if group is not None and world_size > 1 and options.calibrate:
+        from spmd.lowering.calibrate import calibrate
+
+        model = calibrate(group, model)
+    # ranks sharing this machine: the launcher says; a live group without one is taken as
+    # one machine; a simulated mesh plans for the machine it runs on, whatever its size
+    local = int(context.getenv("LOCAL_WORLD_SIZE") or (world_size if group is not None else 1))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    share, why = overlap_share(backend, local, cores, torch.get_num_threads())
+    model = replace(model, overlap=share, source=f"{model.source}; overlap {share:g}: {why}")
+    if group is not None and world_size > 1:
+        from spmd.runtime.objects import broadcast_object_list
+
+        box = [model]
+        broadcast_object_list(box, src=group.ranks[0], group=group)
+        model = box[0]
+    return model
+
+
 def _next_index() -> int:
     state = context.current().state
     state["spmd_models"] = state.get("spmd_models", 0) + 1
@@ -91,13 +125,9 @@ def _parallelize_instance(module: nn.Module, options: Options, mesh: Mesh | None
 
     where = f"parallelize({type(module).__name__})"
     group, world_size, backend = resolve_mesh(mesh, where)
-    cost_model = CostModel.default(backend, world_size)
     if group is not None and world_size > 1:
         check_same_model(module, group, where)
-        if options.calibrate:
-            from spmd.lowering.calibrate import calibrate
-
-            cost_model = calibrate(group, cost_model)
+    cost_model = cost_model_for(group, world_size, backend, options)
     return parallelize_module(module, options, group, world_size, _next_index(), cost_model)
 
 

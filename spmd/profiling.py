@@ -55,10 +55,23 @@ class Profiler:
         return self.timelines[-1] if self.timelines else None
 
 
+def completions(events: list[tuple[str, str, float]]) -> dict[str, float]:
+    """When each collective was known to be complete: Gloo's completion callback, or the
+    end of the wait on it if that came first (the callback needs the GIL, which the
+    training thread may hold for milliseconds after it woke from the wait)."""
+    out: dict[str, float] = {}
+    for kind, label, t in events:
+        if kind in ("done", "wait_end"):
+            out[label] = min(out.get(label, t), t)
+    return out
+
+
 def _timeline(events: list[tuple[str, str, float]]) -> Timeline:
     timeline = Timeline(source="measured")
     if not events:
         return timeline
+    finished = completions(events)
+    events = [e for e in events if e[0] != "done"] + [("done", k, t) for k, t in finished.items()]
     t0 = min(t for _, _, t in events)
     opened: dict[tuple[str, str], float] = {}
     pairs = {"compute_end": ("compute_start", "compute"), "done": ("issue", "communication"),

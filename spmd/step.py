@@ -41,7 +41,6 @@ from spmd.lowering.annotate import PlanningError
 from spmd.lowering.bucketing import bucketing
 from spmd.lowering.collectives import insert_collectives
 from spmd.lowering.context import InputInfo, LoweringContext
-from spmd.lowering.cost_model import CostModel
 from spmd.lowering.emit import emit
 from spmd.lowering.optimizer import fusable, fuse_optimizer, register_optimizer
 from spmd.lowering.options import Options
@@ -145,17 +144,14 @@ class ParallelStep:
     def _prepare(self, model: nn.Module, opt: torch.optim.Optimizer | None) -> tuple:
         if self._setup is not None and self._setup[0] is model and self._setup[1] is opt:
             return self._setup
-        from spmd.api import _next_index, check_same_model, resolve_mesh
+        from spmd.api import _next_index, check_same_model, cost_model_for, resolve_mesh
 
         where = f"parallelize({self.fn.__name__})"
         group, world, backend = resolve_mesh(self.mesh, where)
-        cost = CostModel.default(backend, world)
         if group is not None and world > 1:
             check_same_model(model, group, where)
-            if self.options.calibrate:
-                from spmd.lowering.calibrate import calibrate
-
-                cost = calibrate(group, cost)
+        cost = cost_model_for(group, world, backend, self.options)
+        if group is not None and world > 1:
             broadcast_coalesced([*model.parameters(), *model.buffers()], group.ranks[0], group)
         trainable = {id(p) for p in model.parameters() if p.requires_grad}
         owned = {id(p) for g in opt.param_groups for p in g["params"]} if opt is not None else set()

@@ -7,8 +7,9 @@ A timeline is a list of spans on three lanes: ``compute`` (forward and backward 
 The prediction replays the plan: forwards run in capture order, backwards in reverse;
 inside a backward graph a bucket becomes ready at its position in the graph, weighted
 by the estimated cost of the nodes before it (matmul FLOPs, else elements written); the
-network serves buckets in issue order; a graph's waits sit at its end, so whatever is
-still in flight there is exposed.
+network serves buckets in issue order; communication running beside compute slows the
+compute by (1 - η) of that time (η: the cost model's overlap share); a graph's waits
+sit at its end, so whatever is still in flight there is exposed.
 """
 
 from __future__ import annotations
@@ -115,20 +116,28 @@ def predict(plan: Any) -> Timeline:
     for name in reversed(names):
         _, bwd = plan.compute[name]
         start = t
+        backward_at = len(timeline.spans)
         timeline.spans.append(Span(lane="compute", label=f"{name} backward", start=start,
                                    end=start + bwd))
         graph = plan.graphs.get(f"{name}.backward") or plan.graphs.get(f"{name}.step")
         fractions = _ready_fractions(graph) if graph is not None else {}
-        last_end = start + bwd
+        compute_end = start + bwd
+        stretch = 0.0  # compute slowed by communication it could not run beside
         for c in by_graph.get(name, []):
-            ready = start + fractions.get(c.name, 1.0) * bwd
+            ready = start + stretch + fractions.get(c.name, 1.0) * bwd
             begin = max(ready, network_free)
             network_free = begin + c.predicted_seconds
             timeline.spans.append(Span(lane="communication", label=c.name, start=begin,
                                        end=network_free))
-            last_end = max(last_end, network_free)
-        if last_end > start + bwd:
-            timeline.spans.append(Span(lane="exposed", label=f"{name} waits", start=start + bwd,
+            beside = max(0.0, min(network_free, compute_end) - begin)
+            slowed = (1.0 - plan.cost_model.overlap) * beside
+            stretch += slowed
+            compute_end += slowed
+        timeline.spans[backward_at] = Span(lane="compute", label=f"{name} backward",
+                                           start=start, end=compute_end)
+        last_end = max(compute_end, network_free)
+        if last_end > compute_end:
+            timeline.spans.append(Span(lane="exposed", label=f"{name} waits", start=compute_end,
                                        end=last_end))
         t = last_end
     return timeline

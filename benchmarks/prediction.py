@@ -1,0 +1,101 @@
+"""Predicted against measured communication, after calibration, on real ranks.
+
+    python benchmarks/prediction.py [--steps 12]
+
+For each benchmark model (benchmarks/ddp.py) on 2 and 3 ranks: parallelize with
+``calibrate=True`` (the cost model fitted to the live group) and ``overlap=False`` (each
+all-reduce then has the network and the CPU to itself, which is what the α–β model
+describes), profile real steps, and compare the plan's predicted communication per step
+with the measured one. A collective cannot finish before its last rank starts it; ranks
+sharing two cores drift apart by milliseconds, and that waiting is load imbalance, not
+communication. So a collective is measured from the latest rank's issue to its
+completion (Gloo's completion callback, or the end of the wait if that came first), on
+one clock: all ranks are processes of this machine and ``time.perf_counter`` is
+system-wide. The figure is the median over steps; the error is |predicted - measured| /
+measured.
+
+This is a benchmark, not a test: the project measures time in benchmarks, never as
+timed assertions in tests (tests/cpu/test_profiling.py checks the mechanism instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from datetime import timedelta
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.ddp import MODELS, _data, _fresh, _loss  # noqa: E402
+
+
+def profiled(rank: int, name: str, steps: int) -> dict:
+    import spmd
+    from spmd import runtime as dist
+    from spmd.profiling import completions
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    world = dist.get_world_size()
+    model = spmd.parallelize(_fresh(name), calibrate=True, overlap=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step(i: int) -> None:
+        x, y = _data(name, i, rank, world)
+        _loss(name, model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for i in range(3):
+        step(i)
+    prof = spmd.profile(model, steps=steps)
+    for i in range(steps):
+        step(i)
+    plan = spmd.inspect(model)
+    dist.destroy_process_group()
+    return {
+        "predicted": plan.predicted_communication_seconds(),
+        "buckets": len(plan.buckets),
+        "raw": [[("issue", n, t) for kind, n, t in step if kind == "issue"]
+                + [("done", n, t) for n, t in completions(step).items()] for step in prof.raw],
+    }
+
+
+def measured_per_step(runs: list[dict]) -> list[float]:
+    """Per step: the sum over collectives of (completion - the latest rank's issue)."""
+    steps = []
+    for k in range(len(runs[0]["raw"])):
+        issue: dict[str, float] = {}
+        done: dict[str, float] = {}
+        for r in runs:
+            for kind, name, t in r["raw"][k]:
+                table = issue if kind == "issue" else done
+                table[name] = max(table.get(name, t), t)
+        steps.append(sum(done[n] - issue[n] for n in issue))
+    return steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    from spmd.runtime import spawn
+
+    print("| model | ranks | buckets | predicted ms | measured ms (median) | error |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in MODELS:
+        for nprocs in (2, 3):
+            runs = spawn(profiled, args=(name, args.steps), nprocs=nprocs, timeout=600)
+            measured = statistics.median(measured_per_step(runs))
+            predicted = runs[0]["predicted"]
+            print(f"| {name} | {nprocs} | {runs[0]['buckets']} | {predicted * 1e3:.3f} | "
+                  f"{measured * 1e3:.3f} | {abs(predicted - measured) / measured:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
