@@ -42,6 +42,8 @@ def same_device(fn: str, device: torch.device, name: str, t: torch.Tensor) -> No
 def strided(fn: str, name: str, t: torch.Tensor, *, written: bool) -> None:
     """A tensor the copy kernels can walk: at most MAX_DIMS dimensions once merged, and,
     when it is written, no two elements sharing memory."""
+    if t.is_contiguous():
+        return  # one dimension once merged, no element shared: the common case, cheaply
     sizes, strides = collapse(t)
     if len(sizes) > MAX_DIMS:
         raise ValueError(f"{fn}: {name} (shape {tuple(t.shape)}, stride {t.stride()}) walks "

@@ -4,7 +4,7 @@
 op; a backward graph of a model with many small layers runs hundreds of them, and the
 frames cost more than the arithmetic (measured here: 779-node backward of a 60-layer MLP,
 1.60 ms through fx, 1.16 ms through this emitter). The emitted function binds every op
-to its C++ entry point (``OpOverload._op``), the collectives to their Python
+to its cheapest C++ entry point (see :func:`_entry_point`), the collectives to their Python
 implementations, reads ``getitem`` as indexing, frees every value after its last use (as
 fx does, so peak memory does not grow), and takes its arguments boxed (a list it
 clears), the calling convention AOTAutograd uses to free inputs early.
@@ -24,6 +24,23 @@ from spmd.lowering import ops
 __all__ = ["emit", "source_of"]
 
 _DIRECT = {ops.bucket_all_reduce: ops._bucket_all_reduce, ops.wait: ops._wait}
+
+
+def _entry_point(target: object) -> object:
+    """The cheapest callable that runs ``target``.
+
+    ATen ops that ``torch`` exposes as functions go through its generated argument parser
+    (``torch._C._VariableFunctions``), which picks the overload from the arguments and
+    costs ~0.3 µs less per call than ``OpOverload._op``'s schema-driven conversion
+    (1.33 against 1.63 µs for a 4x4 ``mm`` here); the rest call ``_op`` directly.
+    """
+    if not isinstance(target, torch._ops.OpOverload):
+        return target
+    if target.namespace == "aten":
+        fn = getattr(torch._C._VariableFunctions, target._schema.name.split("::")[-1], None)
+        if fn is not None and not target._schema.is_mutable:
+            return fn
+    return target._op
 
 
 class _Emitter:
@@ -72,7 +89,7 @@ class _Emitter:
             return f"{args[0]}[{args[1]}]"
         fn = _DIRECT.get(target)
         if fn is None:
-            fn = target._op if isinstance(target, torch._ops.OpOverload) else target
+            fn = _entry_point(target)
         return f"{self.bind(fn, 'f')}({', '.join(args)})"
 
     def source(self) -> str:
