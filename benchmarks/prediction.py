@@ -8,10 +8,10 @@ all-reduce then has the network and the CPU to itself, which is what the α–β
 describes), profile real steps, and compare the plan's predicted communication per step
 with the measured one. A collective cannot finish before its last rank starts it; ranks
 sharing two cores drift apart by milliseconds, and that waiting is load imbalance, not
-communication. So a collective is measured from the latest rank's issue to its
-completion (Gloo's completion callback, or the end of the wait if that came first), on
-one clock: all ranks are processes of this machine and ``time.perf_counter`` is
-system-wide. The figure is the median over steps; the error is |predicted - measured| /
+communication. So a collective is measured from the latest rank's issue to the first
+completion any rank saw (Gloo's completion callback, or the end of the wait if that came
+first), on one clock: all ranks are processes of this machine and ``time.perf_counter``
+is system-wide. The figure is the median over steps; the error is |predicted - measured| /
 measured.
 
 This is a benchmark, not a test: the project measures time in benchmarks, never as
@@ -66,16 +66,22 @@ def profiled(rank: int, name: str, steps: int) -> dict:
 
 
 def measured_per_step(runs: list[dict]) -> list[float]:
-    """Per step: the sum over collectives of (completion - the latest rank's issue)."""
+    """Per step: the sum over collectives of (first completion seen - the latest issue).
+
+    The latest rank's issue is when the collective could start; the first rank to see it
+    complete bounds when it finished (a rank descheduled after waking, as happens with
+    more threads than cores, would only report it later)."""
     steps = []
     for k in range(len(runs[0]["raw"])):
         issue: dict[str, float] = {}
         done: dict[str, float] = {}
         for r in runs:
             for kind, name, t in r["raw"][k]:
-                table = issue if kind == "issue" else done
-                table[name] = max(table.get(name, t), t)
-        steps.append(sum(done[n] - issue[n] for n in issue))
+                if kind == "issue":
+                    issue[name] = max(issue.get(name, t), t)
+                else:
+                    done[name] = min(done.get(name, t), t)
+        steps.append(sum(max(0.0, done[n] - issue[n]) for n in issue))
     return steps
 
 
