@@ -153,8 +153,8 @@ def main() -> None:
 
     rows = spawn(rank_main, args=(args.max_mib << 20,), nprocs=args.nprocs, timeout=3000)[0]
     n = args.nprocs
-    print(f"| op | size | spmd µs | torch µs | ratio | extra µs | spmd busbw GB/s | "
-          f"torch busbw GB/s |")
+    print("| op | size | spmd µs | torch µs | ratio | extra µs | spmd busbw GB/s | "
+          "torch busbw GB/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     ratios = []
     for op, nbytes, t_ours, t_torch in rows:

@@ -141,7 +141,7 @@ def main() -> None:
 
     results = spawn(rank_main, args=(args.steps, args.rounds), nprocs=args.nprocs,
                     timeout=3000)[0]
-    print(f"| model | variant | ms/step | vs torch DDP (x faster) | vs limit (x slower) |")
+    print("| model | variant | ms/step | vs torch DDP (x faster) | vs limit (x slower) |")
     print("|---|---|---:|---:|---:|")
     for name, res in results.items():
         ddp, limit = res["torch DDP"], res["limit"]

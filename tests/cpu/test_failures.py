@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from spmd import runtime as dist
-from spmd.runtime import DistError, DistTimeoutError, SpawnError
+from spmd.runtime import SpawnError
 
 
 def _attempt(fn):

@@ -9,7 +9,6 @@ emitted code must give back exactly the gradients the unlowered graph computes.
 from __future__ import annotations
 
 
-import pytest
 import torch
 import torch.fx as fx
 from hypothesis import given, settings, strategies as st
