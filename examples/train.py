@@ -64,7 +64,7 @@ def rank_main(rank: int, steps: int, compare: int) -> dict:
     world = dist.get_world_size()
 
     model = spmd.parallelize(build_model())
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def step_with(m, o, step):
         x, y = make_batch(step, rank, world)
@@ -93,7 +93,7 @@ def rank_main(rank: int, steps: int, compare: int) -> dict:
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                              world_size=world)
     ddp = DistributedDataParallel(build_model())
-    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     times = {"spmd": [], "ddp": []}
     for step in range(compare):  # alternate, so both see the same machine
         for name, (m, o) in (("spmd", (model, opt)), ("ddp", (ddp, ddp_opt))):
