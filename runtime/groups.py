@@ -6,6 +6,7 @@ process, so ranks that are threads of one process each have their own default gr
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 from typing import Sequence
 
@@ -16,6 +17,8 @@ from spmd.runtime.store.base import Store, as_seconds
 from spmd.runtime.store.hash_store import HashStore
 from spmd.runtime.store.prefix_store import PrefixStore
 from spmd.runtime.store.tcp_store import TCPStore
+
+log = logging.getLogger("spmd.runtime")
 
 __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "get_rank",
@@ -30,8 +33,10 @@ class _World:
     """Everything ``init_process_group`` set up for one rank."""
 
     def __init__(self, store: Store, rank: int, size: int, backend: str, timeout: timedelta,
-                 debug: bool, master_host: str | None, store_host_rank: int | None) -> None:
+                 debug: bool, master_host: str | None, store_host_rank: int | None,
+                 own_store: bool = False) -> None:
         self.store = store
+        self.own_store = own_store  # made by our rendezvous (not passed in): ours to close
         self.rank = rank
         self.size = size
         self.backend = backend
@@ -148,7 +153,8 @@ def init_process_group(
         base, me, size = rendezvous(url, rank if rank >= 0 else None,
                                     world_size if world_size > 0 else None, pg_timeout)
     master_host, host_rank = _store_host(base, context.getenv("MASTER_ADDR"))
-    state = _World(base, me, size, name, pg_timeout, debug_on, master_host, host_rank)
+    state = _World(base, me, size, name, pg_timeout, debug_on, master_host, host_rank,
+                   own_store=store is None)
     group = _make_group(state, group_name or "default", list(range(size)), name, pg_timeout)
     state.default = group
     ctx = context.current()
@@ -229,8 +235,8 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
             g._destroy()
         state.groups.clear()
         ctx.state.pop("world", None)
-        if isinstance(state.store, TCPStore) and not state.store.is_master:
-            state.store.close()
+        if state.own_store and state.store.release():
+            _leave(state)
         return
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"destroy_process_group: expected a ProcessGroup, got {type(group)}")
@@ -239,6 +245,23 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         return
     group._destroy()
     state.groups.pop(group.name, None)
+
+
+def _leave(state: _World) -> None:
+    """Close the store we made; the rank serving it first waits (briefly) for the others
+    to leave, so a later init on the same port finds it free, and nobody loses it early."""
+    store = state.store
+    try:
+        if isinstance(store, TCPStore) and state.size > 1:
+            if store.add("spmd/left", 1) >= state.size:
+                store.set("spmd/all_left", b"1")
+            wait = min(30.0, state.timeout.total_seconds())
+            store.wait(["spmd/all_left"], timedelta(seconds=wait))
+            if not store.is_master:  # until the server is gone: a next init on this port
+                store.wait_closed(min(10.0, wait))  # must not reach the old one
+    except Exception as e:  # a rank that died never leaves: close anyway, and say so
+        log.warning("destroy_process_group: not every rank left the store cleanly: %s", e)
+    store.close()
 
 
 def get_rank(group: ProcessGroup | None = None) -> int:

@@ -156,7 +156,9 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
         if own:
             base.close()
         raise
-    agent.store = base if own else None  # rank 0 serves it: closed when the agent stops
+    if not own:
+        base.retain()  # the process group's store: it stays open while either needs it
+    agent.store = base  # released when the agent stops; the last user closes it
     _live.add(agent)
     ctx.on_close(lambda: _forget(ctx, agent))
 

@@ -194,7 +194,8 @@ def _run_rounds(agent: RpcAgent, timeout: float) -> None:
     if agent.rank == _LEADER:
         rounds.bye_event.wait(min(max(deadline - time.monotonic(), 0.0), 10.0))
         if agent.store is not None:
-            agent.store.close()
+            if agent.store.release():
+                agent.store.close()
             agent.store = None
         rounds.release_byes()
     else:

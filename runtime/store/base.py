@@ -166,6 +166,16 @@ class Store(abc.ABC):
     def close(self) -> None:
         """Release the store's resources (connections, files). Idempotent."""
 
+    def retain(self) -> "Store":
+        """Record one more user of this store object (a second component sharing it)."""
+        self._users = getattr(self, "_users", 1) + 1
+        return self
+
+    def release(self) -> bool:
+        """Record that one user is done; True when it was the last (time to close)."""
+        self._users = getattr(self, "_users", 1) - 1
+        return self._users <= 0
+
     def __enter__(self) -> "Store":
         return self
 

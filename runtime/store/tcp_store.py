@@ -72,6 +72,10 @@ def _sendall(sock: socket.socket, bufs: list) -> None:
                 sent = 0
 
 
+class _Transient(DistStoreError):
+    """The connection dropped during the greeting: worth another try until the timeout."""
+
+
 class TCPStore(Store):
     """A store served over TCP by the master process, used by every process of a job.
 
@@ -229,6 +233,10 @@ class TCPStore(Store):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 try:
                     self._handshake(sock, deadline)
+                except _Transient as e:  # e.g. a server of a previous job shutting down
+                    sock.close()
+                    last = e
+                    continue
                 except BaseException:
                     sock.close()
                     raise
@@ -256,7 +264,7 @@ class TCPStore(Store):
                 f"something other than an spmd TCPStore listening there?"
             ) from None
         except (OSError, ConnectionError) as e:
-            raise DistStoreError(f"{where}: connection lost during the greeting: {e}") from e
+            raise _Transient(f"{where}: connection lost during the greeting: {e}") from e
         if magic != P.MAGIC:
             raise DistStoreError(
                 f"{where}: the server there is not an spmd TCPStore (greeting {magic!r}); "
@@ -285,7 +293,7 @@ class TCPStore(Store):
         except socket.timeout:
             raise DistTimeoutError(f"{where}: the server did not answer the greeting") from None
         except (OSError, ConnectionError) as e:
-            raise DistStoreError(f"{where}: connection lost during the greeting: {e}") from e
+            raise _Transient(f"{where}: connection lost during the greeting: {e}") from e
         if status != P.ACCEPT_OK:
             raise DistStoreError(f"{where}: the server refused this client: wrong auth token")
         if self._token is not None and not P.same(
@@ -413,6 +421,23 @@ class TCPStore(Store):
 
     def _append(self, key: str, value: bytes) -> None:
         self._call(P.APPEND, 0, (key.encode(), value), "append")
+
+    def wait_closed(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until the server closes this thread's
+        connection; True if it did. A rank leaving a job uses it so that its next job on
+        the same port cannot reach the old server."""
+        sock = getattr(self._local, "sock", None)
+        if sock is None or self._closed:
+            return True
+        sock.settimeout(timeout)
+        try:
+            closed = sock.recv(1) == b""
+        except socket.timeout:
+            closed = False
+        except OSError:
+            closed = True
+        self._disconnect()
+        return closed
 
     def ping(self) -> float:
         """Seconds for one round trip to the server (a liveness and latency probe)."""

@@ -169,3 +169,36 @@ def test_bad_mesh_arguments(args, exc, match):
         Mesh.simulated(*args)
     with pytest.raises(ValueError, match="no dimension 'zz'"):
         Mesh.simulated(4).size("zz")
+
+
+def _twice_on_one_port(rank):
+    out = []
+    for _ in range(2):  # the second init meets on the same MASTER_PORT as the first
+        dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t)
+        out.append(t.item())
+        dist.destroy_process_group()
+    return out
+
+
+def test_init_destroy_init_on_the_same_port():
+    out = dist.spawn(_twice_on_one_port, nprocs=3, start_method="forkserver", timeout=60)
+    assert out == [[6.0, 6.0]] * 3
+
+
+def _group_then_rpc(rank):
+    from spmd.runtime import rpc
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2)  # shares the group's store
+    dist.destroy_process_group()  # the store must outlive the group: RPC still uses it
+    total = rpc.rpc_sync(f"w{1 - rank}", torch.add, args=(torch.ones(1), rank))
+    rpc.shutdown()
+    return total.item()
+
+
+def test_a_destroyed_group_leaves_the_store_to_rpc():
+    # rank r asks the other worker for 1 + r
+    assert dist.spawn(_group_then_rpc, nprocs=2, start_method="forkserver", timeout=60) == [
+        1.0, 2.0]
