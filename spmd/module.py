@@ -74,6 +74,7 @@ class ModuleState:
         self.steps = 0
         self.covered: set[str] = set()  # parameters some planned graph reduces
         self.estimates: dict[str, float] = {}  # graph -> shared backward-seconds estimate
+        self.capture_failed: str | None = None  # why the model runs eagerly, if it does
         self.profiler: Any = None
         self.measured: Any = None  # the last profiled step's Timeline
         self.discovery = DISCOVERY_STEPS  # steps left with a hook on every parameter
@@ -255,7 +256,7 @@ class ModuleState:
             self.steps += 1
         if self.compiled is None:
             self.compiled = _compile(module, original, self.capture)
-        out = self.compiled(*args, **kwargs)
+        out = self._run(module, original, args, kwargs)
         if training and self.reducer.pending:
             # gradients accumulated under no_sync() wait in the reducer: make sure this
             # backward ends by averaging them, even if no parameter hook remains
@@ -264,6 +265,30 @@ class ModuleState:
             engine = torch.autograd.Variable._execution_engine
             _on_first_gradient(out, lambda: engine.queue_callback(self._end_profiled_step))
         return out
+
+    def _run(self, module: nn.Module, original: Any, args: tuple, kwargs: dict) -> Any:
+        """The compiled forward; if the model cannot be captured at all, the eager one,
+        with every gradient left to the safety net (the plan says why)."""
+        if self.capture_failed is None:
+            try:
+                return self.compiled(*args, **kwargs)
+            except Exception as e:
+                from torch._dynamo.exc import TorchDynamoException
+
+                if not isinstance(e, TorchDynamoException):
+                    raise  # the model's own error, not a capture failure
+                inner = getattr(e, "inner_exception", None) or e.__cause__ or e
+                first = (str(inner).strip().splitlines() or ["?"])[0][:200]
+                reason = f"the model could not be captured ({type(inner).__name__}: {first})"
+                log.warning("spmd: %s; running it eagerly, gradients averaged by the safety "
+                            "net", reason)
+                self.capture_failed = reason
+                self.discovery = 1 << 30  # keep every hook: nothing is reduced in a graph
+                self._hook_all()
+        for name in self.params:
+            if self.params[name].requires_grad:
+                self.fallbacks.setdefault(name, self.capture_failed)
+        return original(module, *args, **kwargs)
 
     def _reduce_accumulated(self) -> None:
         """Gradients summed locally under no_sync() join this step's averaging."""

@@ -127,3 +127,4 @@ def batch(name: str, size: int = 12, step: int = 0) -> tuple[torch.Tensor, torch
     x = torch.randn(size, 3, 8, 8, generator=g) if name == "cnn" else torch.randn(size, 8,
                                                                                    generator=g)
     return x, torch.randn(size, 4, generator=g)
+

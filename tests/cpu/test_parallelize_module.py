@@ -244,3 +244,32 @@ def test_single_rank_group_runs_without_collectives():
         assert spmd.inspect(model).collectives == []
     finally:
         dist.destroy_process_group()
+
+
+def _refuse(self, gm, example_inputs):  # fault injection: the backend fails to compile
+    raise RuntimeError("injected capture failure")
+
+
+def _capture_fails(rank):
+    from spmd.lowering.capture import Capture
+
+    Capture.__call__ = _refuse  # this rank's process only
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    world = dist.get_world_size()
+    model = spmd.parallelize(MODELS["mlp"]())
+    x, y = batch("mlp")
+    for _ in range(2):
+        F.mse_loss(model(_shard(x, rank, world)), _shard(y, rank, world)).backward()
+    plan = spmd.inspect(model)
+    return _grads(model), [(f.param, f.reason) for f in plan.fallbacks]
+
+
+def test_a_model_that_cannot_be_captured_still_trains_correctly():
+    out = dist.spawn(_capture_fails, nprocs=2, start_method="forkserver", timeout=100)
+    want = _reference_grads(1)
+    for grads, fallbacks in out:
+        for name, g in grads.items():  # two backward passes accumulated, each averaged
+            assert torch.allclose(g, 2 * want[name], **TOL), name
+        assert sorted(p for p, _ in fallbacks) == sorted(want)
+        assert all("could not be captured" in reason and "injected capture failure" in reason
+                   for _, reason in fallbacks)
