@@ -109,7 +109,7 @@ class RpcAgent:
         self.contexts: dict[int, Any] = {}  # distributed autograd contexts (autograd owns them)
         self.contexts_lock = threading.Lock()
         self.shutdown_state: Any = None
-        self.store: Any = None  # the store init_rpc made (not a process group's)
+        self.store: Any = None  # the store init_rpc met in, perhaps shared with the group
         self.stopped = False
         self._ids = itertools.count(1)
         self._timers: queue.SimpleQueue = queue.SimpleQueue()
@@ -499,8 +499,13 @@ class RpcAgent:
                 t.join(max(0.0, end - time.monotonic()))
         self.transport.close(linger)
         self.lent.clear()
-        if self.store is not None:
+        self.drop_store()
+
+    def drop_store(self) -> None:
+        """Release the store; close it only when no one else (a process group) uses it."""
+        if self.store is not None and self.store.release():
             self.store.close()
+        self.store = None
 
 
 _ANSWERS = frozenset({Kind.RESPONSE, Kind.ERROR})

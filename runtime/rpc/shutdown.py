@@ -193,10 +193,7 @@ def _run_rounds(agent: RpcAgent, timeout: float) -> None:
     agent.closing.update(range(agent.world_size))  # closing connections are expected now
     if agent.rank == _LEADER:
         rounds.bye_event.wait(min(max(deadline - time.monotonic(), 0.0), 10.0))
-        if agent.store is not None:
-            if agent.store.release():
-                agent.store.close()
-            agent.store = None
+        agent.drop_store()  # before the byes: a worker that starts again meets a fresh one
         rounds.release_byes()
     else:
         try:

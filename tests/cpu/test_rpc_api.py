@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -279,6 +280,28 @@ def test_rpc_initializes_again_after_shutdown_and_shares_a_process_group_store()
     out = spawn(_reinit_rank, nprocs=2, start_method="forkserver", timeout=60)
     for results in out:
         assert [r.item() for r in results] == [0.0, 1.0, 10.0]
+
+
+def _group_outlives_rpc_rank(rank):
+    from spmd import runtime as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=10))
+    rpc = _init(rank, 2)  # shares the group's store
+    rpc.rpc_sync(f"w{1 - rank}", _scaled, args=(torch.ones(1),))
+    rpc.shutdown(timeout=10)
+    store = dist.groups.world().store  # every rank's, not only the coordinator's, is open
+    store.set(f"after_rpc/{rank}", str(rank))
+    seen = store.get(f"after_rpc/{1 - rank}")
+    dist.barrier()
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    return seen, total.item()
+
+
+def test_rpc_shutdown_leaves_a_shared_store_to_the_process_group():
+    out = spawn(_group_outlives_rpc_rank, nprocs=2, start_method="thread", timeout=30)
+    assert out == [(b"1", 2.0), (b"0", 2.0)]
 
 
 def test_options_and_device_maps_are_checked_when_built():
