@@ -248,17 +248,19 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
 
 
 def _leave(state: _World) -> None:
-    """Close the store we made; the rank serving it first waits (briefly) for the others
-    to leave, so a later init on the same port finds it free, and nobody loses it early."""
+    """Close the store we made. The rank serving it first waits (briefly) for the others
+    to leave, so nobody loses it early; the others wait until the server is gone, so a
+    later init on the same port cannot reach the old one."""
     store = state.store
     try:
         if isinstance(store, TCPStore) and state.size > 1:
+            wait = min(30.0, state.timeout.total_seconds())
             if store.add("spmd/left", 1) >= state.size:
                 store.set("spmd/all_left", b"1")
-            wait = min(30.0, state.timeout.total_seconds())
-            store.wait(["spmd/all_left"], timedelta(seconds=wait))
-            if not store.is_master:  # until the server is gone: a next init on this port
-                store.wait_closed(min(10.0, wait))  # must not reach the old one
+            if store.is_master:
+                store.wait(["spmd/all_left"], timedelta(seconds=wait))
+            else:  # no request after the add: the server may close as soon as all have left
+                store.wait_closed(wait)
     except Exception as e:  # a rank that died never leaves: close anyway, and say so
         log.warning("destroy_process_group: not every rank left the store cleanly: %s", e)
     store.close()
