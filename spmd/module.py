@@ -54,6 +54,8 @@ class ModuleState:
         self.options = options
         self.group = group
         self.world_size = world_size
+        # a simulated mesh (no group) or one rank: plan as usual, run no collectives
+        self.communicates = group is not None and world_size > 1
         self.cost_model = cost_model
         self.index = index  # the how-many-th parallelized model of this rank (same everywhere)
         self.sync = SyncState()
@@ -94,7 +96,7 @@ class ModuleState:
         """Backward compute is about twice the forward's (a gradient matmul for the input
         and one for the weight per forward matmul). The forward is timed on the group's
         first rank and the figure shared, so every rank derives the same buckets."""
-        if self.group is None or self.world_size <= 1:
+        if not self.communicates:
             seconds = time_forward(record)  # nothing to agree on: no collectives run
             if seconds is not None:
                 self.estimates[record.name] = 2.0 * seconds
@@ -116,7 +118,7 @@ class ModuleState:
         if self.discovery <= 0:  # a new graph: watch every parameter again for a while
             self.discovery = DISCOVERY_STEPS
             self._hook_all()
-        if self.group is None or self.world_size <= 1:
+        if not self.communicates:
             return
         plan = plan_from_records([record], strategy=self.options.strategy,
                                  world_size=self.world_size, group_name=self.group.name,
@@ -179,7 +181,7 @@ class ModuleState:
     # -- the eager safety net ---------------------------------------------------------
 
     def _hook_all(self) -> None:
-        if self.group is None or self.world_size <= 1:
+        if not self.communicates:
             return  # nothing to average: one rank, or a simulated mesh
         for name, param in self.params.items():
             if param.requires_grad and name not in self._hooks:
@@ -247,7 +249,7 @@ class ModuleState:
             self.sync.begin_step()
             if self.profiler is not None:
                 self.profiler.begin_step()
-            if self.options.broadcast_buffers and self.buffers and self.world_size > 1:
+            if self.options.broadcast_buffers and self.buffers and self.communicates:
                 broadcast_coalesced(self.buffers.values(), self.group.ranks[0], self.group)
             if self.sync.enabled and self.accumulated:
                 self._reduce_accumulated()

@@ -67,10 +67,11 @@ def test_same_buckets_whatever_the_number_of_ranks():
     assert comm[0] < comm[1] < comm[2]  # only the predicted communication changes
 
 
-def test_inspect_with_example_inputs_leaves_the_model_alone():
-    model = MODELS["mlp"]()
+@pytest.mark.parametrize("name", ["mlp", "batchnorm"])  # buffers: nobody to broadcast to
+def test_inspect_with_example_inputs_leaves_the_model_alone(name):
+    model = MODELS[name]()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    plan = spmd.inspect(model, batch("mlp")[0], mesh=spmd.Mesh.simulated(8))
+    plan = spmd.inspect(model, batch(name)[0], mesh=spmd.Mesh.simulated(8))
     assert plan.world_size == 8 and plan.buckets
     assert not hasattr(model, "_spmd") and all(p.grad is None for p in model.parameters())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
