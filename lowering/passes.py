@@ -8,7 +8,6 @@ logs its time and the graph it produced under the ``spmd.lowering`` logger.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -16,6 +15,7 @@ from typing import Callable, Iterable
 import torch.fx as fx
 
 from spmd.lowering.context import LoweringContext
+from spmd.runtime import config
 
 __all__ = ["Pass", "Provenance", "run_passes", "debug_plan"]
 
@@ -39,8 +39,7 @@ class Provenance:
 
 
 def debug_plan() -> bool:
-    raw = os.environ.get("SPMD_DEBUG", "")
-    return "plan" in {part.strip().lower() for part in raw.split(",")}
+    return "plan" in config.debug_levels()
 
 
 def run_passes(gm: fx.GraphModule, ctx: LoweringContext,

@@ -8,7 +8,7 @@ import torch
 
 from spmd.runtime.process_group import ProcessGroup
 
-__all__ = ["tensor", "tensor_list", "contiguous", "root", "describe", "wire"]
+__all__ = ["tensor", "tensor_list", "contiguous", "same_dtype", "describe", "wire"]
 
 # What Gloo moves (measured on torch 2.13: int16, the unsigned types above uint8 and the
 # float8 types raise "Invalid scalar type" inside Gloo). Complex tensors travel as their
@@ -75,9 +75,11 @@ def tensor_list(
     return list(items)
 
 
-def root(pg: ProcessGroup, rank: Any, op: str, what: str) -> int:
-    """The group index of the global rank ``rank`` given as ``what`` (src, dst)."""
-    return pg.group_rank(rank, f"{op}: {what}")
+def same_dtype(output: torch.Tensor, input: torch.Tensor, op: str, output_name: str = "output",
+               input_name: str = "input") -> None:
+    if output.dtype != input.dtype:
+        raise TypeError(f"{op}: {output_name} is {output.dtype} but {input_name} is "
+                        f"{input.dtype}")
 
 
 def describe(tensors: Sequence[torch.Tensor] | torch.Tensor) -> str:

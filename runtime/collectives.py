@@ -71,6 +71,12 @@ def _staged(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], Any] | None]:
     return buf, lambda: t.copy_(buf)
 
 
+def _staged_all(ts: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[], None] | None]:
+    """:func:`_staged` for each of ``ts``: the buffers and one step that copies all back."""
+    staged = [_staged(t) for t in ts]
+    return [b for b, _ in staged], _then(*(back for _, back in staged))
+
+
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
                group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across the group in place; every rank gets the result."""
@@ -91,7 +97,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
     """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
     pg = resolve_group(group, "broadcast")
     checks.tensor(tensor, "broadcast", pg)
-    root = checks.root(pg, src, "broadcast", "src")
+    root = pg.group_rank(src, "broadcast: src")
     seq = pg._begin("broadcast", lambda: f"{checks.describe(tensor)}, src={src}")
     buf, back = _staged(tensor)
     opts = _dist.BroadcastOptions()
@@ -105,7 +111,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM,
     """Reduce ``tensor`` across the group into global rank ``dst``'s copy."""
     pg = resolve_group(group, "reduce")
     checks.tensor(tensor, "reduce", pg)
-    root = checks.root(pg, dst, "reduce", "dst")
+    root = pg.group_rank(dst, "reduce: dst")
     rop, divide = _reduction(pg, op, tensor.dtype, "reduce")
     seq = pg._begin("reduce", lambda: f"{checks.describe(tensor)}, op={ReduceOp.of(op).name}, "
                                       f"dst={dst}")
@@ -128,9 +134,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
     outputs = checks.tensor_list(tensor_list, "all_gather", pg, "tensor_list", like=tensor)
     checks.contiguous(tensor, "all_gather")
     seq = pg._begin("all_gather", lambda: checks.describe(tensor))
-    staged = [_staged(t) for t in outputs]
-    bufs = [b for b, _ in staged]
-    post = _then(*(back for _, back in staged))
+    bufs, post = _staged_all(outputs)
     backend = pg._backend
     return pg._launch("all_gather", seq, lambda: backend.allgather([[W(b) for b in bufs]], [W(tensor)]), async_op,
                       post)
@@ -144,9 +148,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     op = "all_gather_into_tensor"
     checks.tensor(output_tensor, op, pg, "output_tensor")
     checks.tensor(input_tensor, op, pg, "input_tensor")
-    if output_tensor.dtype != input_tensor.dtype:
-        raise TypeError(f"{op}: output_tensor is {output_tensor.dtype} but input_tensor is "
-                        f"{input_tensor.dtype}")
+    checks.same_dtype(output_tensor, input_tensor, op, "output_tensor", "input_tensor")
     if output_tensor.numel() != pg.size() * input_tensor.numel():
         raise ValueError(f"{op}: output_tensor has {output_tensor.numel()} elements; it needs "
                          f"{pg.size()} x {input_tensor.numel()} = "
@@ -165,11 +167,11 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
     pg = resolve_group(group, "gather")
     checks.tensor(tensor, "gather", pg)
     checks.contiguous(tensor, "gather")
-    root = checks.root(pg, dst, "gather", "dst")
+    root = pg.group_rank(dst, "gather: dst")
     if pg.rank() == root:
         if gather_list is None:
             raise ValueError(f"gather: rank {dst} is the destination and must pass gather_list")
-        outputs = [checks.tensor_list(gather_list, "gather", pg, "gather_list", like=tensor)]
+        outputs = checks.tensor_list(gather_list, "gather", pg, "gather_list", like=tensor)
     else:
         if gather_list:
             raise ValueError(f"gather: gather_list must be None on ranks other than dst={dst}")
@@ -177,11 +179,10 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
     seq = pg._begin("gather", lambda: f"{checks.describe(tensor)}, dst={dst}")
     opts = _dist.GatherOptions()
     opts.rootRank = root
-    staged = [[_staged(t) for t in outputs[0]]] if outputs else []
-    bufs = [[b for b, _ in staged[0]]] if staged else []
-    post = _then(*(back for _, back in staged[0])) if staged else None
+    bufs, post = _staged_all(outputs)
+    lists = [bufs] if outputs else []  # one output list on dst, none elsewhere
     backend = pg._backend
-    return pg._launch("gather", seq, lambda: backend.gather([[W(b) for b in bs] for bs in bufs], [W(tensor)], opts), async_op, post)
+    return pg._launch("gather", seq, lambda: backend.gather([[W(b) for b in bs] for bs in lists], [W(tensor)], opts), async_op, post)
 
 
 def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0,
@@ -189,12 +190,12 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     """``scatter_list[i]`` of global rank ``src`` into ``tensor`` on the group's rank i."""
     pg = resolve_group(group, "scatter")
     checks.tensor(tensor, "scatter", pg)
-    root = checks.root(pg, src, "scatter", "src")
+    root = pg.group_rank(src, "scatter: src")
     if pg.rank() == root:
         if scatter_list is None:
             raise ValueError(f"scatter: rank {src} is the source and must pass scatter_list")
-        inputs = [checks.tensor_list(scatter_list, "scatter", pg, "scatter_list", like=tensor)]
-        inputs = [[t.contiguous() for t in inputs[0]]]
+        sources = checks.tensor_list(scatter_list, "scatter", pg, "scatter_list", like=tensor)
+        inputs = [[t.contiguous() for t in sources]]
     else:
         if scatter_list:
             raise ValueError(f"scatter: scatter_list must be None on ranks other than src={src}")
@@ -217,8 +218,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
     rop, divide = _reduction(pg, op, output.dtype, "reduce_scatter")
     seq = pg._begin("reduce_scatter",
                     lambda: f"{checks.describe(output)}, op={ReduceOp.of(op).name}")
-    opts = _dist.ReduceScatterOptions()
-    opts.reduceOp = rop.to_torch()
+    opts = _options(_dist.ReduceScatterOptions, rop)
     buf, back = _staged(output)
     ins = [t.contiguous() for t in inputs]
     size = pg.size()
@@ -236,8 +236,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
     pg = resolve_group(group, name)
     checks.tensor(output, name, pg, "output")
     checks.tensor(input, name, pg, "input")
-    if output.dtype != input.dtype:
-        raise TypeError(f"{name}: output is {output.dtype} but input is {input.dtype}")
+    checks.same_dtype(output, input, name)
     if input.numel() != pg.size() * output.numel():
         raise ValueError(f"{name}: input has {input.numel()} elements; it needs {pg.size()} x "
                          f"{output.numel()} = {pg.size() * output.numel()} (group size x output)")
@@ -245,8 +244,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
     checks.contiguous(input, name, "input")
     rop, divide = _reduction(pg, op, output.dtype, name)
     seq = pg._begin(name, lambda: f"{checks.describe([output, input])}, op={ReduceOp.of(op).name}")
-    opts = _dist.ReduceScatterOptions()
-    opts.reduceOp = rop.to_torch()
+    opts = _options(_dist.ReduceScatterOptions, rop)
     size = pg.size()
     post = (lambda: output.div_(size)) if divide else None
     backend = pg._backend
@@ -265,10 +263,8 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
             raise TypeError(f"all_to_all: output_tensor_list[{i}] is {o.dtype} but "
                             f"input_tensor_list[{i}] is {t.dtype}")
     seq = pg._begin("all_to_all", lambda: f"{checks.describe(outs)} <- {checks.describe(ins)}")
-    staged = [_staged(t) for t in outs]
-    bufs = [b for b, _ in staged]
+    bufs, post = _staged_all(outs)
     contiguous_ins = [t.contiguous() for t in ins]
-    post = _then(*(back for _, back in staged))
     opts = _dist.AllToAllOptions()
     backend = pg._backend
     return pg._launch("all_to_all", seq, lambda: backend.alltoall([W(b) for b in bufs], [W(t) for t in contiguous_ins], opts),
@@ -301,8 +297,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     pg = resolve_group(group, name)
     checks.tensor(output, name, pg, "output")
     checks.tensor(input, name, pg, "input")
-    if output.dtype != input.dtype:
-        raise TypeError(f"{name}: output is {output.dtype} but input is {input.dtype}")
+    checks.same_dtype(output, input, name)
     out_splits = _splits(output_split_sizes, output, pg.size(), "output_split_sizes")
     in_splits = _splits(input_split_sizes, input, pg.size(), "input_split_sizes")
     checks.contiguous(output, name, "output")

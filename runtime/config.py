@@ -78,8 +78,9 @@ def process_group_timeout() -> timedelta:
 
 
 def debug_levels(value: str | None = None) -> frozenset[str]:
-    """The debug levels switched on (``SPMD_DEBUG``, comma-separated; e.g. ``detail``)."""
-    raw = os.environ.get("SPMD_DEBUG", "") if value is None else value
+    """The debug levels in ``value``, or switched on (``SPMD_DEBUG`` as this rank sees it)
+    when None; comma-separated, e.g. ``detail``."""
+    raw = (_context_getenv("SPMD_DEBUG") or "") if value is None else value
     return frozenset(part.strip().lower() for part in raw.split(",") if part.strip())
 
 

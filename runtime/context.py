@@ -23,22 +23,9 @@ class RankContext:
     def __init__(self, env: dict[str, str] | None = None) -> None:
         self.env: dict[str, str] = dict(env or {})
         self.state: dict[str, Any] = {}
-        self._abort_hooks: list[Callable[[str], None]] = []
         self._close_hooks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self.aborted: str | None = None
-
-    def on_abort(self, hook: Callable[[str], None]) -> Callable[[], None]:
-        """Call ``hook(reason)`` if this rank is aborted; returns a function that unregisters."""
-        with self._lock:
-            self._abort_hooks.append(hook)
-
-        def remove() -> None:
-            with self._lock:
-                if hook in self._abort_hooks:
-                    self._abort_hooks.remove(hook)
-
-        return remove
 
     def on_close(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` when the rank ends (thread-ranks release what they built)."""
@@ -57,14 +44,7 @@ class RankContext:
 
     def abort(self, reason: str) -> None:
         """Make this rank's blocking calls fail soon (threads cannot be killed)."""
-        with self._lock:
-            self.aborted = reason
-            hooks = list(self._abort_hooks)
-        for hook in hooks:
-            try:
-                hook(reason)
-            except Exception:
-                pass
+        self.aborted = reason
 
 
 class _Local(threading.local):

@@ -51,11 +51,9 @@ class _World:
 
 
 def _debug_level(debug: object) -> bool:
-    if debug is None:
-        return "detail" in config.debug_levels(context.getenv("SPMD_DEBUG"))
     if isinstance(debug, bool):
         return debug
-    if not isinstance(debug, str):
+    if debug is not None and not isinstance(debug, str):
         raise TypeError(f"debug must be a bool or one of {_DEBUG_LEVELS}, got {debug!r}")
     return "detail" in config.debug_levels(debug)
 
@@ -266,30 +264,30 @@ def _leave(state: _World) -> None:
     store.close()
 
 
+def _group_or_default(group: ProcessGroup | None, op: str) -> ProcessGroup:
+    """``group``, or the default group when None; unlike ``resolve_group`` a non-member's
+    handle is fine (its rank is -1)."""
+    pg = world(op).default if group is None else group
+    assert pg is not None
+    return pg
+
+
 def get_rank(group: ProcessGroup | None = None) -> int:
     """This rank in ``group`` (the global rank for the default group; -1 if not a member)."""
-    pg = world("get_rank").default if group is None else group
-    assert pg is not None
-    return pg.rank()
+    return _group_or_default(group, "get_rank").rank()
 
 
 def get_world_size(group: ProcessGroup | None = None) -> int:
-    pg = world("get_world_size").default if group is None else group
-    assert pg is not None
-    return pg.size()
+    return _group_or_default(group, "get_world_size").size()
 
 
 def get_backend(group: ProcessGroup | None = None) -> str:
-    pg = world("get_backend").default if group is None else group
-    assert pg is not None
-    return pg.backend
+    return _group_or_default(group, "get_backend").backend
 
 
 def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
     """The global ranks of ``group``'s members, in group order."""
-    pg = world("get_process_group_ranks").default if group is None else group
-    assert pg is not None
-    return list(pg.ranks)
+    return list(_group_or_default(group, "get_process_group_ranks").ranks)
 
 
 def get_group_rank(group: ProcessGroup, global_rank: int) -> int:

@@ -92,7 +92,7 @@ def _read(group: "ProcessGroup", ranks: Iterable[int]) -> dict[int, tuple[int, i
 
 
 def diagnose(group: "ProcessGroup", op: str, seq: int | None, peers: Iterable[int] | None,
-             timed_out: bool = False, settle: float | None = None) -> str:
+             timed_out: bool = False) -> str:
     """Which ranks broke ``op``: gone (no heartbeat) or absent (never entered it).
 
     ``seq`` is the operation's collective sequence number (None for point-to-point);
@@ -103,7 +103,7 @@ def diagnose(group: "ProcessGroup", op: str, seq: int | None, peers: Iterable[in
     ranks = [r for r in (range(group.size()) if peers is None else peers) if r != me]
     if not ranks:
         return ""
-    wait = 2.5 * heartbeat_interval() if settle is None else settle
+    wait = 2.5 * heartbeat_interval()
     try:
         first = _read(group, ranks)
         # After a timeout every live rank has long published its progress, so a rank still

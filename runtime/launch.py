@@ -148,6 +148,13 @@ class SpawnContext:
             f"spawn: rank(s) {ranks} did not finish within {self._timeout:g}s; stopped"
         )
 
+    def _join_deadline(self, timeout: float | None) -> float | None:
+        """The earlier of spawn's deadline and ``timeout`` seconds from now (None: none)."""
+        if timeout is None:
+            return self._deadline
+        end = time.monotonic() + timeout
+        return end if self._deadline is None else min(self._deadline, end)
+
     def join(self, timeout: float | None = None) -> list[Any]:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -174,10 +181,7 @@ class _ProcessContext(SpawnContext):
 
     def join(self, timeout: float | None = None) -> list[Any]:
         """Wait for every rank; their return values in rank order, or the first failure."""
-        deadline = self._deadline
-        if timeout is not None:
-            deadline = time.monotonic() + timeout if deadline is None else min(
-                deadline, time.monotonic() + timeout)
+        deadline = self._join_deadline(timeout)
         pending = set(range(self.nprocs)) - set(self._results)
         by_conn = {self._conns[r]: r for r in pending}
         by_sentinel = {self.processes[r].sentinel: r for r in pending}
@@ -259,10 +263,7 @@ class _ThreadContext(SpawnContext):
 
     def join(self, timeout: float | None = None) -> list[Any]:
         """Wait for every thread-rank; results in rank order, or the first failure."""
-        deadline = self._deadline
-        if timeout is not None:
-            deadline = time.monotonic() + timeout if deadline is None else min(
-                deadline, time.monotonic() + timeout)
+        deadline = self._join_deadline(timeout)
         with self._done:
             while True:
                 for rank in self._order:  # the first failure is the cause; later ones follow

@@ -32,6 +32,14 @@ def _shape(shape: object) -> tuple[int, ...]:
     return out
 
 
+def _flat_index(coord: Sequence[int], extents: Sequence[int]) -> int:
+    """The row-major position of ``coord`` in a grid of ``extents``."""
+    index = 0
+    for c, extent in zip(coord, extents):
+        index = index * extent + c
+    return index
+
+
 def _names(names: object, ndim: int) -> tuple[str, ...]:
     if names is None:
         return ("dp",) if ndim == 1 else tuple(f"dim{i}" for i in range(ndim))
@@ -140,21 +148,13 @@ class Mesh:
         coord = tuple(coordinate)
         if len(coord) != self.ndim or any(not 0 <= c < e for c, e in zip(coord, self.shape)):
             raise ValueError(f"coordinate {coord} is outside the mesh {self.shape}")
-        index = 0
-        for c, extent in zip(coord, self.shape):
-            index = index * extent + c
-        return self.ranks[index]
+        return self.ranks[_flat_index(coord, self.shape)]
 
     def _slice(self, coord: tuple[int, ...], dim: int) -> list[int]:
         return [self.rank_at(coord[:dim] + (i,) + coord[dim + 1:]) for i in range(self.shape[dim])]
 
     def _slice_index(self, coord: tuple[int, ...], dim: int) -> int:
-        rest = coord[:dim] + coord[dim + 1:]
-        extents = self.shape[:dim] + self.shape[dim + 1:]
-        index = 0
-        for c, e in zip(rest, extents):
-            index = index * e + c
-        return index
+        return _flat_index(coord[:dim] + coord[dim + 1:], self.shape[:dim] + self.shape[dim + 1:])
 
     def slices(self, dim: int | str) -> list[list[int]]:
         """Every slice along ``dim``: the rank lists whose process groups the mesh builds."""

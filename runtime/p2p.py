@@ -24,8 +24,8 @@ def _tag(tag: object, op: str) -> int:
     return tag
 
 
-def _peer(pg: ProcessGroup, peer: object, op: str, what: str) -> int:
-    index = checks.root(pg, peer, op, what)
+def _peer(pg: ProcessGroup, peer: int, op: str, what: str) -> int:
+    index = pg.group_rank(peer, f"{op}: {what}")
     if index == pg.rank():
         raise ValueError(f"{op}: {what}={peer} is this rank; a rank cannot {op} to itself")
     return index

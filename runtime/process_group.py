@@ -133,8 +133,8 @@ class ProcessGroup:
     # -- running operations -----------------------------------------------------------
 
     def _begin(self, op: str, fingerprint: Callable[[], str] | None) -> int:
-        """Take the next collective sequence number; in debug mode compare calls first."""
-        self.require(op)
+        """Take the next collective sequence number; in debug mode compare calls first.
+        Callers have checked the group with ``require`` (``resolve_group`` does)."""
         self._seq += 1
         if self.debug and fingerprint is not None:
             self._compare(self._seq, f"{op}({fingerprint()})")

@@ -13,6 +13,7 @@ from datetime import timedelta
 import pytest
 
 from spmd.runtime import DistStoreError, DistTimeoutError, TCPStore, spawn
+from spmd.runtime.launch import free_port
 from spmd.runtime.store import protocol as P
 
 T = timedelta(seconds=10)
@@ -195,7 +196,7 @@ def test_256_simultaneous_connections_from_several_processes(master):
 
 
 def test_client_may_start_before_master():
-    port = _free_port()
+    port = free_port()
     out = {}
 
     def client():
@@ -213,7 +214,7 @@ def test_client_may_start_before_master():
 
 
 def test_wait_for_workers_returns_when_all_joined():
-    port = _free_port()
+    port = free_port()
     started = time.monotonic()
     clients = []
     timer = threading.Timer(
@@ -226,7 +227,7 @@ def test_wait_for_workers_returns_when_all_joined():
 
 
 def test_wait_for_workers_times_out_naming_counts():
-    port = _free_port()
+    port = free_port()
     with pytest.raises(DistTimeoutError, match="only 1 of 3 participants joined"):
         TCPStore("127.0.0.1", port, 3, True, timedelta(seconds=0.5))
     # the failed master released its port
@@ -239,7 +240,7 @@ def test_port_in_use_is_a_clear_error(master):
 
 
 def test_connect_timeout_when_no_server():
-    port = _free_port()
+    port = free_port()
     start = time.monotonic()
     with pytest.raises(DistTimeoutError, match="could not connect"):
         TCPStore("127.0.0.1", port, timeout=timedelta(seconds=0.5))
@@ -391,9 +392,3 @@ def test_unauthenticated_frames_are_never_run():
     assert closed_by_server(sock)
     assert not master.check(["intruder"])
     master.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
