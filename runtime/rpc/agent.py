@@ -40,7 +40,7 @@ from spmd.runtime.rpc.transport import Transport
 from spmd.runtime.rpc.wire import (FLAG_LENT, HEADER, LENT_HEAD, LENT_ITEM, REQUESTS, RETRIED,
                                    UNCOUNTED, VERSION, Kind)
 
-__all__ = ["RpcAgent", "AsyncResult", "is_async"]
+__all__ = ["RpcAgent", "AsyncResult", "is_async", "done_within"]
 
 log = logging.getLogger("spmd.runtime.rpc")
 _SEEN_KEEP = 600.0  # seconds a retried request's id is remembered (retries stop far sooner)
@@ -116,6 +116,7 @@ class RpcAgent:
         self._heap: list[tuple[float, int, int, bool]] = []
         self._next_purge = time.monotonic() + _SEEN_KEEP
         self._cma_from: dict[int, bool] = {}  # we can read this peer's memory
+        self._maps_from: dict[int, dict[str, str]] = {}  # a caller's device map, inverted
         self._cma_threshold = config.rpc_cma_threshold()
         self.probe = cma.Probe()
         self.pool: queue.SimpleQueue = queue.SimpleQueue()
@@ -143,6 +144,9 @@ class RpcAgent:
             self.records[rank] = rec
             self.infos[rank] = WorkerInfo(rec["name"], rank)
             self.by_name[rec["name"]] = self.infos[rank]
+            theirs = rec.get("device_maps", {}).get(self.name)
+            if theirs:
+                self._maps_from[rank] = {v: k for k, v in theirs.items()}
             if use_cma and rec["host"] == me["host"]:
                 address, content = rec["probe"]
                 self._cma_from[rank] = cma.can_read(rec["pid"], address, bytes.fromhex(content))
@@ -172,7 +176,7 @@ class RpcAgent:
             if self.stopped:
                 raise DistError(f"{label}: RPC is shut down on this worker")
             raise DistError(f"{label}: {self.describe(dest)} is gone ({self.lost[dest]})")
-        state = DumpState(self, dest, self.device_map_to(dest), ctx is not None)
+        state = DumpState(self, self.device_map_to(dest), ctx is not None)
         try:
             enc = encode((func, args, kwargs), state)
         except TypeError as e:
@@ -246,7 +250,7 @@ class RpcAgent:
                 ctx: Any = None) -> None:
         """Send the answer to request ``rid`` of ``peer`` (from a pool thread)."""
         kind = Kind.RESPONSE
-        state = DumpState(self, peer, self.device_map_from(peer), ctx is not None)
+        state = DumpState(self, self.device_map_from(peer), ctx is not None)
         if error is None:
             try:
                 enc = encode(value, state)
@@ -254,7 +258,7 @@ class RpcAgent:
                 error = TypeError(f"the result of the call cannot be sent back: {e}")
         if error is not None:
             kind = Kind.ERROR
-            state = DumpState(self, peer, None, False)
+            state = DumpState(self, None, False)
             enc = encode(pack_exception(error), state)
         ctx_id = grad_msg = -1
         if ctx is not None:
@@ -470,8 +474,7 @@ class RpcAgent:
         return self.options.device_maps.get(self.infos[dest].name) or None
 
     def device_map_from(self, caller: int) -> dict[str, str] | None:
-        theirs = self.records.get(caller, {}).get("device_maps", {}).get(self.name)
-        return {v: k for k, v in theirs.items()} if theirs else None
+        return self._maps_from.get(caller)
 
     # -- activity and teardown -------------------------------------------------------------
 
@@ -519,6 +522,15 @@ def _autograd() -> Any:
 
         _autograd_module = importlib.import_module("spmd.runtime.autograd.contexts")
     return _autograd_module
+
+
+def done_within(future: torch.futures.Future, timeout: float) -> bool:
+    """Whether ``future`` completes within ``timeout`` seconds (it is not waited on)."""
+    if future.done():
+        return True
+    event = threading.Event()
+    future.add_done_callback(lambda _: event.set())
+    return event.wait(timeout)
 
 
 def _set_exception(future: torch.futures.Future, error: BaseException) -> None:

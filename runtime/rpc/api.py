@@ -160,13 +160,7 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
         base.retain()  # the process group's store: it stays open while either needs it
     agent.store = base  # released when the agent stops; the last user closes it
     _live.add(agent)
-    ctx.on_close(lambda: _forget(ctx, agent))
-
-
-def _forget(ctx: context.RankContext, agent: RpcAgent) -> None:
-    agent.stop()
-    if ctx.state.get(_STATE_KEY) is agent:
-        del ctx.state[_STATE_KEY]
+    ctx.on_close(lambda: _stop_local(agent, 0.0))
 
 
 @atexit.register
@@ -214,12 +208,18 @@ def _check_call(func: Any, args: Any, kwargs: Any, op: str) -> tuple[tuple, dict
     return args, kwargs
 
 
-def _call(op: str, to: Any, func: Callable, args: Any, kwargs: Any, timeout: float,
-          sync: bool, kind: Kind = Kind.CALL) -> Any:
+def _prepare(op: str, to: Any, func: Any, args: Any, kwargs: Any,
+             timeout: float) -> tuple[RpcAgent, int, tuple, dict, float]:
+    """(agent, destination rank, args, kwargs, timeout in seconds) of a checked call."""
     agent = current_agent(op)
     dest = _resolve(agent, to, op)
     args, kwargs = _check_call(func, args, kwargs, op)
-    seconds = resolve_timeout(timeout, agent.timeout, op)
+    return agent, dest, args, kwargs, resolve_timeout(timeout, agent.timeout, op)
+
+
+def _call(op: str, to: Any, func: Callable, args: Any, kwargs: Any, timeout: float,
+          sync: bool, kind: Kind = Kind.CALL) -> Any:
+    agent, dest, args, kwargs, seconds = _prepare(op, to, func, args, kwargs, timeout)
     entry = agent.request(dest, kind, func, args, kwargs, timeout=seconds, sync=sync,
                           what=lambda: f"{op} to {agent.describe(dest)} calling {_name(func)}",
                           ctx=current_context(agent))
@@ -293,10 +293,7 @@ def remote(to: str | int | WorkerInfo, func: Callable, args: tuple | None = None
     """
     from spmd.runtime.rpc.rref import RRef, _owner_run_remote
 
-    agent = current_agent("remote")
-    dest = _resolve(agent, to, "remote")
-    args, kwargs = _check_call(func, args, kwargs, "remote")
-    seconds = resolve_timeout(timeout, agent.timeout, "remote")
+    agent, dest, args, kwargs, seconds = _prepare("remote", to, func, args, kwargs, timeout)
     rc = agent.rrefs
     rref_id = rc.new_id()
     if dest == agent.rank:
@@ -306,11 +303,11 @@ def remote(to: str | int | WorkerInfo, func: Callable, args: tuple | None = None
         fork_id = rc.new_id()
         handle = RRef._make(agent, rref_id, dest, fork_id, None)
         rc.pending_users[fork_id] = handle  # alive until the owner confirms
-    what = f"remote to {agent.describe(dest)} calling {_name(func)}"
     try:
-        entry = agent.request(dest, Kind.REMOTE, _owner_run_remote,
-                              (func, args, kwargs, rref_id, fork_id), {}, timeout=seconds,
-                              sync=False, what=what, ctx=current_context(agent))
+        entry = agent.request(
+            dest, Kind.REMOTE, _owner_run_remote, (func, args, kwargs, rref_id, fork_id), {},
+            timeout=seconds, sync=False, ctx=current_context(agent),
+            what=lambda: f"remote to {agent.describe(dest)} calling {_name(func)}")
     except BaseException:
         if fork_id is None:
             rc._release(rref_id, None, unpin=True)
@@ -328,7 +325,8 @@ def remote(to: str | int | WorkerInfo, func: Callable, args: tuple | None = None
                 done.value()
                 user._confirmed = True
             except BaseException as e:
-                log.info("rpc: %s failed: %s", what, str(e).splitlines()[0] if str(e) else e)
+                log.info("rpc: %s failed: %s", entry.what,
+                         str(e).splitlines()[0] if str(e) else e)
             rc.users[fork_id] = user
 
         entry.future.add_done_callback(confirmed)
@@ -375,7 +373,7 @@ def debug_info() -> dict[str, int]:
 
 
 def _stop_local(agent: RpcAgent, linger: float) -> None:
-    ctx = context.current()
+    ctx = agent.rank_ctx  # the rank's, whichever thread stops it (a close hook too)
     try:
         agent.stop(linger)
     finally:

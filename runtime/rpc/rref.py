@@ -21,12 +21,13 @@ import itertools
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import torch
 
 from spmd.runtime.errors import DistTimeoutError
-from spmd.runtime.rpc.agent import AsyncResult, is_async
+from spmd.runtime.rpc.agent import AsyncResult, done_within, is_async
 from spmd.runtime.rpc.options import UNSET_RPC_TIMEOUT, WorkerInfo, resolve_timeout
 from spmd.runtime.rpc.serialize import loading
 from spmd.runtime.rpc.wire import Kind
@@ -68,27 +69,29 @@ class RRefContext:
     def in_flight(self) -> int:
         return len(self.pending_users) + len(self.pending_children)
 
+    def _get_locked(self, rref_id: tuple[int, int], rec: _Record | None = None) -> _Record:
+        """The record of ``rref_id``; when there is none, ``rec`` (or a new one) becomes it."""
+        found = self.owners.get(rref_id)
+        if found is None:
+            found = self.owners[rref_id] = rec if rec is not None else _Record(rref_id)
+        return found
+
     def record(self, rref_id: tuple[int, int]) -> _Record:
         with self.lock:
-            rec = self.owners.get(rref_id)
-            if rec is None:
-                rec = self.owners[rref_id] = _Record(rref_id)
-            return rec
+            return self._get_locked(rref_id)
 
     def pin(self, rref_id: tuple[int, int]) -> _Record:
         """The record of a ``remote()`` to this worker, kept until the call picks it up."""
         with self.lock:
-            rec = self.owners.get(rref_id)
-            if rec is None:
-                rec = self.owners[rref_id] = _Record(rref_id)
+            rec = self._get_locked(rref_id)
             rec.pins += 1
             return rec
 
     def add_fork(self, rref_id: tuple[int, int], fork_id: tuple[int, int],
                  rec: _Record | None = None) -> None:
+        """Register a fork; ``rec``, an owner handle's record, is put back if it was dropped."""
         with self.lock:
-            rec = self.owners.setdefault(rref_id, rec or _Record(rref_id))
-            rec.forks.add(fork_id)
+            self._get_locked(rref_id, rec).forks.add(fork_id)
 
     def _release(self, rref_id: tuple[int, int], fork_id: tuple[int, int] | None,
                  unpin: bool = False) -> None:
@@ -159,12 +162,9 @@ class RRefContext:
         return count
 
 
-def _wait(future: torch.futures.Future, timeout: float, what: str) -> Any:
-    if not future.done():
-        event = threading.Event()
-        future.add_done_callback(lambda _: event.set())
-        if not event.wait(timeout):
-            raise DistTimeoutError(f"{what} timed out after {timeout:g}s")
+def _wait(future: torch.futures.Future, timeout: float, what: Callable[[], str]) -> Any:
+    if not done_within(future, timeout):
+        raise DistTimeoutError(f"{what()} timed out after {timeout:g}s")
     return future.wait()
 
 
@@ -234,12 +234,15 @@ class RRef(Generic[T]):
             raise ValueError(f"local_value() of an RRef owned by {self.owner_name()!r} called on "
                              f"{self._agent.name!r}: call it on the owner, or use to_here()")
         return _wait(self._record.future, self._agent.timeout,
-                     f"local_value() of RRef {self._rref_id}")
+                     lambda: f"local_value() of RRef {self._rref_id}")
 
     def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> T:
         """A copy of the value fetched from the owner (the value itself on the owner)."""
         seconds = resolve_timeout(timeout, self._agent.timeout, "to_here")
-        what = f"to_here() of RRef {self._rref_id} owned by {self._agent.describe(self._owner)}"
+
+        def what() -> str:  # built only for a message
+            return f"to_here() of RRef {self._rref_id} owned by {self._agent.describe(self._owner)}"
+
         if self._record is not None:
             return _wait(self._record.future, seconds, what)
         if self._created is not None and self._created.done():

@@ -39,12 +39,11 @@ _Parameter = torch.nn.Parameter
 class DumpState:
     """What pickling one message needs to know and collects."""
 
-    __slots__ = ("agent", "dest", "device_map", "record_grads", "grad_tensors", "rollbacks")
+    __slots__ = ("agent", "device_map", "record_grads", "grad_tensors", "rollbacks")
 
-    def __init__(self, agent: Any, dest: int, device_map: dict[str, str] | None,
+    def __init__(self, agent: Any, device_map: dict[str, str] | None,
                  record_grads: bool) -> None:
         self.agent = agent
-        self.dest = dest
         self.device_map = device_map
         self.record_grads = record_grads
         self.grad_tensors: list[torch.Tensor] = []
@@ -74,13 +73,11 @@ class LoadState:
 class Encoded:
     """A pickled object and the out-of-band buffers it refers to, in pickle's order."""
 
-    __slots__ = ("payload", "buffers", "state")
+    __slots__ = ("payload", "buffers")
 
-    def __init__(self, payload: bytes, buffers: list[pickle.PickleBuffer],
-                 state: DumpState) -> None:
+    def __init__(self, payload: bytes, buffers: list[pickle.PickleBuffer]) -> None:
         self.payload = payload
         self.buffers = buffers
-        self.state = state
 
     def frames(self, header: bytes, lend_id: int, threshold: int | None
                ) -> tuple[list[Any], list[Any]]:
@@ -230,7 +227,7 @@ def encode(obj: Any, state: DumpState) -> Encoded:
         file.seek(0)
         file.truncate()
         pickler.busy, pickler.state, pickler.oob = False, None, []
-    return Encoded(payload, buffers, state)
+    return Encoded(payload, buffers)
 
 
 def decode(payload: Any, buffers: list[Any], state: LoadState) -> Any:

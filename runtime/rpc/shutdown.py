@@ -26,7 +26,7 @@ import torch
 
 from spmd.runtime.errors import DistError, DistTimeoutError
 from spmd.runtime import config
-from spmd.runtime.rpc.agent import AsyncResult, RpcAgent
+from spmd.runtime.rpc.agent import AsyncResult, RpcAgent, done_within
 from spmd.runtime.rpc.api import _stop_local, current_agent, wait_sync
 from spmd.runtime.rpc.options import _positive
 from spmd.runtime.rpc.wire import Kind
@@ -131,9 +131,7 @@ def _report(agent: RpcAgent, rounds: _Rounds, round_no: int, count: int,
             deadline: float, timeout: float) -> int:
     if agent.rank == _LEADER:
         future = rounds.arrive(round_no, agent.rank, count)
-        event = threading.Event()
-        future.add_done_callback(lambda _: event.set())
-        if not event.wait(max(deadline - time.monotonic(), 0.0)):
+        if not done_within(future, max(deadline - time.monotonic(), 0.0)):
             names = ", ".join(agent.describe(r) for r in rounds.missing(round_no))
             error = DistTimeoutError(f"shutdown: {names} did not shut down within {timeout:g}s")
             rounds.fail(error)

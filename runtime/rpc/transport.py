@@ -344,8 +344,5 @@ class Transport:
         except zmq.ZMQError:
             pass
 
-    def is_io_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
     def links(self) -> list[Any]:
         return list(self._links.values())

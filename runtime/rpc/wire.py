@@ -29,14 +29,13 @@ from __future__ import annotations
 import enum
 import struct
 
-from spmd.runtime.store.protocol import mac, same
+from spmd.runtime.store.protocol import NONCE_BYTES, mac, same
 
 __all__ = ["Kind", "HEADER", "VERSION", "FLAG_LENT", "LENT_HEAD", "LENT_ITEM", "MAGIC",
-           "REQUESTS", "RETRIED", "UNCOUNTED", "mac", "same"]
+           "REQUESTS", "RETRIED", "UNCOUNTED", "NONCE_BYTES", "mac", "same"]
 
 MAGIC = b"SPMDRPC1"
 VERSION = 1
-NONCE_BYTES = 32
 HEADER = struct.Struct("<BBHIqqq")  # version, kind, flags, pad, request id, ctx id, grad msg id
 FLAG_LENT = 1
 LENT_HEAD = struct.Struct("<qI")  # lend id, count
