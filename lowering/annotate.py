@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from spmd.lowering.context import LoweringContext
-from spmd.lowering.placements import Replicate, Shard
+from spmd.lowering.context import InputInfo, LoweringContext
+from spmd.lowering.placements import Placement, Replicate, Shard
 
-__all__ = ["annotate", "PlanningError", "gradient_outputs"]
+__all__ = ["annotate", "PlanningError", "gradient_outputs", "input_placements"]
 
 
 class PlanningError(RuntimeError):
@@ -26,8 +26,13 @@ def gradient_outputs(gm: fx.GraphModule) -> list:
     return list(values) if isinstance(values, (list, tuple)) else [values]
 
 
+def input_placements(inputs: tuple[InputInfo, ...]) -> list[Placement]:
+    """Data-parallel placements: data ``Shard(0)``, parameters and buffers ``Replicate()``."""
+    return [Shard(0) if info.kind == "data" else Replicate() for info in inputs]
+
+
 def annotate(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
-    placements = [Shard(0) if info.kind == "data" else Replicate() for info in ctx.inputs]
+    placements = input_placements(ctx.inputs)
     outputs = gradient_outputs(gm)
     if len(outputs) != len(ctx.inputs):
         raise PlanningError(f"{ctx.graph_name}: backward graph has {len(outputs)} outputs for "

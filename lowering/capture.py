@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -50,7 +50,6 @@ class GraphRecord:
 
     name: str
     inputs: tuple[InputInfo, ...]
-    dynamo_graph: fx.GraphModule
     forward: fx.GraphModule | None = None
     backward: fx.GraphModule | None = None
     fallback_reason: str | None = None
@@ -58,11 +57,6 @@ class GraphRecord:
     forward_run: Callable[[list], Any] | None = None  # the emitted forward
     compute: str = "emit"  # "emit" (generated Python) or "inductor"
     compute_reason: str = ""
-    compile_seconds: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def params(self) -> list[str]:
-        return [i.name for i in self.inputs if i.kind == "param"]
 
     @property
     def trainable(self) -> list[str]:
@@ -125,7 +119,7 @@ class Capture:
 
         name = f"graph{len(self.records)}"
         inputs = self.describe(example_inputs)
-        record = GraphRecord(name=name, inputs=inputs, dynamo_graph=gm)
+        record = GraphRecord(name=name, inputs=inputs)
         record.compute, record.compute_reason = self.choose_compute(example_inputs)
         self.records.append(record)
         inductor = record.compute == "inductor"
@@ -139,15 +133,12 @@ class Capture:
             return emit(graph)
 
         def forward_compiler(fw: fx.GraphModule, fake_inputs: list[Any]) -> Callable[..., Any]:
-            start = time.perf_counter()
             record.forward = fw
             run = compile_graph(fw, fake_inputs, False)
             record.forward_run = run
-            record.compile_seconds["forward"] = time.perf_counter() - start
             return _instrument(run, self, record, "forward")
 
         def backward_compiler(bw: fx.GraphModule, fake_inputs: list[Any]) -> Callable[..., Any]:
-            start = time.perf_counter()
             ctx = self.make_context(inputs, name, record)
             try:
                 bw = run_passes(bw, ctx, BACKWARD_PASSES)
@@ -156,7 +147,6 @@ class Capture:
                 log.warning("spmd: %s left to the eager safety net: %s", name, e)
             record.backward = bw
             run = compile_graph(bw, fake_inputs, True)
-            record.compile_seconds["backward"] = time.perf_counter() - start
             if record.fallback_reason is None:
                 self.on_backward(record)
             return _instrument(run, self, record, "backward")

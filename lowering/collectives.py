@@ -21,6 +21,7 @@ import torch.fx as fx
 from spmd.lowering import ops
 from spmd.lowering.annotate import gradient_outputs
 from spmd.lowering.context import InputInfo, LoweringContext
+from spmd.lowering.graph import is_collective
 from spmd.lowering.passes import Provenance
 
 __all__ = ["insert_collectives", "build_bucket", "collective_nodes"]
@@ -41,8 +42,7 @@ def build_bucket(gm: fx.GraphModule, ctx: LoweringContext, grads: list[fx.Node],
     order = {n: i for i, n in enumerate(graph.nodes)}
     wire = ctx.options.reduce_dtype
     last = max(grads, key=order.__getitem__)
-    number = sum(1 for n in graph.nodes if n.op == "call_function"
-                 and n.target is ops.bucket_all_reduce)
+    number = len(collective_nodes(gm))
     with graph.inserting_after(last):
         flat = graph.create_node("call_function", ops.bucket_all_reduce, (list(grads), 0),
                                  name=f"all_reduce_{number}")
@@ -55,7 +55,7 @@ def build_bucket(gm: fx.GraphModule, ctx: LoweringContext, grads: list[fx.Node],
     wire_dtype = wire or infos[0].dtype
     flat.meta["spmd"] = {"provenance": provenance, "spec": spec, "handle": handle,
                          "numels": numels, "dtype": infos[0].dtype, "wire_dtype": wire_dtype,
-                         "bytes": sum(numels) * torch.empty((), dtype=wire_dtype).element_size()}
+                         "bytes": sum(numels) * wire_dtype.itemsize}
     created: list[fx.Node] = []
 
     def add(target, args, kwargs=None) -> fx.Node:
@@ -98,4 +98,4 @@ def insert_collectives(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModu
 
 
 def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is ops.bucket_all_reduce]
+    return [n for n in gm.graph.nodes if is_collective(n)]

@@ -20,8 +20,9 @@ compute that communication can run beside; see :func:`overlap_share`). The expos
 
 falls with b while communication outruns compute and rises with b once it hides, so
 the optimum is where the buckets' communication exactly fills the compute:
-(S - b)(A + B·b) = η·T·b, a quadratic that sympy solves below. With η = 0 (nothing can
-run beside the compute) it gives b = S: one bucket, the fewest latencies.
+(S - b)(A + B·b) = η·T·b, a quadratic whose positive root :func:`_optimum` takes. With
+η = 0 (nothing can run beside the compute) it gives b = S: one bucket, the fewest
+latencies.
 """
 
 from __future__ import annotations
@@ -62,7 +63,6 @@ DEFAULTS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
 def formula(kind: str, algorithm: str = "ring") -> sympy.Expr:
     """The symbolic time of one collective (symbols p, n, alpha, beta, gamma)."""
     try:
@@ -77,14 +77,13 @@ def _lambdified(kind: str, algorithm: str):
     return sympy.lambdify((p, n, alpha, beta, gamma), formula(kind, algorithm), "math")
 
 
-@functools.lru_cache(maxsize=None)
-def _optimum():
-    """The bucket size b solving (S - b)(A + B·b) = T·b, as a function of S, A, B, T."""
-    S, A, B, T, b = sympy.symbols("S A B T b", positive=True)
-    roots = sympy.solve(sympy.Eq((S - b) * (A + B * b), T * b), b)
-    # the quadratic has one positive root; pick it symbolically by its + sqrt branch
-    positive = [r for r in roots if r.subs({S: 1e6, A: 1e-4, B: 1e-9, T: 1e-2}) > 0]
-    return sympy.lambdify((S, A, B, T), positive[0], "math")
+def _optimum(S: float, A: float, B: float, T: float) -> float:
+    """The bucket size b solving (S - b)(A + B·b) = T·b, i.e.
+    B·b² + (A + T - B·S)·b - A·S = 0: its root with the + sqrt, the positive one (the
+    roots' product, -A·S/B, is negative). Written term for term as sympy's solution of
+    the equation, so it gives the same floats."""
+    return 0.5 * (-A + B * S - T + math.sqrt(
+        A**2 + 2 * A * B * S + 2 * A * T + B**2 * S**2 - 2 * B * S * T + T**2)) / B
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,13 +109,12 @@ class CostModel:
         return replace(self, alpha=alpha, beta=beta, gamma=0.0, source=source,
                        reference_world_size=self.world_size)
 
-    def seconds(self, kind: str, nbytes: int, algorithm: str | None = None) -> float:
+    def seconds(self, kind: str, nbytes: int) -> float:
         """Predicted time of one ``kind`` collective over ``nbytes``."""
         if self.world_size <= 1:
             return 0.0
-        if algorithm is None:
-            algorithm = self.algorithm if kind == "all_reduce" else (
-                "tree" if kind == "broadcast" else "ring")
+        algorithm = self.algorithm if kind == "all_reduce" else (
+            "tree" if kind == "broadcast" else "ring")
         fn = _lambdified(kind, algorithm)
         return float(fn(self.world_size, nbytes, self.alpha, self.beta, self.gamma))
 
@@ -147,17 +145,10 @@ class CostModel:
         t *= self.overlap  # nothing hides behind compute that itself needs the same cores
         if t <= 0:
             return total_bytes  # E(b) then only falls with b: one bucket
-        best = float(_optimum()(float(total_bytes), a, b, t))
+        best = float(_optimum(float(total_bytes), a, b, t))
         if not math.isfinite(best):
             return total_bytes
         return int(min(max(best, minimum), total_bytes))
-
-    def exposed_seconds(self, total_bytes: int, bucket: int, backward_seconds: float) -> float:
-        """E(b) of the module doc, for reporting."""
-        a, b = self.all_reduce_line()
-        k = max(1, math.ceil(total_bytes / max(bucket, 1)))
-        per = a + b * min(bucket, total_bytes)
-        return per + max(0.0, (k - 1) * per - self.overlap * backward_seconds)
 
 
 def overlap_share(backend: str, local_ranks: int, cpu_count: int | None,

@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from spmd.lowering import ops
 
-__all__ = ["emit", "source_of"]
+__all__ = ["emit"]
 
 _DIRECT = {ops.bucket_all_reduce: ops._bucket_all_reduce, ops.wait: ops._wait}
 
@@ -132,11 +132,6 @@ class _Emitter:
             if dead:
                 lines.append(f"    del {', '.join(dead)}")
         return "\n".join(lines) + "\n"
-
-
-def source_of(gm: fx.GraphModule) -> str:
-    """The Python source :func:`emit` runs for ``gm`` (for inspection)."""
-    return _Emitter(gm).source()
 
 
 def emit(gm: fx.GraphModule) -> Callable[[list], Any]:

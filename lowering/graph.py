@@ -1,10 +1,15 @@
-"""The dependency graph of an fx graph as a ``networkx.DiGraph``, for scheduling and
-inspection: one node per fx node (by name), an edge from each input to its user."""
+"""What a node of a planned graph is (a collective, a wait), and the dependency graph of
+an fx graph as a ``networkx.DiGraph`` for inspection: one node per fx node (by name), an
+edge from each input to its user."""
 
 from __future__ import annotations
 
-import networkx as nx
+from typing import TYPE_CHECKING
+
 import torch.fx as fx
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 __all__ = ["dependency_graph", "is_collective", "is_wait"]
 
@@ -24,6 +29,8 @@ def is_wait(node: fx.Node) -> bool:
 def dependency_graph(graph: fx.Graph) -> nx.DiGraph:
     """Nodes carry ``op``, ``target``, ``kind`` (compute/communication/wait/io) and
     ``order`` (position in the fx graph)."""
+    import networkx as nx  # only inspection needs it: planning stays free of its import
+
     g = nx.DiGraph()
     for order, node in enumerate(graph.nodes):
         kind = ("communication" if is_collective(node) else "wait" if is_wait(node)

@@ -27,28 +27,29 @@ from typing import Any
 
 import torch
 
-__all__ = ["CollectiveSpec", "SyncState", "register_spec", "spec", "bucket_all_reduce", "wait"]
+__all__ = ["CollectiveSpec", "SyncState", "register_spec", "bucket_all_reduce", "wait"]
 
 
 @dataclass(eq=False)
 class SyncState:
     """The switch a parallelized model flips for ``no_sync()``, and what a step reduced.
 
-    ``reduced`` maps the storage of every flat buffer reduced since the last
-    :meth:`begin_step` to its spec, so the eager safety net can tell a gradient a graph
-    already averaged from one it must still average.
+    While ``track`` is on, ``reduced`` maps the storage of every flat buffer reduced since
+    the last :meth:`begin_step` to its spec and the buffer, so the eager safety net can
+    tell a gradient a graph already averaged from one it must still average. A whole-step
+    graph has no safety net and turns ``track`` off: no lock per bucket, and no flat
+    buffer kept alive until the next step.
     """
 
     enabled: bool = True
+    track: bool = True
     profiler: Any = None  # set while a profile records this model's steps
-    reduced: dict[int, "CollectiveSpec"] = field(default_factory=dict)
-    flats: dict[int, torch.Tensor] = field(default_factory=dict)
+    reduced: dict[int, tuple["CollectiveSpec", torch.Tensor]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def begin_step(self) -> None:
         with self.lock:
             self.reduced.clear()
-            self.flats.clear()
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -84,10 +85,6 @@ def register_spec(s: CollectiveSpec) -> int:
     return handle
 
 
-def spec(handle: int) -> CollectiveSpec:
-    return _SPECS[handle]
-
-
 _lib = torch.library.Library("spmd", "DEF")
 _lib.define("bucket_all_reduce(Tensor[] grads, int handle) -> Tensor")
 _lib.define("wait(Tensor(a) tensor) -> Tensor(a)")
@@ -112,9 +109,9 @@ def _bucket_all_reduce(grads: list[torch.Tensor], handle: int) -> torch.Tensor:
         key = flat.untyped_storage().data_ptr()
         with _PENDING_LOCK:
             _PENDING[key] = work
-        with s.sync.lock:
-            s.sync.reduced[key] = s
-            s.sync.flats[key] = flat
+        if s.sync.track:
+            with s.sync.lock:
+                s.sync.reduced[key] = (s, flat)
     return flat
 
 

@@ -16,12 +16,13 @@ dropped from the graph.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from spmd.kernels.layout import SUPPORTED_DTYPES
 from spmd.lowering.collectives import collective_nodes
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import is_wait
@@ -34,6 +35,21 @@ __all__ = ["fusable", "register_optimizer", "fuse_optimizer", "optimizer_step"]
 class OptimizerSpec:
     optimizer: torch.optim.Optimizer
     kind: str  # "sgd" | "adamw"
+    _owners: dict[tuple, tuple] = field(default_factory=dict, init=False, repr=False)
+
+    def owners(self) -> dict[int, dict]:
+        """``id(param) -> its param group``, rebuilt when the groups change: a group added,
+        replaced (``load_state_dict`` makes new ones), or its parameter list replaced or
+        resized."""
+        groups = self.optimizer.param_groups
+        key = tuple((id(g), id(g["params"]), len(g["params"])) for g in groups)
+        cached = self._owners.get(key)
+        if cached is None:
+            self._owners.clear()
+            # the map, and the lists it was built from, kept alive so their ids stay theirs
+            cached = self._owners[key] = ({id(p): g for g in groups for p in g["params"]},
+                                          [g["params"] for g in groups])
+        return cached[0]
 
 
 _OPTIMIZERS: dict[int, OptimizerSpec] = {}
@@ -51,8 +67,8 @@ def fusable(optimizer: Any) -> str | None:
     for group in optimizer.param_groups:
         if group.get("differentiable") or group.get("capturable") or group.get("fused"):
             return None
-        if any(p.dtype not in (torch.float32, torch.bfloat16, torch.float16) or
-               not p.is_contiguous() for p in group["params"]):
+        if any(p.dtype not in SUPPORTED_DTYPES or not p.is_contiguous()
+               for p in group["params"]):
             return None
     return kind
 
@@ -69,9 +85,8 @@ def register_optimizer(optimizer: torch.optim.Optimizer) -> int:
 _lib.define("optimizer_step(Tensor(a!)[] params, Tensor flat, int handle) -> ()")
 
 
-def _group_runs(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]):
+def _group_runs(owner: dict[int, dict], params: list[torch.Tensor]):
     """Consecutive runs of ``params`` that share a param group: (group, start, members)."""
-    owner = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     run: list[torch.Tensor] = []
     group = None
     start = offset = 0
@@ -92,7 +107,7 @@ def _optimizer_step(params: list[torch.Tensor], flat: torch.Tensor, handle: int)
 
     spec = _OPTIMIZERS[handle]
     opt = spec.optimizer
-    for group, start, members in _group_runs(opt, list(params)):
+    for group, start, members in _group_runs(spec.owners(), list(params)):
         n = sum(p.numel() for p in members)
         chunk = flat[start:start + n]
         states = [opt.state[p] for p in members]

@@ -24,9 +24,6 @@ class Placement:
     def is_replicate(self) -> bool:
         return isinstance(self, Replicate)
 
-    def is_shard(self, dim: int | None = None) -> bool:
-        return isinstance(self, Shard) and (dim is None or self.dim == dim)
-
     def is_partial(self) -> bool:
         return isinstance(self, Partial)
 

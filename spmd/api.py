@@ -120,15 +120,37 @@ def _next_index() -> int:
     return state["spmd_models"]
 
 
-def _parallelize_instance(module: nn.Module, options: Options, mesh: Mesh | None) -> nn.Module:
-    from spmd.module import parallelize_module
+def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
+                  where: str) -> tuple[Any, int, CostModel, int]:
+    """What every rank does before it parallelizes ``module``, in the same order everywhere:
+    resolve the mesh, check the model is the same on every rank, agree on the cost model,
+    and overwrite parameters and buffers with the group's first rank's.
 
-    where = f"parallelize({type(module).__name__})"
+    Returns:
+        (process group or None, data-parallel size, cost model, the model's index on
+        this rank, the same on every rank).
+    """
+    from spmd.reducer import broadcast_coalesced
+
     group, world_size, backend = resolve_mesh(mesh, where)
-    if group is not None and world_size > 1:
+    live = group is not None and world_size > 1
+    if live:
         check_same_model(module, group, where)
     cost_model = cost_model_for(group, world_size, backend, options)
-    return parallelize_module(module, options, group, world_size, _next_index(), cost_model)
+    index = _next_index()
+    if live:
+        broadcast_coalesced([*module.parameters(), *module.buffers()], group.ranks[0], group)
+    return group, world_size, cost_model, index
+
+
+def _parallelize_instance(module: nn.Module, options: Options, mesh: Mesh | None) -> nn.Module:
+    from spmd.module import DataParallel, parallelize_module
+
+    if isinstance(module, DataParallel):
+        raise ValueError("parallelize: this module is already parallelized")
+    group, world_size, cost_model, index = prepare_model(
+        module, options, mesh, f"parallelize({type(module).__name__})")
+    return parallelize_module(module, options, group, world_size, index, cost_model)
 
 
 def _parallelize_class(cls: type, options: Options, mesh: Mesh | None) -> type:

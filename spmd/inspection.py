@@ -4,6 +4,7 @@ running one, for any number of ranks."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -55,7 +56,7 @@ def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: 
                             f"object spmd.parallelize returned, or example inputs and a mesh to "
                             f"plan it")
         return state.plan()
-    from spmd.api import parallelize
+    from spmd.api import _parallelize_instance
     from spmd.lowering.options import Options
 
     planning = _planning_mesh(mesh)
@@ -64,11 +65,9 @@ def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: 
         if getattr(obj, "_spmd", None) is not None:
             raise ValueError("spmd.inspect: this model is already parallelized; call "
                              "spmd.inspect(model) for its plan, or plan an unparallelized copy")
-        model = parallelize(copy.deepcopy(obj), mesh=planning, strategy=opts.strategy,
-                            bucket_cap_mb=opts.bucket_cap_mb, overlap=opts.overlap,
-                            reduce_dtype=opts.reduce_dtype,
-                            broadcast_buffers=opts.broadcast_buffers,
-                            compile_compute=opts.compile_compute)
+        # a simulated mesh has no group to calibrate on: the plan records calibrate=False
+        model = _parallelize_instance(copy.deepcopy(obj), replace(opts, calibrate=False),
+                                      planning)
         model.train()
         out = model(*example_inputs)
         leaves = [t for t in pytree.tree_leaves(out)

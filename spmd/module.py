@@ -73,7 +73,6 @@ class ModuleState:
         self.accumulated = False  # gradients were accumulated under no_sync()
         self.finish_queued = False
         self.compiled = None
-        self.steps = 0
         self.covered: set[str] = set()  # parameters some planned graph reduces
         self.estimates: dict[str, float] = {}  # graph -> shared backward-seconds estimate
         self.capture_failed: str | None = None  # why the model runs eagerly, if it does
@@ -210,7 +209,7 @@ class ModuleState:
             return grad  # a planned bucket already averaged it
         part = grad.detach().clone()
         reason = "received its gradient outside any compiled graph (graph break or eager code)"
-        if any(name in s.params for s in self.sync.reduced.values()):
+        if any(name in s.params for s, _ in self.sync.reduced.values()):
             reason = "received gradient from a compiled graph and also from eager code"
             part = part - self._reduced_part(name).to(part.dtype)
         self.fallbacks.setdefault(name, reason)
@@ -219,9 +218,8 @@ class ModuleState:
         return grad
 
     def _reduced_part(self, name: str) -> torch.Tensor:
-        for key, spec in self.sync.reduced.items():
+        for spec, flat in self.sync.reduced.values():
             if name in spec.params:
-                flat = self.sync.flats[key]
                 at = spec.params.index(name)
                 start = sum(self.params[p].numel() for p in spec.params[:at])
                 n = self.params[name].numel()
@@ -255,7 +253,6 @@ class ModuleState:
                 self._reduce_accumulated()
             elif not self.sync.enabled:
                 self.accumulated = True
-            self.steps += 1
         if self.compiled is None:
             self.compiled = _compile(module, original, self.capture)
         out = self._run(module, original, args, kwargs)
@@ -371,13 +368,9 @@ def _parallel_class(cls: type) -> type:
 
 def parallelize_module(module: nn.Module, options: Options, group: Any, world_size: int,
                        index: int, cost_model: CostModel) -> nn.Module:
-    """Turn ``module`` (in place) into a data-parallel module; returns it."""
-    if isinstance(module, DataParallel):
-        raise ValueError("parallelize: this module is already parallelized")
+    """Turn ``module`` (in place) into a data-parallel module; returns it. The caller has
+    set it up on every rank first (``spmd.api.prepare_model``)."""
     state = ModuleState(module, options, group, world_size, cost_model, index)
-    if group is not None and world_size > 1:
-        src = group.ranks[0]
-        broadcast_coalesced([*state.params.values(), *state.buffers.values()], src, group)
     module.__class__ = _parallel_class(type(module))
     module._spmd = state
     return module

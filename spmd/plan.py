@@ -80,11 +80,9 @@ class Plan:
     collectives: list[Collective] = field(default_factory=list)
     fallbacks: list[Fallback] = field(default_factory=list)
     frozen: list[str] = field(default_factory=list)
-    bucket_caps: dict[str, int] = field(default_factory=dict)
     compute: dict[str, tuple[float, float]] = field(default_factory=dict)  # graph -> (fwd, bwd) s
     compute_paths: dict[str, str] = field(default_factory=dict)  # graph -> how its compute runs
     measured: Any = None  # a measured Timeline, after spmd.profile
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def fingerprint(self) -> str:
         """A hash of the decisions every rank must share (bucket layout and collectives)."""
@@ -187,7 +185,6 @@ def plan_from_records(records: list, *, strategy: str, world_size: int, group_na
         if record.backward is None:
             continue
         plan.graphs[f"{record.name}.{getattr(record, 'label', 'backward')}"] = record.backward
-        plan.bucket_caps[record.name] = record.backward.meta.get("spmd_bucket_cap", 0)
         for node in collective_nodes(record.backward):
             meta = node.meta["spmd"]
             seconds = cost_model.seconds("all_reduce", meta["bytes"])

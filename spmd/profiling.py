@@ -50,10 +50,6 @@ class Profiler:
     def done(self) -> bool:
         return self.steps_left <= 0
 
-    @property
-    def last(self) -> Timeline | None:
-        return self.timelines[-1] if self.timelines else None
-
 
 def completions(events: list[tuple[str, str, float]]) -> dict[str, float]:
     """When each collective was known to be complete: Gloo's completion callback, or the

@@ -37,15 +37,15 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from spmd.lowering import ops
-from spmd.lowering.annotate import PlanningError
+from spmd.lowering.annotate import PlanningError, input_placements
 from spmd.lowering.bucketing import bucketing
 from spmd.lowering.collectives import insert_collectives
 from spmd.lowering.context import InputInfo, LoweringContext
+from spmd.lowering.cost_model import CostModel
 from spmd.lowering.emit import emit
 from spmd.lowering.optimizer import fusable, fuse_optimizer, register_optimizer
 from spmd.lowering.options import Options
 from spmd.lowering.passes import run_passes
-from spmd.lowering.placements import Replicate, Shard
 from spmd.lowering.propagate import propagate
 from spmd.lowering.schedule import schedule
 from spmd.plan import Plan, plan_from_records
@@ -57,8 +57,7 @@ __all__ = ["ParallelStep", "STEP_PASSES"]
 
 def annotate_step(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
     """The step tracer already knows output i is the gradient of parameter input i."""
-    gm.meta["spmd_input_placements"] = [Shard(0) if i.kind == "data" else Replicate()
-                                        for i in ctx.inputs]
+    gm.meta["spmd_input_placements"] = input_placements(ctx.inputs)
     return gm
 
 
@@ -91,14 +90,24 @@ class _Recorder:
         self.calls.append(("backward", {}))
 
 
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class _Setup:
+    """What the first call with a model and an optimizer set up (kept until either changes)."""
+
+    model: nn.Module
+    opt: torch.optim.Optimizer | None
+    group: Any
+    world: int
+    cost: CostModel
+    handle: int | None  # the registered optimizer, when it can run from the buckets
+    sync: ops.SyncState
+
+
 @dataclass(eq=False)
 class _Program:
     """One traced and planned step for one input signature."""
 
-    record: Any
     run: Callable[[list], Any]
-    param_count: int
-    buffer_count: int
     out_spec: Any
     constants: list[Any]
     tensor_slots: list[int]
@@ -123,7 +132,7 @@ class ParallelStep:
         self.fn = fn
         self.options = options
         self.mesh = mesh
-        self._setup: tuple | None = None
+        self._setup: _Setup | None = None
         self._programs: dict[Any, _Program] = {}
         self._records: list[_Record] = []
 
@@ -141,23 +150,21 @@ class ParallelStep:
                             f"got {len(opts)}")
         return models[0], (opts[0] if opts else None)
 
-    def _prepare(self, model: nn.Module, opt: torch.optim.Optimizer | None) -> tuple:
-        if self._setup is not None and self._setup[0] is model and self._setup[1] is opt:
-            return self._setup
-        from spmd.api import _next_index, check_same_model, cost_model_for, resolve_mesh
+    def _prepare(self, model: nn.Module, opt: torch.optim.Optimizer | None) -> _Setup:
+        setup = self._setup
+        if setup is not None and setup.model is model and setup.opt is opt:
+            return setup
+        from spmd.api import prepare_model
 
-        where = f"parallelize({self.fn.__name__})"
-        group, world, backend = resolve_mesh(self.mesh, where)
-        if group is not None and world > 1:
-            check_same_model(model, group, where)
-        cost = cost_model_for(group, world, backend, self.options)
-        if group is not None and world > 1:
-            broadcast_coalesced([*model.parameters(), *model.buffers()], group.ranks[0], group)
+        group, world, cost, _ = prepare_model(model, self.options, self.mesh,
+                                              f"parallelize({self.fn.__name__})")
         trainable = {id(p) for p in model.parameters() if p.requires_grad}
         owned = {id(p) for g in opt.param_groups for p in g["params"]} if opt is not None else set()
         handle = register_optimizer(opt) if (opt is not None and fusable(opt)
                                              and owned == trainable) else None
-        self._setup = (model, opt, group, world, cost, handle, ops.SyncState(), _next_index())
+        # no safety net reads what the buckets reduced: nothing to track
+        self._setup = _Setup(model=model, opt=opt, group=group, world=world, cost=cost,
+                             handle=handle, sync=ops.SyncState(track=False))
         self._programs.clear()
         return self._setup
 
@@ -167,9 +174,10 @@ class ParallelStep:
         from torch.fx.experimental.proxy_tensor import make_fx
         from torch.nn.utils.stateless import _reparametrize_module
 
-        _, _, group, world, cost, handle, sync, _ = self._setup
-        pnames, params = zip(*model.named_parameters()) if len(list(model.parameters())) else ((), ())
-        bnames, buffers = zip(*model.named_buffers()) if len(list(model.buffers())) else ((), ())
+        setup = self._setup
+        named_params, named_buffers = list(model.named_parameters()), list(model.named_buffers())
+        pnames, params = zip(*named_params) if named_params else ((), ())
+        bnames, buffers = zip(*named_buffers) if named_buffers else ((), ())
         leaves, in_spec = pytree.tree_flatten((args, kwargs))
         slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         P, B = len(params), len(buffers)
@@ -215,30 +223,29 @@ class ParallelStep:
         gm.meta["spmd_param_grads"] = {i: pnames[i] for i in range(P)
                                        if isinstance(outputs[i], fx.Node)}
         names_called = [c for c, _ in box["calls"]]
-        fuse = handle is not None and names_called.count("step") == 1 and (
+        fuse = setup.handle is not None and names_called.count("step") == 1 and (
             names_called.count("backward") == 1 and
             names_called.index("backward") < names_called.index("step"))
         if fuse:
-            gm.meta["spmd_optimizer"] = handle
+            gm.meta["spmd_optimizer"] = setup.handle
         name = f"step{len(self._records)}"
-        ctx = LoweringContext(group=group, world_size=world, options=self.options,
-                              cost_model=cost, inputs=inputs, graph_name=name, sync=sync)
+        ctx = LoweringContext(group=setup.group, world_size=setup.world, options=self.options,
+                              cost_model=setup.cost, inputs=inputs, graph_name=name,
+                              sync=setup.sync)
         try:
             gm = run_passes(gm, ctx, STEP_PASSES)
         except PlanningError as e:  # pragma: no cover - the tracer sets the meta itself
             raise RuntimeError(f"parallelize({self.fn.__name__}): {e}") from e
-        record = _Record(name, inputs, gm)
-        self._records.append(record)
+        self._records.append(_Record(name, inputs, gm))
         tensors_at = [i for i, x in enumerate(box["constants"]) if isinstance(x, torch.Tensor)]
-        return _Program(record=record, run=emit(gm), param_count=P, buffer_count=B,
-                        out_spec=box["spec"], constants=box["constants"],
+        return _Program(run=emit(gm), out_spec=box["spec"], constants=box["constants"],
                         tensor_slots=tensors_at, calls=box["calls"], fused=fuse)
 
     # -- running ----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model, opt = self._find(args, kwargs)
-        model_, opt_, group, world, _, _, sync, _ = self._prepare(model, opt)
+        setup = self._prepare(model, opt)
         leaves, _ = pytree.tree_flatten((args, kwargs))
         data = [x for x in leaves if isinstance(x, torch.Tensor)]
         params = list(model.parameters())
@@ -248,9 +255,9 @@ class ParallelStep:
         if program is None:
             program = self._programs[key] = self._trace(model, opt, args, kwargs)
         buffers = list(model.buffers())
-        if self.options.broadcast_buffers and buffers and group is not None and world > 1:
+        group = setup.group
+        if self.options.broadcast_buffers and buffers and group is not None and setup.world > 1:
             broadcast_coalesced(buffers, group.ranks[0], group)
-        sync.begin_step()
         with torch.no_grad():
             out = program.run([*params, *buffers, *data])
         grads, tensors = out[:len(params)], out[len(params) + len(buffers) + len(data):]
@@ -275,17 +282,19 @@ class ParallelStep:
         return self.plan()
 
     def plan(self) -> Plan:
-        _, _, group, world, cost, _, _, _ = self._setup or (None,) * 8
-        if cost is None:
+        setup = self._setup
+        if setup is None:
             raise RuntimeError(f"spmd.inspect: {self.fn.__name__} has not run yet; call it once "
                                f"(or use spmd.inspect with example inputs)")
         import spmd.kernels as kernels
 
+        group = setup.group
         plan = plan_from_records(self._records[-1:], strategy=self.options.strategy,
-                                 world_size=world,
+                                 world_size=setup.world,
                                  group_name=group.name if group is not None else "simulated",
                                  group_ranks=tuple(group.ranks) if group is not None else (),
-                                 options=self.options, cost_model=cost, fallbacks=[], frozen=[],
+                                 options=self.options, cost_model=setup.cost,
+                                 fallbacks=[], frozen=[],
                                  kernel=kernels.implementation(torch.device("cpu")))
         return plan
 

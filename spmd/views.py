@@ -23,7 +23,7 @@ from typing import Any
 
 import networkx as nx
 
-from spmd.lowering.graph import dependency_graph
+from spmd.lowering.graph import dependency_graph, is_collective, is_wait
 from spmd.timeline import node_cost, predict
 
 __all__ = ["to_networkx", "overview", "explain", "timeline_figure", "html", "svg"]
@@ -56,8 +56,8 @@ def overview(plan: Any) -> nx.DiGraph:
     for key, gm in plan.graphs.items():
         previous, segment, cost = None, 0, 0.0
         for node in gm.graph.nodes:
-            kind = ("communication" if node.name in by_collective and not key.endswith("forward")
-                    else "wait" if "wait" in str(node.target) else "compute")
+            kind = ("communication" if is_collective(node) else "wait" if is_wait(node)
+                    else "compute")
             if kind == "compute":
                 cost += node_cost(node)
                 continue
