@@ -108,7 +108,7 @@ def launch_layout(rows: Sequence[Sequence[int]], device: torch.device) -> Launch
         >>> launch.block, launch.chunk, launch.grid
         (1024, 4096, 3)
     """
-    return _cached(tuple(tuple(int(v) for v in row) for row in rows), torch.device(device))
+    return _cached(tuple(map(tuple, rows)), torch.device(device))
 
 
 @functools.lru_cache(maxsize=256)

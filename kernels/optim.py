@@ -168,9 +168,10 @@ def _check_common(fn: str, params: Any, flat_grad: Any) -> tuple[list[torch.Tens
     total = sum(p.numel() for p in params)
     flat_grad = checks.flat(fn, "flat_grad", flat_grad, total)
     for i, p in enumerate(params):
-        checks.same_device(fn, flat_grad.device, f"params[{i}]", p)
-        checks.dtype(fn, f"params[{i}]", p)
-        checks.contiguous(fn, f"params[{i}]", p)
+        name = f"params[{i}]"
+        checks.same_device(fn, flat_grad.device, name, p)
+        checks.dtype(fn, name, p)
+        checks.contiguous(fn, name, p)
     return params, flat_grad
 
 
@@ -183,14 +184,15 @@ def _check_state(fn: str, name: str, params: list[torch.Tensor], state: Any, *,
     for i, (s, p) in enumerate(zip(state, params)):
         if s is None and optional:
             continue
+        entry = f"{name}[{i}]"
         if not isinstance(s, torch.Tensor):
-            raise TypeError(f"{fn}: {name}[{i}] is a {type(s).__name__}, not a tensor")
+            raise TypeError(f"{fn}: {entry} is a {type(s).__name__}, not a tensor")
         if s.shape != p.shape:
-            raise ValueError(f"{fn}: {name}[{i}] has shape {tuple(s.shape)}, its parameter "
+            raise ValueError(f"{fn}: {entry} has shape {tuple(s.shape)}, its parameter "
                              f"{tuple(p.shape)}")
-        checks.same_device(fn, p.device, f"{name}[{i}]", s)
-        checks.dtype(fn, f"{name}[{i}]", s)
-        checks.contiguous(fn, f"{name}[{i}]", s)
+        checks.same_device(fn, p.device, entry, s)
+        checks.dtype(fn, entry, s)
+        checks.contiguous(fn, entry, s)
 
 
 def _grads(params: list[torch.Tensor], flat_grad: torch.Tensor, grad_scale: float,

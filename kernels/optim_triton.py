@@ -22,7 +22,7 @@ import triton.language as tl
 
 from spmd.kernels.dispatch import launchable, on_device
 from spmd.kernels.layout import aligned, launch_layout, offsets
-from spmd.kernels.packing_triton import TL_DTYPES, cast
+from spmd.kernels.packing_triton import TL_DTYPES, cast, chunk_of
 
 
 @triton.jit
@@ -32,19 +32,12 @@ def sgd_kernel(rows, chunks, grad, grad_scale, lr, weight_decay, momentum, one_m
                MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr,
                BLOCK: tl.constexpr):
     # row: param, numel, offset in the bucket, momentum buffer
-    pid = tl.program_id(0)
-    row = rows + tl.load(chunks + 2 * pid) * 4
-    first = tl.load(chunks + 2 * pid + 1)
+    row, first, numel, offset = chunk_of(rows, chunks, 4, ALIGNED, BLOCK)
     param = tl.load(row).to(tl.pointer_type(P))
-    numel = tl.load(row + 1)
-    offset = tl.load(row + 2)
     buffer = tl.load(row + 3).to(tl.pointer_type(B))
     if ALIGNED:  # checked on the host; lets the compiler use 16-byte loads and stores
         param = tl.multiple_of(param, 16)
         buffer = tl.multiple_of(buffer, 16)
-        numel = tl.multiple_of(numel, 8)
-        offset = tl.multiple_of(offset, 8)
-        first = tl.multiple_of(first, BLOCK)
     grad += offset
     for step in range(0, CHUNK, BLOCK):
         idx = first + step + tl.arange(0, BLOCK)
@@ -78,12 +71,8 @@ def adamw_kernel(rows, chunks, grad, grad_scale, decay, lerp_weight, beta2, one_
                  AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr,
                  CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     # row: param, numel, offset in the bucket, exp_avg, exp_avg_sq, max_exp_avg_sq
-    pid = tl.program_id(0)
-    row = rows + tl.load(chunks + 2 * pid) * 6
-    first = tl.load(chunks + 2 * pid + 1)
+    row, first, numel, offset = chunk_of(rows, chunks, 6, ALIGNED, BLOCK)
     param = tl.load(row).to(tl.pointer_type(P))
-    numel = tl.load(row + 1)
-    offset = tl.load(row + 2)
     exp_avg = tl.load(row + 3).to(tl.pointer_type(M))
     exp_avg_sq = tl.load(row + 4).to(tl.pointer_type(V))
     max_exp_avg_sq = tl.load(row + 5).to(tl.pointer_type(VMAX))
@@ -92,9 +81,6 @@ def adamw_kernel(rows, chunks, grad, grad_scale, decay, lerp_weight, beta2, one_
         exp_avg = tl.multiple_of(exp_avg, 16)
         exp_avg_sq = tl.multiple_of(exp_avg_sq, 16)
         max_exp_avg_sq = tl.multiple_of(max_exp_avg_sq, 16)
-        numel = tl.multiple_of(numel, 8)
-        offset = tl.multiple_of(offset, 8)
-        first = tl.multiple_of(first, BLOCK)
     grad += offset
     for step in range(0, CHUNK, BLOCK):
         idx = first + step + tl.arange(0, BLOCK)
@@ -142,9 +128,10 @@ def _launch(kernel, flat_grad: torch.Tensor, groups: dict, scalars: tuple, flags
                                    BLOCK=launch.block, enable_fp_fusion=False)
 
 
-def _add_row(groups: dict, key: tuple, row: list[int], flat_grad: torch.Tensor) -> None:
-    """File ``row`` (param, numel, offset, state addresses...) under ``key`` + aligned."""
-    is_aligned = flat_grad.data_ptr() % 16 == 0 and aligned([row[0], *row[3:]], row[1], row[2])
+def _add_row(groups: dict, key: tuple, row: list[int], flat_aligned: bool) -> None:
+    """File ``row`` (param, numel, offset, state addresses...) under ``key`` + aligned;
+    ``flat_aligned``: whether the gradient bucket starts on a 16-byte boundary."""
+    is_aligned = flat_aligned and aligned([row[0], *row[3:]], row[1], row[2])
     groups.setdefault((*key, is_aligned), []).append(row)
 
 
@@ -155,6 +142,7 @@ def sgd(params: list[torch.Tensor], flat_grad: torch.Tensor,
     """Launch ``sgd_kernel`` over ``params``; None buffers are created (and stored into
     ``momentum_buffers``) and filled by the kernel. Arguments are already checked."""
     groups: dict[tuple, list[list[int]]] = {}
+    flat_aligned = flat_grad.data_ptr() % 16 == 0
     for i, (p, start) in enumerate(zip(params, offsets([p.numel() for p in params]))):
         buf, first = p, False  # without momentum the kernel never touches the buffer
         if momentum != 0:
@@ -164,7 +152,7 @@ def sgd(params: list[torch.Tensor], flat_grad: torch.Tensor,
                 first = True
         if p.numel():
             _add_row(groups, (p.dtype, buf.dtype, first),
-                     [p.data_ptr(), p.numel(), start, buf.data_ptr()], flat_grad)
+                     [p.data_ptr(), p.numel(), start, buf.data_ptr()], flat_aligned)
     _launch(sgd_kernel, flat_grad, groups,
             (grad_scale, lr, weight_decay, momentum, 1 - dampening),
             dict(WEIGHT_DECAY=weight_decay != 0, MOMENTUM=momentum != 0, NESTEROV=nesterov,
@@ -177,6 +165,7 @@ def adamw(params: list[torch.Tensor], flat_grad: torch.Tensor, exp_avgs: list[to
           amsgrad: bool, maximize: bool, grad_scale: float) -> None:
     """Launch ``adamw_kernel`` over ``params``. Arguments are already checked."""
     groups: dict[tuple, list[list[int]]] = {}
+    flat_aligned = flat_grad.data_ptr() % 16 == 0
     for i, (p, start) in enumerate(zip(params, offsets([p.numel() for p in params]))):
         if p.numel() == 0:
             continue
@@ -184,7 +173,7 @@ def adamw(params: list[torch.Tensor], flat_grad: torch.Tensor, exp_avgs: list[to
         vmax = max_exp_avg_sqs[i] if amsgrad else v  # never touched without amsgrad
         _add_row(groups, (p.dtype, m.dtype, v.dtype, vmax.dtype),
                  [p.data_ptr(), p.numel(), start, m.data_ptr(), v.data_ptr(), vmax.data_ptr()],
-                 flat_grad)
+                 flat_aligned)
     # The scalars torch derives in Python (double precision) before its kernels round them
     # to float32.
     lerp_weight = 1 - beta1

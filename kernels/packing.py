@@ -65,9 +65,10 @@ def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None, *,
         raise ValueError("pack: no tensors and no out; nothing tells the device and dtype")
     device = tensors[0].device if out is None else out.device
     for i, t in enumerate(tensors):
-        checks.same_device("pack", device, f"tensors[{i}]", t)
-        checks.dtype("pack", f"tensors[{i}]", t)
-        checks.strided("pack", f"tensors[{i}]", t, written=False)
+        name = f"tensors[{i}]"
+        checks.same_device("pack", device, name, t)
+        checks.dtype("pack", name, t)
+        checks.strided("pack", name, t, written=False)
     if dtype is not None:
         checks.dtype_arg("pack", dtype)
     total = sum(t.numel() for t in tensors)
@@ -124,9 +125,10 @@ def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], *, scale: float 
     total = sum(t.numel() for t in tensors)
     checks.flat("unpack", "flat", flat, total)
     for i, t in enumerate(tensors):
-        checks.same_device("unpack", flat.device, f"tensors[{i}]", t)
-        checks.dtype("unpack", f"tensors[{i}]", t)
-        checks.strided("unpack", f"tensors[{i}]", t, written=True)
+        name = f"tensors[{i}]"
+        checks.same_device("unpack", flat.device, name, t)
+        checks.dtype("unpack", name, t)
+        checks.strided("unpack", name, t, written=True)
     if total == 0:
         return
     if implementation(flat.device) == "triton":

@@ -40,22 +40,31 @@ def cast(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def chunk_of(rows, chunks, WIDTH: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's chunk, as every multi-tensor kernel starts: a pointer to its tensor's
+    row of the table, its first element, and the tensor's element count and flat offset."""
+    pid = tl.program_id(0)
+    row = rows + tl.load(chunks + 2 * pid) * WIDTH
+    first = tl.load(chunks + 2 * pid + 1)
+    numel = tl.load(row + 1)
+    offset = tl.load(row + 2)
+    if ALIGNED:  # checked on the host; lets the compiler use 16-byte loads and stores
+        numel = tl.multiple_of(numel, 8)
+        offset = tl.multiple_of(offset, 8)
+        first = tl.multiple_of(first, BLOCK)
+    return row, first, numel, offset
+
+
+@triton.jit
 def copy_kernel(rows, chunks, flat, scale,
                 WIDTH: tl.constexpr, DTYPE: tl.constexpr, STRIDED: tl.constexpr,
                 ALIGNED: tl.constexpr, TO_FLAT: tl.constexpr, ACCUMULATE: tl.constexpr,
                 CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     # Which tensor (a row of the table) and which of its chunks this program copies.
-    pid = tl.program_id(0)
-    row = rows + tl.load(chunks + 2 * pid) * WIDTH
-    first = tl.load(chunks + 2 * pid + 1)
+    row, first, numel, offset = chunk_of(rows, chunks, WIDTH, ALIGNED, BLOCK)
     tensor = tl.load(row).to(tl.pointer_type(DTYPE))
-    numel = tl.load(row + 1)
-    offset = tl.load(row + 2)
-    if ALIGNED:  # checked on the host; lets the compiler use 16-byte loads and stores
+    if ALIGNED:
         tensor = tl.multiple_of(tensor, 16)
-        numel = tl.multiple_of(numel, 8)
-        offset = tl.multiple_of(offset, 8)
-        first = tl.multiple_of(first, BLOCK)
     flat += offset
     for step in range(0, CHUNK, BLOCK):
         idx = first + step + tl.arange(0, BLOCK)  # logical index within the tensor
@@ -93,9 +102,9 @@ def copy(tensors: list[torch.Tensor], flat: torch.Tensor, scale: float, *, to_fl
         if t.numel() == 0:
             continue
         row = [t.data_ptr(), t.numel(), start]
-        sizes, strides = collapse(t)
-        is_strided = strides not in ((), (1,))
+        is_strided = not t.is_contiguous()  # contiguous is what collapses to one stride-1 dim
         if is_strided:
+            sizes, strides = collapse(t)
             pad = MAX_DIMS - len(sizes)
             row += [*((1,) * pad + sizes)[1:], *((0,) * pad + strides)]
         is_aligned = flat_aligned and not is_strided and aligned(row[:1], row[1], row[2])
