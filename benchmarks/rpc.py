@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import time
 
@@ -37,12 +36,6 @@ def _idle_cpu() -> float:
     start = time.process_time()
     time.sleep(1.0)
     return (time.process_time() - start) * 100
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _measure(rpc, calls: int, mib: int) -> dict:
@@ -98,9 +91,12 @@ def _worker(kind: str, rank: int, port: int, calls: int, mib: int, out) -> None:
 
 
 def _run(kind: str, calls: int, mib: int) -> dict:
+    # Imported here, not at the top: the spawned workers import only the library they run.
+    from spmd.runtime.launch import free_port
+
     ctx = mp.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(kind, r, port, calls, mib, send)) for r in (0, 1)]
     for p in procs:
         p.start()

@@ -119,44 +119,40 @@ def single(kind: str, ops: int) -> dict:
     return _with_server(kind, body)
 
 
+def _clients(ctx, n: int, target, args_of_rank, settle: float) -> tuple[float, list]:
+    """Start ``n`` client processes ``target(*args_of_rank(rank), go, out)``, give them
+    ``settle`` seconds to get ready, release them together, and collect what each sends
+    to ``out``. Returns the wall-clock time of the release and the results in rank order."""
+    go = ctx.Event()
+    pipes, procs = [], []
+    for r in range(n):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=target, args=(*args_of_rank(r), go, send))
+        p.start()
+        pipes.append(recv)
+        procs.append(p)
+    time.sleep(settle)
+    start = time.time()
+    go.set()
+    results = [r.recv() for r in pipes]
+    for p in procs:
+        p.join()
+    return start, results
+
+
 def concurrent(kind: str, clients: int, ops: int) -> float:
     def body(ctx, port):
-        go = ctx.Event()
-        pipes, procs = [], []
-        for r in range(clients):
-            recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_concurrent, args=(kind, port, ops, r, go, send))
-            p.start()
-            pipes.append(recv)
-            procs.append(p)
-        time.sleep(3.0)  # every client connected and waiting
-        go.set()
-        spans = [r.recv() for r in pipes]
-        for p in procs:
-            p.join()
-        first = min(s for s, _ in spans)
-        last = max(e for _, e in spans)
-        return clients * ops / (last - first)
+        _, spans = _clients(ctx, clients, _concurrent, lambda r: (kind, port, ops, r),
+                            settle=3.0)  # every client connected and waiting
+        return clients * ops / (max(e for _, e in spans) - min(s for s, _ in spans))
 
     return _with_server(kind, body)
 
 
 def rendezvous(kind: str, world: int) -> float:
     def body(ctx, port):
-        go = ctx.Event()
-        pipes, procs = [], []
-        for r in range(world):
-            recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_rendezvous, args=(kind, port, r, world, go, send))
-            p.start()
-            pipes.append(recv)
-            procs.append(p)
-        time.sleep(8.0)  # every process started and imported
-        start = time.time()
-        go.set()
-        ends = [r.recv() for r in pipes]
-        for p in procs:
-            p.join()
+        start, ends = _clients(ctx, world, _rendezvous, lambda r: (kind, port, r, world),
+                               settle=8.0)  # every process started and imported
         return max(ends) - start
 
     return _with_server(kind, body)
