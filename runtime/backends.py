@@ -78,8 +78,11 @@ def _gloo_device(master_host: str | None) -> object:
 def make_backend(
     name: str, store: Store, rank: int, size: int, timeout: timedelta,
     master_host: str | None, global_ranks: list[int], group_name: str,
-) -> object:
-    """A c10d backend for ``size`` ranks exchanging set-up through ``store``.
+) -> tuple[object, object]:
+    """A c10d backend for ``size`` ranks exchanging set-up through ``store``, and the
+    ``torch.distributed.Store`` it was given, which the caller must keep alive as long as
+    the backend: c10d holds only the C++ half of a Python store, and NCCL first uses it
+    at the first collective, when a collected adapter would answer "Not implemented".
 
     ``master_host`` is the rendezvous address (None when every rank is in this process
     or machine); it decides which network device Gloo uses.
@@ -91,13 +94,13 @@ def make_backend(
         opts._devices = [_gloo_device(master_host)]
         opts.global_ranks_in_group = list(global_ranks)
         opts.group_name = group_name
-        return _dist.ProcessGroupGloo(c10d_store, rank, size, opts)
+        return _dist.ProcessGroupGloo(c10d_store, rank, size, opts), c10d_store
     if name == "nccl":
         opts = _dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         opts.global_ranks_in_group = list(global_ranks)
         opts.group_name = group_name
-        return _dist.ProcessGroupNCCL(c10d_store, rank, size, opts)
+        return _dist.ProcessGroupNCCL(c10d_store, rank, size, opts), c10d_store
     if name == "mpi":
-        return _dist.ProcessGroupMPI.create(list(global_ranks))
+        return _dist.ProcessGroupMPI.create(list(global_ranks)), c10d_store
     raise ValueError(f"unknown backend {name!r}")

@@ -163,12 +163,13 @@ def init_process_group(
 def _make_group(state: _World, name: str, ranks: list[int], backend: str,
                 timeout: timedelta) -> ProcessGroup:
     store = PrefixStore(f"pg/{name}", state.store)
-    inner = None
+    inner = torch_store = None
     if state.rank in ranks:
         me = ranks.index(state.rank)
-        inner = backends.make_backend(backend, store, me, len(ranks), timeout,
-                                      state.master_host, ranks, name)
+        inner, torch_store = backends.make_backend(backend, store, me, len(ranks), timeout,
+                                                   state.master_host, ranks, name)
     group = ProcessGroup(name=name, backend_name=backend, backend=inner, store=store,
+                         backend_store=torch_store,
                          ranks=ranks, global_rank=state.rank, timeout=timeout,
                          debug=state.debug, store_host_rank=state.store_host_rank)
     state.groups[name] = group

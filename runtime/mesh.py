@@ -107,6 +107,22 @@ class Mesh:
                 self._groups[dim] = new_group(members, group_name=f"{tag}/{name}/{index}")
 
     @classmethod
+    def from_group(cls, group: ProcessGroup, dim_name: str = "dp") -> "Mesh":
+        """A 1-D mesh over an existing process group (``DeviceMesh.from_group`` in torch):
+        no new group is made, so only this rank needs to call it."""
+        if not isinstance(group, ProcessGroup):
+            raise TypeError(f"Mesh.from_group takes a ProcessGroup, got {type(group).__name__}")
+        group.require("Mesh.from_group")
+        mesh = cls.__new__(cls)
+        mesh.shape = (group.size(),)
+        mesh.dim_names = _names(dim_name, 1)
+        mesh.simulated = False
+        mesh.ranks = list(group.ranks)
+        mesh._groups = {0: group}
+        mesh._coordinate = (group.rank(),)
+        return mesh
+
+    @classmethod
     def simulated(cls, shape: int | Sequence[int],
                   dim_names: Sequence[str] | None = None) -> "Mesh":
         """A mesh of any size that exists only on paper: no processes, no operations."""

@@ -38,11 +38,12 @@ class ProcessGroup:
     def __init__(
         self, *, name: str, backend_name: str, backend: Any, store: Store | None,
         ranks: Sequence[int], global_rank: int, timeout: timedelta, debug: bool = False,
-        store_host_rank: int | None = None,
+        store_host_rank: int | None = None, backend_store: Any = None,
     ) -> None:
         self.name = name
         self.backend = backend_name
         self._backend = backend
+        self._backend_store = backend_store  # the backend's store adapter, kept alive
         self._store = store
         self.ranks = list(ranks)
         self._global_rank = global_rank
@@ -66,6 +67,13 @@ class ProcessGroup:
     @property
     def is_member(self) -> bool:
         return self._me >= 0
+
+    @property
+    def store(self) -> Store | None:
+        """The group's own key-value store (a namespace of the job's store, shared by its
+        members), for agreeing on things outside the data plane: measured figures,
+        plan fingerprints. None for a group made without one."""
+        return self._store
 
     def rank(self) -> int:
         """This rank's index in the group (-1 when not a member)."""
@@ -270,28 +278,34 @@ class Work:
         """Wait for the backend (at most ``limit``), then post-process exactly once.
 
         ``finished``: the backend's completed future, when called from its callback
-        (waiting there again would deadlock on the future's own lock).
+        (waiting there again would deadlock on the future's own lock). The wait itself
+        holds no lock: the backend may run a ``get_future()`` callback, which completes
+        this work too, before its own ``wait`` returns.
         """
+        if self._done:
+            return
+        if self._error is not None:
+            raise self._error
+        try:
+            if finished is not None:
+                finished.value()  # raises the backend's error, if any
+            elif limit is not None:
+                self._inner.wait(limit)
+            elif self._group._threaded:
+                self._wait_abortable()
+            else:
+                self._inner.wait()
+        except Exception as e:
+            with self._lock:
+                if self._error is None:
+                    if self._group._threaded:
+                        self._group._poisoned = True
+                        _bury(self._inner)
+                    self._error = self._group._failure(self._op, self._seq, self._peers, e)
+            raise self._error from e
         with self._lock:
             if self._done:
                 return
-            if self._error is not None:
-                raise self._error
-            try:
-                if finished is not None:
-                    finished.value()  # raises the backend's error, if any
-                elif limit is not None:
-                    self._inner.wait(limit)
-                elif self._group._threaded:
-                    self._wait_abortable()
-                else:
-                    self._inner.wait()
-            except Exception as e:
-                if self._group._threaded:
-                    self._group._poisoned = True
-                    _bury(self._inner)
-                self._error = self._group._failure(self._op, self._seq, self._peers, e)
-                raise self._error from e
             if self._post is not None:
                 self._post()
             if self._result_fn is not None:

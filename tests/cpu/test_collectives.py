@@ -73,6 +73,16 @@ def every_op(rank: int) -> dict:
     avg = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True)
     out["async avg future"] = avg.get_future().wait()
     out["async avg tensor"] = t
+    # a callback on the future, then wait(): the backend runs the callback while wait()
+    # is blocked on it, and both complete the same work
+    t = base(rank)
+    work = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True)
+    seen: list = []
+    fut = work.get_future()
+    fut.add_done_callback(lambda f: seen.append(f.value()))
+    work.wait(timeout=30)
+    fut.wait()
+    out["callback then wait"] = (t.clone(), len(seen))
 
     for src in range(n):
         t = base(rank)
@@ -225,6 +235,8 @@ def test_async_work_and_future(runs):
         assert torch.equal(t, expected_reduce("SUM", n, torch.float32))
         avg = expected_reduce("AVG", n, torch.float32)
         assert torch.allclose(r["async avg tensor"], avg)
+        t, callbacks = r["callback then wait"]
+        assert torch.allclose(t, avg) and callbacks == 1  # averaged once, not twice
 
 
 def test_broadcast_from_every_source(runs):
