@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 import spmd
+from spmd.lowering.state import state_of
 
 
 class Transformer(nn.Module):
@@ -48,7 +49,7 @@ def main() -> None:
             start = time.perf_counter()
             plan = spmd.inspect(model, tokens, mesh=spmd.Mesh.simulated(n))
             elapsed = time.perf_counter() - start
-            passes = sum(sum(gm.meta.get("spmd_pass_seconds", {}).values())
+            passes = sum(sum(state_of(gm).pass_seconds.values())
                          for gm in plan.graphs.values())
             print(f"| {label} | {params:,} | {n} | {elapsed:.2f} | {passes:.3f} | "
                   f"{len(plan.buckets)} | {plan.predicted_communication_seconds() * 1e3:.1f} |")

@@ -1,51 +1,111 @@
-"""annotate: give every input of the graph its placement at the parameter boundary.
+"""annotate: give every input of the graph its placement, and find its gradients.
 
-For data parallelism, parameters and buffers are ``Replicate()`` and data is ``Shard(0)``
-(each rank reads its own slice of the batch). In the backward graph, output i is the
-gradient of forward input i; this pass checks that correspondence against the inputs'
-shapes and records which outputs are parameter gradients, so no later pass guesses.
+Each input's :class:`~spmd.lowering.placements.Sharding` comes from the strategy
+(``ddp``: data ``Shard(0)`` on the data dimension, parameters and buffers
+``Replicate()``) and is written on its placeholder. A backward graph's inputs are not the
+region's inputs but values its forward saved (found by name in ``ctx.saved``) and the
+gradients flowing in (``tangents_*``, each rank's own: ``Varying()``).
+
+The gradients: in a backward graph, output i is the gradient of forward input i (the
+AOTAutograd contract, checked here against the inputs' shapes); in a whole step, the
+tracer tagged each parameter's gradient node (``meta["spmd_gradient_of"]``). The
+result is a :class:`~spmd.lowering.state.Boundary` record, so no later pass guesses.
+
+Every node must carry ``meta["val"]`` (a fake tensor): graphs from Dynamo, AOTAutograd
+and make_fx do; a hand-built graph gets them here from the inputs' shapes.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
-from spmd.lowering.context import InputInfo, LoweringContext
-from spmd.lowering.placements import Placement, Replicate, Shard
+from spmd.lowering.context import LoweringContext
+from spmd.lowering.placements import Sharding, Varying
+from spmd.lowering.state import Boundary, Gradient, put
 
-__all__ = ["annotate", "PlanningError", "gradient_outputs", "input_placements"]
+__all__ = ["annotate", "PlanningError", "graph_outputs", "GRADIENT_TAG"]
+
+GRADIENT_TAG = "spmd_gradient_of"  # set by the step tracer on each parameter's gradient
 
 
 class PlanningError(RuntimeError):
     """The graph does not have the shape a pass relies on; the caller falls back."""
 
 
-def gradient_outputs(gm: fx.GraphModule) -> list:
-    out = gm.graph.output_node()
-    values = out.args[0]
+def graph_outputs(gm: fx.GraphModule) -> list:
+    values = gm.graph.output_node().args[0]
     return list(values) if isinstance(values, (list, tuple)) else [values]
 
 
-def input_placements(inputs: tuple[InputInfo, ...]) -> list[Placement]:
-    """Data-parallel placements: data ``Shard(0)``, parameters and buffers ``Replicate()``."""
-    return [Shard(0) if info.kind == "data" else Replicate() for info in inputs]
+def _ensure_vals(gm: fx.GraphModule, ctx: LoweringContext) -> None:
+    """Fake values for a graph built by hand: placeholders from the inputs' shapes, the
+    rest propagated through the ops' fake kernels."""
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    if all("val" in n.meta for n in nodes):
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    if len(placeholders) != len(ctx.inputs):
+        missing = next(n.name for n in nodes if "val" not in n.meta)
+        raise PlanningError(f"{ctx.graph_name}: node {missing} has no meta['val'] and the "
+                            f"graph's placeholders do not match its inputs")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(torch.empty(i.shape, dtype=i.dtype)) for i in ctx.inputs]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+
+
+def _input_shardings(gm: fx.GraphModule, ctx: LoweringContext) -> None:
+    strategy = ctx.strategy
+    local = Sharding.on(strategy.mesh, {strategy.data_dim: Varying()})
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if ctx.role == "backward":
+        for node in placeholders:
+            node.meta["sharding"] = ctx.saved.get(node.name, local)
+        return
+    if len(placeholders) != len(ctx.inputs):
+        raise PlanningError(f"{ctx.graph_name}: {len(placeholders)} placeholders for "
+                            f"{len(ctx.inputs)} inputs")
+    for node, info in zip(placeholders, ctx.inputs):
+        node.meta["sharding"] = strategy.input_sharding(info)
+
+
+def _gradients(gm: fx.GraphModule, ctx: LoweringContext) -> tuple[Gradient, ...]:
+    outputs = graph_outputs(gm)
+    position = {id(v): i for i, v in enumerate(outputs) if isinstance(v, fx.Node)}
+    trainable = {i.name: (k, i) for k, i in enumerate(ctx.inputs)
+                 if i.kind == "param" and i.requires_grad}
+    if ctx.role == "forward":
+        return ()
+    found: dict[str, fx.Node] = {}
+    if ctx.role == "step":
+        found = {n.meta[GRADIENT_TAG]: n for n in gm.graph.nodes if GRADIENT_TAG in n.meta}
+    if not found:  # AOTAutograd's contract: output i is the gradient of input i
+        if ctx.role == "backward" and len(outputs) != len(ctx.inputs):
+            raise PlanningError(f"{ctx.graph_name}: backward graph has {len(outputs)} outputs "
+                                f"for {len(ctx.inputs)} forward inputs")
+        found = {name: outputs[k] for name, (k, _) in trainable.items()
+                 if k < len(outputs) and isinstance(outputs[k], fx.Node)}
+    grads = []
+    for name, node in found.items():
+        if name not in trainable:
+            raise PlanningError(f"{ctx.graph_name}: {node.name} is tagged as the gradient of "
+                                f"{name!r}, which is not a trainable parameter input")
+        k, info = trainable[name]
+        val = node.meta.get("val")
+        if val is not None and tuple(val.shape) != info.shape:
+            raise PlanningError(f"{ctx.graph_name}: the gradient of {name} ({node.name}) has "
+                                f"shape {tuple(val.shape)} but the parameter has {info.shape}")
+        out = k if position.get(id(node)) == k else None
+        grads.append(Gradient(param=name, node=node.name, output=out))
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    return tuple(sorted(grads, key=lambda g: order[g.node]))
 
 
 def annotate(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
-    placements = input_placements(ctx.inputs)
-    outputs = gradient_outputs(gm)
-    if len(outputs) != len(ctx.inputs):
-        raise PlanningError(f"{ctx.graph_name}: backward graph has {len(outputs)} outputs for "
-                            f"{len(ctx.inputs)} forward inputs")
-    grads: dict[int, str] = {}
-    for i, (value, info) in enumerate(zip(outputs, ctx.inputs)):
-        if not isinstance(value, fx.Node) or info.kind != "param" or not info.requires_grad:
-            continue
-        val = value.meta.get("val")
-        if val is not None and tuple(val.shape) != info.shape:
-            raise PlanningError(f"{ctx.graph_name}: backward output {i} has shape "
-                                f"{tuple(val.shape)} but parameter {info.name} has {info.shape}")
-        grads[i] = info.name
-    gm.meta["spmd_input_placements"] = placements
-    gm.meta["spmd_param_grads"] = grads  # output position -> parameter name
+    _ensure_vals(gm, ctx)
+    _input_shardings(gm, ctx)
+    put(gm, Boundary(role=ctx.role, gradients=_gradients(gm, ctx)))
     return gm

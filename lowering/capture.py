@@ -4,44 +4,33 @@ Dynamo hands over one fx graph per captured region (a graph break makes several)
 its example inputs: the module's real parameter and buffer tensors, then data. Each
 input is identified by identity against the module's own tensors, so every parameter has
 its name. AOTAutograd then splits the region into a forward graph and a backward graph
-whose output i is the gradient of input i; the forward graph is emitted as is, the
-backward graph goes through :data:`BACKWARD_PASSES` first (annotate → propagate →
-insert_collectives → bucketing → schedule) and is emitted with its collectives inside.
+whose output i is the gradient of input i. Both go through the pass list
+(:data:`spmd.lowering.pipeline.PASSES`): the forward first, whose placements tell the
+backward where the values it saved live; the backward then gets its collectives.
 
-A backward graph the passes cannot plan is emitted unchanged and reported: its
-parameters' gradients then reach the eager safety net, so training stays correct.
+A graph the passes cannot plan is emitted unchanged and reported: its parameters'
+gradients then reach the eager safety net, so training stays correct.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.fx as fx
 
-from spmd.lowering.annotate import PlanningError, annotate
-from spmd.lowering.bucketing import bucketing
-from spmd.lowering.collectives import insert_collectives
+from spmd.lowering.annotate import PlanningError
 from spmd.lowering.context import InputInfo, LoweringContext
 from spmd.lowering.emit import emit
-from spmd.lowering.passes import Pass, run_passes
-from spmd.lowering.propagate import propagate
-from spmd.lowering.schedule import schedule
+from spmd.lowering.pipeline import plan_graph
 
-__all__ = ["BACKWARD_PASSES", "GraphRecord", "Capture", "time_forward"]
+__all__ = ["GraphRecord", "Capture", "time_forward"]
 
 log = logging.getLogger("spmd.lowering")
-
-BACKWARD_PASSES: list[tuple[str, Pass]] = [
-    ("annotate", annotate),
-    ("propagate", propagate),
-    ("insert_collectives", insert_collectives),
-    ("bucketing", bucketing),
-    ("schedule", schedule),
-]
 
 
 @dataclass(eq=False)
@@ -57,32 +46,51 @@ class GraphRecord:
     forward_run: Callable[[list], Any] | None = None  # the emitted forward
     compute: str = "emit"  # "emit" (generated Python) or "inductor"
     compute_reason: str = ""
+    saved: dict = field(default_factory=dict)  # forward node name -> its Sharding
 
     @property
     def trainable(self) -> list[str]:
         return [i.name for i in self.inputs if i.kind == "param" and i.requires_grad]
 
 
+class CaptureOwner(Protocol):
+    """What a :class:`Capture` reports to: the parallelized module's state."""
+
+    records: list[GraphRecord]
+
+    def context(self, record: GraphRecord, role: str) -> LoweringContext:
+        """The lowering context of a record's forward or backward graph."""
+
+    def planned(self, record: GraphRecord) -> None:
+        """Called with each record whose backward graph was planned, before its first
+        run (the frontend compares plan fingerprints across ranks there)."""
+
+
 class Capture:
     """A ``torch.compile`` backend for one parallelized module.
 
+    Dynamo keeps every backend it was given for the life of the process, so a capture
+    holds its owner only weakly, and the records (graphs and the specs they name) live
+    in the owner: a collected model takes them with it.
+
     Args:
         names: ``id(tensor) -> (kind, name)`` for the module's parameters and buffers.
-        make_context: builds the lowering context for a graph's inputs and name.
-        on_backward: called with each record whose backward graph was planned, before its
-            first run (the frontend compares plan hashes across ranks there).
+        owner: the module's state (:class:`CaptureOwner`), held weakly.
     """
 
-    def __init__(self, names: dict[int, tuple[str, str]],
-                 make_context: Callable[[tuple[InputInfo, ...], str], LoweringContext],
-                 on_backward: Callable[[GraphRecord], None],
+    def __init__(self, names: dict[int, tuple[str, str]], owner: CaptureOwner,
                  compile_compute: bool | None = None) -> None:
         self.names = names
         self.compile_compute = compile_compute
-        self.make_context = make_context
-        self.on_backward = on_backward
-        self.records: list[GraphRecord] = []
+        self._owner = weakref.ref(owner)
         self.profiler: Any = None  # a spmd.profiling.Profiler while one records
+
+    def owner(self) -> CaptureOwner:
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("spmd: the parallelized module of this compiled region was "
+                               "collected")
+        return owner
 
     def choose_compute(self, example_inputs: list[Any]) -> tuple[str, str]:
         """Inductor or generated Python for a region's compute, and why.
@@ -117,12 +125,22 @@ class Capture:
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from torch._dynamo.backends.common import aot_autograd
 
-        name = f"graph{len(self.records)}"
+        records = self.owner().records
+        name = f"graph{len(records)}"
         inputs = self.describe(example_inputs)
         record = GraphRecord(name=name, inputs=inputs)
         record.compute, record.compute_reason = self.choose_compute(example_inputs)
-        self.records.append(record)
+        records.append(record)
         inductor = record.compute == "inductor"
+        # the compilers below outlive the module in AOTAutograd's caches: the record (and
+        # the specs its graphs name) stays the owner's, reached weakly
+        held = weakref.ref(record)
+
+        def this_record() -> GraphRecord:
+            alive = held()
+            if alive is None:
+                raise RuntimeError(f"spmd: the parallelized module of {name} was collected")
+            return alive
 
         def compile_graph(graph: fx.GraphModule, fake_inputs: list[Any],
                           backward: bool) -> Callable[[list], Any]:
@@ -132,23 +150,32 @@ class Capture:
                 return compile_fx_inner(graph, fake_inputs, is_backward=backward)
             return emit(graph)
 
+        del record
+
         def forward_compiler(fw: fx.GraphModule, fake_inputs: list[Any]) -> Callable[..., Any]:
+            record = this_record()
+            try:
+                fw = plan_graph(fw, self.owner().context(record, "forward"))
+                record.saved = {n.name: n.meta["sharding"] for n in fw.graph.nodes
+                                if "sharding" in n.meta}
+            except PlanningError as e:
+                log.warning("spmd: %s's forward left unplanned: %s", name, e)
             record.forward = fw
             run = compile_graph(fw, fake_inputs, False)
             record.forward_run = run
             return _instrument(run, self, record, "forward")
 
         def backward_compiler(bw: fx.GraphModule, fake_inputs: list[Any]) -> Callable[..., Any]:
-            ctx = self.make_context(inputs, name, record)
+            record = this_record()
             try:
-                bw = run_passes(bw, ctx, BACKWARD_PASSES)
+                bw = plan_graph(bw, self.owner().context(record, "backward"))
             except PlanningError as e:
                 record.fallback_reason = str(e)
                 log.warning("spmd: %s left to the eager safety net: %s", name, e)
             record.backward = bw
             run = compile_graph(bw, fake_inputs, True)
             if record.fallback_reason is None:
-                self.on_backward(record)
+                self.owner().planned(record)
             return _instrument(run, self, record, "backward")
 
         decompositions = None
@@ -164,12 +191,18 @@ class Capture:
 def _instrument(run: Callable[[list], Any], capture: "Capture", record: GraphRecord,
                 phase: str) -> Callable[[list], Any]:
     """``run``, plus: the first forward call is timed, and while a profiler is attached
-    to the capture every call records its start and end."""
+    to the capture every call records its start and end.
+
+    The record is held weakly: Dynamo keeps compiled regions past the module's life, and
+    the record's graphs name the specs (groups, work in flight) the module owns.
+    """
     label = f"{record.name} {phase}"
+    owner = weakref.ref(record)
+    timed = [phase != "forward" or record.forward_seconds is not None]
 
     def call(args: list) -> Any:
         profiler = capture.profiler
-        if profiler is None and (phase != "forward" or record.forward_seconds is not None):
+        if profiler is None and timed[0]:
             return run(args)
         start = time.perf_counter()
         if profiler is not None:
@@ -178,8 +211,11 @@ def _instrument(run: Callable[[list], Any], capture: "Capture", record: GraphRec
         end = time.perf_counter()
         if profiler is not None:
             profiler.event("compute_end", label, end)
-        if phase == "forward" and record.forward_seconds is None:
-            record.forward_seconds = end - start
+        if not timed[0]:
+            timed[0] = True
+            alive = owner()
+            if alive is not None:
+                alive.forward_seconds = end - start
         return out
 
     call._boxed_call = True  # type: ignore[attr-defined]

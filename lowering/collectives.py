@@ -1,101 +1,198 @@
-"""insert_collectives: turn every ``Partial`` gradient into ``Replicate`` with an all-reduce.
+"""insert_collectives: realise each value whose placement differs from where it is needed,
+with the step the redistribution table gives.
 
-For each gradient output with a ``Partial("avg")`` placement this pass inserts
+For data parallelism these are the gradients: each is ``Partial("avg")`` and must be
+``Replicate()``, so each gets an all-reduce, built as a bucket of one that the bucketing
+pass merges:
 
     flat = spmd.bucket_all_reduce([g], handle)   # right after g is computed
-    red  = spmd.wait(flat)                       # right before the output
-    g'   = view(red, shape) [-> _to_copy(dtype) when the wire dtype differs]
+    flat = spmd.wait(flat, handle)               # right after the collective (the
+                                                 # schedule pass moves it to the first use)
+    g'   = view(flat, shape)                     # spmd.wait_cast first when the wire
+                                                 # dtype differs from the gradient's
 
-and returns ``g'`` in place of ``g``. Each collective starts as a bucket of one; the
-bucketing pass merges them. :func:`build_bucket` is the one place that writes this
-node pattern, used by both passes.
+and every reader of ``g`` reads ``g'`` instead: the graph output, and anything else the
+step computes from a gradient (clipping its norm, say), which so sees the averaged
+gradient exactly as one process on the whole batch would. :func:`build_bucket` is the
+one place that writes this pattern; :func:`insert_redistribution` writes the other
+collectives of the table (all-gather, reduce-scatter, all-to-all, local steps), one op,
+its wait and the view that restores the layout.
 """
 
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from spmd.lowering import ops
-from spmd.lowering.annotate import gradient_outputs
-from spmd.lowering.context import InputInfo, LoweringContext
-from spmd.lowering.graph import is_collective
+from spmd.lowering.context import LoweringContext
+from spmd.lowering.graph import collective_nodes, fill_val
 from spmd.lowering.passes import Provenance
+from spmd.lowering.placements import Sharding
+from spmd.lowering.propagate import derive
+from spmd.lowering.redistribute import Step, plan_redistribution
+from spmd.lowering.state import Boundary, CollectiveInfo, Role, needs
 
-__all__ = ["insert_collectives", "build_bucket", "collective_nodes"]
+__all__ = ["insert_collectives", "build_bucket", "insert_redistribution", "collective_nodes",
+           "bucket_results"]
 
 aten = torch.ops.aten
 
 
-def _set_outputs(gm: fx.GraphModule, outputs: list) -> None:
-    out = gm.graph.output_node()
-    old = out.args[0]
-    out.args = (type(old)(outputs) if isinstance(old, (list, tuple)) else outputs[0],)
+def _node(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None,
+          *, sharding: Any = None, role: Role | None = None, name: str | None = None) -> fx.Node:
+    node = graph.create_node("call_function", target, args, kwargs or {}, name=name)
+    fill_val(node)
+    if sharding is not None:
+        node.meta["sharding"] = sharding
+    if role is not None:
+        node.meta["spmd_role"] = role
+    return node
+
+
+def _spec(ctx: LoweringContext, step: Step, **fields: Any) -> tuple[ops.CollectiveSpec, int]:
+    spec = ops.CollectiveSpec(step=step, group=ctx.group(step.mesh_dim),
+                              size=ctx.mesh.size(step.mesh_dim), **fields)
+    return spec, ctx.handles.add(spec)
 
 
 def build_bucket(gm: fx.GraphModule, ctx: LoweringContext, grads: list[fx.Node],
-                 infos: list[InputInfo], provenance: Provenance) -> list[fx.Node]:
-    """Insert one bucket's collective, wait and unpacking; the reduced gradients' nodes."""
+                 params: list[str], step: Step, provenance: Provenance,
+                 gradients: bool = True) -> tuple[fx.Node, list[fx.Node]]:
+    """Insert one bucket's all-reduce right after the last of ``grads``, its wait and
+    unpacking right after it; the collective and the reduced values' nodes, in order.
+
+    ``gradients``: the values are gradients (sent in ``reduce_dtype``, skipped under
+    ``no_sync()``); other values are reduced as they are, always.
+    """
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
-    wire = ctx.options.reduce_dtype
+    dtype = grads[0].meta["val"].dtype
+    wire = (ctx.options.reduce_dtype if gradients else None) or dtype
     last = max(grads, key=order.__getitem__)
-    number = len(collective_nodes(gm))
+    spec, handle = _spec(ctx, step, params=tuple(params),
+                         wire_dtype=None if wire == dtype else wire,
+                         result_dtype=None if wire == dtype else dtype,
+                         sync=ctx.sync if gradients else None)
+    src = grads[0].meta["sharding"]
+    dst = src.with_placement(step.mesh_dim, step.dst)
     with graph.inserting_after(last):
-        flat = graph.create_node("call_function", ops.bucket_all_reduce, (list(grads), 0),
-                                 name=f"all_reduce_{number}")
-    spec = ops.CollectiveSpec(group=ctx.group, world_size=ctx.world_size, wire_dtype=wire,
-                              params=tuple(i.name for i in infos), sync=ctx.sync,
-                              name=f"{ctx.graph_name}:{flat.name}")
-    handle = ops.register_spec(spec)
-    flat.args = (list(grads), handle)
-    numels = [int(torch.Size(i.shape).numel()) for i in infos]
-    wire_dtype = wire or infos[0].dtype
-    flat.meta["spmd"] = {"provenance": provenance, "spec": spec, "handle": handle,
-                         "numels": numels, "dtype": infos[0].dtype, "wire_dtype": wire_dtype,
-                         "bytes": sum(numels) * wire_dtype.itemsize}
-    created: list[fx.Node] = []
+        flat = _node(graph, ops.bucket_all_reduce, (list(grads), handle), sharding=src,
+                     name="all_reduce")  # fx numbers it
+    spec.name = f"{ctx.graph_name}:{flat.name}"
+    numels = tuple(int(g.meta["val"].numel()) for g in grads)
+    flat.meta["spmd_collective"] = CollectiveInfo(
+        kind="all_reduce", mesh_dim=step.mesh_dim, src=step.src, dst=step.dst,
+        params=tuple(params), numels=numels, dtype=dtype, wire_dtype=wire,
+        bytes=sum(numels) * wire.itemsize, handle=handle, provenance=provenance)
+    unpack = Role(kind="unpack", collective=flat.name)
+    anchor = flat
+    with graph.inserting_after(anchor):
+        waiter = ops.wait if wire == dtype else ops.wait_cast
+        done = anchor = _node(graph, waiter, (flat, handle), sharding=dst,
+                              role=Role(kind="wait", collective=flat.name))
+    pieces = [done]
+    if len(grads) > 1:
+        with graph.inserting_after(anchor):
+            split = anchor = _node(graph, aten.split_with_sizes.default, (done, list(numels)),
+                                   role=unpack)
+        pieces = []
+        for k in range(len(grads)):
+            with graph.inserting_after(anchor):
+                anchor = _node(graph, operator.getitem, (split, k), role=unpack)
+            pieces.append(anchor)
+    results = []
+    for piece, g in zip(pieces, grads):
+        with graph.inserting_after(anchor):
+            anchor = _node(graph, aten.view.default, (piece, list(g.meta["val"].shape)),
+                           role=unpack)
+        results.append(anchor)
+    return flat, results
 
-    def add(target, args, kwargs=None) -> fx.Node:
-        node = graph.call_function(target, args, kwargs or {})
-        node.meta["spmd_unpack_of"] = flat.name  # the schedule pass moves these together
-        created.append(node)
+
+def bucket_results(gm: fx.GraphModule, collective: fx.Node) -> list[fx.Node]:
+    """The reduced gradient nodes of a bucket, in its parameters' order: the views its
+    wait (through the split, for several) ends in."""
+    (done,) = [u for u in collective.users if _role_of(u, "wait", collective.name)]
+    pieces = [done]
+    split = [u for u in done.users if u.target is aten.split_with_sizes.default]
+    if split:
+        getitems = sorted(split[0].users, key=lambda n: n.args[1])
+        pieces = getitems
+    return [next(u for u in piece.users if u.target is aten.view.default
+                 and _role_of(u, "unpack", collective.name)) for piece in pieces]
+
+
+def _role_of(node: fx.Node, kind: str, collective: str) -> bool:
+    role = node.meta.get("spmd_role")
+    return role is not None and role.kind == kind and role.collective == collective
+
+
+_LAYOUT = {"all_gather": lambda step: step.src.dim, "reduce_scatter": lambda step: step.dst.dim}
+
+
+def insert_redistribution(gm: fx.GraphModule, ctx: LoweringContext, value: fx.Node,
+                          step: Step, provenance: Provenance) -> fx.Node:
+    """Insert the table's ``step`` for ``value`` right after it (the collective, its
+    wait, the view back to the value's layout); the redistributed node."""
+    graph = gm.graph
+    src = value.meta["sharding"]
+    dst = src.with_placement(step.mesh_dim, step.dst)
+    if step.kind == "all_reduce":
+        _, (reduced,) = build_bucket(gm, ctx, [value], [value.name], step, provenance,
+                                     gradients=False)
+        return reduced
+    spec, handle = _spec(ctx, step)
+    if not step.communicates:
+        with graph.inserting_after(value):
+            node = _node(graph, ops.local_redistribute, (value, handle), sharding=dst)
         return node
-
-    with graph.inserting_before(graph.output_node()):
-        done = add(ops.wait, (flat,))
-        done.meta["spmd"] = {"provenance": provenance, "collective": flat.name}
-        if len(grads) == 1:
-            pieces = [done]
-        else:
-            split = add(aten.split_with_sizes.default, (done, numels))
-            pieces = [add(operator.getitem, (split, k)) for k in range(len(grads))]
-        results = []
-        for piece, info in zip(pieces, infos):
-            value = add(aten.view.default, (piece, list(info.shape)))
-            if wire_dtype != info.dtype:
-                value = add(aten._to_copy.default, (value,), {"dtype": info.dtype})
-            results.append(value)
-    return results
+    with graph.inserting_after(value):
+        coll = _node(graph, ops.COLLECTIVE_OPS[step.kind], (value, handle), sharding=src,
+                     name=step.kind)
+    spec.name = f"{ctx.graph_name}:{coll.name}"
+    val = value.meta["val"]
+    coll.meta["spmd_collective"] = CollectiveInfo(
+        kind=step.kind, mesh_dim=step.mesh_dim, src=step.src, dst=step.dst, params=(),
+        numels=(int(val.numel()),), dtype=val.dtype, wire_dtype=val.dtype,
+        # the cost formulas' n: all-gather's output, the others' input
+        bytes=int((coll if step.kind == "all_gather" else value).meta["val"].numel())
+        * val.dtype.itemsize, handle=handle,
+        provenance=provenance)
+    with graph.inserting_after(coll):
+        done = _node(graph, ops.wait, (coll, handle), sharding=dst,
+                     role=Role(kind="wait", collective=coll.name))
+    unpack = Role(kind="unpack", collective=coll.name)
+    with graph.inserting_after(done):
+        if step.kind == "all_to_all":  # pieces stacked in front: back along the source dim
+            moved = _node(graph, aten.movedim.int, (done, 0, step.src.dim), role=unpack)
+            with graph.inserting_after(moved):
+                return _node(graph, aten.flatten.using_ints, (moved, step.src.dim,
+                                                              step.src.dim + 1), role=unpack)
+        dim = _LAYOUT[step.kind](step)
+        return _node(graph, aten.movedim.int, (done, 0, dim), role=unpack)
 
 
 def insert_collectives(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
-    placements = gm.meta["spmd_grad_placements"]
-    outputs = gradient_outputs(gm)
-    for position, name in gm.meta["spmd_param_grads"].items():
-        if not placements[position].is_partial():
-            continue
-        info = ctx.inputs[position]
-        why = Provenance(params=(name,), pass_name="insert_collectives",
-                         reason=f"gradient of replicated parameter is {placements[position]}; "
-                                f"all_reduce makes it Replicate()")
-        (outputs[position],) = build_bucket(gm, ctx, [outputs[position]], [info], why)
-    _set_outputs(gm, outputs)
-    gm.meta["spmd_grad_positions"] = {name: pos for pos, name in gm.meta["spmd_param_grads"].items()}
+    boundary = needs(gm, Boundary, "insert_collectives")
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for gradient in boundary.gradients:
+        node = nodes[gradient.node]
+        target: Sharding = ctx.strategy.gradient_target(gradient.param)
+        current = node.meta["sharding"]
+        for step in plan_redistribution(current, target):
+            if step.kind != "all_reduce":
+                raise NotImplementedError(f"{ctx.graph_name}: gradient of {gradient.param} "
+                                          f"needs {step}, which no strategy plans yet")
+            why = Provenance(params=(gradient.param,), pass_name="insert_collectives",
+                             reason=f"gradient is {current[step.mesh_dim]!r} on "
+                                    f"{step.mesh_dim!r}; all_reduce makes it {step.dst!r}")
+            collective, (reduced,) = build_bucket(gm, ctx, [node], [gradient.param], step,
+                                                  why)
+            node.replace_all_uses_with(reduced, delete_user_cb=lambda user, c=collective:
+                                       user is not c)
+    derive(gm, ctx)
     return gm
-
-
-def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if is_collective(n)]

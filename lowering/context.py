@@ -1,51 +1,71 @@
-"""What every pass sees: the mesh (a group or a simulated size), the options, the cost
-model, and what the graph's inputs are."""
+"""What every pass sees: the strategy on its mesh, the options, the cost model, what the
+graph's inputs are, and the owner's runtime objects (sync switch, handle table)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping
 
 from spmd.lowering.cost_model import CostModel
-from spmd.lowering.ops import SyncState
+from spmd.lowering.ops import Handles, SyncState
 from spmd.lowering.options import Options
+from spmd.lowering.state import InputInfo
 
-__all__ = ["InputInfo", "LoweringContext"]
+if TYPE_CHECKING:
+    from spmd.lowering.placements import Sharding
+    from spmd.lowering.strategy import Strategy
 
+__all__ = ["InputInfo", "LoweringContext", "ROLES"]
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class InputInfo:
-    """One graph input: a parameter (with its name), a buffer, or data."""
-
-    kind: str  # "param" | "buffer" | "data"
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool = False
+ROLES = ("forward", "backward", "step")
 
 
 @dataclass(frozen=True, kw_only=True)
 class LoweringContext:
-    """The inputs of every pass. Frozen: passes communicate only through the graph.
+    """The inputs of every pass. Frozen: passes communicate through the graph and the
+    typed records on it (``spmd.lowering.state``).
 
     Attributes:
-        group: the data-parallel process group, or None when planning for a simulated mesh.
-        world_size: ranks in the data-parallel dimension.
+        strategy: where inputs live on the mesh (the mesh is ``strategy.mesh``).
         options: the user's options.
         cost_model: latency/bandwidth model for choosing bucket sizes.
-        inputs: what each placeholder of the forward graph is, in order.
-        graph_name: e.g. ``"graph0"`` (one per Dynamo graph).
+        inputs: what each input of the traced region (or step) is, in order.
+        role: ``"forward"`` and ``"backward"`` graphs of a module's region, or a whole
+            ``"step"``.
+        graph_name: e.g. ``"graph0"`` (one per Dynamo region) or ``"step0"``.
         sync: the owner's no_sync switch shared with the ops at run time.
+        handles: the owner's table of the specs graphs refer to.
         backward_seconds: measured backward compute time, when a profile exists.
+        saved: for a backward graph, the sharding of each forward value by node name (a
+            backward graph's inputs are values its forward saved).
+        optimizer: the handle of an optimizer the step may run from its buckets.
     """
 
-    group: Any
-    world_size: int
+    strategy: "Strategy"
     options: Options
     cost_model: CostModel
     inputs: tuple[InputInfo, ...]
+    role: str = "backward"
     graph_name: str = "graph0"
     sync: SyncState = field(default_factory=SyncState)
+    handles: Handles = field(default_factory=Handles)
     backward_seconds: float | None = None
+    saved: Mapping[str, "Sharding"] = field(default_factory=dict)
+    optimizer: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"LoweringContext role must be one of {ROLES}, got {self.role!r}")
+
+    @property
+    def mesh(self) -> Any:
+        return self.strategy.mesh
+
+    def group(self, dim: str) -> Any:
+        """The process group along mesh dimension ``dim``; None on a simulated mesh."""
+        return None if self.mesh.simulated else self.mesh.get_group(dim)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks along the data-parallel dimension."""
+        return self.strategy.data_size

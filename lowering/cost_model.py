@@ -10,6 +10,7 @@ time per byte of reduction arithmetic, p the number of ranks, n the bytes of the
     ring all_gather     (p-1)α + (p-1)/p·nβ             (n: output bytes)
     ring reduce_scatter (p-1)α + (p-1)/p·nβ + (p-1)/p·nγ (n: input bytes)
     tree broadcast      ⌈log2 p⌉(α + nβ)
+    pairwise all_to_all (p-1)α + (p-1)/p·nβ             (n: each rank's local bytes)
 
 The bucket size is derived, not guessed: with S gradient bytes cut into buckets of b
 bytes, each all-reduce costs A + B·b (A, B from the formula above), and all but the last
@@ -46,6 +47,7 @@ FORMULAS: dict[tuple[str, str], sympy.Expr] = {
     ("reduce_scatter", "ring"): (p - 1) * alpha + (p - 1) / p * n * beta
     + (p - 1) / p * n * gamma,
     ("broadcast", "tree"): _log_p * (alpha + n * beta),
+    ("all_to_all", "pairwise"): (p - 1) * alpha + (p - 1) / p * n * beta,
 }
 
 # Constants measured on this project's development machine: a 2-core x86_64 VM (AMD
@@ -61,6 +63,9 @@ DEFAULTS = {
     "nccl": dict(alpha=10e-6, beta=1 / 150e9, gamma=0.0,
                  source="nccl-tests order of magnitude, NVLink; calibrate for real figures"),
 }
+
+
+_ALGORITHMS = {"broadcast": "tree", "all_to_all": "pairwise"}
 
 
 def formula(kind: str, algorithm: str = "ring") -> sympy.Expr:
@@ -113,8 +118,7 @@ class CostModel:
         """Predicted time of one ``kind`` collective over ``nbytes``."""
         if self.world_size <= 1:
             return 0.0
-        algorithm = self.algorithm if kind == "all_reduce" else (
-            "tree" if kind == "broadcast" else "ring")
+        algorithm = self.algorithm if kind == "all_reduce" else _ALGORITHMS.get(kind, "ring")
         fn = _lambdified(kind, algorithm)
         return float(fn(self.world_size, nbytes, self.alpha, self.beta, self.gamma))
 

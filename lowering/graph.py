@@ -1,29 +1,67 @@
-"""What a node of a planned graph is (a collective, a wait), and the dependency graph of
-an fx graph as a ``networkx.DiGraph`` for inspection: one node per fx node (by name), an
-edge from each input to its user."""
+"""What a node of a planned graph is (a collective, a wait), how inserted nodes get their
+``meta["val"]``, and the dependency graph of an fx graph as a ``networkx.DiGraph`` for
+inspection: one node per fx node (by name), an edge from each input to its user."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import operator
+
+import torch
 import torch.fx as fx
+from torch.fx.node import map_aggregate
+
+from spmd.lowering import ops
 
 if TYPE_CHECKING:
     import networkx as nx
 
-__all__ = ["dependency_graph", "is_collective", "is_wait"]
+__all__ = ["dependency_graph", "is_collective", "is_wait", "fill_val", "tensor_vals",
+           "collective_nodes"]
+
+_COLLECTIVES = frozenset(ops.COLLECTIVE_OPS.values())
 
 
 def is_collective(node: fx.Node) -> bool:
-    from spmd.lowering import ops
-
-    return node.op == "call_function" and node.target is ops.bucket_all_reduce
+    return node.op == "call_function" and node.target in _COLLECTIVES
 
 
 def is_wait(node: fx.Node) -> bool:
-    from spmd.lowering import ops
+    return node.op == "call_function" and node.target in ops.WAIT_OPS
 
-    return node.op == "call_function" and node.target is ops.wait
+
+def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The graph's collectives, in graph order."""
+    return [n for n in gm.graph.nodes if is_collective(n)]
+
+
+def tensor_vals(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
+    return found
+
+
+def fill_val(node: fx.Node) -> None:
+    """Give an inserted node its ``meta["val"]``: its op run on its inputs' fake values,
+    under their fake mode (the fake kernels of our ops included)."""
+    from torch._guards import detect_fake_mode
+
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node.meta["val"] = node.args[0].meta["val"][node.args[1]]  # no dispatch needed
+        return
+    if node.target is ops.wait:  # an alias of its input
+        node.meta["val"] = node.args[0].meta["val"]
+        return
+
+    args = map_aggregate(node.args, lambda a: a.meta["val"] if isinstance(a, fx.Node) else a)
+    kwargs = map_aggregate(node.kwargs, lambda a: a.meta["val"] if isinstance(a, fx.Node) else a)
+    mode = detect_fake_mode(tensor_vals((args, kwargs)))
+    if mode is None:
+        raise RuntimeError(f"fill_val: the inputs of {node.name} carry no fake tensors")
+    fake = ops.FAKES.get(node.target, node.target)  # ours: straight to the fake kernel
+    with mode:
+        node.meta["val"] = fake(*args, **kwargs)
 
 
 def dependency_graph(graph: fx.Graph) -> nx.DiGraph:

@@ -4,17 +4,23 @@ An async collective is a pair of nodes:
 
     flat = spmd.bucket_all_reduce([g0, g1, ...], handle)   # pack, start the all-reduce
     ...                                                    # compute overlaps here
-    flat = spmd.wait(flat)                                 # block where the value is needed
+    flat = spmd.wait(flat, handle)                         # block where the value is needed
 
 ``bucket_all_reduce`` packs its gradients into one flat buffer (scaled by 1/world size
 and cast to the wire dtype in the same pass, through ``spmd.kernels.pack``), starts the
 all-reduce on it and returns it at once; ``wait`` blocks on that buffer's pending work
-and returns the same tensor (an alias, as PyTorch's own ``wait_tensor`` does). Moving the
-``wait`` is how the scheduler overlaps. Both ops have fake (meta) implementations, so the
-graphs stay ordinary fx graphs for make_fx, Dynamo and Inductor.
+and returns the same tensor (an alias, as PyTorch's own ``wait_tensor`` does), and
+``wait_cast`` also casts the result back to the gradients' dtype. ``all_gather``,
+``reduce_scatter`` and ``all_to_all`` realise the rest of the redistribution table the
+same way, along dimension 0 of a staging buffer (the pass around them moves the sharded
+dimension there and back); ``local_redistribute`` does the table's local steps. Moving
+the ``wait`` is how the scheduler overlaps. Every op has a fake (meta) implementation,
+so the graphs stay ordinary fx graphs for make_fx, Dynamo and Inductor.
 
-``handle`` names a :class:`CollectiveSpec` in a registry: the group, the scale, the wire
-dtype and the owner's sync switch live there, not in the graph.
+``handle`` names a :class:`CollectiveSpec` (group, scale, wire dtype, the owner's sync
+switch, the work in flight). Specs belong to the parallelized model or step that planned
+them (its :class:`Handles`); the process-wide table only maps handles to specs weakly,
+so a model that is collected takes its specs, groups and optimizers with it.
 """
 
 from __future__ import annotations
@@ -22,23 +28,54 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["CollectiveSpec", "SyncState", "register_spec", "bucket_all_reduce", "wait"]
+from spmd.lowering import redistribute as table
+from spmd.lowering.flat import pack_planned
+from spmd.runtime import collectives
+
+__all__ = ["CollectiveSpec", "SyncState", "Handles", "lookup", "bucket_all_reduce", "wait",
+           "wait_cast", "all_gather", "reduce_scatter", "all_to_all", "local_redistribute"]
+
+_IDS = itertools.count(1)
+_LIVE: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+class Handles:
+    """The objects one model's (or step's) graphs refer to by handle: collective specs,
+    optimizers. Owned by that model; :func:`lookup` finds them while it lives."""
+
+    def __init__(self) -> None:
+        self._owned: list[Any] = []
+
+    def add(self, obj: Any) -> int:
+        handle = next(_IDS)
+        self._owned.append(obj)
+        _LIVE[handle] = obj
+        return handle
+
+
+def lookup(handle: int) -> Any:
+    try:
+        return _LIVE[handle]
+    except KeyError:
+        raise RuntimeError(f"spmd: graph handle {handle} refers to a spec whose model was "
+                           f"collected; a compiled graph outlived its parallelized model") from None
 
 
 @dataclass(eq=False)
 class SyncState:
     """The switch a parallelized model flips for ``no_sync()``, and what a step reduced.
 
-    While ``track`` is on, ``reduced`` maps the storage of every flat buffer reduced since
-    the last :meth:`begin_step` to its spec and the buffer, so the eager safety net can
-    tell a gradient a graph already averaged from one it must still average. A whole-step
-    graph has no safety net and turns ``track`` off: no lock per bucket, and no flat
-    buffer kept alive until the next step.
+    While ``track`` is on, ``reduced`` maps the storage of every reduced buffer the
+    gradients are views of (since the last :meth:`begin_step`) to its spec and the buffer,
+    so the eager safety net can tell a gradient a graph already averaged from one it must
+    still average. A whole-step graph has no safety net and turns ``track`` off: no lock
+    per bucket, and no buffer kept alive until the next step.
     """
 
     enabled: bool = True
@@ -51,99 +88,244 @@ class SyncState:
         with self.lock:
             self.reduced.clear()
 
+    def record(self, spec: "CollectiveSpec", buffer: torch.Tensor) -> None:
+        if self.track:
+            with self.lock:
+                self.reduced[buffer.untyped_storage().data_ptr()] = (spec, buffer)
 
-@dataclass(frozen=True, eq=False, kw_only=True)
+
+@dataclass(eq=False, kw_only=True)
 class CollectiveSpec:
-    """What one ``bucket_all_reduce`` node does when it runs.
+    """What one collective node does when it runs (the runtime half of the plan).
 
     Attributes:
-        group: the process group (an ``spmd.runtime.ProcessGroup``), None to plan only.
-        world_size: the group's size (gradients are pre-divided by it).
-        wire_dtype: the dtype on the wire, None for the gradients' own.
-        params: the parameter names whose gradients the bucket carries, in order.
-        sync: the owner's switch; while it is off the op packs without reducing.
+        step: the redistribution this collective realises (kind, placements).
+        group: the process group of its mesh dimension; None plans only (a simulated
+            mesh), and the op then runs the table's arithmetic on this rank's value as if
+            every rank held it.
+        size: ranks along the dimension.
+        params: the parameters whose values it carries, in order.
+        wire_dtype: the dtype on the wire (all-reduce buckets), None for the values' own.
+        result_dtype: the dtype ``wait_cast`` returns.
+        sync: the owner's switch (gradient reductions only); while off, packs without
+            reducing.
+        name: ``"<graph>:<node>"``, for profiles and errors.
     """
 
+    step: table.Step
     group: Any
-    world_size: int
-    wire_dtype: torch.dtype | None
-    params: tuple[str, ...]
-    sync: SyncState
+    size: int
+    params: tuple[str, ...] = ()
+    wire_dtype: torch.dtype | None = None
+    result_dtype: torch.dtype | None = None
+    sync: SyncState | None = None
     name: str = ""
+    pending: dict[int, Any] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def live(self) -> bool:
+        return self.group is not None and self.size > 1
+
+    @property
+    def active(self) -> bool:
+        return self.live and (self.sync is None or self.sync.enabled)
+
+    def started(self, buffer: torch.Tensor, work: Any, issued: float) -> None:
+        """Remember ``work`` (launched at ``issued``) as the pending operation producing
+        ``buffer``."""
+        profiler = self.sync.profiler if self.sync is not None else None
+        if profiler is not None:
+            profiler.event("issue", self.name, issued)
+            work.get_future().add_done_callback(lambda _: profiler.event("done", self.name))
+            work.spmd_profiler = profiler
+        with self.lock:
+            self.pending[buffer.untyped_storage().data_ptr()] = work
+
+    def finish(self, buffer: torch.Tensor) -> None:
+        with self.lock:
+            work = self.pending.pop(buffer.untyped_storage().data_ptr(), None)
+        if work is None:
+            return
+        profiler = getattr(work, "spmd_profiler", None)
+        if profiler is not None:
+            profiler.event("wait_start", self.name)
+        work.wait()
+        if profiler is not None:
+            profiler.event("wait_end", self.name)
 
 
-_SPECS: dict[int, CollectiveSpec] = {}
-_IDS = itertools.count(1)
-_PENDING: dict[int, Any] = {}  # storage address of a flat buffer -> its runtime Work
-_PENDING_LOCK = threading.Lock()
+def _dim0(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` with ``dim`` moved to the front, contiguous: the layout collectives send."""
+    return (x if dim == 0 else x.movedim(dim, 0)).contiguous()
 
 
-def register_spec(s: CollectiveSpec) -> int:
-    """Register ``s``; the integer handle graph nodes carry."""
-    handle = next(_IDS)
-    _SPECS[handle] = s
-    return handle
+def _split_front(x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+    """``x`` cut into ``parts`` along ``dim``, the pieces stacked in front, contiguous."""
+    shape = list(x.shape)
+    shape[dim:dim + 1] = [parts, shape[dim] // parts]
+    return x.reshape(shape).movedim(dim, 0).contiguous()
 
 
 _lib = torch.library.Library("spmd", "DEF")
 _lib.define("bucket_all_reduce(Tensor[] grads, int handle) -> Tensor")
-_lib.define("wait(Tensor(a) tensor) -> Tensor(a)")
+_lib.define("wait(Tensor(a) tensor, int handle) -> Tensor(a)")
+_lib.define("wait_cast(Tensor tensor, int handle) -> Tensor")
+_lib.define("all_gather(Tensor x, int handle) -> Tensor")
+_lib.define("reduce_scatter(Tensor x, int handle) -> Tensor")
+_lib.define("all_to_all(Tensor x, int handle) -> Tensor")
+_lib.define("local_redistribute(Tensor x, int handle) -> Tensor")
 
 
 def _bucket_all_reduce(grads: list[torch.Tensor], handle: int) -> torch.Tensor:
-    s = _SPECS[handle]
-    active = s.sync.enabled and s.group is not None and s.world_size > 1
-    from spmd.lowering.flat import pack
-
-    flat = pack(list(grads), scale=1.0 / s.world_size if active else 1.0, dtype=s.wire_dtype)
+    s: CollectiveSpec = _LIVE.get(handle) or lookup(handle)
+    active = s.active
+    average = active and s.step.src.reduce_op == "avg"  # pre-divided, then summed
+    flat = pack_planned(grads, 1.0 / s.size if average else 1.0,
+                        s.wire_dtype or grads[0].dtype)
     if active:
-        from spmd.runtime.collectives import all_reduce
-
-        profiler = s.sync.profiler
-        issued = time.perf_counter() if profiler is not None else 0.0  # before the launch
-        work = all_reduce(flat, group=s.group, async_op=True)
-        if profiler is not None:
-            work.spmd_profiler, work.spmd_name = profiler, s.name
-            profiler.event("issue", s.name, issued)
-            work._inner.get_future().add_done_callback(lambda _: profiler.event("done", s.name))
-        key = flat.untyped_storage().data_ptr()
-        with _PENDING_LOCK:
-            _PENDING[key] = work
-        if s.sync.track:
-            with s.sync.lock:
-                s.sync.reduced[key] = (s, flat)
+        issued = time.perf_counter()
+        s.started(flat, collectives.all_reduce(flat, group=s.group, async_op=True), issued)
+        if s.result_dtype is None and s.sync is not None:
+            s.sync.record(s, flat)
     return flat
 
 
-def _wait(tensor: torch.Tensor) -> torch.Tensor:
-    with _PENDING_LOCK:
-        work = _PENDING.pop(tensor.untyped_storage().data_ptr(), None)
-    if work is None:
-        return tensor
-    profiler = getattr(work, "spmd_profiler", None)
-    if profiler is None:
-        work.wait()
-        return tensor
-    profiler.event("wait_start", work.spmd_name)
-    work.wait()
-    profiler.event("wait_end", work.spmd_name)
+def _wait(tensor: torch.Tensor, handle: int) -> torch.Tensor:
+    (_LIVE.get(handle) or lookup(handle)).finish(tensor)
     return tensor
 
 
+def _wait_cast(tensor: torch.Tensor, handle: int) -> torch.Tensor:
+    s: CollectiveSpec = lookup(handle)
+    s.finish(tensor)
+    out = tensor.to(s.result_dtype)
+    if s.active and s.sync is not None:
+        s.sync.record(s, out)
+    return out
+
+
+def _all_gather(x: torch.Tensor, handle: int) -> torch.Tensor:
+    s: CollectiveSpec = lookup(handle)
+    src = _dim0(x, s.step.src.dim)
+    if not s.live:
+        return torch.cat([src] * s.size)
+    from spmd.runtime.collectives import all_gather_into_tensor
+
+    out = src.new_empty((src.shape[0] * s.size, *src.shape[1:]))
+    issued = time.perf_counter()
+    s.started(out, all_gather_into_tensor(out, src, group=s.group, async_op=True), issued)
+    return out
+
+
+def _reduce_scatter(x: torch.Tensor, handle: int) -> torch.Tensor:
+    s: CollectiveSpec = lookup(handle)
+    src = _dim0(x, s.step.dst.dim)
+    if not s.live:
+        piece = src.chunk(s.size)[0]
+        return piece.clone() if s.step.src.reduce_op == "avg" else piece * s.size
+    from spmd.runtime.collectives import ReduceOp, reduce_scatter_tensor
+
+    out = src.new_empty((src.shape[0] // s.size, *src.shape[1:]))
+    op = ReduceOp.AVG if s.step.src.reduce_op == "avg" else ReduceOp.SUM
+    issued = time.perf_counter()
+    s.started(out, reduce_scatter_tensor(out, src, op=op, group=s.group, async_op=True), issued)
+    return out
+
+
+def _all_to_all(x: torch.Tensor, handle: int) -> torch.Tensor:
+    s: CollectiveSpec = lookup(handle)
+    src = _split_front(x, s.step.dst.dim, s.size)
+    if not s.live:
+        return src.clone()
+    from spmd.runtime.collectives import all_to_all_single
+
+    out = torch.empty_like(src)
+    issued = time.perf_counter()
+    s.started(out, all_to_all_single(out, src, group=s.group, async_op=True), issued)
+    return out
+
+
+def _local_redistribute(x: torch.Tensor, handle: int) -> torch.Tensor:
+    s: CollectiveSpec = lookup(handle)
+    rank = s.group.rank() if s.live else 0
+    kind = s.step.kind
+    if kind == "slice":
+        return x.chunk(s.size, dim=s.step.dst.dim)[rank].clone()
+    if kind == "zero":
+        return x.clone() if rank == 0 else torch.zeros_like(x)
+    return table.simulate(s.step, [x] * s.size)[0]  # "scale": the same factor on every rank
+
+
 def _fake_bucket_all_reduce(grads: list[torch.Tensor], handle: int) -> torch.Tensor:
-    s = _SPECS[handle]
+    s: CollectiveSpec = lookup(handle)
     numel = sum(g.numel() for g in grads)
     return grads[0].new_empty((numel,), dtype=s.wire_dtype or grads[0].dtype)
 
 
-def _fake_wait(tensor: torch.Tensor) -> torch.Tensor:
+def _fake_wait(tensor: torch.Tensor, handle: int) -> torch.Tensor:
     return tensor
 
 
-_lib.impl("bucket_all_reduce", _bucket_all_reduce, "CompositeExplicitAutograd")
-_lib.impl("wait", _wait, "CompositeExplicitAutograd")
-torch.library.register_fake("spmd::bucket_all_reduce", _fake_bucket_all_reduce, lib=_lib)
-torch.library.register_fake("spmd::wait", _fake_wait, lib=_lib)
+def _fake_wait_cast(tensor: torch.Tensor, handle: int) -> torch.Tensor:
+    return tensor.new_empty(tensor.shape, dtype=lookup(handle).result_dtype)
+
+
+def _fake_all_gather(x: torch.Tensor, handle: int) -> torch.Tensor:
+    s: CollectiveSpec = lookup(handle)
+    src = x.movedim(s.step.src.dim, 0)
+    return x.new_empty((src.shape[0] * s.size, *src.shape[1:]))
+
+
+def _fake_reduce_scatter(x: torch.Tensor, handle: int) -> torch.Tensor:
+    s: CollectiveSpec = lookup(handle)
+    src = x.movedim(s.step.dst.dim, 0)
+    return x.new_empty((src.shape[0] // s.size, *src.shape[1:]))
+
+
+def _fake_all_to_all(x: torch.Tensor, handle: int) -> torch.Tensor:
+    s: CollectiveSpec = lookup(handle)
+    shape = list(x.shape)
+    dim = s.step.dst.dim
+    shape[dim:dim + 1] = [shape[dim] // s.size]
+    return x.new_empty((s.size, *shape))
+
+
+def _fake_local_redistribute(x: torch.Tensor, handle: int) -> torch.Tensor:
+    s: CollectiveSpec = lookup(handle)
+    if s.step.kind == "slice":
+        return x.chunk(s.size, dim=s.step.dst.dim)[0].clone()
+    return torch.empty_like(x)
+
+
+for _name, _impl, _fake in [
+    ("bucket_all_reduce", _bucket_all_reduce, _fake_bucket_all_reduce),
+    ("wait", _wait, _fake_wait),
+    ("wait_cast", _wait_cast, _fake_wait_cast),
+    ("all_gather", _all_gather, _fake_all_gather),
+    ("reduce_scatter", _reduce_scatter, _fake_reduce_scatter),
+    ("all_to_all", _all_to_all, _fake_all_to_all),
+    ("local_redistribute", _local_redistribute, _fake_local_redistribute),
+]:
+    _lib.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"spmd::{_name}", _fake, lib=_lib)
 
 bucket_all_reduce = torch.ops.spmd.bucket_all_reduce.default
 wait = torch.ops.spmd.wait.default
+wait_cast = torch.ops.spmd.wait_cast.default
+all_gather = torch.ops.spmd.all_gather.default
+reduce_scatter = torch.ops.spmd.reduce_scatter.default
+all_to_all = torch.ops.spmd.all_to_all.default
+local_redistribute = torch.ops.spmd.local_redistribute.default
+
+COLLECTIVE_OPS = {"all_reduce": bucket_all_reduce, "all_gather": all_gather,
+                  "reduce_scatter": reduce_scatter, "all_to_all": all_to_all}
+WAIT_OPS = (wait, wait_cast)
+FAKES = {bucket_all_reduce: _fake_bucket_all_reduce, wait: _fake_wait,
+         wait_cast: _fake_wait_cast, all_gather: _fake_all_gather,
+         reduce_scatter: _fake_reduce_scatter, all_to_all: _fake_all_to_all,
+         local_redistribute: _fake_local_redistribute}
+# the Python implementations, for the emitter (one call instead of the dispatcher's)
+IMPLEMENTATIONS = {bucket_all_reduce: _bucket_all_reduce, wait: _wait, wait_cast: _wait_cast,
+                   all_gather: _all_gather, reduce_scatter: _reduce_scatter,
+                   all_to_all: _all_to_all, local_redistribute: _local_redistribute}

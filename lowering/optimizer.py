@@ -15,7 +15,6 @@ dropped from the graph.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,12 +22,14 @@ import torch
 import torch.fx as fx
 
 from spmd.kernels.layout import SUPPORTED_DTYPES
-from spmd.lowering.collectives import collective_nodes
+from spmd.lowering.collectives import bucket_results
 from spmd.lowering.context import LoweringContext
-from spmd.lowering.graph import is_wait
-from spmd.lowering.ops import _lib
+from spmd.lowering.graph import collective_nodes, is_wait
+from spmd.lowering.ops import Handles, _lib, lookup
+from spmd.lowering.state import Boundary, OptimizerFusion, Role, needs, put
 
-__all__ = ["fusable", "register_optimizer", "fuse_optimizer", "optimizer_step"]
+__all__ = ["fusable", "why_not_fusable", "register_optimizer", "fuse_optimizer",
+           "optimizer_step"]
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -52,34 +53,42 @@ class OptimizerSpec:
         return cached[0]
 
 
-_OPTIMIZERS: dict[int, OptimizerSpec] = {}
-_IDS = itertools.count(1)
-
-
 def fusable(optimizer: Any) -> str | None:
-    """``"sgd"``/``"adamw"`` when the flat kernels reproduce this optimizer, else None."""
-    if type(optimizer) is torch.optim.SGD:
-        kind = "sgd"
-    elif type(optimizer) is torch.optim.AdamW:
-        kind = "adamw"
-    else:
+    """``"sgd"``/``"adamw"`` when the flat kernels reproduce this optimizer's step, else
+    None (:func:`why_not_fusable` says why)."""
+    if why_not_fusable(optimizer):
         return None
+    return "sgd" if type(optimizer) is torch.optim.SGD else "adamw"
+
+
+def why_not_fusable(optimizer: Any) -> str:
+    """Why the flat kernels cannot stand in for ``optimizer.step()`` (empty if they can)."""
+    if type(optimizer) not in (torch.optim.SGD, torch.optim.AdamW):
+        return f"{type(optimizer).__name__} has no flat-bucket kernel"
+    from torch.optim import optimizer as torch_optimizer
+
+    hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
+             getattr(torch_optimizer, "_global_optimizer_pre_hooks", {}),
+             getattr(torch_optimizer, "_global_optimizer_post_hooks", {}))
+    if any(hooks):
+        return "the optimizer has step hooks, which must run around its own step()"
     for group in optimizer.param_groups:
-        if group.get("differentiable") or group.get("capturable") or group.get("fused"):
-            return None
+        for flag in ("differentiable", "capturable", "fused"):
+            if group.get(flag):
+                return f"{flag}=True"
         if any(p.dtype not in SUPPORTED_DTYPES or not p.is_contiguous()
                for p in group["params"]):
-            return None
-    return kind
+            return "a parameter's dtype or layout is not one the kernels take"
+    return ""
 
 
-def register_optimizer(optimizer: torch.optim.Optimizer) -> int:
-    kind = fusable(optimizer)
-    if kind is None:
-        raise ValueError(f"{type(optimizer).__name__} cannot run from flat buckets")
-    handle = next(_IDS)
-    _OPTIMIZERS[handle] = OptimizerSpec(optimizer=optimizer, kind=kind)
-    return handle
+def register_optimizer(optimizer: torch.optim.Optimizer, handles: Handles) -> int:
+    """The handle graphs use for ``optimizer``, owned by ``handles``' owner."""
+    why = why_not_fusable(optimizer)
+    if why:
+        raise ValueError(f"{type(optimizer).__name__} cannot run from flat buckets: {why}")
+    kind = "sgd" if type(optimizer) is torch.optim.SGD else "adamw"
+    return handles.add(OptimizerSpec(optimizer=optimizer, kind=kind))
 
 
 _lib.define("optimizer_step(Tensor(a!)[] params, Tensor flat, int handle) -> ()")
@@ -105,7 +114,7 @@ def _group_runs(owner: dict[int, dict], params: list[torch.Tensor]):
 def _optimizer_step(params: list[torch.Tensor], flat: torch.Tensor, handle: int) -> None:
     import spmd.kernels as kernels
 
-    spec = _OPTIMIZERS[handle]
+    spec: OptimizerSpec = lookup(handle)
     opt = spec.optimizer
     for group, start, members in _group_runs(spec.owners(), list(params)):
         n = sum(p.numel() for p in members)
@@ -146,26 +155,68 @@ torch.library.register_fake("spmd::optimizer_step", _fake_optimizer_step, lib=_l
 optimizer_step = torch.ops.spmd.optimizer_step.default
 
 
+def _gradient_readers(gm: fx.GraphModule, gradients: tuple) -> dict[str, list[str]]:
+    """The nodes that read each parameter's (reduced, where reduced) gradient, besides the
+    graph's output and its collective."""
+    out = gm.graph.output_node()
+    reduced = {p: value for c in collective_nodes(gm)
+               if c.meta["spmd_collective"].kind == "all_reduce"
+               for p, value in zip(c.meta["spmd_collective"].params, bucket_results(gm, c))}
+    nodes = {n.name: n for n in gm.graph.nodes}
+    readers = {}
+    for g in gradients:
+        value = reduced.get(g.param, nodes.get(g.node))
+        users = [] if value is None else [
+            u.name for u in value.users if u is not out and u.meta.get("spmd_collective") is None]
+        if users:
+            readers[g.param] = users
+    return readers
+
+
 def fuse_optimizer(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
-    """Apply the optimizer from each bucket; a no-op when the step has no fusable one."""
-    handle = gm.meta.get("spmd_optimizer")
-    if handle is None:
+    """Apply the optimizer from each bucket, when the step has one that can run there and
+    nothing else in the step reads the reduced gradients; otherwise record why not."""
+    boundary = needs(gm, Boundary, "fuse_optimizer")
+    readers = _gradient_readers(gm, boundary.gradients)
+    reading = tuple(sorted({r for rs in readers.values() for r in rs}))
+
+    def not_fused(why: str) -> fx.GraphModule:
+        put(gm, OptimizerFusion(kind=None, reason=why, readers=reading))
         return gm
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]  # in input order
-    positions = gm.meta["spmd_grad_positions"]
-    names = {info.name: i for i, info in enumerate(ctx.inputs)}
+
+    if ctx.optimizer is None:
+        return not_fused("no optimizer the step can run from buckets")
+    spec: OptimizerSpec = lookup(ctx.optimizer)
     out = gm.graph.output_node()
     outputs = list(out.args[0])
-    for coll in collective_nodes(gm):
-        params = coll.meta["spmd"]["spec"].params
+    buckets = [c for c in collective_nodes(gm) if c.meta["spmd_collective"].kind == "all_reduce"]
+    covered = {p for c in buckets for p in c.meta["spmd_collective"].params}
+    missing = [g.param for g in boundary.gradients if g.param not in covered]
+    if not buckets or missing:
+        return not_fused(f"gradients not reduced in a bucket: {', '.join(missing) or 'all'}")
+    if readers:
+        param, who = next(iter(readers.items()))
+        return not_fused(f"the step reads the gradient of {param} itself ({who[0]}), e.g. to "
+                         f"clip it; the optimizer runs on .grad after the graph")
+    position = {g.param: g.output for g in boundary.gradients}
+    replaced = [p for p in covered if position.get(p) is None]
+    if replaced:
+        return not_fused(f"the step replaces the .grad of {replaced[0]}; the optimizer runs on "
+                         f".grad after the graph")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]  # in input order
+    names = {info.name: i for i, info in enumerate(ctx.inputs)}
+    for coll in buckets:
+        params = coll.meta["spmd_collective"].params
         (wait,) = [u for u in coll.users if is_wait(u)]
         with gm.graph.inserting_after(wait):
-            param_nodes = [placeholders[names[p]] for p in params]
-            step = gm.graph.call_function(optimizer_step, (param_nodes, wait, handle))
-        step.meta["spmd_unpack_of"] = coll.name
+            step = gm.graph.call_function(
+                optimizer_step, ([placeholders[names[p]] for p in params], wait, ctx.optimizer))
+        step.meta["val"] = None
+        step.meta["sharding"] = wait.meta["sharding"]
+        step.meta["spmd_role"] = Role(kind="optimizer", collective=coll.name)
         for p in params:
-            outputs[positions[p]] = None
+            outputs[position[p]] = None
     out.args = (tuple(outputs),)
     gm.graph.eliminate_dead_code()
-    gm.meta["spmd_fused_optimizer"] = _OPTIMIZERS[handle].kind
+    put(gm, OptimizerFusion(kind=spec.kind, reason=f"{spec.kind} runs from each reduced bucket"))
     return gm

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch.fx as fx
 
 from spmd.lowering.context import LoweringContext
+from spmd.lowering.state import Provenance
 from spmd.runtime import config
 
 __all__ = ["Pass", "Provenance", "run_passes", "debug_plan"]
@@ -24,30 +24,21 @@ log = logging.getLogger("spmd.lowering")
 Pass = Callable[[fx.GraphModule, LoweringContext], fx.GraphModule]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Provenance:
-    """Why a node exists: which parameters, which pass, and the reason in words."""
-
-    params: tuple[str, ...]
-    pass_name: str
-    reason: str
-
-    def __str__(self) -> str:
-        shown = ", ".join(self.params[:4]) + (f" (+{len(self.params) - 4})"
-                                              if len(self.params) > 4 else "")
-        return f"{self.pass_name}: {self.reason} [{shown}]"
-
-
 def debug_plan() -> bool:
     return "plan" in config.debug_levels()
 
 
 def run_passes(gm: fx.GraphModule, ctx: LoweringContext,
                passes: Iterable[tuple[str, Pass]], disabled: Iterable[str] = ()) -> fx.GraphModule:
-    """Run ``passes`` in order on ``gm``; each one's time is recorded in ``gm.meta``."""
+    """Run ``passes`` in order on ``gm``, but those named in ``disabled``; each one's
+    time is recorded in the graph's state (``state_of(gm).pass_seconds``)."""
+    from spmd.lowering.state import state_of
+
     skip = set(disabled)
     verbose = debug_plan()
-    timings = gm.meta.setdefault("spmd_pass_seconds", {})
+    state = state_of(gm)
+    state.handles = ctx.handles  # the graph keeps the specs its nodes name alive
+    timings = state.pass_seconds
     for name, fn in passes:
         if name in skip:
             continue

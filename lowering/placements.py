@@ -1,4 +1,6 @@
-"""Where a tensor lives across the ranks of a mesh dimension (DTensor's vocabulary).
+"""Where a tensor lives across the ranks of a mesh: one placement per mesh dimension
+(DTensor's vocabulary), gathered with the mesh into a frozen :class:`Sharding` spec that
+every value node of a planned graph carries in ``node.meta["sharding"]``.
 
 - ``Replicate()``: every rank holds the whole tensor, the same values.
 - ``Shard(dim)``: every rank holds one slice along ``dim``.
@@ -6,15 +8,24 @@
   reduction (``"sum"`` or ``"avg"``). A gradient of a replicated parameter computed on a
   shard of the batch is ``Partial("avg")``: the all-reduce that makes it ``Replicate``
   is the collective data parallelism inserts.
+- ``Varying()``: every rank holds its own value, computed from its own shard of the
+  batch, with no global tensor behind it (JAX ``shard_map``'s device-varying values). Along
+  a data-parallel dimension the model runs per rank, as DDP runs it: a batch norm's
+  statistics or a loss are each rank's own, and nothing reduces them unless the strategy
+  says so.
 
-Placements are frozen, hashable specs: they key caches and appear in plans.
+Placements and specs are frozen and hashable: they key caches and appear in plans.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
-__all__ = ["Placement", "Replicate", "Shard", "Partial"]
+if TYPE_CHECKING:
+    from spmd.runtime.mesh import Mesh
+
+__all__ = ["Placement", "Replicate", "Shard", "Partial", "Varying", "Sharding"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -26,6 +37,9 @@ class Placement:
 
     def is_partial(self) -> bool:
         return isinstance(self, Partial)
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return isinstance(self, Shard) and (dim is None or self.dim == dim)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,3 +70,67 @@ class Partial(Placement):
 
     def __repr__(self) -> str:
         return f"Partial({self.reduce_op!r})"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Varying(Placement):
+    def __repr__(self) -> str:
+        return "Varying()"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Sharding:
+    """A value's placement on every dimension of ``mesh`` (DTensor's ``DTensorSpec``, JAX's
+    ``NamedSharding``).
+
+    Example::
+
+        Sharding(mesh=Mesh.simulated((2, 4), ("dp", "tp")),
+                 placements=(Shard(0), Replicate()))
+    """
+
+    mesh: "Mesh"
+    placements: tuple[Placement, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.placements) != self.mesh.ndim:
+            raise ValueError(f"Sharding has {len(self.placements)} placements for a mesh of "
+                             f"{self.mesh.ndim} dimensions {self.mesh.dim_names}")
+        for p in self.placements:
+            if not isinstance(p, Placement) or type(p) is Placement:
+                raise TypeError(f"Sharding placements must be Replicate, Shard, Partial or "
+                                f"Varying, got {p!r}")
+
+    @classmethod
+    def replicated(cls, mesh: "Mesh") -> "Sharding":
+        return cls(mesh=mesh, placements=(Replicate(),) * mesh.ndim)
+
+    @classmethod
+    def on(cls, mesh: "Mesh", placements: dict[str, Placement] | Sequence[Placement]
+           ) -> "Sharding":
+        """Placements by dimension name (the others ``Replicate()``) or in mesh order."""
+        if isinstance(placements, dict):
+            for name in placements:
+                if name not in mesh.dim_names:
+                    raise ValueError(f"mesh {mesh} has no dimension {name!r}")
+            return cls(mesh=mesh, placements=tuple(placements.get(n, Replicate())
+                                                   for n in mesh.dim_names))
+        return cls(mesh=mesh, placements=tuple(placements))
+
+    def __getitem__(self, dim: str | int) -> Placement:
+        """The placement on mesh dimension ``dim`` (a name or an index)."""
+        index = self.mesh.dim_names.index(dim) if isinstance(dim, str) else dim
+        return self.placements[index]
+
+    def with_placement(self, dim: str | int, placement: Placement) -> "Sharding":
+        index = self.mesh.dim_names.index(dim) if isinstance(dim, str) else dim
+        placements = list(self.placements)
+        placements[index] = placement
+        return Sharding(mesh=self.mesh, placements=tuple(placements))
+
+    def is_replicated(self) -> bool:
+        return all(p.is_replicate() for p in self.placements)
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{n}: {p!r}" for n, p in zip(self.mesh.dim_names, self.placements))
+        return f"Sharding({dims})"

@@ -1,25 +1,37 @@
 """schedule: issue each collective as early as its inputs allow, wait as late as its
 first use allows.
 
-Each collective moves right after the last of its inputs to be computed. Its ``wait``
-and the unpacking behind it (the nodes ``build_bucket`` tagged) move right before the
-first node that consumes the reduced result, so everything in between overlaps with
-communication. With ``overlap=False`` each wait follows its collective immediately: the
-synchronous baseline, kept as a lever for measurement.
+The passes before this one put each wait (and the nodes that unpack its result) right
+after its collective: a correct, synchronous graph. This pass owns where they go: each
+collective moves right after the last of its inputs to be computed, and its wait, with
+the unpacking behind it, moves right before the first node that reads the result, so
+everything in between overlaps with communication. Switched off (``overlap=False``
+runs the pipeline without it), the synchronous graph stays.
 """
 
 from __future__ import annotations
 
 import torch.fx as fx
 
-from spmd.lowering.collectives import collective_nodes
 from spmd.lowering.context import LoweringContext
+from spmd.lowering.graph import collective_nodes
 
 __all__ = ["schedule", "check_schedule"]
 
 
 def _order(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _chain(graph: fx.Graph, collective: fx.Node) -> list[fx.Node]:
+    """The nodes that belong to ``collective`` (its wait, the unpacking, a fused optimizer
+    step), in graph order."""
+    out = []
+    for node in graph.nodes:
+        role = node.meta.get("spmd_role")
+        if role is not None and role.collective == collective.name:
+            out.append(node)
+    return out
 
 
 def schedule(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
@@ -29,20 +41,14 @@ def schedule(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
         last = max(coll.all_input_nodes, key=order.__getitem__)
         if last.next is not coll:
             last.append(coll)
-        chain = [n for n in graph.nodes if n.meta.get("spmd_unpack_of") == coll.name]
-        if ctx.options.overlap:
-            order = _order(graph)
-            members = set(chain)
-            outside = {u for n in chain for u in n.users if u not in members}
-            # nothing reads the result (a fused optimizer consumed it): wait at the end
-            anchor = min(outside, key=order.__getitem__) if outside else graph.output_node()
-            for node in chain:
-                anchor.prepend(node)
-        else:
-            anchor = coll
-            for node in chain:
-                anchor.append(node)
-                anchor = node
+        chain = _chain(graph, coll)
+        order = _order(graph)
+        members = set(chain)
+        outside = {u for n in chain for u in n.users if u not in members}
+        # nothing reads the result (a fused optimizer consumed it): wait at the end
+        anchor = min(outside, key=order.__getitem__) if outside else graph.output_node()
+        for node in chain:
+            anchor.prepend(node)
     check_schedule(gm)
     return gm
 

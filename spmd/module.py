@@ -31,13 +31,14 @@ import torch.nn as nn
 
 import spmd.kernels as kernels
 from spmd.lowering.capture import Capture, GraphRecord, time_forward
-from spmd.lowering.context import InputInfo, LoweringContext
-from spmd.lowering.cost_model import CostModel
-from spmd.lowering.ops import SyncState
+from spmd.lowering.context import LoweringContext
+from spmd.lowering.graph import collective_nodes
+from spmd.lowering.ops import Handles, SyncState
 from spmd.lowering.options import Options
 from spmd.plan import Fallback, Plan, plan_from_records
 from spmd.reducer import EagerReducer, broadcast_coalesced
 from spmd.runtime.errors import DistError
+from spmd.setup import Setup
 
 __all__ = ["ModuleState", "parallelize_module", "DataParallel"]
 
@@ -49,22 +50,24 @@ DISCOVERY_STEPS = 2  # steps with a hook on every parameter after each new graph
 class ModuleState:
     """What ``parallelize`` attached to one module: its group, options, graphs and plan."""
 
-    def __init__(self, module: nn.Module, options: Options, group: Any, world_size: int,
-                 cost_model: CostModel, index: int) -> None:
+    def __init__(self, module: nn.Module, options: Options, setup: Setup) -> None:
         self.options = options
-        self.group = group
-        self.world_size = world_size
+        self.setup = setup
+        self.group = setup.group
+        self.world_size = setup.world_size
         # a simulated mesh (no group) or one rank: plan as usual, run no collectives
-        self.communicates = group is not None and world_size > 1
-        self.cost_model = cost_model
-        self.index = index  # the how-many-th parallelized model of this rank (same everywhere)
+        self.communicates = setup.communicates
+        self.cost_model = cost_model = setup.cost_model
+        self.index = setup.index  # the how-many-th parallelized model of this rank
         self.sync = SyncState()
+        self.handles = Handles()  # the specs this model's graphs refer to
         self.params = dict(module.named_parameters())
         self.buffers = dict(module.named_buffers())
         names = {id(p): ("param", n) for n, p in self.params.items()}
         names.update({id(b): ("buffer", n) for n, b in self.buffers.items()})
-        self.capture = Capture(names, self._context, self._check_plan, options.compile_compute)
-        self.reducer = EagerReducer(group, world_size,
+        self.records: list[GraphRecord] = []  # one per captured region
+        self.capture = Capture(names, self, options.compile_compute)
+        self.reducer = EagerReducer(self.group, self.world_size,
                                     options.bucket_cap_bytes or cost_model.bucket_bytes(
                                         sum(p.numel() * p.element_size()
                                             for p in self.params.values()), None),
@@ -84,12 +87,14 @@ class ModuleState:
 
     # -- planning ---------------------------------------------------------------------
 
-    def _context(self, inputs: tuple[InputInfo, ...], name: str,
-                 record: GraphRecord) -> LoweringContext:
-        return LoweringContext(group=self.group, world_size=self.world_size,
-                               options=self.options, cost_model=self.cost_model, inputs=inputs,
-                               graph_name=name, sync=self.sync,
-                               backward_seconds=self._backward_estimate(record))
+    def context(self, record: GraphRecord, role: str) -> LoweringContext:
+        backward = role == "backward"
+        return LoweringContext(
+            strategy=self.setup.strategy, options=self.options, cost_model=self.cost_model,
+            inputs=record.inputs, role=role, graph_name=record.name, sync=self.sync,
+            handles=self.handles,
+            backward_seconds=self._backward_estimate(record) if backward else None,
+            saved=record.saved if backward else {})
 
     def _backward_estimate(self, record: GraphRecord) -> float | None:
         """Backward compute is about twice the forward's (a gradient matmul for the input
@@ -101,7 +106,7 @@ class ModuleState:
                 self.estimates[record.name] = 2.0 * seconds
             return None if seconds is None else 2.0 * seconds
         key = f"spmd/measure/{self.index}/{record.name}"
-        store = self.group._store
+        store = self.group.store
         if self.group.rank() == 0:
             seconds = time_forward(record)
             store.set(key, "none" if seconds is None else repr(2.0 * seconds))
@@ -111,21 +116,19 @@ class ModuleState:
         self.estimates[record.name] = float(raw)
         return float(raw)
 
-    def _check_plan(self, record: GraphRecord) -> None:
+    def planned(self, record: GraphRecord) -> None:
         """Every rank must have planned this graph identically before it first runs."""
-        self.covered.update(p for s in _bucket_specs(record) for p in s.params)
+        self.covered.update(p for c in collective_nodes(record.backward)
+                            for p in c.meta["spmd_collective"].params)
         if self.discovery <= 0:  # a new graph: watch every parameter again for a while
             self.discovery = DISCOVERY_STEPS
             self._hook_all()
         if not self.communicates:
             return
-        plan = plan_from_records([record], strategy=self.options.strategy,
-                                 world_size=self.world_size, group_name=self.group.name,
-                                 group_ranks=tuple(self.group.ranks), options=self.options,
-                                 cost_model=self.cost_model, fallbacks=[], frozen=[],
-                                 kernel="")
+        plan = plan_from_records([record], setup=self.setup, options=self.options,
+                                 fallbacks=[], frozen=[], kernel="")
         mine = plan.fingerprint()
-        store = self.group._store
+        store = self.group.store
         key = f"spmd/plan/{self.index}/{record.name}"
         store.set(f"{key}/{self.group.rank()}", mine)
         try:
@@ -144,19 +147,16 @@ class ModuleState:
 
     def plan(self) -> Plan:
         frozen = [n for n, p in self.params.items() if not p.requires_grad]
-        for record in self.capture.records:
+        for record in self.records:
             if record.fallback_reason:
                 for name in record.trainable:
                     self.fallbacks.setdefault(name, record.fallback_reason)
         fallbacks = [Fallback(param=n, reason=r) for n, r in self.fallbacks.items()]
         device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
-        plan = plan_from_records(
-            self.capture.records, strategy=self.options.strategy, world_size=self.world_size,
-            group_name=self.group.name if self.group is not None else "simulated",
-            group_ranks=tuple(self.group.ranks) if self.group is not None else (),
-            options=self.options, cost_model=self.cost_model, fallbacks=fallbacks,
-            frozen=frozen, kernel=kernels.implementation(device))
-        for record in self.capture.records:
+        plan = plan_from_records(self.records, setup=self.setup, options=self.options,
+                                 fallbacks=fallbacks, frozen=frozen,
+                                 kernel=kernels.implementation(device))
+        for record in self.records:
             backward = self.estimates.get(record.name)
             if backward is None and record.forward_seconds is not None:
                 backward = 2.0 * record.forward_seconds
@@ -308,12 +308,6 @@ class ModuleState:
             self.sync.enabled = previous
 
 
-def _bucket_specs(record: GraphRecord) -> list:
-    from spmd.lowering.collectives import collective_nodes
-
-    return [n.meta["spmd"]["spec"] for n in collective_nodes(record.backward)]
-
-
 def _on_first_gradient(out: Any, callback: Any) -> None:
     """Run ``callback`` when backward first reaches ``out`` (a tensor in a nest)."""
     import torch.utils._pytree as pytree
@@ -329,14 +323,17 @@ def _compile(module: nn.Module, original: Any, capture: Capture) -> Any:
 
     Dynamo caches compiled code per code object and stops recompiling after a limit;
     a fresh copy of the trampoline's code per instance keeps instances from sharing (and
-    exhausting) one cache.
+    exhausting) one cache. It also gets a globals dict of its own: Dynamo stores each
+    compiled graph as a global of the frame it compiled, where it would outlive the
+    module (and everything the graph refers to) for the life of the process.
     """
     def trampoline(*args: Any, **kwargs: Any) -> Any:
         return original(module, *args, **kwargs)
 
     code = trampoline.__code__.replace(co_name=f"spmd_forward_{id(module):x}")
-    fresh = types.FunctionType(code, trampoline.__globals__, code.co_name,
-                               trampoline.__defaults__, trampoline.__closure__)
+    own_globals = {"__builtins__": __builtins__, "__name__": __name__}
+    fresh = types.FunctionType(code, own_globals, code.co_name, trampoline.__defaults__,
+                               trampoline.__closure__)
     return torch.compile(fresh, backend=capture)
 
 
@@ -366,11 +363,10 @@ def _parallel_class(cls: type) -> type:
     return sub
 
 
-def parallelize_module(module: nn.Module, options: Options, group: Any, world_size: int,
-                       index: int, cost_model: CostModel) -> nn.Module:
+def parallelize_module(module: nn.Module, options: Options, setup: Setup) -> nn.Module:
     """Turn ``module`` (in place) into a data-parallel module; returns it. The caller has
-    set it up on every rank first (``spmd.api.prepare_model``)."""
-    state = ModuleState(module, options, group, world_size, cost_model, index)
+    set it up on every rank first (``spmd.setup.prepare_model``)."""
+    state = ModuleState(module, options, setup)
     module.__class__ = _parallel_class(type(module))
     module._spmd = state
     return module

@@ -9,16 +9,17 @@ a table; ``str(plan)`` is the summary.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from spmd.lowering.collectives import collective_nodes
 from spmd.lowering.cost_model import CostModel
+from spmd.lowering.graph import collective_nodes
 from spmd.lowering.options import Options
 from spmd.lowering.passes import Provenance
+from spmd.lowering.state import CollectiveInfo, OptimizerFusion, find
 
 __all__ = ["Plan", "Bucket", "Collective", "Fallback", "plan_from_records"]
 
@@ -52,6 +53,8 @@ class Collective:
     graph: str
     provenance: Provenance
     predicted_seconds: float
+    mesh_dim: str = ""
+    placements: str = ""  # "Partial('avg') -> Replicate()"
 
     def __repr__(self) -> str:
         return (f"Collective({self.kind} {self.name} in {self.graph}, {self.bytes} B on group "
@@ -82,6 +85,8 @@ class Plan:
     frozen: list[str] = field(default_factory=list)
     compute: dict[str, tuple[float, float]] = field(default_factory=dict)  # graph -> (fwd, bwd) s
     compute_paths: dict[str, str] = field(default_factory=dict)  # graph -> how its compute runs
+    optimizer: dict[str, str] = field(default_factory=dict)  # step graph -> fused or why not
+    mesh: Any = None  # the mesh planned for (``spmd.Mesh``, live or simulated)
     measured: Any = None  # a measured Timeline, after spmd.profile
 
     def fingerprint(self) -> str:
@@ -104,6 +109,8 @@ class Plan:
                      f"β={self.cost_model.beta * 1e9:.3f} ns/B ({self.cost_model.source})")
         for name, path in self.compute_paths.items():
             lines.append(f"{name} compute: {path}")
+        for name, how in self.optimizer.items():
+            lines.append(f"{name} optimizer: {how}")
         if self.buckets:
             lines.append("")
             lines.append(f"{'bucket':>6}  {'graph':<8} {'params':>6}  {'dtype':<9} {'wire':<9} "
@@ -171,12 +178,19 @@ class Plan:
                 f"collectives={len(self.collectives)}, fallbacks={len(self.fallbacks)})")
 
 
-def plan_from_records(records: list, *, strategy: str, world_size: int, group_name: str,
-                      group_ranks: tuple[int, ...], options: Options, cost_model: CostModel,
+def plan_from_records(records: list, *, setup: Any, options: Options,
                       fallbacks: list[Fallback], frozen: list[str], kernel: str) -> Plan:
-    """Read the plan off the planned graphs: the graphs are the source of truth."""
-    plan = Plan(strategy=strategy, world_size=world_size, group=group_name, options=options,
-                cost_model=cost_model, fallbacks=list(fallbacks), frozen=list(frozen))
+    """Read the plan off the planned graphs: the graphs are the source of truth.
+
+    ``setup`` is the model's :class:`spmd.setup.Setup` (strategy, mesh, group, cost model).
+    """
+    group = setup.group
+    group_name = group.name if group is not None else "simulated"
+    group_ranks = tuple(group.ranks) if group is not None else ()
+    mesh = setup.strategy.mesh
+    plan = Plan(strategy=options.strategy, world_size=setup.world_size, group=group_name,
+                options=options, cost_model=setup.cost_model, fallbacks=list(fallbacks),
+                frozen=list(frozen), mesh=mesh)
     for record in records:
         if record.forward is not None:
             plan.graphs[f"{record.name}.forward"] = record.forward
@@ -185,16 +199,22 @@ def plan_from_records(records: list, *, strategy: str, world_size: int, group_na
         if record.backward is None:
             continue
         plan.graphs[f"{record.name}.{getattr(record, 'label', 'backward')}"] = record.backward
+        fusion = find(record.backward, OptimizerFusion)
+        if fusion is not None and getattr(record, "label", "") == "step":
+            plan.optimizer[record.name] = (f"fused ({fusion.reason})" if fusion.fused
+                                           else f"torch.optim after the graph ({fusion.reason})")
         for node in collective_nodes(record.backward):
-            meta = node.meta["spmd"]
-            seconds = cost_model.seconds("all_reduce", meta["bytes"])
+            info: CollectiveInfo = node.meta["spmd_collective"]
+            model = replace(setup.cost_model, world_size=mesh.size(info.mesh_dim))
+            seconds = model.seconds(info.kind, info.bytes)
             index = len(plan.buckets)
             plan.buckets.append(Bucket(
-                index=index, graph=record.name, params=meta["spec"].params, dtype=meta["dtype"],
-                wire_dtype=meta["wire_dtype"], numel=sum(meta["numels"]), bytes=meta["bytes"],
+                index=index, graph=record.name, params=info.params, dtype=info.dtype,
+                wire_dtype=info.wire_dtype, numel=sum(info.numels), bytes=info.bytes,
                 kernel=kernel, predicted_seconds=seconds, collective=node.name))
             plan.collectives.append(Collective(
-                name=node.name, kind="all_reduce", bytes=meta["bytes"], group=group_name,
+                name=node.name, kind=info.kind, bytes=info.bytes, group=group_name,
                 group_ranks=group_ranks, bucket=index, graph=record.name,
-                provenance=meta["provenance"], predicted_seconds=seconds))
+                provenance=info.provenance, predicted_seconds=seconds, mesh_dim=info.mesh_dim,
+                placements=f"{info.src!r} -> {info.dst!r}"))
     return plan

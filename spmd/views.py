@@ -68,7 +68,7 @@ def overview(plan: Any) -> nx.DiGraph:
                     g.add_edge(previous, name)
                 previous, segment, cost = name, segment + 1, 0.0
             c = by_collective.get(node.name)
-            label = (f"{key}: all_reduce b{c.bucket} ({c.bytes / 1024:.0f} KiB)" if c
+            label = (f"{key}: {c.kind} b{c.bucket} ({c.bytes / 1024:.0f} KiB)" if c
                      else f"{key}: wait {node.args[0].name if node.args else ''}")
             g.add_node(label, kind=kind)
             if previous:
@@ -119,15 +119,14 @@ def _explain_bucket(plan: Any, b: Any) -> str:
     shown = ", ".join(b.params[:8]) + (f" and {len(b.params) - 8} more" if len(b.params) > 8
                                        else "")
     wire = "" if b.wire_dtype == b.dtype else f", sent as {b.wire_dtype}"
-    return (f"{c.name} (bucket {b.index} of {c.graph}): all_reduce of {b.numel:,} {b.dtype} "
+    return (f"{c.name} (bucket {b.index} of {c.graph}): {c.kind} of {b.numel:,} {b.dtype} "
             f"elements = {b.bytes:,} bytes{wire} on group {c.group!r} "
-            f"({plan.world_size} ranks).\n"
-            f"  placement: Partial('avg') -> Replicate() for {len(b.params)} gradient(s): "
-            f"{shown}\n"
+            f"({plan.world_size} ranks, mesh dimension {c.mesh_dim!r}).\n"
+            f"  placement: {c.placements} for {len(b.params)} gradient(s): {shown}\n"
             f"  why: {c.provenance}\n"
             f"  cost: {b.predicted_seconds * 1e6:.1f} µs predicted "
             f"(α={plan.cost_model.alpha * 1e6:.1f} µs, β={plan.cost_model.beta * 1e9:.3f} ns/B, "
-            f"{plan.cost_model.algorithm} all_reduce); packed and unpacked by the "
+            f"{plan.cost_model.algorithm} {c.kind}); packed and unpacked by the "
             f"{b.kernel} kernels")
 
 

@@ -66,6 +66,33 @@ def test_dependencies_point_one_way():
                     f"{path.relative_to(ROOT)}: bare import {name}; use spmd.{name}")
 
 
+def _module_name(path: pathlib.Path) -> str:
+    folder = path.relative_to(ROOT).parts[0]
+    rel = path.relative_to(ROOT / folder).with_suffix("").parts
+    parts = [LAYERS[folder], *rel]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@pytest.mark.parametrize("folder", ["spmd", "lowering"])
+def test_no_import_cycles_within_a_layer(folder):
+    """Imports anywhere in a module (function-local ones too) form no cycle: each module
+    of the compiler can be read, and changed, before the ones that import it."""
+    import networkx as nx
+
+    modules = {_module_name(p): p for p in (ROOT / folder).rglob("*.py")}
+    graph = nx.DiGraph()
+    for name, path in modules.items():
+        graph.add_node(name)
+        for imported in _imports(path):
+            target = imported if imported in modules else None
+            if target is None and imported.rsplit(".", 1)[0] in modules:
+                target = imported.rsplit(".", 1)[0]
+            if target is not None and target != name and not target.endswith(("spmd",)):
+                graph.add_edge(name, target)
+    cycles = list(nx.simple_cycles(graph))
+    assert cycles == [], f"import cycles: {cycles[:3]}"
+
+
 def test_runtime_import_is_light():
     code = ("import sys, spmd.runtime; "
             "print(sorted(m for m in ('torch', 'spmd.lowering', 'spmd.kernels', 'zmq') "

@@ -53,6 +53,27 @@ def semantics(rank: int) -> dict:
         out[("lever", name)] = _grads(m)
         out[("buckets", name)] = len(spmd.inspect(m).buckets)
 
+    # any reduce_dtype: the graphs reduce every gradient, so the plan lists no fallback and
+    # the only all-reduces that run are the buckets' (each call of the runtime's all_reduce
+    # is counted, and still runs)
+    import spmd.runtime.collectives as collectives
+
+    real, counted = collectives.all_reduce, []
+    collectives.all_reduce = lambda *a, **k: (counted.append(1), real(*a, **k))[1]
+    try:
+        for dtype in (torch.bfloat16, torch.float16, torch.float64):
+            m = spmd.parallelize(MODELS["mlp"](), reduce_dtype=dtype, bucket_cap_mb=0.0002)
+            counted.clear()
+            for step in range(4):
+                xs, ys = batch("mlp", step=step)
+                F.mse_loss(m(_shard(xs, rank, world)), _shard(ys, rank, world)).backward()
+            plan = spmd.inspect(m)
+            out[("wire", dtype)] = (len(counted), 4 * len(plan.buckets),
+                                    [f.param for f in plan.fallbacks],
+                                    {b.wire_dtype for b in plan.buckets})
+    finally:
+        collectives.all_reduce = real
+
     # stays an nn.Module: state_dict keys, eval mode, hooks
     plain = MODELS["mlp"]()
     model = spmd.parallelize(MODELS["mlp"]())
@@ -118,6 +139,14 @@ def test_levers_change_the_plan_not_the_result(runs):
         for name, g in r[("lever", "bf16")].items():  # bf16 keeps ~3 significant digits
             assert torch.allclose(g, want[name], atol=1e-2, rtol=2e-2), name
     assert runs[0][("buckets", "cap0")] == 6 > runs[0][("buckets", "default")]
+
+
+def test_any_reduce_dtype_runs_no_eager_collective_and_lists_no_fallback(runs):
+    for r in runs:
+        for dtype in (torch.bfloat16, torch.float16, torch.float64):
+            calls, bucket_calls, fallbacks, wires = r[("wire", dtype)]
+            assert fallbacks == [] and wires == {dtype}
+            assert calls == bucket_calls >= 8  # 4 steps x several buckets, nothing else
 
 
 def test_the_model_stays_an_nn_module(runs):

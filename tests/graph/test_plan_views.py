@@ -39,7 +39,8 @@ def hand_built() -> Plan:
                                collective="all_reduce_0"))
     plan.collectives.append(Collective(name="all_reduce_0", kind="all_reduce", bytes=20,
                                        group="g", group_ranks=(0, 1, 2, 3), bucket=0, graph="g0",
-                                       provenance=why, predicted_seconds=1e-3))
+                                       provenance=why, predicted_seconds=1e-3, mesh_dim="dp",
+                                       placements="Partial('avg') -> Replicate()"))
     plan.compute["g0"] = (1e-3, 2e-3)
     return plan
 

@@ -1,0 +1,40 @@
+"""The pass list every graph goes through, module regions and whole steps alike:
+
+    annotate -> propagate -> insert_collectives -> bucketing -> fuse_optimizer -> schedule
+
+Each pass is ``(gm, ctx) -> gm`` in a file of its own; a pass with nothing to do on a
+graph (no gradients in a forward, no optimizer in a module's backward) leaves it as is.
+``overlap=False`` runs the list without ``schedule``: every wait then stays right after
+its collective.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from spmd.lowering.annotate import annotate
+from spmd.lowering.bucketing import bucketing
+from spmd.lowering.collectives import insert_collectives
+from spmd.lowering.context import LoweringContext
+from spmd.lowering.optimizer import fuse_optimizer
+from spmd.lowering.passes import Pass, run_passes
+from spmd.lowering.propagate import propagate
+from spmd.lowering.schedule import schedule
+
+__all__ = ["PASSES", "plan_graph"]
+
+PASSES: list[tuple[str, Pass]] = [
+    ("annotate", annotate),
+    ("propagate", propagate),
+    ("insert_collectives", insert_collectives),
+    ("bucketing", bucketing),
+    ("fuse_optimizer", fuse_optimizer),
+    ("schedule", schedule),
+]
+
+
+def plan_graph(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
+    """``gm`` through :data:`PASSES`, as the options say (``overlap=False``: no
+    ``schedule``)."""
+    disabled = () if ctx.options.overlap else ("schedule",)
+    return run_passes(gm, ctx, PASSES, disabled)

@@ -1,0 +1,146 @@
+"""What every rank does before it plans a model, module and whole step alike, in the same
+order everywhere: resolve the mesh and the strategy on it, check the model is the same on
+every rank, agree on the cost model, and overwrite parameters and buffers with the
+group's first rank's."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from spmd.lowering.cost_model import CostModel, overlap_share
+from spmd.lowering.options import Options
+from spmd.lowering.strategy import Strategy, resolve_strategy
+from spmd.runtime import context
+from spmd.runtime.mesh import Mesh
+
+__all__ = ["Setup", "resolve_mesh", "prepare_model", "check_same_model", "cost_model_for"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class Setup:
+    """A model's place on the mesh, agreed by every rank.
+
+    Attributes:
+        strategy: the strategy bound to the mesh (``strategy.mesh``).
+        group: the data-parallel dimension's process group; None on a simulated mesh.
+        world_size: ranks along that dimension.
+        cost_model: the collective cost model every rank plans with.
+        index: the how-many-th model this rank parallelized (the same on every rank).
+    """
+
+    strategy: Strategy
+    group: Any
+    world_size: int
+    cost_model: CostModel
+    index: int
+
+    @property
+    def communicates(self) -> bool:
+        """A live group of more than one rank: collectives run."""
+        return self.group is not None and self.world_size > 1
+
+
+def resolve_mesh(mesh: Mesh | None, where: str) -> Mesh:
+    """``mesh``, or a 1-D mesh ``("dp",)`` over the default process group."""
+    from spmd.runtime import groups
+
+    if mesh is None:
+        if not groups.is_initialized():
+            raise RuntimeError(
+                f"{where}: there is no process group; call spmd.runtime.init_process_group() "
+                f"first, or pass mesh=spmd.Mesh.simulated(n) to plan for n ranks without "
+                f"processes")
+        return Mesh.from_group(groups.world(where).default, "dp")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{where}: mesh must be an spmd.Mesh or None, got {type(mesh).__name__}")
+    return mesh
+
+
+def _signature(module: nn.Module) -> list[tuple]:
+    sig = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad)
+           for n, p in module.named_parameters()]
+    sig += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()]
+    return sig
+
+
+def check_same_model(module: nn.Module, group: Any, where: str) -> None:
+    """Every rank of ``group`` must hold the same parameters and buffers (names, shapes,
+    dtypes, trainability); ``ValueError`` naming the first difference otherwise."""
+    from spmd.runtime.objects import all_gather_object
+
+    mine = _signature(module)
+    every: list[Any] = [None] * group.size()
+    all_gather_object(every, mine, group=group)
+    reference = every[0]
+    for r, sig in enumerate(every[1:], start=1):
+        if sig == reference:
+            continue
+        rank, first = group.ranks[r], group.ranks[0]
+        for a, b in zip(reference, sig):
+            if a != b:
+                raise ValueError(
+                    f"{where}: the model differs across ranks: {a[0]} {a[1]!r} is "
+                    f"shape={a[2]}, dtype={a[3]}, requires_grad={a[4]} on rank {first} but "
+                    f"{b[0]} {b[1]!r} is shape={b[2]}, dtype={b[3]}, requires_grad={b[4]} on "
+                    f"rank {rank}")
+        raise ValueError(f"{where}: the model differs across ranks: rank {first} has "
+                         f"{len(reference)} parameters and buffers, rank {rank} has {len(sig)}")
+
+
+def cost_model_for(group: Any, world_size: int, backend: str, options: Options) -> CostModel:
+    """The cost model every rank of ``group`` plans with: defaults, calibrated on the live
+    group when asked, with the overlap share of this machine; decided on the group's
+    first rank and shared, so every rank derives the same buckets."""
+    model = CostModel.default(backend, world_size)
+    if group is not None and world_size > 1 and options.calibrate:
+        from spmd.lowering.calibrate import calibrate
+
+        model = calibrate(group, model)
+    # ranks sharing this machine: the launcher says; a live group without one is taken as
+    # one machine; a simulated mesh plans for the machine it runs on, whatever its size
+    local = int(context.getenv("LOCAL_WORLD_SIZE") or (world_size if group is not None else 1))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    share, why = overlap_share(backend, local, cores, torch.get_num_threads())
+    model = replace(model, overlap=share, source=f"{model.source}; overlap {share:g}: {why}")
+    if group is not None and world_size > 1:
+        from spmd.runtime.objects import broadcast_object_list
+
+        box = [model]
+        broadcast_object_list(box, src=group.ranks[0], group=group)
+        model = box[0]
+    return model
+
+
+def _next_index() -> int:
+    state = context.current().state
+    state["spmd_models"] = state.get("spmd_models", 0) + 1
+    return state["spmd_models"]
+
+
+def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
+                  where: str) -> Setup:
+    """Set ``module`` up on every rank (see the module doc); the agreed :class:`Setup`."""
+    from spmd.reducer import broadcast_coalesced
+
+    strategy = resolve_strategy(options.strategy, resolve_mesh(mesh, where), where)
+    mesh = strategy.mesh
+    group = None if mesh.simulated else mesh.get_group(strategy.data_dim)
+    world_size = strategy.data_size
+    backend = "gloo" if group is None else group.backend
+    live = group is not None and world_size > 1
+    if live:
+        check_same_model(module, group, where)
+    cost_model = cost_model_for(group, world_size, backend, options)
+    index = _next_index()
+    if live:
+        broadcast_coalesced([*module.parameters(), *module.buffers()], group.ranks[0], group)
+    return Setup(strategy=strategy, group=group, world_size=world_size, cost_model=cost_model,
+                 index=index)
