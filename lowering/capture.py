@@ -147,7 +147,7 @@ class Capture:
             if inductor:
                 from torch._inductor.compile_fx import compile_fx_inner
 
-                return compile_fx_inner(graph, fake_inputs, is_backward=backward)
+                return compile_fx_inner(_plain(graph), fake_inputs, is_backward=backward)
             return emit(graph)
 
         del record
@@ -186,6 +186,20 @@ class Capture:
         return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler,
                             inference_compiler=forward_compiler,
                             decompositions=decompositions)(gm, example_inputs)
+
+
+_OURS = ("sharding", "spmd_collective", "spmd_role")
+
+
+def _plain(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` for Inductor without our annotations: its cache key pickles the
+    graph, and the plan's records refer to process groups and locks."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in graph.nodes:
+        for key in _OURS:
+            node.meta.pop(key, None)
+    return fx.GraphModule(gm, graph)
 
 
 def _instrument(run: Callable[[list], Any], capture: "Capture", record: GraphRecord,
