@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -47,9 +48,13 @@ def test_forcing_triton_on_a_device_it_cannot_run_on_raises(monkeypatch):
         implementation("meta")
 
 
-def test_on_device_is_a_no_op_on_cpu():
-    with on_device(torch.device("cpu")):
-        pass
+def test_on_device_makes_a_cuda_device_current_and_does_nothing_on_cpu():
+    cpu = on_device(torch.device("cpu"))
+    assert isinstance(cpu, contextlib.nullcontext)
+    with cpu as entered:
+        assert entered is None
+    cuda = on_device(torch.device("cuda", 1))  # built, not entered: no GPU is needed
+    assert isinstance(cuda, torch.cuda.device) and cuda.idx == 1
 
 
 def _run(code: str, **env) -> str:
@@ -63,11 +68,16 @@ def test_import_and_torch_path_do_not_import_triton():
     code = """
         import sys, torch, spmd.kernels as k
         out = k.pack([torch.ones(3), torch.ones(2)], scale=0.5)
-        k.unpack(out, [torch.empty(3), torch.empty(2)])
-        k.sgd_step([torch.ones(5)], out, None, lr=0.1)
-        print("triton" in sys.modules, out.tolist())
+        back = [torch.empty(3), torch.empty(2)]
+        k.unpack(out, back, scale=4.0)
+        params = [torch.ones(5)]
+        k.sgd_step(params, out, None, lr=0.1)
+        print("triton" in sys.modules, out.tolist(), [t.tolist() for t in back],
+              [round(v, 6) for v in params[0].tolist()])
     """
-    assert _run(code, SPMD_KERNELS="auto") == "False [0.5, 0.5, 0.5, 0.5, 0.5]"
+    assert _run(code, SPMD_KERNELS="auto") == (
+        "False [0.5, 0.5, 0.5, 0.5, 0.5] [[2.0, 2.0, 2.0], [2.0, 2.0]] "
+        "[0.95, 0.95, 0.95, 0.95, 0.95]")
 
 
 def test_kernels_run_in_the_form_the_device_needs_whatever_triton_interpret_says():

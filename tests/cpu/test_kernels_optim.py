@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spmd.kernels import adamw_step, optim_triton, sgd_step
+from spmd.kernels import adamw_step, optim, optim_triton, sgd_step
 
 SHAPES = [(16,), (8, 8), (3, 5), (0,), (), (7,), (1, 1, 3)]  # 2 aligned, 4 not, 1 empty
 STEPS = 4
@@ -25,6 +25,25 @@ F32_TRITON = dict(rtol=1e-6, atol=1e-7)
 def impl(request, monkeypatch):
     monkeypatch.setenv("SPMD_KERNELS", request.param)
     return request.param
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """The implementations that ran, in order: each is wrapped, and still does its work."""
+    calls = []
+
+    def recorded(real, label):
+        def run(*args, **kw):
+            calls.append(label)
+            return real(*args, **kw)
+        return run
+
+    for module, name, label in ((optim, "sgd_reference", "torch sgd"),
+                                (optim, "adamw_reference", "torch adamw"),
+                                (optim_triton, "sgd", "triton sgd"),
+                                (optim_triton, "adamw", "triton adamw")):
+        monkeypatch.setattr(module, name, recorded(getattr(module, name), label))
+    return calls
 
 
 def make(dtype=torch.float32, shapes=SHAPES, seed=0, flat_dtype=torch.float32):
@@ -232,9 +251,23 @@ def test_hyperparameters_may_be_one_element_tensors_as_in_torch_optim(impl):
     assert_same(params, expected, **F32_TRITON)
 
 
-def test_empty_param_list_is_a_no_op(impl):
-    sgd_step([], torch.empty(0), [], lr=0.1, momentum=0.9)
-    adamw_step([], torch.empty(3), [], [], step=1, lr=0.1)
+def test_each_setting_runs_its_implementation(impl, ran):
+    params, flats = make(shapes=[(4,), (3,)])
+    m, v, _ = adamw_state(params, False)
+    sgd_step(params, flats[0], None, lr=0.1)
+    adamw_step(params, flats[1], m, v, step=1, lr=0.1)
+    assert ran == [f"{impl} sgd", f"{impl} adamw"]
+
+
+def test_empty_param_list_is_a_no_op(impl, ran):
+    flat = torch.arange(3.0)
+    buffers, m, v = [], [], []
+    assert sgd_step([], flat[:0], buffers, lr=0.1, momentum=0.9) is None
+    assert adamw_step([], flat, m, v, step=1, lr=0.1) is None
+    assert ran == []  # neither implementation was started
+    assert torch.equal(flat, torch.arange(3.0)) and buffers == m == v == []
+    with pytest.raises(ValueError, match="must be >= 0"):  # but the arguments are checked
+        sgd_step([], flat[:0], buffers, lr=-0.1)
 
 
 # ---- bad input: clear errors, raised before anything is written ----------------------

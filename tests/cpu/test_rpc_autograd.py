@@ -99,9 +99,9 @@ def _two_workers(rank):
         with dist_autograd.context() as cid:
             used = rpc.rpc_sync("w1", torch.mul, args=(x, 2.0))
             rpc.rpc_sync("w1", torch.mul, args=(x, 3.0))  # its result never reaches the loss
-            start = time.monotonic()
             dist_autograd.backward(cid, [used.sum()])
-            out["unused"] = (dist_autograd.get_gradients(cid)[x], time.monotonic() - start)
+            out["unused"] = (dist_autograd.get_gradients(cid)[x],
+                             rpc.debug_info()["pending_requests"])
         with dist_autograd.context() as cid:
             bad = rpc.rpc_sync("w1", _broken, args=(x,))
             try:
@@ -140,9 +140,9 @@ def test_gradients_stay_in_the_context_not_in_dot_grad(two_workers):
 
 
 def test_an_unused_branch_does_not_hang_the_backward(two_workers):
-    grad, elapsed = two_workers["unused"]
+    grad, pending = two_workers["unused"]
     assert torch.equal(grad, torch.full((3,), 2.0))
-    assert elapsed < 5
+    assert pending == 0  # backward returned with nothing of it still waiting for an answer
 
 
 def test_an_error_in_a_remote_backward_surfaces_on_the_caller(two_workers):

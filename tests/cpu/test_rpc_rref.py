@@ -53,6 +53,14 @@ def _owner_state():
         len(_Value.alive)
 
 
+def _fork_makers():
+    """Who made each fork the owner has registered: a fork's id is (its maker's rank, n)."""
+    from spmd.runtime.rpc.api import current_agent
+
+    rc = current_agent("test").rrefs
+    return sorted(fork[0] for r in list(rc.owners.values()) for fork in r.forks)
+
+
 def _until(check, want, timeout=10.0):
     deadline = time.monotonic() + timeout
     while True:
@@ -113,8 +121,9 @@ def _lifetime_rank(rank):
         rpc.rpc_sync("w2", _keep, args=(owned,))
         del owned
         gc.collect()
-        time.sleep(0.3)
-        steps["w2 holds the owner's"] = _until(state, (1, 1, 1))
+        # Settled: the fork w1 made for w2 is registered and the owner's fork of w1 is gone.
+        steps["hand-over"] = _until(lambda: rpc.rpc_sync("w0", _fork_makers), [1])
+        steps["w2 holds the owner's"] = state()
         rpc.rpc_sync("w2", _drop_all)
         steps["end"] = _until(state, (0, 0, 0))
         steps["in flight"] = rpc.debug_info()["pending_children"]
@@ -129,6 +138,7 @@ def test_owner_deletes_a_value_only_after_every_fork_is_gone():
     assert steps["back on w1"] == (1, 1, 1)
     assert steps["all dropped"] == (0, 0, 0)
     assert steps["owner forked"] == (1, 1, 1)
+    assert steps["hand-over"] == [1]
     assert steps["w2 holds the owner's"] == (1, 1, 1)
     assert steps["end"] == (0, 0, 0)
     assert steps["in flight"] == 0
@@ -140,11 +150,11 @@ def _faulty_rank(rank):
     rpc = _init(rank, 3)
     out = {}
     rpc.rpc_sync("w0", torch.zeros, args=(1,))  # everyone is up before faults start
-    if rank == 2:
-        faults.inject(delay={"RREF_FORK": 1.0}, drop={"RREF_ACCEPT": 1})
     if rank == 1:
         faults.inject(drop={"RREF_DELETE": 1})
-        time.sleep(0.2)
+        # w2's faults, in place when the call returns: before w2 is sent the RRef
+        rpc.rpc_sync("w2", faults.inject,
+                     kwargs=dict(delay={"RREF_FORK": 1.0}, drop={"RREF_ACCEPT": 1}))
         state = lambda: rpc.rpc_sync("w0", _owner_state)  # noqa: E731
         rref = rpc.remote("w0", _make_value, args=("c",))
         rref._get_future().wait()
