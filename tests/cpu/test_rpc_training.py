@@ -4,6 +4,8 @@ distributed optimizer, equal to the same model trained in one process."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -25,13 +27,18 @@ def _init(rank: int, world: int):
 # -- parameter server ------------------------------------------------------------------
 
 _PS: dict = {}
+_PS_LOCK = threading.Lock()
 
 
 def _ps_model() -> nn.Module:
-    if "model" not in _PS:
-        torch.manual_seed(0)
-        _PS["model"] = nn.Linear(2, 1)
-    return _PS["model"]
+    # the server's main thread and the RPC threads answering the trainers may ask first at
+    # the same time: without the lock two models could be made, the trainers' optimizer
+    # stepping one while the forward used the other (seen: a trainer that never learned)
+    with _PS_LOCK:
+        if "model" not in _PS:
+            torch.manual_seed(0)
+            _PS["model"] = nn.Linear(2, 1)
+        return _PS["model"]
 
 
 def _ps_forward(x):
