@@ -39,14 +39,22 @@ def _entry_point(target: object) -> object:
     ATen ops that ``torch`` exposes as functions go through its generated argument parser
     (``torch._C._VariableFunctions``), which picks the overload from the arguments and
     costs ~0.3 µs less per call than ``OpOverload._op``'s schema-driven conversion
-    (1.33 against 1.63 µs for a 4x4 ``mm`` here); the rest call ``_op`` directly.
+    (1.33 against 1.63 µs for a 4x4 ``mm`` here). Ops that are only methods (``view``)
+    go through the C method of the tensor, the same parser (1.8 against 2.7 µs for a
+    ``view``); the rest call ``_op`` directly.
     """
     if not isinstance(target, torch._ops.OpOverload):
         return target
-    if target.namespace == "aten":
-        fn = getattr(torch._C._VariableFunctions, target._schema.name.split("::")[-1], None)
-        if fn is not None and not target._schema.is_mutable:
+    schema = target._schema
+    if target.namespace == "aten" and not schema.is_mutable:
+        name = schema.name.split("::")[-1]
+        fn = getattr(torch._C._VariableFunctions, name, None)
+        if fn is not None:
             return fn
+        method = getattr(torch._C.TensorBase, name, None)  # C methods only, not Python ones
+        if (type(method).__name__ == "method_descriptor" and schema.arguments
+                and schema.arguments[0].name == "self"):
+            return method
     return target._op
 
 
