@@ -27,6 +27,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/ddp.py
+	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/planning.py
 	$(PY) benchmarks/store.py
 	$(PY) benchmarks/collectives.py --overhead

@@ -1,9 +1,9 @@
 """Step time of ``spmd.parallelize`` against torch DDP and against perfect scaling.
 
-    python benchmarks/ddp.py [--nprocs 2] [--steps 40] [--rounds 5]
+    python benchmarks/ddp.py [--nprocs 2] [--steps 40] [--rounds 5] [--cases a,b,...]
 
 Two local ranks, one thread each, Gloo over loopback, the same model, data and optimizer
-(AdamW) for every variant:
+for every variant of a case:
 
 - ``spmd``: ``spmd.parallelize`` with its defaults (cost-model buckets, overlap on);
 - ``spmd, bucketing off``: one all-reduce per parameter (``bucket_cap_mb=0``);
@@ -12,9 +12,20 @@ Two local ranks, one thread each, Gloo over loopback, the same model, data and o
 - ``limit``: each rank trains alone on its per-rank batch, no communication (eager):
   perfect scaling on this machine.
 
-Models: a transformer encoder, and a model of many small parameters (where bucketing
-matters most). Variants alternate in rounds so all see the same machine; the figure is
-the median step time over all rounds. Prints a markdown table with ratios.
+Cases (``--cases``, all by default):
+
+- ``encoder``: a 3-layer transformer encoder of width 128 on token ids, AdamW, 32
+  sequences in all (every variant);
+- ``small``: 60 residual blocks of Linear(32, 32) + LayerNorm, 240 small parameters,
+  AdamW (every variant);
+- ``mlp``: 60 Linear(64, 64) + Tanh layers, plain SGD, a batch of 32 per rank (spmd,
+  DDP, limit);
+- ``d256``: a 4-layer transformer encoder of width 256, plain SGD, 8 sequences of 32
+  tokens per rank (spmd, DDP, limit).
+
+Variants alternate in rounds so all see the same machine; round 0 warms up (compiles)
+and is not counted. The figure is the median step time over the rounds; "spread" is the
+lowest and highest per-round ratio of DDP's time to spmd's. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -23,23 +34,23 @@ import argparse
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-BATCH = 32
-
 
 class Encoder(nn.Module):
-    def __init__(self, width: int = 128, layers: int = 3) -> None:
+    def __init__(self, width: int = 128, layers: int = 3, vocab: int = 64) -> None:
         super().__init__()
         layer = nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=4 * width, dropout=0.0,
                                            batch_first=True, norm_first=True)
-        self.embed = nn.Embedding(64, width)
+        self.embed = nn.Embedding(vocab, width)
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(width, 64)
+        self.head = nn.Linear(width, vocab)
 
     def forward(self, tokens):
         return self.head(self.encoder(self.embed(tokens)))
@@ -61,33 +72,73 @@ class ManySmall(nn.Module):
         return self.out(h)
 
 
-MODELS = {"transformer encoder": Encoder, "many small parameters": ManySmall}
+def deep_mlp() -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(60):
+        layers += [nn.Linear(64, 64), nn.Tanh()]
+    return nn.Sequential(*layers)
 
 
-def _data(name: str, step: int, rank: int, world: int):
-    g = torch.Generator().manual_seed(step)
-    if name == "transformer encoder":
-        x = torch.randint(0, 64, (BATCH, 16), generator=g)
-        y = torch.randint(0, 64, (BATCH, 16), generator=g)
-    else:
-        x, y = torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 16, generator=g)
-    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+ALL_VARIANTS = ("spmd", "spmd, bucketing off", "spmd, overlap off", "torch DDP", "limit")
+SHORT_VARIANTS = ("spmd", "torch DDP", "limit")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    label: str
+    model: Callable[[], nn.Module]
+    data: Callable[[torch.Generator, int], tuple[torch.Tensor, torch.Tensor]]  # (g, ranks)
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    optimizer: Callable[[list], torch.optim.Optimizer]
+    variants: tuple[str, ...]
+
+
+def _tokens(vocab: int, rows: int, length: int):
+    def make(g: torch.Generator, ranks: int):
+        return (torch.randint(0, vocab, (rows * ranks, length), generator=g),
+                torch.randint(0, vocab, (rows * ranks, length), generator=g))
+    return make
+
+
+def _token_loss(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+CASES = {
+    "encoder": Case(label="transformer encoder (AdamW)", model=Encoder,
+                    data=lambda g, ranks: _tokens(64, 32 // ranks, 16)(g, ranks),
+                    loss=_token_loss, variants=ALL_VARIANTS,
+                    optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3)),
+    "small": Case(label="many small parameters (AdamW)", model=ManySmall,
+                  data=lambda g, ranks: (torch.randn(32, 16, generator=g),
+                                         torch.randn(32, 16, generator=g)),
+                  loss=F.mse_loss, variants=ALL_VARIANTS,
+                  optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3)),
+    "mlp": Case(label="60 x Linear(64)+Tanh (SGD)", model=deep_mlp,
+                data=lambda g, ranks: (torch.randn(32 * ranks, 64, generator=g),
+                                       torch.randn(32 * ranks, 64, generator=g)),
+                loss=F.mse_loss, variants=SHORT_VARIANTS,
+                optimizer=lambda p: torch.optim.SGD(p, lr=1e-3)),
+    "d256": Case(label="transformer d256 x 4 (SGD)",
+                 model=lambda: Encoder(width=256, layers=4, vocab=256),
+                 data=_tokens(256, 8, 32), loss=_token_loss, variants=SHORT_VARIANTS,
+                 optimizer=lambda p: torch.optim.SGD(p, lr=1e-3)),
+}
+
+
+def _fresh(case: Case) -> nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return case.model()
+
+
+def _batch(case: Case, step: int, rank: int, world: int):
+    x, y = case.data(torch.Generator().manual_seed(step), world)
+    rows = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
     return x[rows], y[rows]
 
 
-def _loss(name: str, out, y):
-    if name == "transformer encoder":
-        return F.cross_entropy(out.flatten(0, 1), y.flatten())
-    return F.mse_loss(out, y)
-
-
-def _fresh(name: str) -> nn.Module:
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return MODELS[name]()
-
-
-def rank_main(rank: int, steps: int, rounds: int) -> dict | None:
+def rank_main(rank: int, steps: int, rounds: int, names: list[str]) -> dict | None:
     import torch.distributed as tdist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -100,31 +151,33 @@ def rank_main(rank: int, steps: int, rounds: int) -> dict | None:
     port = int(os.environ["MASTER_PORT"]) + 1
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                              world_size=world)
+    make = {
+        "spmd": lambda c: spmd.parallelize(_fresh(c)),
+        "spmd, bucketing off": lambda c: spmd.parallelize(_fresh(c), bucket_cap_mb=0),
+        "spmd, overlap off": lambda c: spmd.parallelize(_fresh(c), overlap=False),
+        "torch DDP": lambda c: DistributedDataParallel(_fresh(c)),
+        "limit": _fresh,
+    }
     results = {}
-    for name in MODELS:
-        variants = {
-            "spmd": spmd.parallelize(_fresh(name)),
-            "spmd, bucketing off": spmd.parallelize(_fresh(name), bucket_cap_mb=0),
-            "spmd, overlap off": spmd.parallelize(_fresh(name), overlap=False),
-            "torch DDP": DistributedDataParallel(_fresh(name)),
-            "limit": _fresh(name),
-        }
-        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in variants.items()}
-        times: dict[str, list[float]] = {k: [] for k in variants}
+    for name in names:
+        case = CASES[name]
+        models = {v: make[v](case) for v in case.variants}
+        opts = {v: case.optimizer(list(m.parameters())) for v, m in models.items()}
+        batches = [_batch(case, step, rank, world) for step in range(steps)]
+        times: dict[str, list[float]] = {v: [] for v in models}
         for r in range(rounds + 1):  # round 0 warms up (compiles) and is not counted
-            for key, model in variants.items():
-                opt = opts[key]
+            for variant, model in models.items():
+                opt = opts[variant]
                 tdist.barrier()
                 start = time.perf_counter()
-                for step in range(steps):
-                    x, y = _data(name, step, rank, world)
-                    _loss(name, model(x), y).backward()
+                for x, y in batches:
+                    case.loss(model(x), y).backward()
                     opt.step()
                     opt.zero_grad()
                 if r:
-                    times[key].append((time.perf_counter() - start) / steps)
-        results[name] = {k: statistics.median(v) for k, v in times.items()}
-        results[name]["plan"] = str(spmd.inspect(variants["spmd"])).splitlines()[0]
+                    times[variant].append((time.perf_counter() - start) / steps)
+        results[name] = {"times": times,
+                         "plan": str(spmd.inspect(models["spmd"])).splitlines()[0]}
     tdist.destroy_process_group()
     dist.destroy_process_group()
     return results if rank == 0 else None
@@ -135,22 +188,32 @@ def main() -> None:
     parser.add_argument("--nprocs", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"comma-separated, of {', '.join(CASES)}")
     args = parser.parse_args()
+    names = [n.strip() for n in args.cases.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     from spmd.runtime import spawn
 
-    results = spawn(rank_main, args=(args.steps, args.rounds), nprocs=args.nprocs,
-                    timeout=3000)[0]
-    print("| model | variant | ms/step | vs torch DDP (x faster) | vs limit (x slower) |")
-    print("|---|---|---:|---:|---:|")
+    results = spawn(rank_main, args=(args.steps, args.rounds, names), nprocs=args.nprocs,
+                    timeout=6000)[0]
+    print("| case | variant | ms/step | vs torch DDP (x faster) | spread over rounds "
+          "| vs limit (x slower) |")
+    print("|---|---|---:|---:|---|---:|")
     for name, res in results.items():
-        ddp, limit = res["torch DDP"], res["limit"]
-        for key, t in res.items():
-            if key == "plan":
-                continue
-            print(f"| {name} | {key} | {t * 1e3:.2f} | {ddp / t:.2f} | {t / limit:.2f} |")
+        times = res["times"]
+        ddp, limit = statistics.median(times["torch DDP"]), statistics.median(times["limit"])
+        for variant, samples in times.items():
+            t = statistics.median(samples)
+            ratios = [d / s for d, s in zip(times["torch DDP"], samples)]
+            spread = f"{min(ratios):.2f}–{max(ratios):.2f}" if variant != "torch DDP" else ""
+            print(f"| {CASES[name].label} | {variant} | {t * 1e3:.2f} | {ddp / t:.2f} | "
+                  f"{spread} | {t / limit:.2f} |")
     for name, res in results.items():
-        print(f"\n{name}: {res['plan']}")
+        print(f"\n{CASES[name].label}: {res['plan']}")
 
 
 if __name__ == "__main__":
