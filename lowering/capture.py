@@ -26,6 +26,7 @@ import torch.fx as fx
 from spmd.lowering.annotate import PlanningError
 from spmd.lowering.context import InputInfo, LoweringContext
 from spmd.lowering.emit import emit
+from spmd.lowering.graph import copy_graph
 from spmd.lowering.pipeline import plan_graph
 
 __all__ = ["GraphRecord", "Capture", "time_forward"]
@@ -194,12 +195,11 @@ _OURS = ("sharding", "spmd_collective", "spmd_role")
 def _plain(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` for Inductor without our annotations: its cache key pickles the
     graph, and the plan's records refer to process groups and locks."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    for node in graph.nodes:
+    plain = copy_graph(gm)
+    for node in plain.graph.nodes:
         for key in _OURS:
             node.meta.pop(key, None)
-    return fx.GraphModule(gm, graph)
+    return plain
 
 
 def _instrument(run: Callable[[list], Any], capture: "Capture", record: GraphRecord,

@@ -29,15 +29,14 @@ import torch.fx as fx
 
 from spmd.lowering import ops
 from spmd.lowering.context import LoweringContext
-from spmd.lowering.graph import collective_nodes, fill_val
+from spmd.lowering.graph import fill_val
 from spmd.lowering.passes import Provenance
 from spmd.lowering.placements import Sharding
 from spmd.lowering.propagate import derive
 from spmd.lowering.redistribute import Step, plan_redistribution
 from spmd.lowering.state import Boundary, CollectiveInfo, Role, needs
 
-__all__ = ["insert_collectives", "build_bucket", "insert_redistribution", "collective_nodes",
-           "bucket_results"]
+__all__ = ["insert_collectives", "build_bucket", "insert_redistribution", "bucket_results"]
 
 aten = torch.ops.aten
 

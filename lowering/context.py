@@ -64,8 +64,3 @@ class LoweringContext:
     def group(self, dim: str) -> Any:
         """The process group along mesh dimension ``dim``; None on a simulated mesh."""
         return None if self.mesh.simulated else self.mesh.get_group(dim)
-
-    @property
-    def world_size(self) -> int:
-        """Ranks along the data-parallel dimension."""
-        return self.strategy.data_size

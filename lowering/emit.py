@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from spmd.lowering import ops
+from spmd.lowering.graph import copy_graph
 
 __all__ = ["emit"]
 
@@ -169,8 +170,8 @@ def _without_no_ops(gm: fx.GraphModule) -> fx.GraphModule:
     """
     if any(_mutates(n) for n in gm.graph.nodes):
         return gm
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
+    copy = copy_graph(gm)
+    graph = copy.graph
     outputs = set(graph.output_node().all_input_nodes)
     aten = torch.ops.aten
     for node in list(graph.nodes):
@@ -205,7 +206,8 @@ def _without_no_ops(gm: fx.GraphModule) -> fx.GraphModule:
                     piece = graph.call_function(operator.getitem, (pieces, k))
                 view.replace_all_uses_with(piece)
     graph.eliminate_dead_code()
-    return fx.GraphModule(gm, graph)
+    copy.recompile()
+    return copy
 
 
 # views of a flat buffer shaped like each of a list of tensors, in one C++ call (1.1 µs

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import networkx as nx
 
 __all__ = ["dependency_graph", "is_collective", "is_wait", "fill_val", "tensor_vals",
-           "collective_nodes"]
+           "collective_nodes", "copy_graph"]
 
 _COLLECTIVES = frozenset(ops.COLLECTIVE_OPS.values())
 
@@ -34,6 +34,14 @@ def is_wait(node: fx.Node) -> bool:
 def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     """The graph's collectives, in graph order."""
     return [n for n in gm.graph.nodes if is_collective(n)]
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new module over a copy of ``gm``'s graph (each node's meta a shallow copy), for
+    rewriting without touching the planned graph; the copy's ``meta`` starts empty."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
 
 
 def tensor_vals(value: Any) -> list[torch.Tensor]:

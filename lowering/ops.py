@@ -205,7 +205,7 @@ _lib.define("local_redistribute(Tensor x, int handle) -> Tensor")
 
 
 def _bucket_all_reduce(grads: list[torch.Tensor], handle: int) -> torch.Tensor:
-    s: CollectiveSpec = _LIVE.get(handle) or lookup(handle)
+    s: CollectiveSpec = lookup(handle)
     active = s.active
     average = active and s.step.src.reduce_op == "avg"  # pre-divided, then summed
     dtype = s.wire_dtype or grads[0].dtype
@@ -221,7 +221,7 @@ def _bucket_all_reduce(grads: list[torch.Tensor], handle: int) -> torch.Tensor:
 
 
 def _wait(tensor: torch.Tensor, handle: int) -> torch.Tensor:
-    (_LIVE.get(handle) or lookup(handle)).finish(tensor)
+    lookup(handle).finish(tensor)
     return tensor
 
 
@@ -328,15 +328,16 @@ def _fake_local_redistribute(x: torch.Tensor, handle: int) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-for _name, _impl, _fake in [
-    ("bucket_all_reduce", _bucket_all_reduce, _fake_bucket_all_reduce),
-    ("wait", _wait, _fake_wait),
-    ("wait_cast", _wait_cast, _fake_wait_cast),
-    ("all_gather", _all_gather, _fake_all_gather),
-    ("reduce_scatter", _reduce_scatter, _fake_reduce_scatter),
-    ("all_to_all", _all_to_all, _fake_all_to_all),
-    ("local_redistribute", _local_redistribute, _fake_local_redistribute),
-]:
+_KERNELS = {  # op name -> (Python implementation, fake kernel)
+    "bucket_all_reduce": (_bucket_all_reduce, _fake_bucket_all_reduce),
+    "wait": (_wait, _fake_wait),
+    "wait_cast": (_wait_cast, _fake_wait_cast),
+    "all_gather": (_all_gather, _fake_all_gather),
+    "reduce_scatter": (_reduce_scatter, _fake_reduce_scatter),
+    "all_to_all": (_all_to_all, _fake_all_to_all),
+    "local_redistribute": (_local_redistribute, _fake_local_redistribute),
+}
+for _name, (_impl, _fake) in _KERNELS.items():
     _lib.impl(_name, _impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"spmd::{_name}", _fake, lib=_lib)
 
@@ -351,11 +352,7 @@ local_redistribute = torch.ops.spmd.local_redistribute.default
 COLLECTIVE_OPS = {"all_reduce": bucket_all_reduce, "all_gather": all_gather,
                   "reduce_scatter": reduce_scatter, "all_to_all": all_to_all}
 WAIT_OPS = (wait, wait_cast)
-FAKES = {bucket_all_reduce: _fake_bucket_all_reduce, wait: _fake_wait,
-         wait_cast: _fake_wait_cast, all_gather: _fake_all_gather,
-         reduce_scatter: _fake_reduce_scatter, all_to_all: _fake_all_to_all,
-         local_redistribute: _fake_local_redistribute}
+_OPS = {getattr(torch.ops.spmd, name).default: kernels for name, kernels in _KERNELS.items()}
+FAKES = {op: fake for op, (_, fake) in _OPS.items()}
 # the Python implementations, for the emitter (one call instead of the dispatcher's)
-IMPLEMENTATIONS = {bucket_all_reduce: _bucket_all_reduce, wait: _wait, wait_cast: _wait_cast,
-                   all_gather: _all_gather, reduce_scatter: _reduce_scatter,
-                   all_to_all: _all_to_all, local_redistribute: _local_redistribute}
+IMPLEMENTATIONS = {op: impl for op, (impl, _) in _OPS.items()}

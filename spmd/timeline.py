@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from spmd.lowering.collectives import collective_nodes
+from spmd.lowering.graph import collective_nodes
 
 __all__ = ["Span", "Timeline", "predict", "node_cost"]
 
