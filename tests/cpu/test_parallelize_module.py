@@ -47,7 +47,10 @@ def semantics(rank: int) -> dict:
     x, y = batch("mlp")
     for name, kwargs in {"default": {}, "cap0": {"bucket_cap_mb": 0},
                          "no overlap": {"overlap": False},
-                         "bf16": {"reduce_dtype": torch.bfloat16}}.items():
+                         "bf16": {"reduce_dtype": torch.bfloat16},
+                         # a 2-D mesh: "dp" carries the batch, a size-1 "tp" nothing
+                         "2-D mesh": {"mesh": spmd.Mesh((world, 1), dim_names=("dp", "tp"))},
+                         }.items():
         m = spmd.parallelize(MODELS["mlp"](), **kwargs)
         F.mse_loss(m(_shard(x, rank, world)), _shard(y, rank, world)).backward()
         out[("lever", name)] = _grads(m)
@@ -133,7 +136,7 @@ def test_no_sync_accumulates_then_averages_everything(runs):
 def test_levers_change_the_plan_not_the_result(runs):
     want = _reference_grads(1)
     for r in runs:
-        for lever in ("default", "cap0", "no overlap"):
+        for lever in ("default", "cap0", "no overlap", "2-D mesh"):
             for name, g in r[("lever", lever)].items():
                 assert torch.allclose(g, want[name], **TOL), (lever, name)
         for name, g in r[("lever", "bf16")].items():  # bf16 keeps ~3 significant digits
