@@ -59,11 +59,12 @@ def _ensure_vals(gm: fx.GraphModule, ctx: LoweringContext) -> None:
 
 def _input_shardings(gm: fx.GraphModule, ctx: LoweringContext) -> None:
     strategy = ctx.strategy
-    local = Sharding.on(strategy.mesh, {strategy.data_dim: Varying()})
+    local = Sharding.on(strategy.mesh, {d: Varying() for d in strategy.data_dims})
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if ctx.role == "backward":
-        for node in placeholders:
-            node.meta["sharding"] = ctx.saved.get(node.name, local)
+        for node in placeholders:  # a resharded input holds the forward's shard instead
+            saved = node.meta.get("spmd_resharded", node.name)
+            node.meta["sharding"] = ctx.saved.get(saved, local)
         return
     if len(placeholders) != len(ctx.inputs):
         raise PlanningError(f"{ctx.graph_name}: {len(placeholders)} placeholders for "

@@ -1,4 +1,5 @@
-"""bucketing: merge the per-gradient all-reduces into size-capped buckets.
+"""bucketing: merge the per-gradient all-reduces into size-capped buckets, and the
+per-parameter all-gathers and reduce-scatters of sharded strategies the same way.
 
 Gradients are taken in the order the graph produces them; a bucket holds one dtype and
 one wire dtype, never splits a parameter, and closes when adding the next gradient would
@@ -6,6 +7,12 @@ pass the cap (a single gradient larger than the cap gets a bucket of its own). T
 the user's ``bucket_cap_mb``, or the cost model's optimum for the graph's gradient bytes;
 ``bucket_cap_mb=0`` keeps one collective per parameter. One collective per bucket then
 runs on one flat buffer, and every reader of a gradient reads the bucket's result.
+
+Sharded parameters' all-gathers are grouped in the order the graph first uses them, so
+one bucket is the parameters of the next few layers; their cap is also at most an
+eighth of the graph's gathered bytes, so that gathering one bucket ahead (the schedule's
+prefetch) never holds more than about a quarter of the model whole. Their gradients'
+reduce-scatters are grouped in the order they are ready, like all-reduces.
 """
 
 from __future__ import annotations
@@ -16,14 +23,17 @@ from typing import Hashable
 import torch.fx as fx
 
 from spmd.lowering.collectives import build_bucket, bucket_results
+from spmd.lowering import ops
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import collective_nodes
 from spmd.lowering.passes import Provenance
 from spmd.lowering.propagate import derive
 from spmd.lowering.redistribute import Step
+from spmd.lowering.shard_params import (build_gather, build_scatter, gathered_results,
+                                        scattered_results)
 from spmd.lowering.state import Buckets, put
 
-__all__ = ["bucketing", "plan_buckets"]
+__all__ = ["bucketing", "plan_buckets", "gather_cap"]
 
 
 def plan_buckets(sizes: list[int], keys: list[Hashable], cap: int) -> list[list[int]]:
@@ -50,7 +60,10 @@ def bucketing(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
     singles = [n for n in collective_nodes(gm)  # graph order: the order gradients are ready
                if n.meta["spmd_collective"].kind == "all_reduce"]
     infos = [n.meta["spmd_collective"] for n in singles]
-    total = sum(i.bytes for i in infos)
+    every = [n.meta["spmd_collective"] for n in collective_nodes(gm)]
+    # gradient bytes (all-reduced or reduce-scattered); a forward graph's gathered bytes
+    total = (sum(i.bytes for i in every if i.kind in ("all_reduce", "reduce_scatter"))
+             or sum(i.bytes for i in every))
     cap = ctx.options.bucket_cap_bytes
     if cap is None:
         cap = ctx.cost_model.bucket_bytes(total, ctx.backward_seconds)
@@ -58,8 +71,12 @@ def bucketing(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
     else:
         reason = f"cap {cap / 2**20:.2f} MiB set by bucket_cap_mb"
     put(gm, Buckets(cap=cap, reason=reason))
-    if cap == 0 or not singles:
+    if cap == 0:
         return gm  # bucketing off: every parameter keeps its own collective
+    _bucket_shards(gm, ctx, cap, reason)
+    if not singles:
+        derive(gm, ctx)
+        return gm
     keys = [(i.dtype, i.wire_dtype, i.mesh_dim, i.src) for i in infos]
     groups = plan_buckets([i.bytes for i in infos], keys, cap)
     for members in groups:
@@ -80,3 +97,46 @@ def bucketing(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
     gm.graph.eliminate_dead_code()  # the single collectives, now unused
     derive(gm, ctx)
     return gm
+
+
+def gather_cap(cap: int, total: int) -> int:
+    """The all-gather bucket cap: the gradient cap, at most an eighth of the bytes the
+    graph gathers (at least one byte, so each parameter still fits alone)."""
+    return max(1, min(cap, total // 8))
+
+
+def _bucket_shards(gm: fx.GraphModule, ctx: LoweringContext, cap: int, reason: str) -> None:
+    """Merge the single-parameter all-gathers (in first-use order) and reduce-scatters
+    (in readiness order) of sharded parameters."""
+    for kind, op in ops.SHARD_OPS.items():
+        singles = [n for n in collective_nodes(gm) if n.target is op]
+        if len(singles) < 2:
+            continue
+        infos = [n.meta["spmd_collective"] for n in singles]
+        specs = [ops.lookup(i.handle).shards[0] for i in infos]
+        total = sum(i.bytes for i in infos)
+        limit = gather_cap(cap, total) if kind == "all_gather" else cap
+        keys = [(i.dtype, i.wire_dtype, i.mesh_dim) for i in infos]
+        why_cap = (f"cap {limit / 2**20:.2f} MiB (an eighth of the {total / 2**20:.2f} MiB "
+                   f"gathered, or {reason})" if kind == "all_gather" else reason)
+        for members in plan_buckets([i.bytes for i in infos], keys, limit):
+            if len(members) == 1:
+                continue
+            nodes = [singles[i] for i in members]
+            params = tuple(infos[i].params[0] for i in members)
+            order = ("first used in this order" if kind == "all_gather"
+                     else "gradients ready in this order")
+            why = Provenance(params=params, pass_name="bucketing",
+                             reason=f"{len(params)} parameter(s) {order}, one dtype; {why_cap}")
+            member_specs = [specs[i] for i in members]
+            if kind == "all_gather":
+                _, results = build_gather(gm, ctx, [n.args[0][0] for n in nodes],
+                                          member_specs, why, before=nodes[0])
+                old = [gathered_results(gm, n)[0] for n in nodes]
+            else:
+                _, results = build_scatter(gm, ctx, [n.args[0][0] for n in nodes],
+                                           member_specs, why)
+                old = [scattered_results(gm, n)[0] for n in nodes]
+            for before, after in zip(old, results):
+                before.replace_all_uses_with(after)
+        gm.graph.eliminate_dead_code()

@@ -80,9 +80,10 @@ class Capture:
     """
 
     def __init__(self, names: dict[int, tuple[str, str]], owner: CaptureOwner,
-                 compile_compute: bool | None = None) -> None:
+                 compile_compute: bool | None = None, reshard: bool = False) -> None:
         self.names = names
         self.compile_compute = compile_compute
+        self.reshard = reshard  # sharded parameters: save shards, gather again in backward
         self._owner = weakref.ref(owner)
         self.profiler: Any = None  # a spmd.profiling.Profiler while one records
 
@@ -184,9 +185,14 @@ class Capture:
             from torch._inductor.decomposition import select_decomp_table
 
             decompositions = select_decomp_table()
+        extra: dict[str, Any] = {}
+        if self.reshard:
+            from spmd.lowering.reshard import partition
+
+            extra["partition_fn"] = partition
         return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler,
                             inference_compiler=forward_compiler,
-                            decompositions=decompositions)(gm, example_inputs)
+                            decompositions=decompositions, **extra)(gm, example_inputs)
 
 
 _OURS = ("sharding", "spmd_collective", "spmd_role")
@@ -244,6 +250,10 @@ def time_forward(record: GraphRecord, repeats: int = 3) -> float | None:
     backward graph is planned it has run once, so a few more runs are warm.
     """
     if record.forward is None or record.forward_run is None:
+        return record.forward_seconds
+    from spmd.lowering.graph import collective_nodes
+
+    if collective_nodes(record.forward):  # a rank alone must not run a collective
         return record.forward_seconds
     try:
         values = [n.meta["val"] for n in record.forward.graph.nodes if n.op == "placeholder"]

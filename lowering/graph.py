@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["dependency_graph", "is_collective", "is_wait", "fill_val", "tensor_vals",
            "collective_nodes", "copy_graph"]
 
-_COLLECTIVES = frozenset(ops.COLLECTIVE_OPS.values())
+_COLLECTIVES = frozenset([*ops.COLLECTIVE_OPS.values(), *ops.SHARD_OPS.values()])
 
 
 def is_collective(node: fx.Node) -> bool:

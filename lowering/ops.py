@@ -38,8 +38,10 @@ from spmd.lowering import redistribute as table
 from spmd.lowering.flat import pack_planned
 from spmd.runtime import collectives
 
-__all__ = ["CollectiveSpec", "SyncState", "Handles", "lookup", "bucket_all_reduce", "wait",
-           "wait_cast", "all_gather", "reduce_scatter", "all_to_all", "local_redistribute"]
+__all__ = ["CollectiveSpec", "ShardSpec", "SyncState", "Handles", "lookup", "bucket_all_reduce",
+           "wait", "wait_cast", "all_gather", "reduce_scatter", "all_to_all",
+           "local_redistribute", "shard_gather", "shard_reduce", "bucket_all_gather",
+           "unpack_gathered", "bucket_reduce_scatter"]
 
 _IDS = itertools.count(1)
 _LIVE: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
@@ -174,6 +176,116 @@ class CollectiveSpec:
             profiler.event("wait_end", self.name)
 
 
+@dataclass(eq=False, kw_only=True)
+class ShardSpec:
+    """One parameter stored as its dim-0 shard (``strategy="fsdp"``/``"hsdp"``).
+
+    The global tensor of shape ``shape`` is cut along dim 0 into ``size`` pieces of
+    ``rows`` rows each, the last ones padded with zeros where dim 0 does not divide (as
+    FSDP2 does); a 0-dim parameter is one row. Each rank stores its piece, shape
+    :attr:`local_shape`. The parameter's uses read :func:`shard_gather` of the shard (the
+    whole tensor, in ``param_dtype``); its gradient leaves through :func:`shard_reduce`
+    (the average over the ranks' batches, reduce-scattered in ``reduce_dtype``, and with
+    ``replicate_group`` also averaged across the replicas: hybrid sharding).
+
+    Attributes:
+        param: the parameter's name in the model.
+        shape: its global shape; ``dtype``: the dtype it is stored and stepped in.
+        rows: rows of dim 0 per rank (padded).
+        group, size: the process group the shards are spread over (None: a simulated
+            mesh) and its size; ``mesh_dim`` its name.
+        replicate_group, replicate_size, replicate_dim: hybrid sharding's other dimension.
+        param_dtype: the dtype it is gathered and computed in (None: ``dtype``).
+        reduce_dtype: the dtype its gradient is reduced in (None: the gradient's).
+    """
+
+    param: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    rows: int
+    group: Any
+    size: int
+    mesh_dim: str
+    replicate_group: Any = None
+    replicate_size: int = 1
+    replicate_dim: str = ""
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.group is not None and self.size > 1
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return (self.rows, *self.shape[1:])
+
+    @property
+    def rows_global(self) -> int:
+        """Rows of dim 0 of the whole tensor (1 for a 0-dim parameter)."""
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def gather_dtype(self) -> torch.dtype:
+        return self.param_dtype or self.dtype
+
+    @property
+    def local_numel(self) -> int:
+        n = self.rows
+        for d in self.shape[1:]:
+            n *= d
+        return n
+
+    def rank(self) -> int:
+        return self.group.rank() if self.live else 0
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's padded piece of the whole tensor ``full`` (a new tensor)."""
+        flat = full.detach().reshape(self.rows_global, *self.shape[1:])
+        start = self.rank() * self.rows
+        piece = flat[start:start + self.rows]
+        out = flat.new_zeros(self.local_shape)
+        out[:piece.shape[0]] = piece
+        return out
+
+    def whole(self, padded: torch.Tensor) -> torch.Tensor:
+        """The parameter's tensor from the ``size * rows`` gathered rows (padding cut)."""
+        return padded[:self.rows_global].view(self.shape)
+
+    def padded(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``grad`` (the whole tensor's) as ``size * rows`` rows of ``dtype``, zero padded."""
+        rows = grad.reshape(self.rows_global, *self.shape[1:])
+        total = self.size * self.rows
+        if total == self.rows_global:
+            return rows if rows.dtype == dtype else rows.to(dtype)
+        out = rows.new_zeros((total, *self.shape[1:]), dtype=dtype)
+        out[:self.rows_global] = rows
+        return out
+
+
+@dataclass(eq=False, kw_only=True)
+class ShardBucketSpec(CollectiveSpec):
+    """A bucket of sharded parameters gathered, or of their gradients reduce-scattered,
+    by one collective (the compiled path's form of :func:`shard_gather` and
+    :func:`shard_reduce`). ``shards`` are the parameters' specs, in bucket order."""
+
+    shards: tuple[ShardSpec, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return sum(s.local_numel for s in self.shards)
+
+    def finish(self, buffer: torch.Tensor) -> None:
+        """Wait for the collective; a reduce-scatter of hybrid sharding then averages the
+        shards across the replicas (blocking, on the replicate dimension's group)."""
+        CollectiveSpec.finish(self, buffer)
+        first = self.shards[0]
+        if (self.step.kind == "reduce_scatter" and first.replicate_group is not None
+                and first.replicate_size > 1):
+            collectives.all_reduce(buffer, group=first.replicate_group)
+            buffer.mul_(1.0 / first.replicate_size)
+
+
 def _alone(t: torch.Tensor) -> bool:
     """No tensor but ``t`` itself uses its memory (no view of it is alive anywhere)."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -202,6 +314,11 @@ _lib.define("all_gather(Tensor x, int handle) -> Tensor")
 _lib.define("reduce_scatter(Tensor x, int handle) -> Tensor")
 _lib.define("all_to_all(Tensor x, int handle) -> Tensor")
 _lib.define("local_redistribute(Tensor x, int handle) -> Tensor")
+_lib.define("shard_gather(Tensor shard, int handle) -> Tensor")
+_lib.define("shard_reduce(Tensor grad, int handle) -> Tensor")
+_lib.define("bucket_all_gather(Tensor[] shards, int handle) -> Tensor")
+_lib.define("unpack_gathered(Tensor flat, int handle) -> Tensor[]")
+_lib.define("bucket_reduce_scatter(Tensor[] grads, int handle) -> Tensor")
 
 
 def _bucket_all_reduce(grads: list[torch.Tensor], handle: int) -> torch.Tensor:
@@ -287,6 +404,121 @@ def _local_redistribute(x: torch.Tensor, handle: int) -> torch.Tensor:
     return table.simulate(s.step, [x] * s.size)[0]  # "scale": the same factor on every rank
 
 
+def _shard_gather(shard: torch.Tensor, handle: int) -> torch.Tensor:
+    """The whole parameter from every rank's shard, in ``param_dtype``: one blocking
+    all-gather (the eager form; compiled graphs bucket and overlap it instead)."""
+    s: ShardSpec = lookup(handle)
+    src = shard.detach().to(s.gather_dtype).contiguous()
+    if not s.live:  # a simulated mesh: every rank is taken to hold this shard
+        return s.whole(torch.cat([src] * s.size)).clone()
+    from spmd.runtime.collectives import all_gather_into_tensor
+
+    out = src.new_empty((s.size * s.rows, *src.shape[1:]))
+    all_gather_into_tensor(out, src, group=s.group)
+    return s.whole(out)
+
+
+def _shard_reduce(grad: torch.Tensor, handle: int) -> torch.Tensor:
+    """This rank's shard of the gradient averaged over every rank's batch: one blocking
+    reduce-scatter in ``reduce_dtype`` (and an all-reduce across replicas for hybrid
+    sharding), returned in the parameter's dtype."""
+    s: ShardSpec = lookup(handle)
+    wire = s.reduce_dtype or grad.dtype
+    padded = s.padded(grad.detach(), wire)
+    if not s.live:
+        out = padded[:s.rows].clone()
+    else:
+        from spmd.runtime.collectives import reduce_scatter_tensor
+
+        out = padded.new_empty(s.local_shape)
+        reduce_scatter_tensor(out, padded.mul(1.0 / s.size), group=s.group)
+    if s.replicate_group is not None and s.replicate_size > 1:
+        collectives.all_reduce(out, group=s.replicate_group)
+        out.mul_(1.0 / s.replicate_size)
+    return out.to(s.dtype)
+
+
+def _bucket_all_gather(shards: list[torch.Tensor], handle: int) -> torch.Tensor:
+    """Start one all-gather of a bucket of shards: each rank's shards packed into one flat
+    buffer (cast to ``param_dtype`` on the way); the result is ``size`` such buffers."""
+    s: ShardBucketSpec = lookup(handle)
+    dtype = s.shards[0].gather_dtype
+    flat = pack_planned(shards, 1.0, dtype)
+    if not s.live:
+        return flat.repeat(s.size)
+    from spmd.runtime.collectives import all_gather_into_tensor
+
+    out = flat.new_empty(s.size * flat.numel())
+    issued = time.perf_counter()
+    s.started(out, all_gather_into_tensor(out, flat, group=s.group, async_op=True), issued)
+    return out
+
+
+def _unpack_gathered(flat: torch.Tensor, handle: int) -> list[torch.Tensor]:
+    """The whole parameters out of a gathered bucket: rank r's rows of parameter i sit at
+    ``[r, offset_i : offset_i + n_i]`` of the ``(size, total)`` buffer."""
+    s: ShardBucketSpec = lookup(handle)
+    grid = flat.view(s.size, s.total)
+    out, offset = [], 0
+    for shard in s.shards:
+        n = shard.local_numel
+        rows = grid[:, offset:offset + n].reshape(s.size * shard.rows, *shard.shape[1:])
+        out.append(shard.whole(rows))
+        offset += n
+    return out
+
+
+def _bucket_reduce_scatter(grads: list[torch.Tensor], handle: int) -> torch.Tensor:
+    """Start one reduce-scatter of a bucket of gradients: each laid out so rank r's rows
+    of every parameter are contiguous (``(size, total)``), padded, pre-divided by the
+    number of ranks and cast to the wire dtype in the same copy."""
+    s: ShardBucketSpec = lookup(handle)
+    wire = s.wire_dtype or grads[0].dtype
+    if not s.live:  # every rank is taken to hold these gradients: the average is them
+        pieces = [sh.padded(g, wire)[:sh.rows].reshape(-1) for sh, g in zip(s.shards, grads)]
+        return torch.cat(pieces)
+    grid = torch.empty((s.size, s.total), dtype=wire, device=grads[0].device)
+    offset = 0
+    for shard, g in zip(s.shards, grads):
+        n = shard.local_numel
+        grid[:, offset:offset + n].view(s.size, shard.rows, -1).copy_(
+            shard.padded(g, g.dtype).view(s.size, shard.rows, -1))
+        offset += n
+    grid.mul_(1.0 / s.size)
+    from spmd.runtime.collectives import reduce_scatter_tensor
+
+    out = grid.new_empty(s.total)
+    issued = time.perf_counter()
+    s.started(out, reduce_scatter_tensor(out, grid.view(-1), group=s.group, async_op=True),
+              issued)
+    return out
+
+
+def _fake_shard_gather(shard: torch.Tensor, handle: int) -> torch.Tensor:
+    s: ShardSpec = lookup(handle)
+    return shard.new_empty(s.shape, dtype=s.gather_dtype)
+
+
+def _fake_shard_reduce(grad: torch.Tensor, handle: int) -> torch.Tensor:
+    s: ShardSpec = lookup(handle)
+    return grad.new_empty(s.local_shape, dtype=s.dtype)
+
+
+def _fake_bucket_all_gather(shards: list[torch.Tensor], handle: int) -> torch.Tensor:
+    s: ShardBucketSpec = lookup(handle)
+    return shards[0].new_empty((s.size * s.total,), dtype=s.shards[0].gather_dtype)
+
+
+def _fake_unpack_gathered(flat: torch.Tensor, handle: int) -> list[torch.Tensor]:
+    s: ShardBucketSpec = lookup(handle)
+    return [flat.new_empty(sh.shape) for sh in s.shards]
+
+
+def _fake_bucket_reduce_scatter(grads: list[torch.Tensor], handle: int) -> torch.Tensor:
+    s: ShardBucketSpec = lookup(handle)
+    return grads[0].new_empty((s.total,), dtype=s.wire_dtype or grads[0].dtype)
+
+
 def _fake_bucket_all_reduce(grads: list[torch.Tensor], handle: int) -> torch.Tensor:
     s: CollectiveSpec = lookup(handle)
     numel = sum(g.numel() for g in grads)
@@ -336,6 +568,11 @@ _KERNELS = {  # op name -> (Python implementation, fake kernel)
     "reduce_scatter": (_reduce_scatter, _fake_reduce_scatter),
     "all_to_all": (_all_to_all, _fake_all_to_all),
     "local_redistribute": (_local_redistribute, _fake_local_redistribute),
+    "shard_gather": (_shard_gather, _fake_shard_gather),
+    "shard_reduce": (_shard_reduce, _fake_shard_reduce),
+    "bucket_all_gather": (_bucket_all_gather, _fake_bucket_all_gather),
+    "unpack_gathered": (_unpack_gathered, _fake_unpack_gathered),
+    "bucket_reduce_scatter": (_bucket_reduce_scatter, _fake_bucket_reduce_scatter),
 }
 for _name, (_impl, _fake) in _KERNELS.items():
     _lib.impl(_name, _impl, "CompositeExplicitAutograd")
@@ -348,9 +585,30 @@ all_gather = torch.ops.spmd.all_gather.default
 reduce_scatter = torch.ops.spmd.reduce_scatter.default
 all_to_all = torch.ops.spmd.all_to_all.default
 local_redistribute = torch.ops.spmd.local_redistribute.default
+shard_gather = torch.ops.spmd.shard_gather.default
+shard_reduce = torch.ops.spmd.shard_reduce.default
+bucket_all_gather = torch.ops.spmd.bucket_all_gather.default
+unpack_gathered = torch.ops.spmd.unpack_gathered.default
+bucket_reduce_scatter = torch.ops.spmd.bucket_reduce_scatter.default
+
+
+def _gather_context(ctx: Any, inputs: tuple, output: Any) -> None:
+    ctx.handle = inputs[1]
+
+
+def _gather_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return shard_reduce(grad, ctx.handle), None
+
+
+# a sharded parameter's gradient leaves its gather as the reduce-scatter of its gradient:
+# autograd (eager) and AOTAutograd (compiled) both see the pair
+torch.library.register_autograd("spmd::shard_gather", _gather_backward,
+                                setup_context=_gather_context, lib=_lib)
 
 COLLECTIVE_OPS = {"all_reduce": bucket_all_reduce, "all_gather": all_gather,
                   "reduce_scatter": reduce_scatter, "all_to_all": all_to_all}
+# the bucketed parameter collectives of sharded strategies
+SHARD_OPS = {"all_gather": bucket_all_gather, "reduce_scatter": bucket_reduce_scatter}
 WAIT_OPS = (wait, wait_cast)
 _OPS = {getattr(torch.ops.spmd, name).default: kernels for name, kernels in _KERNELS.items()}
 FAKES = {op: fake for op, (_, fake) in _OPS.items()}

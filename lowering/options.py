@@ -10,7 +10,7 @@ import torch
 
 __all__ = ["Options", "STRATEGIES"]
 
-STRATEGIES = ("ddp",)
+STRATEGIES = ("ddp", "fsdp", "hsdp")  # spmd.lowering.strategy implements them
 _WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -20,7 +20,16 @@ class Options:
 
     Attributes:
         strategy: ``"ddp"``: parameters replicated, batch sharded along dim 0,
-            gradients averaged.
+            gradients averaged. ``"fsdp"``: parameters, gradients (and so optimizer
+            state) stored as dim-0 shards, gathered where used. ``"hsdp"``: ``fsdp``
+            within the ``"fsdp"`` mesh dimension, replicated across ``"dp"``.
+        reshard_after_forward: (sharded strategies) free the gathered parameters after
+            the forward and gather them again in backward (True, ZeRO-3), or keep the
+            forward's copies for backward (False: less communication, more memory).
+        param_dtype: (sharded strategies) the dtype parameters are gathered and computed
+            in (mixed precision, e.g. ``torch.bfloat16``); floating inputs of the model
+            are cast to it. The shards, their gradients and the optimizer stay in the
+            parameters' own dtype. None: the parameters' dtype.
         bucket_cap_mb: the most gradient bytes (MiB) per all-reduce; None lets the cost
             model choose; 0 turns bucketing off (one all-reduce per parameter).
             Environment: ``SPMD_BUCKET_CAP_MB``.
@@ -38,6 +47,8 @@ class Options:
     """
 
     strategy: str = "ddp"
+    reshard_after_forward: bool = True
+    param_dtype: torch.dtype | None = None
     bucket_cap_mb: float | None = None
     overlap: bool = True
     reduce_dtype: torch.dtype | None = None
@@ -76,7 +87,7 @@ class Options:
             if cap < 0 or cap != cap:
                 raise ValueError(f"{where}: bucket_cap_mb must be >= 0 (0 turns bucketing off), "
                                  f"got {cap}")
-        for name in ("overlap", "broadcast_buffers", "calibrate"):
+        for name in ("overlap", "broadcast_buffers", "calibrate", "reshard_after_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{where}: {name} must be a bool, got "
                                 f"{type(getattr(self, name)).__name__}")
@@ -90,6 +101,25 @@ class Options:
             if self.reduce_dtype not in _WIRE_DTYPES:
                 raise ValueError(f"{where}: reduce_dtype must be a floating dtype, got "
                                  f"{self.reduce_dtype}")
+
+        if self.param_dtype is not None:
+            if not isinstance(self.param_dtype, torch.dtype):
+                raise TypeError(f"{where}: param_dtype must be a torch.dtype or None, got "
+                                f"{type(self.param_dtype).__name__}")
+            if not self.param_dtype.is_floating_point:
+                raise ValueError(f"{where}: param_dtype must be a floating dtype, got "
+                                 f"{self.param_dtype}")
+            if self.strategy == "ddp":
+                raise ValueError(f"{where}: param_dtype applies to the sharded strategies "
+                                 f"('fsdp', 'hsdp'), which gather parameters in it; with "
+                                 f"'ddp', convert the model (model.to(dtype)) instead")
+        if not self.reshard_after_forward and self.strategy == "ddp":
+            raise ValueError(f"{where}: reshard_after_forward=False applies to the sharded "
+                             f"strategies ('fsdp', 'hsdp'); 'ddp' never reshards")
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy in ("fsdp", "hsdp")
 
     @property
     def bucket_cap_bytes(self) -> int | None:

@@ -55,7 +55,7 @@ def _rule(node: fx.Node, ctx: LoweringContext) -> Sharding:
     placements: list[Placement] = []
     for index, dim in enumerate(strategy.mesh.dim_names):
         incoming = [s.placements[index] for s in specs]
-        if dim == strategy.data_dim:
+        if dim in strategy.data_dims:
             local = _is_random(node) or any(not p.is_replicate() for p in incoming)
             placements.append(Varying() if local else Replicate())
         elif all(p.is_replicate() for p in incoming):

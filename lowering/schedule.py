@@ -7,6 +7,14 @@ collective moves right after the last of its inputs to be computed, and its wait
 the unpacking behind it, moves right before the first node that reads the result, so
 everything in between overlaps with communication. Switched off (``overlap=False``
 runs the pipeline without it), the synchronous graph stays.
+
+Sharded parameters change two things. Their all-gathers' inputs are graph inputs, so
+"as early as possible" would gather the whole model at the start; instead each bucket's
+all-gather is issued right before the previous bucket's wait (prefetch, one bucket
+ahead: the next layers' parameters travel while this layer computes), and the first
+where its inputs allow. Their gradients' reduce-scatters hold a whole gradient bucket
+until they finish, so each is waited on right before the next one is issued: one in
+flight, overlapping the compute between them.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from spmd.lowering.context import LoweringContext
+from spmd.lowering import ops
 from spmd.lowering.graph import collective_nodes
 
 __all__ = ["schedule", "check_schedule"]
@@ -49,8 +58,32 @@ def schedule(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
         anchor = min(outside, key=order.__getitem__) if outside else graph.output_node()
         for node in chain:
             anchor.prepend(node)
+    _prefetch_gathers(graph)
+    _one_scatter_in_flight(graph)
     check_schedule(gm)
     return gm
+
+
+def _wait_of(graph: fx.Graph, collective: fx.Node) -> fx.Node:
+    return next(n for n in _chain(graph, collective) if n.meta["spmd_role"].kind == "wait")
+
+
+def _prefetch_gathers(graph: fx.Graph) -> None:
+    gathers = [n for n in graph.nodes if n.target is ops.bucket_all_gather]
+    order = _order(graph)
+    gathers.sort(key=lambda c: order[_wait_of(graph, c)])
+    for previous, coll in zip(gathers, gathers[1:]):
+        _wait_of(graph, previous).prepend(coll)
+
+
+def _one_scatter_in_flight(graph: fx.Graph) -> None:
+    scatters = [n for n in graph.nodes if n.target is ops.bucket_reduce_scatter]
+    for coll, following in zip(scatters, scatters[1:]):
+        order = _order(graph)
+        chain = _chain(graph, coll)
+        if order[chain[0]] > order[following]:
+            for node in chain:
+                following.prepend(node)
 
 
 def check_schedule(gm: fx.GraphModule) -> None:

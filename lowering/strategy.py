@@ -9,6 +9,15 @@ the collectives, the buckets) is derived by the passes.
   batch is ``Shard(0)``, parameters and buffers ``Replicate()``; the model runs per rank
   (DDP's semantics) and each parameter's gradient, ``Partial("avg")``, must become
   ``Replicate()``.
+- ``fsdp`` (ZeRO-3): on one dimension (named ``"fsdp"`` or ``"dp"``, or the mesh's only
+  one) the batch is ``Shard(0)`` and so is every parameter: each rank stores one piece
+  of dim 0. A use of a parameter reads it gathered (``Shard(0) -> Replicate()``, an
+  all-gather); its gradient, ``Partial("avg")``, leaves as its shard
+  (``Partial("avg") -> Shard(0)``, a reduce-scatter).
+- ``hsdp``: ``fsdp`` along the ``"fsdp"`` dimension, replicated along ``"dp"`` (a 2-D
+  mesh; without those names, its first dimension replicates and its second shards). The
+  batch is split along both; gradients are reduce-scattered along ``"fsdp"`` and the
+  shards averaged along ``"dp"``.
 
 A mesh dimension no strategy uses is refused when larger than 1, naming it: its ranks
 would each repeat the same work, which is never what the user meant.
@@ -22,56 +31,116 @@ from spmd.lowering.state import InputInfo
 from spmd.lowering.placements import Partial, Shard, Sharding
 from spmd.runtime.mesh import Mesh
 
-__all__ = ["Strategy", "resolve_strategy"]
+__all__ = ["Strategy", "resolve_strategy", "STRATEGIES"]
+
+STRATEGIES = ("ddp", "fsdp", "hsdp")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Strategy:
-    """A strategy bound to a mesh: which dimension it uses, and the placements it implies."""
+    """A strategy bound to a mesh: which dimensions it uses, and the placements it implies.
+
+    Attributes:
+        name: ``"ddp"``, ``"fsdp"`` or ``"hsdp"``.
+        mesh: the mesh it runs on.
+        data_dim: the dimension whose group plans are agreed on (the batch's for ``ddp``
+            and ``fsdp``, the sharding one for ``hsdp``).
+        data_dims: every dimension the batch is split along.
+        shard_dim: the dimension parameters are sharded along (None: replicated).
+        replicate_dim: ``hsdp``'s dimension across which shards are replicated.
+    """
 
     name: str
     mesh: Mesh
-    data_dim: str  # the dimension the batch is split along
+    data_dim: str
+    data_dims: tuple[str, ...] = ()
+    shard_dim: str | None = None
+    replicate_dim: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.data_dims:
+            object.__setattr__(self, "data_dims", (self.data_dim,))
 
     @property
     def data_size(self) -> int:
-        return self.mesh.size(self.data_dim)
+        """Ranks the batch is split over (the product along every data dimension)."""
+        n = 1
+        for dim in self.data_dims:
+            n *= self.mesh.size(dim)
+        return n
+
+    @property
+    def shards_parameters(self) -> bool:
+        return self.shard_dim is not None
 
     def input_sharding(self, info: InputInfo) -> Sharding:
-        """Where a graph input lives: data ``Shard(0)`` on the data dimension, everything
-        else ``Replicate()``."""
+        """Where a graph input lives: data ``Shard(0)`` on the data dimensions, parameters
+        ``Shard(0)`` on the sharding dimension (if any), everything else ``Replicate()``."""
         if info.kind == "data":
-            return Sharding.on(self.mesh, {self.data_dim: Shard(0)})
+            return Sharding.on(self.mesh, {d: Shard(0) for d in self.data_dims})
+        if info.kind == "param" and self.shard_dim is not None:
+            return self.parameter_sharding()
         return Sharding.replicated(self.mesh)
 
+    def parameter_sharding(self) -> Sharding:
+        """Where a parameter lives (its shard, for the sharded strategies)."""
+        if self.shard_dim is None:
+            return Sharding.replicated(self.mesh)
+        return Sharding.on(self.mesh, {self.shard_dim: Shard(0)})
+
     def local_gradient(self, param: str) -> Sharding:
-        """Each rank's gradient of a parameter, computed on its own shard of the batch:
-        ``Partial("avg")`` on the data dimension (the average over ranks is the gradient of
-        the whole batch's mean loss); ``Replicate()`` when the dimension has one rank."""
+        """Each rank's gradient of a parameter as the graph leaves it.
+
+        ``ddp``: computed on this rank's shard of the batch, ``Partial("avg")`` on the
+        data dimension (the average over ranks is the gradient of the whole batch's mean
+        loss); ``Replicate()`` when the dimension has one rank. Sharded strategies: the
+        graph's gradient is already the reduce-scattered shard that the parameter's
+        gather produced in backward, where the parameter lives.
+        """
+        if self.shard_dim is not None:
+            return self.parameter_sharding()
         if self.data_size == 1:
             return Sharding.replicated(self.mesh)
         return Sharding.on(self.mesh, {self.data_dim: Partial("avg")})
 
     def gradient_target(self, param: str) -> Sharding:
         """Where a parameter's gradient must end up: where the parameter lives."""
-        return Sharding.replicated(self.mesh)
+        return self.parameter_sharding()
+
+
+def _pick(mesh: Mesh, names: tuple[str, ...]) -> str | None:
+    return next((n for n in names if n in mesh.dim_names), None)
 
 
 def resolve_strategy(name: str, mesh: Mesh, where: str) -> Strategy:
     """The strategy ``name`` on ``mesh``; ``ValueError`` naming a dimension it cannot use."""
-    if name != "ddp":
-        raise ValueError(f"{where}: strategy {name!r} is not supported; expected 'ddp'")
-    if "dp" in mesh.dim_names:
-        data_dim = "dp"
-    elif mesh.ndim == 1:
+    if name not in STRATEGIES:
+        raise ValueError(f"{where}: strategy {name!r} is not supported; expected one of "
+                         f"{', '.join(STRATEGIES)}")
+    if name == "hsdp":
+        if mesh.ndim != 2:
+            raise ValueError(f"{where}: strategy 'hsdp' needs a 2-D mesh (replicate x shard, "
+                             f"e.g. Mesh((2, 4), dim_names=('dp', 'fsdp'))); got {mesh}")
+        if "fsdp" in mesh.dim_names:
+            shard = "fsdp"
+            replicate = next(d for d in mesh.dim_names if d != "fsdp")
+        else:
+            replicate, shard = mesh.dim_names
+        return Strategy(name=name, mesh=mesh, data_dim=shard, data_dims=(replicate, shard),
+                        shard_dim=shard, replicate_dim=replicate)
+    preferred = ("dp",) if name == "ddp" else ("fsdp", "dp")
+    data_dim = _pick(mesh, preferred)
+    if data_dim is None:
+        if mesh.ndim != 1:
+            raise ValueError(f"{where}: strategy {name!r} splits the batch along a mesh "
+                             f"dimension named {' or '.join(map(repr, preferred))}; mesh "
+                             f"{mesh} has none")
         data_dim = mesh.dim_names[0]
-    else:
-        raise ValueError(f"{where}: strategy 'ddp' splits the batch along a mesh dimension "
-                         f"named 'dp'; mesh {mesh} has none")
     for dim, size in zip(mesh.dim_names, mesh.shape):
         if dim != data_dim and size > 1:
             raise ValueError(
                 f"{where}: mesh dimension {dim!r} (size {size}) is not used by strategy "
                 f"{name!r}, which places everything on {data_dim!r}; its {size} ranks would "
                 f"repeat the same work. Pass a mesh without it (or of size 1 there)")
-    return Strategy(name=name, mesh=mesh, data_dim=data_dim)
+    return Strategy(name=name, mesh=mesh, data_dim=data_dim,
+                    shard_dim=data_dim if name == "fsdp" else None)

@@ -49,11 +49,22 @@ def _parallelize_class(cls: type, options: Options, mesh: Mesh | None) -> type:
     return new_cls
 
 
+def _refuse_sharded_step(options: Options, where: str) -> None:
+    if options.sharded:
+        raise ValueError(
+            f"{where}: strategy {options.strategy!r} on a whole training-step function is not "
+            f"supported yet (the step's fused optimizer would need the shards); parallelize "
+            f"the model instead, spmd.parallelize(model, strategy={options.strategy!r}), and "
+            f"keep the step eager")
+
+
 def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "ddp",
+                reshard_after_forward: bool = True, param_dtype: Any = None,
                 bucket_cap_mb: float | None = None, overlap: bool = True,
                 reduce_dtype: Any = None, broadcast_buffers: bool = True,
                 compile_compute: bool | None = None, calibrate: bool = False) -> Any:
-    """Data-parallel training, planned by a compiler: capture, bucket, overlap, run.
+    """Data parallelism and parameter sharding, planned by a compiler: capture, bucket,
+    overlap, run.
 
     Args:
         obj: an ``nn.Module`` instance (parallelized in place and returned), an
@@ -65,11 +76,21 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
             nothing). On a mesh of several dimensions the strategy says which it uses;
             another dimension larger than 1 is refused, naming it.
         strategy: ``"ddp"``: parameters replicated, batch sharded along the ``"dp"``
-            dimension (or the mesh's only one), gradients averaged.
+            dimension (or the mesh's only one), gradients averaged. ``"fsdp"`` (ZeRO-3):
+            every parameter stored as its dim-0 shard along the ``"fsdp"`` (or ``"dp"``,
+            or only) dimension, so its gradient and optimizer state are too; the
+            compiler gathers parameters (bucketed, one bucket ahead) where they are used
+            and reduce-scatters their gradients. ``"hsdp"``: ``fsdp`` along ``"fsdp"``,
+            replicated along ``"dp"`` of a 2-D mesh.
+        reshard_after_forward: (``fsdp``/``hsdp``) free gathered parameters after the
+            forward and gather them again in backward (True), or keep them (False).
+        param_dtype: (``fsdp``/``hsdp``) gather and compute in this dtype (mixed
+            precision); the shards, gradients and optimizer stay in the parameters'.
         bucket_cap_mb: gradient bytes per all-reduce (MiB); None: the cost model decides;
             0: one all-reduce per parameter.
         overlap: start each bucket's all-reduce as soon as its gradients exist.
-        reduce_dtype: dtype of gradients on the wire (e.g. ``torch.bfloat16``).
+        reduce_dtype: dtype of gradients on the wire (e.g. ``torch.bfloat16``; for
+            ``fsdp`` with ``param_dtype``, e.g. ``torch.float32`` to reduce exactly).
         broadcast_buffers: broadcast buffers from rank 0 before each training forward.
         compile_compute: Inductor for the graphs' compute (True), generated Python (False),
             or the planner's choice (None).
@@ -86,7 +107,8 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         print(spmd.inspect(model))
     """
     options = Options.from_kwargs(
-        "parallelize", strategy=strategy, bucket_cap_mb=bucket_cap_mb, overlap=overlap,
+        "parallelize", strategy=strategy, reshard_after_forward=reshard_after_forward,
+        param_dtype=param_dtype, bucket_cap_mb=bucket_cap_mb, overlap=overlap,
         reduce_dtype=reduce_dtype, broadcast_buffers=broadcast_buffers,
         compile_compute=compile_compute, calibrate=calibrate)
     if mesh is not None:
@@ -105,6 +127,7 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         if callable(target):
             from spmd.step import ParallelStep
 
+            _refuse_sharded_step(options, "parallelize")
             return ParallelStep(target, options, mesh)
         raise TypeError(f"parallelize: expected an nn.Module, an nn.Module subclass or a "
                         f"training-step function, got {type(target).__name__}")

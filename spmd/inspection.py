@@ -78,8 +78,10 @@ def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: 
         sum(t.float().sum() for t in leaves).backward()
         return model._spmd.plan()
     if callable(obj):
+        from spmd.api import _refuse_sharded_step
         from spmd.step import ParallelStep
 
+        _refuse_sharded_step(opts, "spmd.inspect")
         fn = obj.fn if isinstance(obj, ParallelStep) else obj
         step = ParallelStep(fn, opts, planning)
         return step.plan_for(*example_inputs)

@@ -33,7 +33,7 @@ import spmd.kernels as kernels
 from spmd.lowering.capture import Capture, GraphRecord, time_forward
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import collective_nodes
-from spmd.lowering.ops import Handles, SyncState
+from spmd.lowering.ops import Handles, ShardSpec, SyncState
 from spmd.lowering.options import Options
 from spmd.plan import Fallback, Plan, plan_from_records
 from spmd.reducer import EagerReducer, broadcast_coalesced
@@ -61,12 +61,22 @@ class ModuleState:
         self.index = setup.index  # the how-many-th parallelized model of this rank
         self.sync = SyncState()
         self.handles = Handles()  # the specs this model's graphs refer to
+        # fsdp/hsdp: every parameter becomes its shard; ddp: none does
+        self.shards: dict[str, ShardSpec] = {}
+        self.sharded = setup.strategy.shards_parameters
+        if self.sharded:
+            from spmd.sharded import install_state_dict_hooks, shard_module
+
+            self.shards = shard_module(module, self._shard_spec,
+                                       setup.strategy.parameter_sharding(), self.handles)
+            install_state_dict_hooks(module, self.shards)
         self.params = dict(module.named_parameters())
         self.buffers = dict(module.named_buffers())
         names = {id(p): ("param", n) for n, p in self.params.items()}
         names.update({id(b): ("buffer", n) for n, b in self.buffers.items()})
         self.records: list[GraphRecord] = []  # one per captured region
-        self.capture = Capture(names, self, options.compile_compute)
+        self.capture = Capture(names, self, options.compile_compute,
+                               reshard=self.sharded and options.reshard_after_forward)
         self.reducer = EagerReducer(self.group, self.world_size,
                                     options.bucket_cap_bytes or cost_model.bucket_bytes(
                                         sum(p.numel() * p.element_size()
@@ -84,6 +94,25 @@ class ModuleState:
         self.discovery = DISCOVERY_STEPS  # steps left with a hook on every parameter
         self._hooks: dict[str, Any] = {}
         self._hook_all()
+
+    def _shard_spec(self, name: str, param: torch.Tensor) -> ShardSpec:
+        """How ``param`` is cut: along dim 0 over the strategy's sharding dimension, each
+        rank ``ceil(rows / size)`` rows (a 0-dim parameter is one row)."""
+        strategy, options = self.setup.strategy, self.options
+        mesh = strategy.mesh
+        dim, replicate = strategy.shard_dim, strategy.replicate_dim
+        size = mesh.size(dim)
+        rows = param.shape[0] if param.dim() else 1
+        floating = param.is_floating_point()
+        return ShardSpec(
+            param=name, shape=tuple(param.shape), dtype=param.dtype, rows=-(-rows // size),
+            group=None if mesh.simulated else mesh.get_group(dim), size=size, mesh_dim=dim,
+            replicate_group=(None if mesh.simulated or replicate is None
+                             else mesh.get_group(replicate)),
+            replicate_size=mesh.size(replicate) if replicate else 1,
+            replicate_dim=replicate or "",
+            param_dtype=options.param_dtype if floating else None,
+            reduce_dtype=options.reduce_dtype if floating else None)
 
     # -- planning ---------------------------------------------------------------------
 
@@ -162,6 +191,17 @@ class ModuleState:
                 backward = 2.0 * record.forward_seconds
             plan.compute[record.name] = ((backward or 0.0) / 2.0, backward or 0.0)
         plan.measured = self.measured
+        seen: set[int] = set()
+        for name, param in self.params.items():  # named_parameters(): tied ones once
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            local = param.numel() * param.element_size()
+            spec = self.shards.get(name)
+            whole = local if spec is None else _numel(spec.shape) * param.element_size()
+            plan.parameters[name] = (local, whole, param.requires_grad)
+        plan.buffer_bytes = sum(b.numel() * b.element_size() for b in self.buffers.values())
+        plan.sharded = sorted(self.shards)
         return plan
 
     # -- profiling --------------------------------------------------------------------
@@ -180,8 +220,9 @@ class ModuleState:
     # -- the eager safety net ---------------------------------------------------------
 
     def _hook_all(self) -> None:
-        if not self.communicates:
-            return  # nothing to average: one rank, or a simulated mesh
+        if not self.communicates or self.sharded:
+            return  # nothing to average: one rank, a simulated mesh, or shards (their
+            # gathers' backward reduce-scatters them, in a graph or eagerly)
         for name, param in self.params.items():
             if param.requires_grad and name not in self._hooks:
                 self._hooks[name] = param.register_hook(functools.partial(self._on_grad, name))
@@ -243,7 +284,16 @@ class ModuleState:
 
     def forward(self, module: nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:
         training = module.training and torch.is_grad_enabled()
-        if training:
+        if self.options.param_dtype is not None:  # mixed precision: inputs as parameters
+            args, kwargs = _cast_floating((args, kwargs), self.options.param_dtype)
+        if training and self.sharded:
+            # gradients leave as their shards' reduce-scatters, under no_sync() too (the
+            # sum of averages is the average of the sums); only buffers need syncing
+            if self.profiler is not None:
+                self.profiler.begin_step()
+            if self.options.broadcast_buffers and self.buffers and self.communicates:
+                self._broadcast_buffers()
+        elif training:
             self.sync.begin_step()
             if self.profiler is not None:
                 self.profiler.begin_step()
@@ -284,10 +334,26 @@ class ModuleState:
                 self.capture_failed = reason
                 self.discovery = 1 << 30  # keep every hook: nothing is reduced in a graph
                 self._hook_all()
+        reason = self.capture_failed
+        if self.sharded:
+            reason += ("; its parameters are gathered and their gradients reduce-scattered "
+                       "eagerly (blocking, one collective per parameter use)")
         for name in self.params:
             if self.params[name].requires_grad:
-                self.fallbacks.setdefault(name, self.capture_failed)
+                self.fallbacks.setdefault(name, reason)
         return original(module, *args, **kwargs)
+
+    def _broadcast_buffers(self) -> None:
+        """Buffers from the mesh's first rank to every rank (along each data dimension
+        in turn when the batch is split along several)."""
+        strategy = self.setup.strategy
+        if len(strategy.data_dims) == 1:
+            broadcast_coalesced(self.buffers.values(), self.group.ranks[0], self.group)
+            return
+        for dim in reversed(strategy.data_dims):
+            group = strategy.mesh.get_group(dim)
+            if group.size() > 1:
+                broadcast_coalesced(self.buffers.values(), group.ranks[0], group)
 
     def _reduce_accumulated(self) -> None:
         """Gradients summed locally under no_sync() join this step's averaging."""
@@ -306,6 +372,20 @@ class ModuleState:
             yield
         finally:
             self.sync.enabled = previous
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
 
 
 def _on_first_gradient(out: Any, callback: Any) -> None:
@@ -346,8 +426,27 @@ class DataParallel:
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Skip gradient averaging in this context (gradient accumulation), as DDP does:
-        the next backward outside it averages everything accumulated."""
+        the next backward outside it averages everything accumulated. Sharded strategies
+        reduce-scatter every backward anyway (a gradient must stay a shard); the
+        accumulated result is the same."""
         return self._spmd.no_sync()  # type: ignore[attr-defined]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients by the norm of the whole gradient, as
+        ``torch.nn.utils.clip_grad_norm_`` does on one process; the total norm.
+
+        With ``fsdp``/``hsdp`` each rank holds shards of the gradients, whose local norm
+        is not the norm: this sums the ranks' parts first (torch's function on
+        ``model.parameters()`` would clip each rank by its own part). Every rank must
+        call it."""
+        from spmd.sharded import clip_grad_norm_
+
+        state: ModuleState = self._spmd  # type: ignore[attr-defined]
+        group = None
+        if state.sharded and state.communicates:
+            group = state.setup.strategy.mesh.get_group(state.setup.strategy.shard_dim)
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type,  # type: ignore
+                               group)
 
 
 _SUBCLASSES: dict[type, type] = {}

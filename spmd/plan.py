@@ -38,6 +38,8 @@ class Bucket:
     kernel: str  # "triton" or "torch": what packs and unpacks it
     predicted_seconds: float
     collective: str
+    kind: str = "all_reduce"  # the collective's kind
+    phase: str = "backward"  # the graph it runs in: "forward" or "backward"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,6 +57,7 @@ class Collective:
     predicted_seconds: float
     mesh_dim: str = ""
     placements: str = ""  # "Partial('avg') -> Replicate()"
+    phase: str = "backward"  # the graph it runs in: "forward" or "backward"
 
     def __repr__(self) -> str:
         return (f"Collective({self.kind} {self.name} in {self.graph}, {self.bytes} B on group "
@@ -87,24 +90,46 @@ class Plan:
     compute_paths: dict[str, str] = field(default_factory=dict)  # graph -> how its compute runs
     optimizer: dict[str, str] = field(default_factory=dict)  # step graph -> fused or why not
     mesh: Any = None  # the mesh planned for (``spmd.Mesh``, live or simulated)
+    # parameter -> (bytes this rank stores, bytes whole, trainable); tied ones once
+    parameters: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
+    buffer_bytes: int = 0
+    sharded: list[str] = field(default_factory=list)  # parameters stored as shards
     measured: Any = None  # a measured Timeline, after spmd.profile
 
     def fingerprint(self) -> str:
         """A hash of the decisions every rank must share (bucket layout and collectives)."""
         h = hashlib.sha256()
         for b in self.buckets:
-            h.update(repr((b.graph, b.params, str(b.dtype), str(b.wire_dtype), b.numel)).encode())
+            h.update(repr((b.graph, b.kind, b.phase, b.params, str(b.dtype), str(b.wire_dtype),
+                           b.numel)).encode())
         return h.hexdigest()[:16]
+
+    def memory(self, optimizer: str | None = "adamw") -> Any:
+        """Predicted memory per rank (:class:`spmd.memory.MemoryView`): parameters,
+        gradients and ``optimizer``'s state (``"adamw"``, ``"adam"``, ``"sgd_momentum"``,
+        ``"sgd"`` or None) as this rank stores them, the forward's saved activations, the
+        most parameter bytes held gathered at once, and the predicted peak with the node
+        where it happens."""
+        from spmd.memory import memory_view
+
+        return memory_view(self, optimizer)
 
     def predicted_communication_seconds(self) -> float:
         return sum(c.predicted_seconds for c in self.collectives)
 
     def summary(self) -> str:
         regions = {name.rsplit(".", 1)[0] for name in self.graphs}
+        moved = {}
+        for b in self.buckets:
+            moved[b.kind] = moved.get(b.kind, 0) + b.bytes
+        per_kind = ", ".join(f"{v / 2**20:.2f} MiB {k.replace('_', '-')}"
+                             for k, v in moved.items()) or "nothing"
         lines = [f"Plan: {self.strategy} over {self.world_size} rank(s) (group {self.group!r}), "
                  f"{len(regions)} captured region(s), {len(self.buckets)} "
-                 f"bucket(s), {len(self.collectives)} collective(s), "
-                 f"{sum(b.bytes for b in self.buckets) / 2**20:.2f} MiB reduced per step"]
+                 f"bucket(s), {len(self.collectives)} collective(s); per step {per_kind}"]
+        if self.sharded:
+            lines.append(f"parameters stored as dim-0 shards: {len(self.sharded)} (every "
+                         f"parameter; 0-dim ones as one row)")
         lines.append(f"cost model: {self.cost_model.backend} α={self.cost_model.alpha * 1e6:.1f} µs "
                      f"β={self.cost_model.beta * 1e9:.3f} ns/B ({self.cost_model.source})")
         for name, path in self.compute_paths.items():
@@ -113,12 +138,14 @@ class Plan:
             lines.append(f"{name} optimizer: {how}")
         if self.buckets:
             lines.append("")
-            lines.append(f"{'bucket':>6}  {'graph':<8} {'params':>6}  {'dtype':<9} {'wire':<9} "
-                         f"{'numel':>10} {'bytes':>12} {'kernel':<6} {'pred µs':>9}  first params")
+            lines.append(f"{'bucket':>6}  {'graph':<8} {'kind':<14} {'params':>6}  {'dtype':<9} "
+                         f"{'wire':<9} {'numel':>10} {'bytes':>12} {'kernel':<6} {'pred µs':>9}  "
+                         f"first params")
             for b in self.buckets:
                 names = ", ".join(b.params[:3]) + (f" +{len(b.params) - 3}" if len(b.params) > 3
                                                    else "")
-                lines.append(f"{b.index:>6}  {b.graph:<8} {len(b.params):>6}  "
+                where = f"{b.kind} ({b.phase[0]})"
+                lines.append(f"{b.index:>6}  {b.graph:<8} {where:<14} {len(b.params):>6}  "
                              f"{str(b.dtype).removeprefix('torch.'):<9} "
                              f"{str(b.wire_dtype).removeprefix('torch.'):<9} {b.numel:>10,} "
                              f"{b.bytes:>12,} {b.kernel:<6} {b.predicted_seconds * 1e6:>9.1f}  {names}")
@@ -196,25 +223,33 @@ def plan_from_records(records: list, *, setup: Any, options: Options,
             plan.graphs[f"{record.name}.forward"] = record.forward
         if hasattr(record, "compute"):
             plan.compute_paths[record.name] = f"{record.compute} ({record.compute_reason})"
-        if record.backward is None:
-            continue
-        plan.graphs[f"{record.name}.{getattr(record, 'label', 'backward')}"] = record.backward
-        fusion = find(record.backward, OptimizerFusion)
-        if fusion is not None and getattr(record, "label", "") == "step":
-            plan.optimizer[record.name] = (f"fused ({fusion.reason})" if fusion.fused
-                                           else f"torch.optim after the graph ({fusion.reason})")
-        for node in collective_nodes(record.backward):
-            info: CollectiveInfo = node.meta["spmd_collective"]
-            model = replace(setup.cost_model, world_size=mesh.size(info.mesh_dim))
-            seconds = model.seconds(info.kind, info.bytes)
-            index = len(plan.buckets)
-            plan.buckets.append(Bucket(
-                index=index, graph=record.name, params=info.params, dtype=info.dtype,
-                wire_dtype=info.wire_dtype, numel=sum(info.numels), bytes=info.bytes,
-                kernel=kernel, predicted_seconds=seconds, collective=node.name))
-            plan.collectives.append(Collective(
-                name=node.name, kind=info.kind, bytes=info.bytes, group=group_name,
-                group_ranks=group_ranks, bucket=index, graph=record.name,
-                provenance=info.provenance, predicted_seconds=seconds, mesh_dim=info.mesh_dim,
-                placements=f"{info.src!r} -> {info.dst!r}"))
+        planned = []
+        if record.forward is not None and getattr(record, "backward", None) is not record.forward:
+            planned.append(record.forward)  # sharded parameters' gathers
+        if record.backward is not None:
+            plan.graphs[f"{record.name}.{getattr(record, 'label', 'backward')}"] = record.backward
+            fusion = find(record.backward, OptimizerFusion)
+            if fusion is not None and getattr(record, "label", "") == "step":
+                plan.optimizer[record.name] = (f"fused ({fusion.reason})" if fusion.fused
+                                               else f"torch.optim after the graph "
+                                                    f"({fusion.reason})")
+            planned.append(record.backward)
+        for graph in planned:
+            phase = "forward" if graph is record.forward else "backward"
+            for node in collective_nodes(graph):
+                info: CollectiveInfo = node.meta["spmd_collective"]
+                model = replace(setup.cost_model, world_size=mesh.size(info.mesh_dim))
+                seconds = model.seconds(info.kind, info.bytes)
+                index = len(plan.buckets)
+                plan.buckets.append(Bucket(
+                    index=index, graph=record.name, params=info.params, dtype=info.dtype,
+                    wire_dtype=info.wire_dtype, numel=sum(info.numels), bytes=info.bytes,
+                    kernel=kernel, predicted_seconds=seconds, collective=node.name,
+                    kind=info.kind, phase=phase))
+                plan.collectives.append(Collective(
+                    name=node.name, kind=info.kind, bytes=info.bytes, group=group_name,
+                    group_ranks=group_ranks, bucket=index, graph=record.name,
+                    provenance=info.provenance, predicted_seconds=seconds,
+                    mesh_dim=info.mesh_dim, placements=f"{info.src!r} -> {info.dst!r}",
+                    phase=phase))
     return plan

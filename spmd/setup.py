@@ -27,8 +27,9 @@ class Setup:
 
     Attributes:
         strategy: the strategy bound to the mesh (``strategy.mesh``).
-        group: the data-parallel dimension's process group; None on a simulated mesh.
-        world_size: ranks along that dimension.
+        group: the process group of every rank the batch is split over (the data
+            dimension's); None on a simulated mesh.
+        world_size: ranks in it.
         cost_model: the collective cost model every rank plans with.
         index: the how-many-th model this rank parallelized (the same on every rank).
     """
@@ -125,6 +126,22 @@ def _next_index() -> int:
     return state["spmd_models"]
 
 
+def _data_group(strategy: Strategy) -> Any:
+    """The group of every rank the batch is split over: the data dimension's, or for a
+    batch split along several dimensions (``hsdp``) one over the whole mesh (the default
+    group when the mesh is the world; a new group, which every rank of the world must
+    create, otherwise)."""
+    mesh = strategy.mesh
+    if len(strategy.data_dims) == 1:
+        return mesh.get_group(strategy.data_dim)
+    from spmd.runtime import groups
+
+    state = groups.world("parallelize")
+    if list(mesh.ranks) == list(range(state.size)):
+        return state.default
+    return groups.new_group(list(mesh.ranks))
+
+
 def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
                   where: str) -> Setup:
     """Set ``module`` up on every rank (see the module doc); the agreed :class:`Setup`."""
@@ -132,7 +149,7 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
 
     strategy = resolve_strategy(options.strategy, resolve_mesh(mesh, where), where)
     mesh = strategy.mesh
-    group = None if mesh.simulated else mesh.get_group(strategy.data_dim)
+    group = None if mesh.simulated else _data_group(strategy)
     world_size = strategy.data_size
     backend = "gloo" if group is None else group.backend
     live = group is not None and world_size > 1

@@ -1,0 +1,187 @@
+"""``Plan.memory()``: what one rank holds, persistently and at the peak of a step.
+
+Persistent bytes come from the model's parameters as this rank stores them (whole for
+``ddp``, one padded shard for ``fsdp``/``hsdp``), as many again for their gradients,
+and the optimizer's state (AdamW: two tensors per parameter; SGD with momentum: one).
+The step's transient bytes come from walking the planned graphs in the order they run
+(forward, then backward) and keeping every value alive from the node that makes it to
+its last reader (a view keeps its base alive; values the forward saves stay until the
+backward's last read): the largest total is the predicted peak, reported with the node
+where it happens. Gathered parameters (all-gather results) are counted apart, so the
+effect of resharding and prefetch is visible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from spmd.lowering import ops
+
+__all__ = ["MemoryView", "memory_view", "OPTIMIZER_STATES"]
+
+# tensors of optimizer state per parameter, in the parameter's dtype
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, None: 0}
+
+_aten = torch.ops.aten
+_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.t.default,
+          _aten.transpose.int, _aten.permute.default, _aten.expand.default,
+          _aten.detach.default, _aten.alias.default, _aten.slice.Tensor,
+          _aten.select.int, _aten.unsqueeze.default, _aten.squeeze.dim,
+          _aten.squeeze.default, _aten.as_strided.default, _aten.split.Tensor,
+          _aten.split_with_sizes.default, _aten.unbind.int, ops.wait}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryView:
+    """One rank's predicted memory for one step, in bytes.
+
+    Attributes:
+        world_size: ranks the plan is for.
+        params, grads, optimizer_state, buffers: persistent, as this rank stores them.
+        optimizer: the optimizer the state was counted for.
+        activations: the forward's values saved for backward (at the forward's end).
+        peak_gathered: the most parameter bytes held gathered (whole) at once.
+        peak_transient: the most bytes of values alive at once during the step.
+        peak: persistent + transient at the peak; ``peak_at``: ``graph:node`` there.
+        unsharded_params: what the parameters take whole (``ddp``'s ``params``).
+    """
+
+    world_size: int
+    params: int
+    grads: int
+    optimizer_state: int
+    optimizer: str | None
+    buffers: int
+    activations: int
+    peak_gathered: int
+    peak_transient: int
+    peak: int
+    peak_at: str
+    unsharded_params: int
+
+    @property
+    def persistent(self) -> int:
+        return self.params + self.grads + self.optimizer_state + self.buffers
+
+    def __str__(self) -> str:
+        def mib(n: int) -> str:
+            return f"{n / 2**20:10.3f} MiB"
+
+        rows = [
+            f"Memory per rank at {self.world_size} rank(s) (optimizer {self.optimizer}):",
+            f"  parameters        {mib(self.params)}   (whole: {mib(self.unsharded_params)})",
+            f"  gradients         {mib(self.grads)}",
+            f"  optimizer state   {mib(self.optimizer_state)}",
+            f"  buffers           {mib(self.buffers)}",
+            f"  persistent        {mib(self.persistent)}",
+            f"  activations saved {mib(self.activations)}",
+            f"  peak gathered     {mib(self.peak_gathered)}",
+            f"  predicted peak    {mib(self.peak)}   at {self.peak_at}",
+        ]
+        return "\n".join(rows)
+
+
+def _bytes(val: Any) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(_bytes(v) for v in val)
+    return 0
+
+
+def _walk(gm: fx.GraphModule, label: str, held: dict[str, int], end_held: set[str]
+          ) -> tuple[int, str, int, dict[str, int]]:
+    """Live bytes through ``gm``: (peak, node at the peak, peak gathered bytes, bytes of
+    the values named in ``end_held`` that stay alive after the graph). ``held``: bytes
+    alive on entry by placeholder name (freed after their last read here)."""
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    root: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        base = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        viewish = node.target in _VIEWS or (node.target.__name__ == "getitem"
+                                            if callable(node.target) else False)
+        root[node] = root.get(base, base) if (viewish and base is not None) else node
+    last: dict[fx.Node, int] = {}
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            r = root[arg]
+            last[r] = max(last.get(r, -1), index[node])
+    output = nodes[-1]
+    kept = {root[a] for a in output.all_input_nodes if a.name in end_held}
+    size: dict[fx.Node, int] = {}
+    gathered: set[fx.Node] = set()
+    for node in nodes:
+        if root[node] is not node or node.op == "output":
+            continue
+        if node.op == "placeholder":
+            size[node] = held.get(node.name, 0)
+        else:
+            size[node] = _bytes(node.meta.get("val"))
+        if node.target in (ops.bucket_all_gather, ops.unpack_gathered, ops.shard_gather):
+            gathered.add(node)
+    alive = sum(size[n] for n in nodes if n.op == "placeholder")
+    live_gathered = 0
+    peak, peak_at, peak_gathered = alive, f"{label}:start", 0
+    ends: dict[int, list[fx.Node]] = {}
+    for r, i in last.items():
+        if r not in kept:
+            ends.setdefault(i, []).append(r)
+    for node in nodes:
+        if node.op != "placeholder" and root[node] is node and node.op != "output":
+            alive += size[node]
+            if node in gathered:
+                live_gathered += size[node]
+        if alive > peak:
+            peak, peak_at = alive, f"{label}:{node.name}"
+        peak_gathered = max(peak_gathered, live_gathered)
+        for dead in ends.get(index[node], ()):
+            alive -= size.get(dead, 0)
+            if dead in gathered:
+                live_gathered -= size[dead]
+    kept_bytes = {n.name: size.get(n, 0) for n in kept}
+    return peak, peak_at, peak_gathered, kept_bytes
+
+
+def memory_view(plan: Any, optimizer: str | None = "adamw") -> MemoryView:
+    """The :class:`MemoryView` of ``plan`` (see the module doc)."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"Plan.memory: optimizer must be one of "
+                         f"{', '.join(repr(k) for k in OPTIMIZER_STATES)}, got {optimizer!r}")
+    params = sum(local for local, _, _ in plan.parameters.values())
+    whole = sum(full for _, full, _ in plan.parameters.values())
+    trainable = sum(local for local, _, grad in plan.parameters.values() if grad)
+    transient, at, gathered, activations = 0, "-", 0, 0
+    regions = sorted({name.rsplit(".", 1)[0] for name in plan.graphs})
+    for region in regions:
+        forward = plan.graphs.get(f"{region}.forward")
+        backward = plan.graphs.get(f"{region}.backward")
+        saved: dict[str, int] = {}
+        if forward is not None:
+            names = ({n.name for n in backward.graph.nodes if n.op == "placeholder"}
+                     if backward is not None else set())
+            peak, where, g, saved = _walk(forward, f"{region}.forward", {}, names)
+            if peak > transient:
+                transient, at = peak, where
+            gathered = max(gathered, g)
+            activations += sum(saved.values())
+        if backward is not None:
+            held = dict(saved)
+            for node in backward.graph.nodes:  # a resharded input holds a forward shard
+                if node.op == "placeholder" and "spmd_resharded" in node.meta:
+                    held[node.name] = _bytes(node.meta.get("val"))
+            peak, where, g, _ = _walk(backward, f"{region}.backward", held, set())
+            if peak > transient:
+                transient, at = peak, where
+            gathered = max(gathered, g)
+    state = OPTIMIZER_STATES[optimizer] * trainable
+    persistent = params + trainable + state + plan.buffer_bytes
+    return MemoryView(world_size=plan.world_size, params=params, grads=trainable,
+                      optimizer_state=state, optimizer=optimizer, buffers=plan.buffer_bytes,
+                      activations=activations, peak_gathered=gathered,
+                      peak_transient=transient, peak=persistent + transient, peak_at=at,
+                      unsharded_params=whole)

@@ -1,0 +1,204 @@
+"""Parameters stored as shards (``strategy="fsdp"``/``"hsdp"``), the way SimpleFSDP does it.
+
+Each parameter is replaced, in every module that holds it, by its dim-0 shard (padded
+where dim 0 does not divide, as FSDP2 does): ``model.parameters()`` are the shards, so
+any ``torch.optim`` optimizer keeps 1/N of the state, and ``.grad`` is the gradient's
+shard. The module's class gets a property per parameter name that reads
+``spmd.shard_gather(shard, handle)``: the whole tensor, in ``param_dtype``. So the
+model's own code runs unchanged; eagerly each read is a blocking all-gather and each
+gradient a blocking reduce-scatter (autograd's backward of the gather), and in a captured
+graph the compiler buckets, overlaps and prefetches them (``spmd.lowering.shard_params``).
+
+``state_dict()`` gives whole tensors (gathered: every rank must call it, as with torch's
+full state dicts) and ``load_state_dict`` takes whole tensors and keeps each rank's
+piece, so a checkpoint moves between a plain model and a sharded one either way.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.nn as nn
+
+from spmd.lowering import ops
+from spmd.lowering.placements import Sharding
+
+__all__ = ["shard_module", "placement_of", "ParameterPlacement", "clip_grad_norm_",
+           "gather_full"]
+
+_PLACED: "weakref.WeakKeyDictionary[torch.Tensor, ParameterPlacement]" = (
+    weakref.WeakKeyDictionary())
+_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParameterPlacement:
+    """Where a parameter of a parallelized model lives.
+
+    Attributes:
+        name: its name in the model.
+        shape: the whole (global) tensor's shape.
+        sharding: its placement on every mesh dimension (``Shard(0)`` along the
+            sharding dimension).
+        local_shape: the shard this rank stores (dim 0 padded to ``rows``).
+        rows: rows of dim 0 per rank; ``padding``: rows of zeros this rank's shard ends
+            with (those beyond the whole tensor).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    sharding: Sharding
+    local_shape: tuple[int, ...]
+    rows: int
+    padding: int
+
+
+def placement_of(param: torch.Tensor) -> ParameterPlacement:
+    """The global shape and placement of a sharded parameter (``model.parameters()`` of an
+    ``fsdp``/``hsdp`` model); ``ValueError`` for any other tensor."""
+    found = _PLACED.get(param) if isinstance(param, torch.Tensor) else None
+    if found is None:
+        raise ValueError("spmd.placement_of: this tensor is not a sharded parameter of a model "
+                         "parallelized with strategy 'fsdp' or 'hsdp' (ddp parameters are "
+                         "replicated: whole on every rank)")
+    return found
+
+
+def _sharded_class(cls: type, handles: dict[str, int]) -> type:
+    """``cls`` with a property per sharded parameter name. The handles differ per module,
+    so the property reads them from the instance's table."""
+    key = (cls, tuple(sorted(handles)))
+    sub = _CLASSES.get(key)
+    if sub is None:
+        props = {n: _lookup_property(n) for n in handles}
+        sub = type(f"Sharded{cls.__name__}", (cls,), {**props, "__module__": cls.__module__})
+        _CLASSES[key] = sub
+    return sub
+
+
+def _lookup_property(name: str) -> property:
+    def gathered(self: nn.Module) -> torch.Tensor:
+        return ops.shard_gather(self._parameters[name], self._spmd_shard_handles[name])
+
+    gathered.__name__ = name
+    return property(gathered, doc=f"{name}, gathered from its shards")
+
+
+def shard_module(module: nn.Module, specs_for: Any, sharding: Sharding,
+                 handles: ops.Handles) -> dict[str, ops.ShardSpec]:
+    """Replace every parameter of ``module`` by its shard (see the module doc); every
+    parameter name (tied ones included) -> its spec.
+
+    ``specs_for(name, param) -> ShardSpec`` describes each distinct parameter;
+    ``sharding`` is where every parameter lives on the mesh.
+    """
+    shards: dict[int, tuple[nn.Parameter, ops.ShardSpec, int]] = {}
+    by_name: dict[str, ops.ShardSpec] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        local: dict[str, int] = {}
+        for pname, param in list(sub._parameters.items()):
+            if param is None:
+                continue
+            name = f"{prefix}.{pname}" if prefix else pname
+            entry = shards.get(id(param))
+            if entry is None:
+                spec = specs_for(name, param)
+                shard = nn.Parameter(spec.shard_of(param), requires_grad=param.requires_grad)
+                entry = shards[id(param)] = (shard, spec, handles.add(spec))
+                padding = max(0, (spec.rank() + 1) * spec.rows - spec.rows_global)
+                _PLACED[shard] = ParameterPlacement(
+                    name=name, shape=spec.shape, sharding=sharding,
+                    local_shape=spec.local_shape, rows=spec.rows,
+                    padding=min(spec.rows, padding))
+            shard, spec, handle = entry
+            sub._parameters[pname] = shard
+            local[pname] = handle
+            by_name[name] = spec
+        if local and getattr(sub, "_spmd_shard_handles", None) is None:
+            sub._spmd_shard_handles = local
+            sub.__class__ = _sharded_class(type(sub), local)
+    return by_name
+
+
+def gather_full(spec: ops.ShardSpec, shard: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded parameter (or of a tensor laid out like it, such as
+    its gradient), in the stored dtype: a blocking all-gather every rank must join."""
+    src = shard.detach().contiguous()
+    if not spec.live:
+        return spec.whole(torch.cat([src] * spec.size)).clone()
+    from spmd.runtime.collectives import all_gather_into_tensor
+
+    out = src.new_empty((spec.size * spec.rows, *src.shape[1:]))
+    all_gather_into_tensor(out, src, group=spec.group)
+    return spec.whole(out).clone()
+
+
+def install_state_dict_hooks(module: nn.Module, shards: dict[str, ops.ShardSpec]) -> None:
+    """Whole tensors in ``module.state_dict()``; whole (or already local) tensors accepted
+    by ``load_state_dict``."""
+    weak = weakref.ref(module)
+
+    def to_full(mod: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
+        done: dict[int, torch.Tensor] = {}
+        for name, spec in shards.items():
+            key = prefix + name
+            value = state.get(key)
+            if value is None:
+                continue
+            full = done.get(id(spec))
+            if full is None:
+                full = done[id(spec)] = gather_full(spec, value)
+            state[key] = full
+
+    def to_local(state: dict, prefix: str, *args: Any) -> None:
+        if weak() is None:
+            return
+        for name, spec in shards.items():
+            key = prefix + name
+            value = state.get(key)
+            if not isinstance(value, torch.Tensor):
+                continue
+            shape = tuple(value.shape)
+            if shape == spec.shape:
+                state[key] = spec.shard_of(value.to(spec.dtype))
+            elif shape != spec.local_shape:
+                raise ValueError(
+                    f"load_state_dict: {key} has shape {shape}; a sharded parameter takes the "
+                    f"whole tensor {spec.shape} (or this rank's shard {spec.local_shape})")
+
+    module._register_state_dict_hook(to_full)
+    module._register_load_state_dict_pre_hook(to_local)
+
+
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float,
+                    group: Any) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for gradients spread over ``group``'s shards:
+    each rank's part of the norm, summed over the group, so every rank clips by the norm
+    of the whole gradient (padding rows hold zeros and add nothing)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    norm_type = float(norm_type)
+    if math.isinf(norm_type):
+        local = torch.stack([g.detach().abs().max() for g in grads]).max().float()
+        if group is not None:
+            from spmd.runtime.collectives import ReduceOp, all_reduce
+
+            all_reduce(local, op=ReduceOp.MAX, group=group)
+        total = local
+    else:
+        local = torch.stack([g.detach().float().norm(norm_type) ** norm_type
+                             for g in grads]).sum()
+        if group is not None:
+            from spmd.runtime.collectives import all_reduce
+
+            all_reduce(local, group=group)
+        total = local ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.detach().mul_(coef.to(g.dtype))
+    return total
