@@ -211,6 +211,7 @@ class ShardSpec:
     replicate_dim: str = ""
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    eager: bool = False  # gathered outside any planned graph at least once
 
     @property
     def live(self) -> bool:
@@ -408,6 +409,7 @@ def _shard_gather(shard: torch.Tensor, handle: int) -> torch.Tensor:
     """The whole parameter from every rank's shard, in ``param_dtype``: one blocking
     all-gather (the eager form; compiled graphs bucket and overlap it instead)."""
     s: ShardSpec = lookup(handle)
+    s.eager = True  # planned graphs run bucket_all_gather instead: this read is eager
     src = shard.detach().to(s.gather_dtype).contiguous()
     if not s.live:  # a simulated mesh: every rank is taken to hold this shard
         return s.whole(torch.cat([src] * s.size)).clone()

@@ -22,6 +22,8 @@ _EXPORTS: dict[str, str] = {
     "Shard": "spmd.lowering.placements",
     "Partial": "spmd.lowering.placements",
     "Options": "spmd.lowering.options",
+    "placement_of": "spmd.sharded",
+    "ParameterPlacement": "spmd.sharded",
 }
 _SUBMODULES = ("runtime", "lowering", "kernels")
 

@@ -176,6 +176,11 @@ class ModuleState:
 
     def plan(self) -> Plan:
         frozen = [n for n, p in self.params.items() if not p.requires_grad]
+        for name, spec in self.shards.items():
+            if spec.eager and self.params[name].requires_grad:
+                self.fallbacks.setdefault(
+                    name, "read outside any compiled graph (graph break into eager code): "
+                          "gathered and reduce-scattered eagerly (blocking, unbucketed)")
         for record in self.records:
             if record.fallback_reason:
                 for name in record.trainable:

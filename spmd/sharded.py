@@ -30,8 +30,6 @@ from spmd.lowering.placements import Sharding
 __all__ = ["shard_module", "placement_of", "ParameterPlacement", "clip_grad_norm_",
            "gather_full"]
 
-_PLACED: "weakref.WeakKeyDictionary[torch.Tensor, ParameterPlacement]" = (
-    weakref.WeakKeyDictionary())
 _CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
@@ -60,7 +58,7 @@ class ParameterPlacement:
 def placement_of(param: torch.Tensor) -> ParameterPlacement:
     """The global shape and placement of a sharded parameter (``model.parameters()`` of an
     ``fsdp``/``hsdp`` model); ``ValueError`` for any other tensor."""
-    found = _PLACED.get(param) if isinstance(param, torch.Tensor) else None
+    found = getattr(param, "_spmd_placement", None) if isinstance(param, torch.Tensor) else None
     if found is None:
         raise ValueError("spmd.placement_of: this tensor is not a sharded parameter of a model "
                          "parallelized with strategy 'fsdp' or 'hsdp' (ddp parameters are "
@@ -110,7 +108,7 @@ def shard_module(module: nn.Module, specs_for: Any, sharding: Sharding,
                 shard = nn.Parameter(spec.shard_of(param), requires_grad=param.requires_grad)
                 entry = shards[id(param)] = (shard, spec, handles.add(spec))
                 padding = max(0, (spec.rank() + 1) * spec.rows - spec.rows_global)
-                _PLACED[shard] = ParameterPlacement(
+                shard._spmd_placement = ParameterPlacement(  # type: ignore[attr-defined]
                     name=name, shape=spec.shape, sharding=sharding,
                     local_shape=spec.local_shape, rows=spec.rows,
                     padding=min(spec.rows, padding))

@@ -110,6 +110,19 @@ class WithBatchNorm(nn.Module):
         return self.out(F.relu(self.bn(self.fc1(x))))
 
 
+class Tied(nn.Module):
+    """One parameter used by two layers (``b.weight`` is ``a.weight``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.head(F.relu(self.b(F.relu(self.a(F.relu(self.proj(x)))))))
+
+
 MODELS = {
     "mlp": _seeded(MLP),
     "cnn": _seeded(CNN),
@@ -120,6 +133,8 @@ MODELS = {
     "eager_region": _seeded(EagerRegion),
     "batchnorm": _seeded(WithBatchNorm),
 }
+# models only the sharded strategies' tests train (DDP's equivalence suite is unchanged)
+SHARDED_MODELS = {**MODELS, "tied": _seeded(Tied)}
 
 
 def batch(name: str, size: int = 12, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
