@@ -21,7 +21,7 @@ Time: variants alternate in rounds so all see the same machine; round 0 warms up
 ratio is FSDP2's time over the variant's (above 1: faster than FSDP2) and "spread" the
 lowest and highest per-round ratio.
 
-Memory, per rank, measured, not computed from shapes:
+Memory, rank 0's, measured, not computed from shapes:
 
 - ``persistent``: ``numel * element_size`` of the local tensors this rank keeps after a
   step (parameters and their gradients: FSDP2's DTensors through ``to_local()``, spmd's
@@ -41,7 +41,9 @@ Memory, per rank, measured, not computed from shapes:
 
 Where spmd fsdp's time goes: one extra step of every variant after the timed rounds,
 under ``spmd.profile`` for spmd fsdp (compute, communication in flight, waits exposed),
-beside the plan's predicted timeline.
+beside the plan's predicted timeline. Where the profile recorded no collective (fsdp's
+gathers and reduce-scatters are not stamped yet), only the time inside the compiled
+graphs, waits included, is shown.
 
 Sanity check: after the timed rounds (and that extra step) every variant has trained
 from the same initial weights on the same batches: the largest absolute difference of
@@ -248,7 +250,7 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, layers: int) -> di
                            "peak": _peak_bytes(prof, start, end)}
         opt.zero_grad()
         if variant.startswith("spmd"):
-            memory[variant]["predicted"] = spmd.inspect(model).memory(optimizer="adamw").peak
+            memory[variant]["view"] = spmd.inspect(model).memory(optimizer="adamw")
             fingerprints[variant].append(spmd.inspect(model).fingerprint())
         del model, opt, prof
 
@@ -290,12 +292,17 @@ def report(world: int, res: dict, steps: int, rounds: int, width: int, layers: i
         spread = f"{min(ratios):.2f}–{max(ratios):.2f}" if variant != "torch FSDP2" else ""
         predicted = error = ""
         if variant == "spmd fsdp":
-            predicted = f"{mem['predicted'] / mib:.2f}"
-            error = f"{(mem['predicted'] - mem['peak']) / mem['peak']:+.1%}"
+            predicted = f"{mem['view'].peak / mib:.2f}"
+            error = f"{(mem['view'].peak - mem['peak']) / mem['peak']:+.1%}"
         print(f"| {variant} | {t * 1e3:.2f} | {statistics.median(fsdp2) / t:.2f} | {spread} | "
               f"{mem['persistent'] / mib:.2f} | {mem['peak'] / mib:.2f} | {predicted} | "
               f"{error} |")
+    view = memory["spmd fsdp"]["view"]
     print(f"\nspmd fsdp: {res['plan']}")
+    print(f"spmd fsdp, predicted memory: persistent {view.persistent / mib:.2f} MiB + "
+          f"transient {view.peak_transient / mib:.2f} MiB at {view.peak_at} (activations "
+          f"saved {view.activations / mib:.2f} MiB, gathered parameters at most "
+          f"{view.peak_gathered / mib:.2f} MiB)")
     print(f"spmd fsdp, one step on rank 0, measured:  {_lanes(res['measured'])}")
     print(f"spmd fsdp, one step on rank 0, predicted: {_lanes(res['predicted'])}")
     print("plan fingerprints (timed model, memory model): "

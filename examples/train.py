@@ -1,11 +1,15 @@
 """The main job: a small transformer trained by 2 local ranks under ``@spmd.parallelize``.
 
-    python examples/train.py [--nprocs 2] [--steps 300] [--compare 60]
+    python examples/train.py [--nprocs 2] [--steps 300] [--compare 60] [--strategy fsdp]
 
 Each rank learns to reverse random token sequences from its own shard of every batch.
 Rank 0 shows a progress bar, the loss going down and the plan the compiler chose; then
 both ranks time the same model, data and Gloo group under ``spmd.parallelize`` and
 under ``torch.nn.parallel.DistributedDataParallel``, one thread each, and print the ratio.
+
+``--strategy fsdp`` shards parameters, gradients and optimizer state (ZeRO-3); the job
+then also prints the plan's memory view per rank and times torch's own FSDP2
+(``fully_shard`` per layer) beside DDP.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def make_batch(step: int, rank: int, world: int):
     return tokens[rows], tokens[rows].flip(1)  # learn to reverse the sequence
 
 
-def rank_main(rank: int, steps: int, compare: int) -> dict:
+def rank_main(rank: int, steps: int, compare: int, strategy: str = "ddp") -> dict:
     import torch
     import torch.distributed as tdist
     import torch.nn.functional as F
@@ -63,7 +67,7 @@ def rank_main(rank: int, steps: int, compare: int) -> dict:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     world = dist.get_world_size()
 
-    model = spmd.parallelize(build_model())
+    model = spmd.parallelize(build_model(), strategy=strategy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def step_with(m, o, step):
@@ -87,6 +91,8 @@ def rank_main(rank: int, steps: int, compare: int) -> dict:
     if rank == 0:
         sys.stderr.write("\n")
     summary = str(spmd.inspect(model))
+    if strategy != "ddp":
+        summary += "\n\n" + str(spmd.inspect(model).memory("adamw"))
 
     # the same model, data and group under torch DDP, timed against parallelize
     port = int(os.environ["MASTER_PORT"]) + 1
@@ -94,9 +100,20 @@ def rank_main(rank: int, steps: int, compare: int) -> dict:
                              world_size=world)
     ddp = DistributedDataParallel(build_model())
     ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    times = {"spmd": [], "ddp": []}
-    for step in range(compare):  # alternate, so both see the same machine
-        for name, (m, o) in (("spmd", (model, opt)), ("ddp", (ddp, ddp_opt))):
+    peers = {"spmd": (model, opt), "ddp": (ddp, ddp_opt)}
+    if strategy != "ddp":  # torch's own parameter sharding, one unit per layer
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        reference = build_model()
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in reference.encoder.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(reference, mesh=mesh)
+        peers["fsdp2"] = (reference, torch.optim.AdamW(reference.parameters(), lr=1e-2))
+    times = {name: [] for name in peers}
+    for step in range(compare):  # alternate, so all see the same machine
+        for name, (m, o) in peers.items():
             dist.barrier()
             t0 = time.perf_counter()
             step_with(m, o, steps + step)
@@ -113,12 +130,14 @@ def main() -> None:
     parser.add_argument("--nprocs", type=int, default=2)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--compare", type=int, default=60)
+    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
     args = parser.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
     from spmd.runtime import spawn
 
-    results = spawn(rank_main, args=(args.steps, args.compare), nprocs=args.nprocs,
+    results = spawn(rank_main, args=(args.steps, args.compare, args.strategy),
+                    nprocs=args.nprocs,
                     timeout=1800)
     first = results[0]
     print(first["summary"])
@@ -127,8 +146,12 @@ def main() -> None:
     print("\nloss: " + "  ".join(f"step {i + 1}: {losses[i]:.3f}" for i in marks))
     ours, theirs = first["median"]["spmd"], first["median"]["ddp"]
     print(f"step time (median, {args.nprocs} ranks, 1 thread each): spmd.parallelize "
-          f"{ours * 1e3:.2f} ms, torch DDP {theirs * 1e3:.2f} ms -> DDP/spmd = "
-          f"{theirs / ours:.2f}x")
+          f"({args.strategy}) {ours * 1e3:.2f} ms, torch DDP {theirs * 1e3:.2f} ms -> "
+          f"DDP/spmd = {theirs / ours:.2f}x")
+    if "fsdp2" in first["median"]:
+        fsdp2 = first["median"]["fsdp2"]
+        print(f"torch FSDP2 (fully_shard per layer) {fsdp2 * 1e3:.2f} ms -> FSDP2/spmd = "
+              f"{fsdp2 / ours:.2f}x")
     if losses[-1] >= losses[0]:
         raise SystemExit("the loss did not go down")
 

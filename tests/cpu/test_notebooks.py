@@ -23,5 +23,6 @@ def test_notebook_executes(name, tmp_path):
         assert "rank 2: sum=6.0 avg=1.0" in text and "received 4.0 from rank 3" in text
     else:
         assert "Timeline(measured" in text and "buckets, step" in text
+        assert "1024 ranks fsdp" in text and "predicted peak" in text  # the memory view
         assert any("image/png" in o.get("data", {}) for o in outputs)  # the timelines
         assert any("text/html" in o.get("data", {}) for o in outputs)  # the plan
