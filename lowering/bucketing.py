@@ -9,10 +9,13 @@ the user's ``bucket_cap_mb``, or the cost model's optimum for the graph's gradie
 runs on one flat buffer, and every reader of a gradient reads the bucket's result.
 
 Sharded parameters' all-gathers are grouped in the order the graph first uses them, so
-one bucket is the parameters of the next few layers; their cap is also at most an
-eighth of the graph's gathered bytes, so that gathering one bucket ahead (the schedule's
-prefetch) never holds more than about a quarter of the model whole. Their gradients'
-reduce-scatters are grouped in the order they are ready, like all-reduces.
+one bucket is the parameters of the next few layers; their gradients' reduce-scatters
+in the order they are ready, like all-reduces. For both the cap is also at most an
+eighth of the graph's bytes of that kind: gathering one bucket ahead (the schedule's
+prefetch) then never holds more than about a quarter of the model whole, and a
+reduce-scatter in flight holds at most an eighth of the whole gradients (one bucket of
+the whole model would keep every whole gradient alive to the end of backward, as DDP
+does, which is what sharding avoids).
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def bucketing(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
     put(gm, Buckets(cap=cap, reason=reason))
     if cap == 0:
         return gm  # bucketing off: every parameter keeps its own collective
-    _bucket_shards(gm, ctx, cap, reason)
+    _bucket_shards(gm, ctx, cap, reason, fixed=ctx.options.bucket_cap_bytes is not None)
     if not singles:
         derive(gm, ctx)
         return gm
@@ -99,28 +102,49 @@ def bucketing(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
     return gm
 
 
-def gather_cap(cap: int, total: int) -> int:
-    """The all-gather bucket cap: the gradient cap, at most an eighth of the bytes the
-    graph gathers (at least one byte, so each parameter still fits alone)."""
-    return max(1, min(cap, total // 8))
+def gather_cap(cap: int, total: int, floor: int = 1) -> int:
+    """The cap of sharded parameters' buckets: ``cap``, at most an eighth of the bytes
+    the graph moves of that kind, but not below ``floor`` (the cost model's size at which
+    a collective's bandwidth time equals its latency: smaller buckets mostly pay
+    latency)."""
+    return max(1, min(cap, max(total // 8, floor)))
 
 
-def _bucket_shards(gm: fx.GraphModule, ctx: LoweringContext, cap: int, reason: str) -> None:
+def _size(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def _bucket_shards(gm: fx.GraphModule, ctx: LoweringContext, cap: int, reason: str,
+                   fixed: bool) -> None:
     """Merge the single-parameter all-gathers (in first-use order) and reduce-scatters
     (in readiness order) of sharded parameters."""
     for kind, op in ops.SHARD_OPS.items():
         singles = [n for n in collective_nodes(gm) if n.target is op]
         if len(singles) < 2:
+            if singles:  # a bucket of one: say why it is alone
+                info = singles[0].meta["spmd_collective"]
+                singles[0].meta["spmd_collective"] = replace(info, provenance=Provenance(
+                    params=info.params, pass_name=info.provenance.pass_name,
+                    reason=info.provenance.reason + "; the graph's only one"))
             continue
         infos = [n.meta["spmd_collective"] for n in singles]
         specs = [ops.lookup(i.handle).shards[0] for i in infos]
         total = sum(i.bytes for i in infos)
-        limit = gather_cap(cap, total) if kind == "all_gather" else cap
         keys = [(i.dtype, i.wire_dtype, i.mesh_dim) for i in infos]
-        why_cap = (f"cap {limit / 2**20:.2f} MiB (an eighth of the {total / 2**20:.2f} MiB "
-                   f"gathered, or {reason})" if kind == "all_gather" else reason)
+        if fixed:
+            limit, why_cap = cap, reason
+        else:
+            floor = ctx.cost_model.balanced_bytes()
+            limit = gather_cap(cap, total, floor)
+            moved = "gathered" if kind == "all_gather" else "reduce-scattered"
+            why_cap = (f"cap {_size(limit)}: an eighth of the {_size(total)} {moved}, at "
+                       f"least {_size(floor)} (latency = bandwidth time), at most {reason}")
         for members in plan_buckets([i.bytes for i in infos], keys, limit):
             if len(members) == 1:
+                info = infos[members[0]]
+                singles[members[0]].meta["spmd_collective"] = replace(info, provenance=Provenance(
+                    params=info.params, pass_name=info.provenance.pass_name,
+                    reason=f"{info.provenance.reason}; alone in its bucket ({why_cap})"))
                 continue
             nodes = [singles[i] for i in members]
             params = tuple(infos[i].params[0] for i in members)

@@ -251,10 +251,7 @@ def time_forward(record: GraphRecord, repeats: int = 3) -> float | None:
     """
     if record.forward is None or record.forward_run is None:
         return record.forward_seconds
-    from spmd.lowering.graph import collective_nodes
-
-    if collective_nodes(record.forward):  # a rank alone must not run a collective
-        return record.forward_seconds
+    from spmd.lowering.ops import dry_run
     try:
         values = [n.meta["val"] for n in record.forward.graph.nodes if n.op == "placeholder"]
         def make(v: Any) -> Any:
@@ -265,7 +262,7 @@ def time_forward(record: GraphRecord, repeats: int = 3) -> float | None:
                 return torch.zeros(shape, dtype=v.dtype, device=v.device)
             return int(v) if isinstance(v, torch.SymInt) else v
         best = float("inf")
-        with torch.no_grad():
+        with torch.no_grad(), dry_run():  # a sharded forward's gathers: nothing sent
             for _ in range(repeats):
                 args = [make(v) for v in values]
                 start = time.perf_counter()

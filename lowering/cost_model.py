@@ -129,6 +129,11 @@ class CostModel:
         zero = model.seconds("all_reduce", 0)
         return zero, (model.seconds("all_reduce", 1 << 20) - zero) / (1 << 20)
 
+    def balanced_bytes(self) -> int:
+        """The message size whose bandwidth time equals the latency (α/β): below it a
+        collective mostly pays latency."""
+        return int(self.alpha / self.beta) if self.beta > 0 else 0
+
     def bucket_bytes(self, total_bytes: int, backward_seconds: float | None,
                      minimum: int = 1 << 18) -> int:
         """The bucket cap that minimises exposed all-reduce time (see the module doc).

@@ -25,12 +25,13 @@ so a model that is collected takes its specs, groups and optimizers with it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -44,6 +45,24 @@ __all__ = ["CollectiveSpec", "ShardSpec", "SyncState", "Handles", "lookup", "buc
            "unpack_gathered", "bucket_reduce_scatter"]
 
 _IDS = itertools.count(1)
+_DRY = threading.local()
+
+
+@contextlib.contextmanager
+def dry_run() -> Iterator[None]:
+    """In this block, this thread's collectives act as on a simulated mesh: the same
+    local arithmetic, nothing sent. For timing a graph's compute on one rank alone (the
+    planner measures on the group's first rank and shares the figure)."""
+    previous = getattr(_DRY, "on", False)
+    _DRY.on = True
+    try:
+        yield
+    finally:
+        _DRY.on = previous
+
+
+def _sending() -> bool:
+    return not getattr(_DRY, "on", False)
 _LIVE: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
 
@@ -128,7 +147,7 @@ class CollectiveSpec:
 
     @property
     def live(self) -> bool:
-        return self.group is not None and self.size > 1
+        return self.group is not None and self.size > 1 and _sending()
 
     @property
     def active(self) -> bool:
@@ -160,7 +179,12 @@ class CollectiveSpec:
         profiler = self.sync.profiler if self.sync is not None else None
         if profiler is not None:
             profiler.event("issue", self.name, issued)
-            work.get_future().add_done_callback(lambda _: profiler.event("done", self.name))
+            try:
+                future = work.get_future()
+            except RuntimeError:  # Gloo's reduce-scatter has none: the wait's end marks it
+                future = None
+            if future is not None:
+                future.add_done_callback(lambda _: profiler.event("done", self.name))
         with self.lock:
             self.pending[buffer.untyped_storage().data_ptr()] = (work, profiler)
 
@@ -215,7 +239,7 @@ class ShardSpec:
 
     @property
     def live(self) -> bool:
-        return self.group is not None and self.size > 1
+        return self.group is not None and self.size > 1 and _sending()
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -282,7 +306,7 @@ class ShardBucketSpec(CollectiveSpec):
         CollectiveSpec.finish(self, buffer)
         first = self.shards[0]
         if (self.step.kind == "reduce_scatter" and first.replicate_group is not None
-                and first.replicate_size > 1):
+                and first.replicate_size > 1 and _sending()):
             collectives.all_reduce(buffer, group=first.replicate_group)
             buffer.mul_(1.0 / first.replicate_size)
 
@@ -434,7 +458,7 @@ def _shard_reduce(grad: torch.Tensor, handle: int) -> torch.Tensor:
 
         out = padded.new_empty(s.local_shape)
         reduce_scatter_tensor(out, padded.mul(1.0 / s.size), group=s.group)
-    if s.replicate_group is not None and s.replicate_size > 1:
+    if s.replicate_group is not None and s.replicate_size > 1 and _sending():
         collectives.all_reduce(out, group=s.replicate_group)
         out.mul_(1.0 / s.replicate_size)
     return out.to(s.dtype)

@@ -62,7 +62,7 @@ def _bucket_spec(ctx: LoweringContext, kind: str, specs: list[ops.ShardSpec],
     spec = ops.ShardBucketSpec(step=Step(src=src, dst=dst, kind=kind, mesh_dim=first.mesh_dim),
                                group=first.group, size=first.size,
                                params=tuple(s.param for s in specs), shards=tuple(specs),
-                               wire_dtype=wire)
+                               wire_dtype=wire, sync=ctx.sync)  # sync: the profiler's hook
     return spec, ctx.handles.add(spec)
 
 

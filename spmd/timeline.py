@@ -4,12 +4,14 @@ A timeline is a list of spans on three lanes: ``compute`` (forward and backward 
 ``communication`` (each bucket's all-reduce, from issue to completion) and ``exposed``
 (time the step waited for communication with nothing to compute).
 
-The prediction replays the plan: forwards run in capture order, backwards in reverse;
-inside a backward graph a bucket becomes ready at its position in the graph, weighted
-by the estimated cost of the nodes before it (matmul FLOPs, else elements written); the
-network serves buckets in issue order; communication running beside compute slows the
-compute by (1 - η) of that time (η: the cost model's overlap share); a graph's waits
-sit at its end, so whatever is still in flight there is exposed.
+The prediction replays the planned graphs node by node: forwards in capture order,
+backwards in reverse. Each compute node takes a share of the graph's measured (or
+estimated) time, weighted by its cost (matmul FLOPs, else elements written); a
+collective is issued where the schedule put it and the network serves collectives in
+issue order; communication running beside compute slows the compute by (1 - η) of that
+time (η: the cost model's overlap share); a wait whose collective has not finished
+blocks, and that time is exposed. A sharded model's gathers so show their prefetch: each
+runs beside the previous bucket's compute, and is exposed only where it is late.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from spmd.lowering.graph import collective_nodes
+from spmd.lowering.graph import is_wait
 
 __all__ = ["Span", "Timeline", "predict", "node_cost"]
 
@@ -87,57 +89,68 @@ def node_cost(node: fx.Node) -> float:
     return float(out)
 
 
-def _ready_fractions(graph: fx.GraphModule) -> dict[str, float]:
-    """For each collective: the share of the graph's estimated cost done before it."""
-    collectives = set(collective_nodes(graph))
-    costs, total, marks = [], 0.0, {}
-    for node in graph.graph.nodes:
-        total += node_cost(node)
-        costs.append((node, total))
-    for node, done in costs:
-        if node in collectives:
-            marks[node.name] = done / total if total else 1.0
-    return marks
-
-
-def predict(plan: Any) -> Timeline:
-    """The cost model's timeline for one step of ``plan``."""
-    timeline = Timeline(source="predicted")
-    by_graph: dict[str, list] = {}
-    for c in plan.collectives:
-        by_graph.setdefault(c.graph, []).append(c)
-    t = 0.0
-    names = [n for n in plan.compute]
-    for name in names:
-        fwd, _ = plan.compute[name]
-        timeline.spans.append(Span(lane="compute", label=f"{name} forward", start=t, end=t + fwd))
-        t += fwd
-    network_free = t
-    for name in reversed(names):
-        _, bwd = plan.compute[name]
-        start = t
-        backward_at = len(timeline.spans)
-        timeline.spans.append(Span(lane="compute", label=f"{name} backward", start=start,
-                                   end=start + bwd))
-        graph = plan.graphs.get(f"{name}.backward") or plan.graphs.get(f"{name}.step")
-        fractions = _ready_fractions(graph) if graph is not None else {}
-        compute_end = start + bwd
-        stretch = 0.0  # compute slowed by communication it could not run beside
-        for c in by_graph.get(name, []):
-            ready = start + stretch + fractions.get(c.name, 1.0) * bwd
-            begin = max(ready, network_free)
+def _phase(timeline: Timeline, graph: fx.GraphModule | None, label: str, seconds: float,
+           collectives: dict[str, Any], t: float, network_free: float,
+           overlap: float) -> tuple[float, float]:
+    """Replay one graph from time ``t``: compute nodes take their share of ``seconds``
+    (slowed by communication beside them), collectives queue on the network, a wait
+    blocks until its collective is done. Returns (end of the graph, network free at)."""
+    if graph is None:
+        timeline.spans.append(Span(lane="compute", label=label, start=t, end=t + seconds))
+        return t + seconds, network_free
+    nodes = list(graph.graph.nodes)
+    costs = [node_cost(n) for n in nodes]
+    total = sum(costs) or 1.0
+    ends: dict[str, float] = {}
+    flights: list[tuple[float, float]] = []
+    segment = t
+    for node, cost in zip(nodes, costs):
+        c = collectives.get(node.name)
+        if c is not None:  # issue: the network serves collectives in order
+            begin = max(t, network_free)
             network_free = begin + c.predicted_seconds
             timeline.spans.append(Span(lane="communication", label=c.name, start=begin,
                                        end=network_free))
-            beside = max(0.0, min(network_free, compute_end) - begin)
-            slowed = (1.0 - plan.cost_model.overlap) * beside
-            stretch += slowed
-            compute_end += slowed
-        timeline.spans[backward_at] = Span(lane="compute", label=f"{name} backward",
-                                           start=start, end=compute_end)
-        last_end = max(compute_end, network_free)
-        if last_end > compute_end:
-            timeline.spans.append(Span(lane="exposed", label=f"{name} waits", start=compute_end,
-                                       end=last_end))
-        t = last_end
+            ends[node.name] = network_free
+            flights.append((begin, network_free))
+            continue
+        if is_wait(node):
+            done = ends.get(node.args[0].name, 0.0)
+            if done > t:  # nothing left to compute before the value is needed
+                if t > segment:
+                    timeline.spans.append(Span(lane="compute", label=label, start=segment,
+                                               end=t))
+                timeline.spans.append(Span(lane="exposed", label=f"{label} waits for "
+                                           f"{node.args[0].name}", start=t, end=done))
+                t = segment = done
+            continue
+        d = seconds * cost / total
+        beside = sum(max(0.0, min(e, t + d) - max(b, t)) for b, e in flights)
+        t += d + (1.0 - overlap) * beside
+    if t > segment:
+        timeline.spans.append(Span(lane="compute", label=label, start=segment, end=t))
+    return t, network_free
+
+
+def predict(plan: Any) -> Timeline:
+    """The cost model's timeline for one step of ``plan``: every region's forward graph in
+    capture order, then the backward graphs in reverse, replayed node by node."""
+    timeline = Timeline(source="predicted")
+    by_phase: dict[tuple[str, str], dict[str, Any]] = {}
+    for c in plan.collectives:
+        by_phase.setdefault((c.graph, getattr(c, "phase", "backward")), {})[c.name] = c
+    overlap = plan.cost_model.overlap
+    t = network_free = 0.0
+    names = list(plan.compute)
+    for name in names:
+        fwd, _ = plan.compute[name]
+        t, network_free = _phase(timeline, plan.graphs.get(f"{name}.forward"),
+                                 f"{name} forward", fwd, by_phase.get((name, "forward"), {}),
+                                 t, network_free, overlap)
+    for name in reversed(names):
+        _, bwd = plan.compute[name]
+        graph = plan.graphs.get(f"{name}.backward") or plan.graphs.get(f"{name}.step")
+        t, network_free = _phase(timeline, graph, f"{name} backward", bwd,
+                                 by_phase.get((name, "backward"), {}), t, network_free,
+                                 overlap)
     return timeline
