@@ -70,9 +70,9 @@ def bucketing(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
     cap = ctx.options.bucket_cap_bytes
     if cap is None:
         cap = ctx.cost_model.bucket_bytes(total, ctx.backward_seconds)
-        reason = f"cap {cap / 2**20:.2f} MiB chosen by the cost model for {total / 2**20:.2f} MiB"
+        reason = f"cap {_size(cap)} chosen by the cost model for {_size(total)}"
     else:
-        reason = f"cap {cap / 2**20:.2f} MiB set by bucket_cap_mb"
+        reason = f"cap {_size(cap)} set by bucket_cap_mb"
     put(gm, Buckets(cap=cap, reason=reason))
     if cap == 0:
         return gm  # bucketing off: every parameter keeps its own collective

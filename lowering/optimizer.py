@@ -2,7 +2,8 @@
 bucket instead of unpacking gradients and running ``torch.optim`` afterwards.
 
 For a ``torch.optim.SGD`` or ``torch.optim.AdamW`` whose options the flat kernels cover,
-each bucket's ``wait`` is followed by
+each bucket's ``wait`` (a sharded strategy's reduce-scatter: the bucket's gradient
+shards, in the same flat layout as the shards they update) is followed by
 
     spmd.optimizer_step([p0, p1, ...], flat, handle)     # params updated in place
 
@@ -26,6 +27,7 @@ from spmd.lowering.collectives import bucket_results
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import collective_nodes, is_wait
 from spmd.lowering.ops import Handles, _lib, lookup
+from spmd.lowering.shard_params import scattered_results
 from spmd.lowering.state import Boundary, OptimizerFusion, Role, needs, put
 
 __all__ = ["fusable", "why_not_fusable", "register_optimizer", "fuse_optimizer",
@@ -155,13 +157,33 @@ torch.library.register_fake("spmd::optimizer_step", _fake_optimizer_step, lib=_l
 optimizer_step = torch.ops.spmd.optimizer_step.default
 
 
+_BUCKET_KINDS = ("all_reduce", "reduce_scatter")  # what leaves a gradient's bucket
+
+
+def _results(gm: fx.GraphModule, collective: fx.Node) -> list[fx.Node]:
+    if collective.meta["spmd_collective"].kind == "reduce_scatter":
+        return scattered_results(gm, collective)
+    return bucket_results(gm, collective)
+
+
+def _flat_result(collective: fx.Node) -> fx.Node:
+    """The bucket's reduced values as one flat tensor in the parameters' dtype: the wait,
+    or a reduce-scatter's cast after it."""
+    (wait,) = [u for u in collective.users if is_wait(u)]
+    if collective.meta["spmd_collective"].kind == "reduce_scatter":
+        cast = [u for u in wait.users if u.target is torch.ops.aten._to_copy.default]
+        if cast:
+            return cast[0]
+    return wait
+
+
 def _gradient_readers(gm: fx.GraphModule, gradients: tuple) -> dict[str, list[str]]:
     """The nodes that read each parameter's (reduced, where reduced) gradient, besides the
     graph's output and its collective."""
     out = gm.graph.output_node()
     reduced = {p: value for c in collective_nodes(gm)
-               if c.meta["spmd_collective"].kind == "all_reduce"
-               for p, value in zip(c.meta["spmd_collective"].params, bucket_results(gm, c))}
+               if c.meta["spmd_collective"].kind in _BUCKET_KINDS
+               for p, value in zip(c.meta["spmd_collective"].params, _results(gm, c))}
     nodes = {n.name: n for n in gm.graph.nodes}
     readers = {}
     for g in gradients:
@@ -179,6 +201,15 @@ def fuse_optimizer(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
     boundary = needs(gm, Boundary, "fuse_optimizer")
     readers = _gradient_readers(gm, boundary.gradients)
     reading = tuple(sorted({r for rs in readers.values() for r in rs}))
+    if readers and ctx.strategy.shards_parameters:
+        from spmd.lowering.annotate import PlanningError
+
+        param, who = next(iter(readers.items()))
+        raise PlanningError(
+            f"the step reads the gradient of {param} itself ({who[0]}), e.g. to clip it; with "
+            f"strategy {ctx.strategy.name!r} each rank holds only its shard of every gradient, "
+            f"so a norm computed from .grad would be this rank's part, not the whole "
+            f"gradient's. Parallelize the model as a module and call model.clip_grad_norm_")
 
     def not_fused(why: str) -> fx.GraphModule:
         put(gm, OptimizerFusion(kind=None, reason=why, readers=reading))
@@ -189,7 +220,8 @@ def fuse_optimizer(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
     spec: OptimizerSpec = lookup(ctx.optimizer)
     out = gm.graph.output_node()
     outputs = list(out.args[0])
-    buckets = [c for c in collective_nodes(gm) if c.meta["spmd_collective"].kind == "all_reduce"]
+    buckets = [c for c in collective_nodes(gm)
+               if c.meta["spmd_collective"].kind in _BUCKET_KINDS]
     covered = {p for c in buckets for p in c.meta["spmd_collective"].params}
     missing = [g.param for g in boundary.gradients if g.param not in covered]
     if not buckets or missing:
@@ -207,12 +239,12 @@ def fuse_optimizer(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
     names = {info.name: i for i, info in enumerate(ctx.inputs)}
     for coll in buckets:
         params = coll.meta["spmd_collective"].params
-        (wait,) = [u for u in coll.users if is_wait(u)]
-        with gm.graph.inserting_after(wait):
+        flat = _flat_result(coll)  # a reduce-scatter's: the shards, in bucket order
+        with gm.graph.inserting_after(flat):
             step = gm.graph.call_function(
-                optimizer_step, ([placeholders[names[p]] for p in params], wait, ctx.optimizer))
+                optimizer_step, ([placeholders[names[p]] for p in params], flat, ctx.optimizer))
         step.meta["val"] = None
-        step.meta["sharding"] = wait.meta["sharding"]
+        step.meta["sharding"] = flat.meta["sharding"]
         step.meta["spmd_role"] = Role(kind="optimizer", collective=coll.name)
         for p in params:
             outputs[position[p]] = None

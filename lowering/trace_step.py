@@ -176,7 +176,8 @@ def trace_step(fn: Callable[..., Any], model: nn.Module, opt: Any, args: tuple,
         if opt is not None:
             opt.step, opt.zero_grad = recorder.step, recorder.zero_grad
         try:
-            with _reparametrize_module(model, {**dict(zip(pnames, ps)), **dict(zip(bnames, bs))}):
+            with _reparametrize_module(model, {**dict(zip(pnames, ps)), **dict(zip(bnames, bs))},
+                                       tie_weights=True):  # a tied parameter everywhere
                 result = fn(*call_args, **call_kwargs)
                 at_step = recorder.at_step or [p.grad for p in ps]
         finally:

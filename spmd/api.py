@@ -49,15 +49,6 @@ def _parallelize_class(cls: type, options: Options, mesh: Mesh | None) -> type:
     return new_cls
 
 
-def _refuse_sharded_step(options: Options, where: str) -> None:
-    if options.sharded:
-        raise ValueError(
-            f"{where}: strategy {options.strategy!r} on a whole training-step function is not "
-            f"supported yet (the step's fused optimizer would need the shards); parallelize "
-            f"the model instead, spmd.parallelize(model, strategy={options.strategy!r}), and "
-            f"keep the step eager")
-
-
 def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "ddp",
                 reshard_after_forward: bool = True, param_dtype: Any = None,
                 bucket_cap_mb: float | None = None, overlap: bool = True,
@@ -127,7 +118,6 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         if callable(target):
             from spmd.step import ParallelStep
 
-            _refuse_sharded_step(options, "parallelize")
             return ParallelStep(target, options, mesh)
         raise TypeError(f"parallelize: expected an nn.Module, an nn.Module subclass or a "
                         f"training-step function, got {type(target).__name__}")

@@ -78,11 +78,11 @@ def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: 
         sum(t.float().sum() for t in leaves).backward()
         return model._spmd.plan()
     if callable(obj):
-        from spmd.api import _refuse_sharded_step
         from spmd.step import ParallelStep
 
-        _refuse_sharded_step(opts, "spmd.inspect")
         fn = obj.fn if isinstance(obj, ParallelStep) else obj
+        if opts.sharded:  # sharding replaces parameters: plan on copies (model, optimizer)
+            example_inputs = copy.deepcopy(example_inputs)
         step = ParallelStep(fn, opts, planning)
         return step.plan_for(*example_inputs)
     raise TypeError(f"spmd.inspect: expected a model or a step function, got {type(obj).__name__}")

@@ -65,11 +65,9 @@ class ModuleState:
         self.shards: dict[str, ShardSpec] = {}
         self.sharded = setup.strategy.shards_parameters
         if self.sharded:
-            from spmd.sharded import install_state_dict_hooks, shard_module
+            from spmd.sharded import shard_for
 
-            self.shards = shard_module(module, self._shard_spec,
-                                       setup.strategy.parameter_sharding(), self.handles)
-            install_state_dict_hooks(module, self.shards)
+            self.shards = shard_for(module, setup, options, self.handles)
         self.params = dict(module.named_parameters())
         self.buffers = dict(module.named_buffers())
         names = {id(p): ("param", n) for n, p in self.params.items()}
@@ -94,25 +92,6 @@ class ModuleState:
         self.discovery = DISCOVERY_STEPS  # steps left with a hook on every parameter
         self._hooks: dict[str, Any] = {}
         self._hook_all()
-
-    def _shard_spec(self, name: str, param: torch.Tensor) -> ShardSpec:
-        """How ``param`` is cut: along dim 0 over the strategy's sharding dimension, each
-        rank ``ceil(rows / size)`` rows (a 0-dim parameter is one row)."""
-        strategy, options = self.setup.strategy, self.options
-        mesh = strategy.mesh
-        dim, replicate = strategy.shard_dim, strategy.replicate_dim
-        size = mesh.size(dim)
-        rows = param.shape[0] if param.dim() else 1
-        floating = param.is_floating_point()
-        return ShardSpec(
-            param=name, shape=tuple(param.shape), dtype=param.dtype, rows=-(-rows // size),
-            group=None if mesh.simulated else mesh.get_group(dim), size=size, mesh_dim=dim,
-            replicate_group=(None if mesh.simulated or replicate is None
-                             else mesh.get_group(replicate)),
-            replicate_size=mesh.size(replicate) if replicate else 1,
-            replicate_dim=replicate or "",
-            param_dtype=options.param_dtype if floating else None,
-            reduce_dtype=options.reduce_dtype if floating else None)
 
     # -- planning ---------------------------------------------------------------------
 

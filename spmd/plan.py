@@ -39,7 +39,7 @@ class Bucket:
     predicted_seconds: float
     collective: str
     kind: str = "all_reduce"  # the collective's kind
-    phase: str = "backward"  # the graph it runs in: "forward" or "backward"
+    phase: str = "backward"  # the graph it runs in: "forward", "backward" or "step"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,7 +57,7 @@ class Collective:
     predicted_seconds: float
     mesh_dim: str = ""
     placements: str = ""  # "Partial('avg') -> Replicate()"
-    phase: str = "backward"  # the graph it runs in: "forward" or "backward"
+    phase: str = "backward"  # the graph it runs in: "forward", "backward" or "step"
 
     def __repr__(self) -> str:
         return (f"Collective({self.kind} {self.name} in {self.graph}, {self.bytes} B on group "
@@ -235,7 +235,8 @@ def plan_from_records(records: list, *, setup: Any, options: Options,
                                                     f"({fusion.reason})")
             planned.append(record.backward)
         for graph in planned:
-            phase = "forward" if graph is record.forward else "backward"
+            phase = ("forward" if graph is record.forward
+                     else getattr(record, "label", "backward"))
             for node in collective_nodes(graph):
                 info: CollectiveInfo = node.meta["spmd_collective"]
                 model = replace(setup.cost_model, world_size=mesh.size(info.mesh_dim))

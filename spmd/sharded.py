@@ -27,8 +27,8 @@ import torch.nn as nn
 from spmd.lowering import ops
 from spmd.lowering.placements import Sharding
 
-__all__ = ["shard_module", "placement_of", "ParameterPlacement", "clip_grad_norm_",
-           "gather_full"]
+__all__ = ["shard_module", "shard_for", "spec_for", "placement_of", "ParameterPlacement",
+           "clip_grad_norm_", "gather_full"]
 
 _CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
@@ -120,6 +120,35 @@ def shard_module(module: nn.Module, specs_for: Any, sharding: Sharding,
             sub._spmd_shard_handles = local
             sub.__class__ = _sharded_class(type(sub), local)
     return by_name
+
+
+def spec_for(name: str, param: torch.Tensor, setup: Any, options: Any) -> ops.ShardSpec:
+    """How ``param`` is cut: along dim 0 over the strategy's sharding dimension, each rank
+    ``ceil(rows / size)`` rows (a 0-dim parameter is one row)."""
+    strategy = setup.strategy
+    mesh = strategy.mesh
+    dim, replicate = strategy.shard_dim, strategy.replicate_dim
+    size = mesh.size(dim)
+    rows = param.shape[0] if param.dim() else 1
+    floating = param.is_floating_point()
+    return ops.ShardSpec(
+        param=name, shape=tuple(param.shape), dtype=param.dtype, rows=-(-rows // size),
+        group=None if mesh.simulated else mesh.get_group(dim), size=size, mesh_dim=dim,
+        replicate_group=(None if mesh.simulated or replicate is None
+                         else mesh.get_group(replicate)),
+        replicate_size=mesh.size(replicate) if replicate else 1, replicate_dim=replicate or "",
+        param_dtype=options.param_dtype if floating else None,
+        reduce_dtype=options.reduce_dtype if floating else None)
+
+
+def shard_for(module: nn.Module, setup: Any, options: Any, handles: ops.Handles
+              ) -> dict[str, ops.ShardSpec]:
+    """Shard ``module``'s parameters for ``setup``'s strategy (in place) and make its
+    state dicts whole; every parameter name -> its spec."""
+    shards = shard_module(module, lambda name, p: spec_for(name, p, setup, options),
+                          setup.strategy.parameter_sharding(), handles)
+    install_state_dict_hooks(module, shards)
+    return shards
 
 
 def gather_full(spec: ops.ShardSpec, shard: torch.Tensor) -> torch.Tensor:

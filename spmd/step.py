@@ -123,8 +123,12 @@ class ParallelStep:
         bound = self._bound
         if bound is not None and bound.model is model and bound.opt is opt:
             return bound
+        if self.options.sharded:
+            self._check_shardable(model, opt)  # before anything is sent
         setup = prepare_model(model, self.options, self.mesh, self._where)
         handles = ops.Handles()
+        if self.options.sharded:
+            self._shard(model, opt, setup, handles)
         trainable = {id(p) for p in model.parameters() if p.requires_grad}
         owned = {id(p) for g in opt.param_groups for p in g["params"]} if opt is not None else set()
         why = "no optimizer argument" if opt is None else why_not_fusable(opt)
@@ -136,6 +140,32 @@ class ParallelStep:
                              optimizer=handle, why_not=why, sync=ops.SyncState(track=False))
         self._programs.clear()
         return self._bound
+
+    def _check_shardable(self, model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
+        if getattr(model, "_spmd", None) is not None:
+            raise ValueError(f"{self._where}: the model is already parallelized as a module; "
+                             f"pass the plain model to a parallelized step")
+        if getattr(model, "_spmd_step_shards", None) is None and opt is not None and opt.state:
+            raise ValueError(f"{self._where}: strategy {self.options.strategy!r} shards the "
+                             f"parameters at the first call, but the optimizer already holds "
+                             f"state for the whole ones; create it just before the first step")
+
+    def _shard(self, model: nn.Module, opt: torch.optim.Optimizer | None, setup: Any,
+               handles: ops.Handles) -> None:
+        """``fsdp``/``hsdp``: the model's parameters become their shards (once per model),
+        and the optimizer is pointed at them. It must not hold state yet: state made for
+        whole parameters cannot be cut the same way silently."""
+        from spmd.sharded import shard_for
+
+        if getattr(model, "_spmd_step_shards", None) is not None:
+            return  # sharded by an earlier call (a new optimizer, say)
+        whole = {id(p): n for n, p in model.named_parameters()}
+        model._spmd_step_shards = shard_for(model, setup, self.options, handles)
+        shard = dict(model.named_parameters())
+        if opt is not None:
+            for group in opt.param_groups:
+                group["params"] = [shard[whole[id(p)]] if id(p) in whole else p
+                                   for p in group["params"]]
 
     # -- tracing ----------------------------------------------------------------------
 

@@ -338,3 +338,80 @@ def test_a_model_that_cannot_be_captured_trains_sharded_eagerly():
         assert sorted(p for p, _ in run["fallbacks"]) == sorted(want)
         assert all("gathered" in reason and "eagerly" in reason
                    for _, reason in run["fallbacks"])
+
+
+# -- whole training steps -------------------------------------------------------------------
+
+
+def _step(model, x, y, opt):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def step_job(rank: int, strategy: str, names: list[str]) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
+    world = dist.get_world_size()
+    out: dict = {}
+    try:
+        for name in names:
+            for opt_name, make in OPTIMIZERS.items():
+                model = SHARDED_MODELS[name]()
+                opt = make(model.parameters())
+                step = spmd.parallelize(_step, strategy=strategy, mesh=_mesh(strategy, world))
+                for i in range(STEPS):
+                    x, y = batch(name, step=i)
+                    step(model, _rows(x, rank, world), _rows(y, rank, world), opt)
+                out[(name, opt_name)] = {k: v.clone() for k, v in model.state_dict().items()}
+                plan = spmd.inspect(step)
+                out[("plan", name, opt_name)] = (
+                    list(plan.optimizer.values()),
+                    sorted({c.kind for c in plan.collectives}),
+                    {n: tuple(p.shape) for n, p in model.named_parameters()},
+                    len(opt.state) and sorted({tuple(s["exp_avg"].shape) for s in
+                                               opt.state.values() if "exp_avg" in s}))
+        # refused before anything is sent (so every rank raises on its own)
+        model = SHARDED_MODELS["mlp"]()
+        opt = OPTIMIZERS["adamw"](model.parameters())
+        _step(model, *batch("mlp"), opt)  # the optimizer now holds whole-tensor state
+        step = spmd.parallelize(_step, strategy=strategy, mesh=_mesh(strategy, world))
+        try:
+            step(model, *batch("mlp"), opt)
+        except ValueError as e:
+            out["stateful"] = str(e)
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def _check_steps(runs, names):
+    for name in names:
+        for opt_name in OPTIMIZERS:
+            want = _reference(name, opt_name)
+            for rank, run in enumerate(runs):
+                _close(run[(name, opt_name)], want, ATOL[opt_name],
+                       f"step {name}/{opt_name} rank {rank}")
+                optimizer, kinds, shapes, state = run[("plan", name, opt_name)]
+                assert optimizer and optimizer[0].startswith("fused"), optimizer
+                assert kinds == ["all_gather", "reduce_scatter"]
+                assert shapes != {n: tuple(p.shape) for n, p in
+                                  SHARDED_MODELS[name]().named_parameters()}
+                if opt_name == "adamw":  # AdamW's state is as big as the shards
+                    assert set(state) <= set(shapes.values()), (state, shapes)
+
+
+def test_whole_steps_run_the_fused_optimizer_on_shards():
+    names = ["mlp", "encoder", "tied"]
+    runs = dist.spawn(step_job, args=("fsdp", names), nprocs=2, start_method="forkserver",
+                      timeout=115)
+    _check_steps(runs, names)
+    assert "optimizer already holds state" in runs[0]["stateful"]
+
+
+def test_whole_steps_on_a_2x2_hybrid_mesh():
+    runs = dist.spawn(step_job, args=("hsdp", ["encoder"]), nprocs=4,
+                      start_method="forkserver", timeout=115)
+    _check_steps(runs, ["encoder"])

@@ -13,7 +13,7 @@ import spmd
 from spmd import runtime as dist
 from spmd.lowering.optimizer import optimizer_step
 
-from ..models import MODELS, batch
+from ..models import MODELS, SHARDED_MODELS, batch
 
 OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
@@ -37,9 +37,9 @@ def job(rank: int) -> dict:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     world = dist.get_world_size()
     out = {}
-    for model_name in ("mlp", "encoder"):
+    for model_name in ("mlp", "encoder", "tied"):
         for opt_name, make in OPTIMIZERS.items():
-            model = MODELS[model_name]()
+            model = SHARDED_MODELS[model_name]()
             opt = make(model.parameters())
             for step in range(STEPS):
                 x, y = batch(model_name, step=step)
@@ -61,9 +61,10 @@ def runs():
 
 
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
-@pytest.mark.parametrize("model_name", ["mlp", "encoder"])
+@pytest.mark.parametrize("model_name", ["mlp", "encoder", "tied"])
 def test_step_equals_one_process(runs, model_name, opt_name):
-    model = MODELS[model_name]()
+    # tied: one parameter in two layers is one input of the traced step
+    model = SHARDED_MODELS[model_name]()
     opt = OPTIMIZERS[opt_name](model.parameters())
     for step in range(STEPS):
         x, y = batch(model_name, step=step)

@@ -192,16 +192,44 @@ def test_uneven_rows_are_padded_and_placement_tells_the_global_shape():
     assert placed.rows == 6 and placed.padding == 0  # rank 0 of a simulated mesh
 
 
-def test_a_whole_step_with_a_sharded_strategy_is_refused_by_name():
-    def step(model, x, opt):
-        model(x).sum().backward()
+def test_a_whole_step_plans_gathers_reduce_scatters_and_the_fused_optimizer_on_copies():
+    def step(model, x, y, opt):
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    model = SHARDED_MODELS["mlp"]()
+    opt = torch.optim.AdamW(model.parameters())
+    x, y = batch("mlp")
+    plan = spmd.inspect(step, model, x, y, opt, mesh=spmd.Mesh.simulated(4), strategy="fsdp")
+    assert {c.kind for c in plan.collectives} == {"all_gather", "reduce_scatter"}
+    assert list(plan.optimizer.values())[0].startswith("fused")
+    # inspect planned on copies: the model and its optimizer are untouched
+    assert tuple(model.fc1.weight.shape) == (16, 8)
+    assert opt.param_groups[0]["params"][0] is model.fc1.weight
+
+
+def test_a_step_reading_sharded_gradients_is_refused_by_name():
+    def step(model, x, y, opt):
+        F.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # would see shards only
         opt.step()
 
-    with pytest.raises(ValueError, match="strategy 'fsdp' on a whole training-step"):
-        spmd.parallelize(step, strategy="fsdp")
-    with pytest.raises(ValueError, match="strategy 'hsdp' on a whole training-step"):
-        spmd.inspect(step, nn.Linear(2, 2), torch.zeros(1, 2), None,
-                     mesh=spmd.Mesh.simulated((2, 2), ("dp", "fsdp")), strategy="hsdp")
+    model = SHARDED_MODELS["mlp"]()
+    with pytest.raises(RuntimeError, match="each rank holds only its shard"):
+        spmd.inspect(step, model, *batch("mlp"), torch.optim.SGD(model.parameters(), lr=0.1),
+                     mesh=spmd.Mesh.simulated(2), strategy="fsdp")
+
+
+def test_a_model_parallelized_as_a_module_is_refused_by_a_sharded_step():
+    def step(model, x, y, opt):
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+    model = spmd.parallelize(SHARDED_MODELS["mlp"](), mesh=spmd.Mesh.simulated(2))
+    with pytest.raises(ValueError, match="already parallelized as a module"):
+        spmd.parallelize(step, strategy="fsdp", mesh=spmd.Mesh.simulated(2))(
+            model, *batch("mlp"), torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 def test_hsdp_shards_along_fsdp_and_splits_the_batch_along_both():
