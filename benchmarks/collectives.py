@@ -80,10 +80,12 @@ def rank_main(rank: int, max_bytes: int) -> list | None:
     from spmd import runtime as ours
 
     n = int(os.environ["WORLD_SIZE"])
-    ours.init_process_group("gloo", timeout=timedelta(seconds=300))
+    # torch's own group first, on its own connections: initialized after ours, torch would
+    # share our group and backend, and the comparison would be of the Python layers only
     port = int(os.environ["MASTER_PORT"]) + 1
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                              world_size=n, timeout=timedelta(seconds=300))
+    ours.init_process_group("gloo", timeout=timedelta(seconds=300))
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renamed functions
     rows = []
     for nbytes in [s for s in SIZES if s <= max_bytes]:

@@ -146,11 +146,13 @@ def rank_main(rank: int, steps: int, rounds: int, names: list[str]) -> dict | No
     from spmd import runtime as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    world = dist.get_world_size()
+    # torch DDP on a Gloo group of torch's own (initialized first: after ours, torch would
+    # share our group), as DDP users run it
     port = int(os.environ["MASTER_PORT"]) + 1
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                             world_size=world)
+                             world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    world = dist.get_world_size()
     make = {
         "spmd": lambda c: spmd.parallelize(_fresh(c)),
         "spmd, bucketing off": lambda c: spmd.parallelize(_fresh(c), bucket_cap_mb=0),

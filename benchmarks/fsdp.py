@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import socket
 import statistics
 import time
 import warnings
@@ -100,12 +99,6 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     return (torch.randint(0, VOCAB, (ROWS, LENGTH), generator=g),
             torch.randint(0, VOCAB, (ROWS, LENGTH), generator=g))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, batches, zero: bool = True) -> None:
@@ -178,11 +171,7 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, layers: int) -> di
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     world = dist.get_world_size()
-    # torch's group on a port rank 0 found free (MASTER_PORT + 1 may be another job's)
-    port = [_free_port() if rank == 0 else None]
-    dist.broadcast_object_list(port, src=0)
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port[0]}", rank=rank,
-                             world_size=world)
+    # torch.distributed sees the group spmd made: FSDP2 runs over the same Gloo connections
     mesh = init_device_mesh("cpu", (world,))
 
     def fsdp2() -> nn.Module:
@@ -255,8 +244,7 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, layers: int) -> di
         del model, opt, prof
 
     summary = str(plan).splitlines()[0]
-    tdist.destroy_process_group()
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # torch's view of the group goes with it
     if rank:
         return None
     return {"times": times, "memory": memory, "moved": moved, "differences": differences,

@@ -22,6 +22,11 @@ def rank_main(rank: int) -> dict:
 
     from spmd import runtime as dist
 
+    # torch.distributed's own group first, on its own port and connections, so the timing
+    # below compares two runtimes (initialized after ours, torch would share our group)
+    port = int(os.environ["MASTER_PORT"]) + 1
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                             world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     world = dist.get_world_size()
     total = torch.tensor([float(rank + 1)])
@@ -36,9 +41,6 @@ def rank_main(rank: int) -> dict:
     hosts = [None] * world
     dist.all_gather_object(hosts, {"rank": rank, "pid": os.getpid()})
 
-    port = int(os.environ["MASTER_PORT"]) + 1
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                             world_size=world)
     payload = torch.ones(1 << 18)  # 1 MiB
     timings = {}
     for name, fn in (("spmd", dist.all_reduce), ("torch.distributed", tdist.all_reduce)):

@@ -56,7 +56,6 @@ def make_batch(step: int, rank: int, world: int):
 
 def rank_main(rank: int, steps: int, compare: int, strategy: str = "ddp") -> dict:
     import torch
-    import torch.distributed as tdist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
@@ -94,10 +93,8 @@ def rank_main(rank: int, steps: int, compare: int, strategy: str = "ddp") -> dic
     if strategy != "ddp":
         summary += "\n\n" + str(spmd.inspect(model).memory("adamw"))
 
-    # the same model, data and group under torch DDP, timed against parallelize
-    port = int(os.environ["MASTER_PORT"]) + 1
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                             world_size=world)
+    # the same model, data and group under torch DDP, timed against parallelize: torch
+    # sees the group spmd made (no second rendezvous, the same Gloo connections)
     ddp = DistributedDataParallel(build_model())
     ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     peers = {"spmd": (model, opt), "ddp": (ddp, ddp_opt)}
@@ -118,8 +115,7 @@ def rank_main(rank: int, steps: int, compare: int, strategy: str = "ddp") -> dic
             t0 = time.perf_counter()
             step_with(m, o, steps + step)
             times[name].append(time.perf_counter() - t0)
-    tdist.destroy_process_group()
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # torch's view of the group goes with it
     warm = max(1, compare // 5)
     median = {k: sorted(v[warm:])[len(v[warm:]) // 2] for k, v in times.items()}
     return {"losses": losses, "summary": summary, "median": median}

@@ -10,7 +10,7 @@ import logging
 from datetime import timedelta
 from typing import Sequence
 
-from spmd.runtime import backends, config, context
+from spmd.runtime import backends, config, context, torch_groups
 from spmd.runtime.process_group import ProcessGroup
 from spmd.runtime.rendezvous import rendezvous
 from spmd.runtime.store.base import Store, as_seconds
@@ -155,6 +155,7 @@ def init_process_group(
                    own_store=store is None)
     group = _make_group(state, group_name or "default", list(range(size)), name, pg_timeout)
     state.default = group
+    torch_groups.share(group, default=True)  # torch.distributed sees it too
     ctx = context.current()
     ctx.state["world"] = state
     ctx.on_close(lambda: is_initialized() and destroy_process_group())
@@ -222,7 +223,10 @@ def new_group(
         name = group_name
     if name in state.groups:
         raise ValueError(f"new_group: a group named {name!r} already exists")
-    return _make_group(state, name, members, name_backend, pg_timeout)
+    group = _make_group(state, name, members, name_backend, pg_timeout)
+    if group.is_member:
+        torch_groups.share(group, default=False)
+    return group
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
@@ -230,6 +234,8 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     ctx = context.current()
     state = world("destroy_process_group")
     if group is None:
+        if any(g._torch is not None for g in state.groups.values()):
+            torch_groups.unshare_all()
         for g in list(state.groups.values()):
             g._destroy()
         state.groups.clear()
@@ -242,6 +248,8 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     if group is state.default:
         destroy_process_group(None)
         return
+    if group._torch is not None:
+        torch_groups.unshare(group)
     group._destroy()
     state.groups.pop(group.name, None)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 from spmd.runtime.groups import new_group, world
 from spmd.runtime.process_group import ProcessGroup
@@ -202,6 +202,22 @@ class Mesh:
         d = self._dim(dim)
         self._live("get_group")
         return self._groups[d]
+
+    def to_torch(self, device_type: str | None = None) -> Any:
+        """This mesh as a ``torch.distributed.device_mesh.DeviceMesh`` over the same process
+        groups (torch sees them: see :meth:`ProcessGroup.to_torch`), for DTensor and
+        ``torch.distributed.checkpoint``. ``device_type``: ``"cpu"`` for Gloo groups,
+        ``"cuda"`` for NCCL (the default follows the backend). No new group is made."""
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        self._live("to_torch")
+        groups = [self._groups[d].to_torch() for d in range(self.ndim)]
+        if device_type is None:
+            device_type = "cuda" if self._groups[0].backend == "nccl" else "cpu"
+        layout = torch.tensor(self.ranks, dtype=torch.int).view(self.shape)
+        return DeviceMesh.from_group(groups if self.ndim > 1 else groups[0], device_type,
+                                     mesh=layout, mesh_dim_names=self.dim_names)
 
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}={s}" for n, s in zip(self.dim_names, self.shape))

@@ -44,6 +44,7 @@ class ProcessGroup:
         self.backend = backend_name
         self._backend = backend
         self._backend_store = backend_store  # the backend's store adapter, kept alive
+        self._torch: Any = None  # this group as torch.distributed knows it, if shared
         self._store = store
         self.ranks = list(ranks)
         self._global_rank = global_rank
@@ -74,6 +75,16 @@ class ProcessGroup:
         members), for agreeing on things outside the data plane: measured figures,
         plan fingerprints. None for a group made without one."""
         return self._store
+
+    def to_torch(self) -> Any:
+        """This group as ``torch.distributed`` knows it (a ``torch.distributed.ProcessGroup``
+        over the same backend), for torch APIs that take a group: DTensor's
+        ``DeviceMesh.from_group``, ``torch.distributed.checkpoint``, torch's DDP.
+        ``RuntimeError`` saying why when torch does not know it (thread ranks, or a
+        program that initialized torch.distributed itself first)."""
+        from spmd.runtime.torch_groups import torch_group
+
+        return torch_group(self)
 
     def rank(self) -> int:
         """This rank's index in the group (-1 when not a member)."""

@@ -13,7 +13,7 @@ import spmd
 from spmd import runtime as dist
 from spmd.lowering.optimizer import optimizer_step
 
-from ..models import MODELS, SHARDED_MODELS, batch
+from ..models import SHARDED_MODELS, batch
 
 OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
