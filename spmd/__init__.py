@@ -25,7 +25,7 @@ _EXPORTS: dict[str, str] = {
     "placement_of": "spmd.sharded",
     "ParameterPlacement": "spmd.sharded",
 }
-_SUBMODULES = ("runtime", "lowering", "kernels")
+_SUBMODULES = ("runtime", "lowering", "kernels", "checkpoint")
 
 __all__ = [*_SUBMODULES, *_EXPORTS]
 
