@@ -27,8 +27,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/ddp.py
+	$(PY) benchmarks/fsdp.py
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/planning.py
+	$(PY) benchmarks/planning.py --strategy fsdp
 	$(PY) benchmarks/store.py
 	$(PY) benchmarks/collectives.py --overhead
 	$(PY) benchmarks/collectives.py
