@@ -9,7 +9,7 @@ optimizer (AdamW) for every variant:
 - ``spmd fsdp``: ``spmd.parallelize(model, strategy="fsdp")`` with its defaults (dim-0
   shards, bucketed all-gathers one bucket ahead, reduce-scatters, reshard after forward);
 - ``torch FSDP2``: ``torch.distributed.fsdp.fully_shard`` on each transformer layer, then
-  on the root, over a ``torch.distributed`` Gloo group the same processes join;
+  on the root, over the same Gloo group (torch.distributed sees the group spmd made);
 - ``spmd ddp``: ``spmd.parallelize(model)`` (parameters replicated, gradients averaged).
 
 The model: token embedding, ``--layers`` pre-norm ``nn.TransformerEncoderLayer``s of
