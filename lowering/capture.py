@@ -14,6 +14,7 @@ gradients then reach the eager safety net, so training stays correct.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -185,14 +186,12 @@ class Capture:
             from torch._inductor.decomposition import select_decomp_table
 
             decompositions = select_decomp_table()
-        extra: dict[str, Any] = {}
-        if self.reshard:
-            from spmd.lowering.reshard import partition
+        from spmd.lowering.partition import partition
 
-            extra["partition_fn"] = partition
         return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler,
-                            inference_compiler=forward_compiler,
-                            decompositions=decompositions, **extra)(gm, example_inputs)
+                            inference_compiler=forward_compiler, decompositions=decompositions,
+                            partition_fn=functools.partial(partition, reshard=self.reshard)
+                            )(gm, example_inputs)
 
 
 _OURS = ("sharding", "spmd_collective", "spmd_role")

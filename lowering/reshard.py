@@ -7,7 +7,8 @@ from forward to backward, every layer's whole parameters would be alive at once 
 end of the forward, which is what sharding is meant to avoid (``reshard_after_forward=
 True``, FSDP's default, ZeRO-3).
 
-:func:`partition` wraps AOTAutograd's partitioner: for each saved value that is a
+:func:`reshard_saved` runs after AOTAutograd's partitioner
+(``spmd.lowering.partition``): for each saved value that is a
 parameter's gather followed only by ops of one input (views, transposes), the forward
 saves the parameter's shard instead, and the backward starts by replaying the gather and
 those ops on it. The number and order of saved values stay the same, so the runtime
@@ -17,14 +18,12 @@ backward's gathers like the forward's.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.fx as fx
 
 from spmd.lowering import ops
 
-__all__ = ["partition", "reshard_saved", "RESHARDED"]
+__all__ = ["reshard_saved", "RESHARDED"]
 
 RESHARDED = "spmd_resharded"  # backward placeholder meta: the forward shard it now holds
 
@@ -82,12 +81,3 @@ def reshard_saved(fw: fx.GraphModule, bw: fx.GraphModule) -> list[str]:
         bw.graph.lint()
         bw.recompile()
     return changed
-
-
-def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple:
-    """AOTAutograd's default partition, then :func:`reshard_saved`."""
-    from torch._functorch.partitioners import default_partition
-
-    fw, bw = default_partition(joint, joint_inputs, **kwargs)
-    reshard_saved(fw, bw)
-    return fw, bw

@@ -1,0 +1,89 @@
+"""partition: how AOTAutograd splits a captured region into forward and backward graphs,
+and the two rewrites of the pair made there, where both graphs and the list of values
+the forward saves for the backward are in hand.
+
+1. Copies that only duplicate memory are dropped (:func:`drop_copies`). Functionalized
+   graphs never write in place, so ``clone(x)`` of a contiguous intermediate ``x`` holds
+   the same values in new memory; where the forward saves both (dropout with ``p=0`` in
+   training decomposes to a clone, and a transformer layer then keeps its feed-forward
+   activation twice, once for the ReLU's backward and once for the next matmul's), the
+   copy costs a whole activation per layer until the backward runs. A copy that reaches
+   a value the caller receives is kept: the caller may write into it.
+2. For sharded parameters, ``reshard_after_forward``: the forward saves shards, not
+   gathered parameters (:func:`spmd.lowering.reshard.reshard_saved`).
+
+The number and order of saved values never change, so AOTAutograd's runtime wrapper
+around the pair is unaffected.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from spmd.lowering.reshard import reshard_saved
+
+__all__ = ["partition", "drop_copies"]
+
+aten = torch.ops.aten
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int,
+          aten.permute.default, aten.expand.default, aten.detach.default, aten.alias.default,
+          aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
+          aten.squeeze.default, aten.as_strided.default}
+_FORMATS = (None, torch.preserve_format, torch.contiguous_format)
+
+
+def _reaches(node: fx.Node, targets: set[fx.Node]) -> bool:
+    """Whether ``node``, or a view of it, is one of ``targets``."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in targets:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(u for u in n.users if u.target in _VIEWS)
+    return False
+
+
+def drop_copies(fw: fx.GraphModule, bw: fx.GraphModule) -> list[str]:
+    """Replace every ``clone`` of a contiguous forward intermediate by the intermediate
+    itself where neither reaches a value the caller receives; the clones dropped."""
+    saved = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
+    output = fw.graph.output_node()
+    given = {a for a in output.all_input_nodes if a.name not in saved}  # the caller's
+    dropped = []
+    for node in list(fw.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.clone.default:
+            continue
+        source = node.args[0]
+        val = source.meta.get("val") if isinstance(source, fx.Node) else None
+        if (source.op == "placeholder" or not isinstance(val, torch.Tensor)
+                or not val.is_contiguous()
+                or node.kwargs.get("memory_format") not in _FORMATS):
+            continue
+        if _reaches(node, given) or _reaches(source, given):
+            continue
+        node.replace_all_uses_with(source)
+        fw.graph.erase_node(node)
+        dropped.append(node.name)
+    if dropped:
+        fw.graph.lint()
+        fw.recompile()
+    return dropped
+
+
+def partition(joint: fx.GraphModule, joint_inputs: Any, *, reshard: bool = False,
+              **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """AOTAutograd's default partition, then :func:`drop_copies` and (``reshard``) the
+    resharding of saved parameters."""
+    from torch._functorch.partitioners import default_partition
+
+    fw, bw = default_partition(joint, joint_inputs, **kwargs)
+    drop_copies(fw, bw)
+    if reshard:
+        reshard_saved(fw, bw)
+    return fw, bw
