@@ -415,3 +415,24 @@ def test_whole_steps_on_a_2x2_hybrid_mesh():
     runs = dist.spawn(step_job, args=("hsdp", ["encoder"]), nprocs=4,
                       start_method="forkserver", timeout=115)
     _check_steps(runs, ["encoder"])
+
+
+def _batchnorm_job(rank: int) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    world = dist.get_world_size()
+    out = {}
+    try:
+        for strategy in ("ddp", "fsdp"):
+            model = spmd.parallelize(SHARDED_MODELS["batchnorm"](), strategy=strategy)
+            out[strategy] = _train(model, OPTIMIZERS["sgd"](model.parameters()), "batchnorm",
+                                   rank, world)
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def test_buffers_are_broadcast_and_batch_statistics_per_rank_as_with_ddp():
+    runs = dist.spawn(_batchnorm_job, nprocs=2, start_method="forkserver", timeout=100)
+    for run in runs:  # each rank's shard statistics, rank 0's running stats each forward
+        _close(run["fsdp"], run["ddp"], 1e-6, "batchnorm: fsdp against ddp")

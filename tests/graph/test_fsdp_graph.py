@@ -245,3 +245,14 @@ def test_hsdp_shards_along_fsdp_and_splits_the_batch_along_both():
     fw = _graph(plan, "forward")
     inputs = [n.meta["sharding"].placements for n in fw.graph.nodes if n.op == "placeholder"]
     assert (Shard(0), Shard(0)) in inputs  # the batch
+
+
+def test_the_predicted_timeline_shows_gathers_beside_the_forward_compute():
+    _, plan = _planned(Deep(), "mlp", bucket_cap_mb=0.01)
+    timeline = plan.predicted_timeline()
+    forward = [sp for sp in timeline.lane("compute") if "forward" in sp.label]
+    gathers = [sp for sp in timeline.lane("communication") if sp.label.startswith("all_gather")]
+    forward_end = max(sp.end for sp in forward)
+    early = [g for g in gathers if g.start < forward_end]
+    assert len(early) >= 4  # the forward's gathers run during the forward, one ahead
+    assert any(g.start > min(sp.start for sp in forward) for g in early)
