@@ -28,7 +28,7 @@ from spmd.lowering import ops
 from spmd.lowering.placements import Sharding
 
 __all__ = ["shard_module", "shard_for", "spec_for", "placement_of", "ParameterPlacement",
-           "clip_grad_norm_", "gather_full"]
+           "clip_grad_norm_", "total_norm", "install_clip", "gather_full"]
 
 _CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
@@ -145,6 +145,7 @@ def shard_for(module: nn.Module, setup: Any, options: Any, handles: ops.Handles
               ) -> dict[str, ops.ShardSpec]:
     """Shard ``module``'s parameters for ``setup``'s strategy (in place) and make its
     state dicts whole; every parameter name -> its spec."""
+    install_clip()
     shards = shard_module(module, lambda name, p: spec_for(name, p, setup, options),
                           setup.strategy.parameter_sharding(), handles)
     install_state_dict_hooks(module, shards)
@@ -201,11 +202,63 @@ def install_state_dict_hooks(module: nn.Module, shards: dict[str, ops.ShardSpec]
     module._register_load_state_dict_pre_hook(to_local)
 
 
-def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float,
-                    group: Any) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for gradients spread over ``group``'s shards:
-    each rank's part of the norm, summed over the group, so every rank clips by the norm
-    of the whole gradient (padding rows hold zeros and add nothing)."""
+_ORIGINAL_CLIP: Any = None
+
+
+def _shard_group(params: list[torch.Tensor]) -> Any:
+    """The process group the shards among ``params`` are spread over (None: not live);
+    ``ValueError`` for a mix of shards and whole parameters, or of several meshes."""
+    placed = [getattr(p, "_spmd_placement", None) for p in params]
+    if all(p is None for p in placed):
+        return False
+    if any(p is None for p in placed):
+        raise ValueError("clip_grad_norm_: the parameters mix shards of a sharded model with "
+                         "whole tensors; clip each model's parameters on their own")
+    meshes = {p.sharding.mesh for p in placed}
+    if len(meshes) != 1:
+        raise ValueError("clip_grad_norm_: the parameters are shards of models on different "
+                         "meshes; clip each model's parameters on their own")
+    sharding = placed[0].sharding
+    mesh = sharding.mesh
+    dim = next(n for n, q in zip(mesh.dim_names, sharding.placements) if q.is_shard())
+    return None if mesh.simulated or mesh.size(dim) == 1 else mesh.get_group(dim)
+
+
+def _torch_clip_on_shards(parameters: Any, max_norm: float, norm_type: float = 2.0,
+                          error_if_nonfinite: bool = False, foreach: Any = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``, made right for shards: on a sharded model's
+    parameters each rank holds part of every gradient, so torch's own function would clip
+    each rank by its part of the norm; here the parts are summed over the group first.
+    Anything else goes to torch's function unchanged."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    group = _shard_group(params)
+    if group is False:
+        return _ORIGINAL_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    total = total_norm(params, norm_type, group)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from "
+                           f"`parameters` is non-finite, so it cannot be clipped")
+    return clip_grad_norm_(params, max_norm, norm_type, None, total=total)
+
+
+def install_clip() -> None:
+    """Point ``torch.nn.utils.clip_grad_norm_`` at :func:`_torch_clip_on_shards` (once):
+    code that clips a sharded model the torch way then clips by the whole gradient's
+    norm. A name imported from torch before any sharded model existed keeps torch's."""
+    global _ORIGINAL_CLIP
+    import torch.nn.utils as utils
+    import torch.nn.utils.clip_grad as clip_module
+
+    if _ORIGINAL_CLIP is not None:
+        return
+    _ORIGINAL_CLIP = clip_module.clip_grad_norm_
+    utils.clip_grad_norm_ = _torch_clip_on_shards
+    clip_module.clip_grad_norm_ = _torch_clip_on_shards
+
+
+def total_norm(params: Iterable[torch.Tensor], norm_type: float, group: Any) -> torch.Tensor:
+    """The norm of the whole gradient whose parts (shards) ``params`` hold on this rank:
+    each rank's part, summed (max for the inf-norm) over ``group`` (None: this rank's)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
@@ -216,16 +269,25 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: 
             from spmd.runtime.collectives import ReduceOp, all_reduce
 
             all_reduce(local, op=ReduceOp.MAX, group=group)
-        total = local
-    else:
-        local = torch.stack([g.detach().float().norm(norm_type) ** norm_type
-                             for g in grads]).sum()
-        if group is not None:
-            from spmd.runtime.collectives import all_reduce
+        return local
+    local = torch.stack([g.detach().float().norm(norm_type) ** norm_type for g in grads]).sum()
+    if group is not None:
+        from spmd.runtime.collectives import all_reduce
 
-            all_reduce(local, group=group)
-        total = local ** (1.0 / norm_type)
+        all_reduce(local, group=group)
+    return local ** (1.0 / norm_type)
+
+
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float,
+                    group: Any, total: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for gradients spread over ``group``'s shards:
+    every rank clips by the norm of the whole gradient (:func:`total_norm`; padding rows
+    hold zeros and add nothing); the norm."""
+    params = list(params)
+    if total is None:
+        total = total_norm(params, norm_type, group)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.detach().mul_(coef.to(g.dtype))
+    for p in params:
+        if p.grad is not None:
+            p.grad.detach().mul_(coef.to(p.grad.dtype))
     return total

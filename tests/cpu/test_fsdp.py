@@ -216,6 +216,12 @@ def semantics_job(rank: int) -> dict:
         out["accumulated"] = {n: p.grad.clone() for n, p in model.named_parameters()}
         out["clip_norm"] = float(model.clip_grad_norm_(0.01))
         out["clipped"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        # torch's own clip_grad_norm_ on the shards clips by the whole gradient's norm too
+        again = spmd.parallelize(SHARDED_MODELS["mlp"](), strategy="fsdp")
+        for a, b in halves:
+            F.mse_loss(again(_rows(a, rank, world)), _rows(b, rank, world)).backward()
+        out["torch_clip_norm"] = float(torch.nn.utils.clip_grad_norm_(again.parameters(), 0.01))
+        out["torch_clipped"] = {n: p.grad.clone() for n, p in again.named_parameters()}
 
         # eval: gathers what it needs, no gradient
         model.eval()
@@ -286,11 +292,12 @@ def test_no_sync_accumulates_and_clipping_uses_the_whole_norm(semantics):
             rows = g.shape[0]
             whole = want[name][rank * rows:(rank + 1) * rows]
             assert torch.allclose(g[:len(whole)], whole, atol=1e-6), name
-        assert abs(run["clip_norm"] - norm.item()) < 1e-5
-        for name, g in run["clipped"].items():
-            rows = g.shape[0]
-            whole = model.get_parameter(name).grad[rank * rows:(rank + 1) * rows]
-            assert torch.allclose(g[:len(whole)], whole, atol=1e-7), name
+        for how in ("", "torch_"):
+            assert abs(run[f"{how}clip_norm"] - norm.item()) < 1e-5, how
+            for name, g in run[f"{how}clipped"].items():
+                rows = g.shape[0]
+                whole = model.get_parameter(name).grad[rank * rows:(rank + 1) * rows]
+                assert torch.allclose(g[:len(whole)], whole, atol=1e-7), (how, name)
 
 
 def test_eval_forward_gathers_and_matches_one_process(semantics):
