@@ -19,7 +19,7 @@ from spmd.runtime.store import FileStore, HashStore, PrefixStore, Store, TCPStor
 # name -> module, imported when first used (these import torch)
 _LAZY = {
     "to_torch_store": "spmd.runtime.store.torch_adapter",
-    "ReduceOp": "spmd.runtime.reduce_op",
+    "ReduceOp": "spmd.runtime.reduction",
     "ProcessGroup": "spmd.runtime.process_group",
     "Work": "spmd.runtime.process_group",
     "Mesh": "spmd.runtime.mesh",
@@ -36,6 +36,19 @@ _LAZY = {
     **{name: "spmd.runtime.objects" for name in (
         "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
         "monitored_barrier")},
+    **{name: "spmd.runtime.compat" for name in (
+        "is_available", "is_gloo_available", "is_nccl_available", "is_mpi_available",
+        "is_ucc_available", "is_xccl_available", "is_backend_available", "Backend",
+        "BackendConfig", "DebugLevel", "get_debug_level", "set_debug_level",
+        "set_debug_level_from_env", "GroupMember", "group", "DistBackendError",
+        "DistNetworkError", "get_node_local_rank", "is_torchelastic_launched",
+        "send_object_list", "recv_object_list", "new_subgroups",
+        "new_subgroups_by_enumeration", "default_pg_timeout", "supports_complex",
+        "get_backend_config", "get_default_backend_for_device", "get_pg_count",
+        "all_reduce_coalesced", "all_gather_coalesced", "AllreduceOptions",
+        "AllreduceCoalescedOptions", "AllToAllOptions", "BarrierOptions", "BroadcastOptions",
+        "GatherOptions", "ReduceOptions", "ReduceScatterOptions", "ScatterOptions",
+        "GroupName", "RankType", "ProcessGroupGloo", "DeviceMesh", "init_device_mesh")},
 }
 
 __all__ = [
@@ -49,6 +62,12 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name in ("rpc", "autograd", "optim"):  # subpackages, imported on first use
         return importlib.import_module(f"spmd.runtime.{name}")
+    if name == "reduce_op":  # torch's deprecated alias, with torch's warning
+        import warnings
+
+        warnings.warn("`torch.distributed.reduce_op` is deprecated, please use "
+                      "`torch.distributed.ReduceOp` instead", FutureWarning, stacklevel=2)
+        return __getattr__("ReduceOp")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'spmd.runtime' has no attribute {name!r}")

@@ -17,7 +17,7 @@ import torch.distributed as _dist
 from spmd.runtime import checks
 from spmd.runtime.groups import resolve_group
 from spmd.runtime.process_group import ProcessGroup, Work
-from spmd.runtime.reduce_op import ReduceOp
+from spmd.runtime.reduction import ReduceOp
 
 W = checks.wire
 

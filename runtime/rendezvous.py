@@ -6,7 +6,9 @@ Three schemes, as in ``torch.distributed``:
 - ``file:///path?rank=R&world_size=W``: a FileStore at ``/path``.
 - ``env://``: ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` from the
   environment, as torchrun sets them; under Slurm (srun), ``SLURM_PROCID`` and
-  ``SLURM_NTASKS`` stand in for ``RANK`` and ``WORLD_SIZE``. Under torchrun's agent store
+  ``SLURM_NTASKS`` stand in for ``RANK`` and ``WORLD_SIZE``, and under MPI launchers
+  (``mpirun``) ``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE`` (Open MPI) or
+  ``PMI_RANK``/``PMI_SIZE`` (MPICH, Intel MPI) do. Under torchrun's agent store
   (``TORCHELASTIC_USE_AGENT_STORE=True``) every rank is a client of the agent's store.
 
 Rank and world size come from the arguments, then the URL's query, then the
@@ -125,8 +127,11 @@ def rendezvous(
 
     agent_store = False
     if scheme == "env":
-        rank = _pick("rank", rank, query, ("RANK", "SLURM_PROCID"), url)
-        world_size = _pick("world_size", world_size, query, ("WORLD_SIZE", "SLURM_NTASKS"), url)
+        rank = _pick("rank", rank, query,
+                     ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"), url)
+        world_size = _pick("world_size", world_size, query,
+                           ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"),
+                           url)
         host = _env("MASTER_ADDR", url)
         port = _port(_env("MASTER_PORT", url), "MASTER_PORT")
         agent_store = getenv("TORCHELASTIC_USE_AGENT_STORE") == "True"

@@ -408,6 +408,18 @@ class DataParallel:
         state: ModuleState = self._spmd  # type: ignore[attr-defined]
         return state.forward(self, self._spmd_original_forward, *args, **kwargs)
 
+    @property
+    def module(self) -> nn.Module:
+        """The model itself, as ``DistributedDataParallel.module`` gives the wrapped model
+        (code written for DDP reads ``model.module.state_dict()``); a child the model
+        itself named ``module`` wins."""
+        own = self._modules.get("module")  # type: ignore[attr-defined]
+        return own if own is not None else self  # type: ignore[return-value]
+
+    @module.setter
+    def module(self, value: nn.Module) -> None:
+        nn.Module.__setattr__(self, "module", value)  # type: ignore[arg-type]
+
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Skip gradient averaging in this context (gradient accumulation), as DDP does:
         the next backward outside it averages everything accumulated. Sharded strategies

@@ -1,0 +1,152 @@
+"""The names of torch.distributed that training scripts call resolve in spmd.runtime with
+torch's meaning; what is deliberately left out is listed here, with why."""
+
+from __future__ import annotations
+
+import socket
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spmd
+from spmd import runtime as dist
+
+# torch.distributed.distributed_c10d.__all__ names not provided, and why
+EXCLUDED = {
+    "all_gather_single": "new experimental single-tensor API of torch 2.13; all_gather_into_tensor",
+    "reduce_scatter_single": "new experimental single-tensor API; reduce_scatter_tensor",
+    "split_group": "splits a backend's communicator (NCCL-only internals)",
+    "shrink_group": "fault-tolerance internals of torch's own groups",
+    "record_comm": "torch's internal communication recorder",
+    "get_rank_to_device_map": "torch's internal device map",
+    "get_group_rank_to_device_map": "torch's internal device map",
+}
+
+
+def test_every_public_c10d_name_resolves_or_is_listed():
+    import torch.distributed.distributed_c10d as c10d
+
+    missing = sorted(n for n in c10d.__all__ if not hasattr(dist, n) and n not in EXCLUDED)
+    assert missing == [], f"torch.distributed names missing from spmd.runtime: {missing}"
+
+
+def test_torch_meanings():
+    assert dist.is_available() and dist.is_gloo_available() == torch.distributed.is_gloo_available()
+    assert dist.Backend.GLOO == "gloo" and dist.Backend("NCCL") == "nccl"
+    assert dist.get_default_backend_for_device("cpu") == "gloo"
+    assert dist.get_default_backend_for_device(torch.device("cuda")) == "nccl"
+    assert issubclass(dist.DistBackendError, torch.distributed.DistBackendError)
+    assert issubclass(dist.DistBackendError, dist.DistError)
+    assert issubclass(dist.DistNetworkError, torch.distributed.DistNetworkError)
+    assert dist.GroupMember.WORLD is None  # before init, as in torch
+    assert not dist.is_torchelastic_launched()
+    with pytest.warns(FutureWarning, match="reduce_op` is deprecated"):
+        assert dist.reduce_op.SUM == dist.ReduceOp.SUM
+    with pytest.raises(RuntimeError, match="LOCAL_RANK"):
+        dist.get_node_local_rank()
+    assert dist.get_node_local_rank(fallback_rank=3) == 3
+
+
+def _groups(rank: int) -> dict:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    out: dict = {"world": dist.group.WORLD is dist.GroupMember.WORLD,
+                 "local_rank": dist.get_node_local_rank(),
+                 "config": dist.get_backend_config()}
+    t = torch.ones(1)
+    dist.all_reduce(t, group=dist.group.WORLD)  # the tutorial's spelling
+    out["sum"] = t.item()
+    mine, subgroups = dist.new_subgroups(group_size=2)
+    out["subgroup"] = (mine.ranks, len(subgroups))
+    # objects by point-to-point: rank 0 -> 3 by global rank, rank 1 -> group rank 0 of a pair
+    if rank == 0:
+        dist.send_object_list([{"from": 0}, [1, 2]], dst=3)
+    if rank == 3:
+        box = [None, None]
+        out["sender"] = dist.recv_object_list(box)  # any source
+        out["objects"] = box
+    pair = dist.new_group([1, 2])
+    if rank == 2:
+        dist.send_object_list(["hello"], group=pair, group_dst=0)
+    if rank == 1:
+        box = [None]
+        dist.recv_object_list(box, group=pair, group_src=1)
+        out["pair"] = box[0]
+    out["pg_count"] = dist.get_pg_count()
+    dist.destroy_process_group()
+    return out
+
+
+def test_group_names_and_object_point_to_point():
+    runs = dist.spawn(_groups, nprocs=4, start_method="forkserver", timeout=60)
+    for rank, out in enumerate(runs):
+        assert out["world"] and out["sum"] == 4.0 and out["config"] == "cpu:gloo"
+        assert out["local_rank"] == rank
+        assert out["subgroup"] == ([0, 1] if rank < 2 else [2, 3], 2)
+        assert out["pg_count"] == 1 + 2 + 1  # default, two subgroups, the pair
+    assert runs[3]["sender"] == 0 and runs[3]["objects"] == [{"from": 0}, [1, 2]]
+    assert runs[1]["pair"] == "hello"
+
+
+def _sync_batchnorm(rank: int) -> str:
+    """torch's SyncBatchNorm on our group. Before torch saw our groups it ran as a plain
+    BatchNorm here, each rank with its own statistics and no error; now it knows it is
+    distributed, and on CPU tensors torch refuses (it synchronises CUDA tensors only)."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
+        x = torch.randn(8, 3, 4)
+        bn = nn.SyncBatchNorm(3)
+        try:
+            bn(x[rank * 4:(rank + 1) * 4])
+        except ValueError as e:
+            return str(e)
+        return "ran"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sync_batchnorm_is_no_longer_silently_per_rank():
+    for out in dist.spawn(_sync_batchnorm, nprocs=2, start_method="forkserver", timeout=60):
+        assert "expected input tensor to be on GPU" in out
+
+
+def test_model_module_is_the_model_as_with_ddp():
+    model = spmd.parallelize(nn.Linear(2, 2), mesh=spmd.Mesh.simulated(2))
+    assert model.module is model
+    assert list(model.module.state_dict()) == ["weight", "bias"]
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.module(x)
+
+    wrapped = spmd.parallelize(Wrapper(), mesh=spmd.Mesh.simulated(2))
+    assert isinstance(wrapped.module, nn.Linear)  # the model's own child wins
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("rank_var, size_var", [("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                                                ("PMI_RANK", "PMI_SIZE")])
+def test_env_rendezvous_reads_mpi_variables(monkeypatch, rank_var, size_var):
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK",
+                 "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv(rank_var, "0")
+    monkeypatch.setenv(size_var, "1")
+    store, rank, size = dist.rendezvous("env://")
+    try:
+        assert (rank, size) == (0, 1)
+    finally:
+        store.close()
