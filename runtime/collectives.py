@@ -84,6 +84,8 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     checks.tensor(tensor, "all_reduce", pg)
     rop, divide = _reduction(pg, op, tensor.dtype, "all_reduce")
     seq = pg._begin("all_reduce", lambda: f"{checks.describe(tensor)}, op={ReduceOp.of(op).name}")
+    if pg.join_log is not None:
+        pg.join_log[-1].update(shape=tuple(tensor.shape), dtype=tensor.dtype, reduce=op)
     buf, back = _staged(tensor)
     opts = _options(_dist.AllreduceOptions, rop)
     size = pg.size()
@@ -99,6 +101,8 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
     checks.tensor(tensor, "broadcast", pg)
     root = pg.group_rank(src, "broadcast: src")
     seq = pg._begin("broadcast", lambda: f"{checks.describe(tensor)}, src={src}")
+    if pg.join_log is not None:
+        pg.join_log[-1].update(shape=tuple(tensor.shape), dtype=tensor.dtype, src=src)
     buf, back = _staged(tensor)
     opts = _dist.BroadcastOptions()
     opts.rootRank = root

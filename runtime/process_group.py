@@ -45,6 +45,7 @@ class ProcessGroup:
         self._backend = backend
         self._backend_store = backend_store  # the backend's store adapter, kept alive
         self._torch: Any = None  # this group as torch.distributed knows it, if shared
+        self.join_log: list[dict] | None = None  # collectives recorded for spmd.Join
         self._store = store
         self.ranks = list(ranks)
         self._global_rank = global_rank
@@ -124,9 +125,38 @@ class ProcessGroup:
                 f"{op}: rank {self._global_rank} is not a member of process group "
                 f"{self.name!r} (global ranks {self.ranks})")
 
+    def _left_peers(self, seq: int | None) -> list[int]:
+        """Global ranks of members that left this group (``destroy_process_group``) before
+        entering collective ``seq`` (one that entered it may have left after its part)."""
+        store = self._store
+        if store is None or seq is None:
+            return []
+        try:
+            if store.add("left", 0) == 0:
+                return []
+            gone = []
+            for r, g in enumerate(self.ranks):
+                if r != self._me and store.check([f"left/{r}"]):
+                    if int(store.get(f"left/{r}").decode()) < seq:
+                        gone.append(g)
+            return gone
+        except Exception:  # the store itself is gone: the operation's own error will say
+            return []
+
+    def _announce_leave(self) -> None:
+        """Tell the other members this rank leaves (their waits stop waiting for it)."""
+        if self._store is None or not self.is_member or self._destroyed:
+            return
+        try:
+            self._store.set(f"left/{self._me}", str(self._seq))
+            self._store.add("left", 1)
+        except Exception:  # a store already gone: nobody left to tell
+            pass
+
     def _destroy(self) -> None:
         if self._destroyed:
             return
+        self._announce_leave()
         self._destroyed = True
         health.unregister(self)
         backend, self._backend = self._backend, None
@@ -155,6 +185,8 @@ class ProcessGroup:
         """Take the next collective sequence number; in debug mode compare calls first.
         Callers have checked the group with ``require`` (``resolve_group`` does)."""
         self._seq += 1
+        if self.join_log is not None:  # spmd.Join: what a joined rank must shadow
+            self.join_log.append({"op": op})
         if self.debug and fingerprint is not None:
             self._compare(self._seq, f"{op}({fingerprint()})")
         return self._seq
@@ -305,7 +337,7 @@ class Work:
             elif self._group._threaded:
                 self._wait_abortable()
             else:
-                self._inner.wait()
+                self._wait_watching()
         except Exception as e:
             with self._lock:
                 if self._error is None:
@@ -338,12 +370,41 @@ class Work:
         """Thread-ranks: wait in slices so an aborted rank context stops the wait."""
         finished = self._finished_event()
         ctx = self._group._context
+        waited = 0.0
         while finished is not None and not finished(0.05):
             if ctx.aborted:
                 self._group._poisoned = True
                 _bury(self._inner)
                 raise DistError(f"aborted: {ctx.aborted}")
+            waited += 0.05
+            if waited >= 1.0:
+                waited = 0.5
+                self._check_left()
         self._inner.wait()
+
+    def _wait_watching(self) -> None:
+        """Wait for the backend. Past a second, check every half second whether a peer
+        has left the group (``destroy_process_group``): this operation would otherwise
+        wait for it until the group's timeout (a rank that ran out of inputs, say)."""
+        if self._inner.is_completed():
+            self._inner.wait()
+            return
+        finished = self._finished_event()
+        if finished is not None and not finished(1.0):
+            while not finished(0.5):
+                self._check_left()
+        self._inner.wait()
+
+    def _check_left(self) -> None:
+        left = self._group._left_peers(self._seq)
+        if left:
+            names = ", ".join(map(str, left))
+            raise DistError(
+                f"{self._op} on process group {self._group.name!r}"
+                + (f" (collective {self._seq})" if self._seq is not None else "")
+                + f": rank {names} left the group (destroy_process_group) without joining "
+                  f"this operation; a rank that runs out of inputs before the others can "
+                  f"shadow their collectives under model.join() (spmd.Join)")
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         if timeout is not None:

@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "Partial": "spmd.lowering.placements",
     "Options": "spmd.lowering.options",
     "placement_of": "spmd.sharded",
+    "Join": "spmd.join",
     "ParameterPlacement": "spmd.sharded",
 }
 _SUBMODULES = ("runtime", "lowering", "kernels", "checkpoint")

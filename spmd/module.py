@@ -91,6 +91,9 @@ class ModuleState:
         self.measured: Any = None  # the last profiled step's Timeline
         self.discovery = DISCOVERY_STEPS  # steps left with a hook on every parameter
         self._hooks: dict[str, Any] = {}
+        self.join: Any = None  # the spmd.Join context this model trains in, if any
+        self.ran: list[str] = []  # regions this forward ran, in order
+        self.last_ran: list[str] = []  # ... and the previous training forward
         self._hook_all()
 
     # -- planning ---------------------------------------------------------------------
@@ -281,15 +284,20 @@ class ModuleState:
             self.sync.begin_step()
             if self.profiler is not None:
                 self.profiler.begin_step()
+            if self.join is not None:
+                self.join.notify(self)
             if self.options.broadcast_buffers and self.buffers and self.communicates:
-                broadcast_coalesced(self.buffers.values(), self.group.ranks[0], self.group)
+                broadcast_coalesced(self.buffers.values(), self._buffer_source(), self.group)
             if self.sync.enabled and self.accumulated:
                 self._reduce_accumulated()
             elif not self.sync.enabled:
                 self.accumulated = True
         if self.compiled is None:
             self.compiled = _compile(module, original, self.capture)
+        self.ran = []
         out = self._run(module, original, args, kwargs)
+        if training:
+            self.last_ran = self.ran
         if training and self.reducer.pending:
             # gradients accumulated under no_sync() wait in the reducer: make sure this
             # backward ends by averaging them, even if no parameter hook remains
@@ -326,6 +334,17 @@ class ModuleState:
             if self.params[name].requires_grad:
                 self.fallbacks.setdefault(name, reason)
         return original(module, *args, **kwargs)
+
+    def _buffer_source(self) -> int:
+        """The rank buffers are broadcast from: the group's first, or under ``spmd.Join``
+        the highest rank still training (a MAX all-reduce; joined ranks add zeros)."""
+        if self.join is None:
+            return self.group.ranks[0]
+        from spmd.runtime.collectives import ReduceOp, all_reduce
+
+        source = torch.tensor([float(self.group.rank())])
+        all_reduce(source, op=ReduceOp.MAX, group=self.group)
+        return self.group.ranks[int(source.item())]
 
     def _broadcast_buffers(self) -> None:
         """Buffers from the mesh's first rank to every rank (along each data dimension
@@ -419,6 +438,17 @@ class DataParallel:
     @module.setter
     def module(self, value: nn.Module) -> None:
         nn.Module.__setattr__(self, "module", value)  # type: ignore[arg-type]
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Any:
+        """A context for uneven inputs (:class:`spmd.Join` over this model), as
+        ``DistributedDataParallel.join``: ranks that run out of batches shadow the others'
+        collectives until all are done, and all end with the same parameters."""
+        from spmd.join import Join
+
+        return Join([self], enable=enable,  # type: ignore[list-item]
+                    throw_on_early_termination=throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Skip gradient averaging in this context (gradient accumulation), as DDP does:
