@@ -287,11 +287,19 @@ def get_rank(group: ProcessGroup | None = None) -> int:
 
 
 def get_world_size(group: ProcessGroup | None = None) -> int:
-    return _group_or_default(group, "get_world_size").size()
+    """Ranks in ``group`` (-1 for a rank that is not a member, as in torch)."""
+    pg = _group_or_default(group, "get_world_size")
+    return pg.size() if pg.is_member else -1
 
 
 def get_backend(group: ProcessGroup | None = None) -> str:
-    return _group_or_default(group, "get_backend").backend
+    """``group``'s backend name; ``ValueError`` for a rank that is not a member (torch's
+    "Invalid process group specified")."""
+    pg = _group_or_default(group, "get_backend")
+    if not pg.is_member:
+        raise ValueError(f"get_backend: invalid process group specified: rank "
+                         f"{pg._global_rank} is not a member of {pg.name!r}")
+    return pg.backend
 
 
 def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:

@@ -78,8 +78,9 @@ class FileStore(Store):
 
     Args:
         path: the file; created when missing. Every participant passes the same path.
-        world_size: how many participants will use the file. When given, the last of
-            them to :meth:`close` removes the file; when None, the file is left in place.
+        world_size: how many participants will use the file. When given, the file is
+            removed once that many have called :meth:`close` and no instance (in any
+            process) still has it open; when None, the file is left in place.
         timeout: how long blocking calls wait (default ``SPMD_STORE_TIMEOUT``).
 
     Example::
@@ -108,8 +109,11 @@ class FileStore(Store):
         self._pid = -1
         self._closed = False
         self._open()
-        with self._locked(exclusive=True, op="open"):
-            pass  # writes the header of a new file, checks the magic of an old one
+        with self._locked(exclusive=True, op="open"):  # a new file's header, an old one's magic
+            # every open instance counts: the file goes only when the last one closes (and
+            # world_size participants have finished), as torch's FileStore does
+            refs = parse_counter(self._log.internal.get("refs"), 1, "refs")
+            self._append_record(_record(_SET, _INTERNAL, "refs", refs))
         # A process that forgets close() still counts as finished when it exits.
         self._finalizer = weakref.finalize(
             self, FileStore._finish, self._path, self._fd, world_size, self._pid, self._timeout
@@ -305,7 +309,8 @@ class FileStore(Store):
     # -- lifetime ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """Mark this participant finished; the last of ``world_size`` removes the file."""
+        """Mark this participant finished; the file is removed when ``world_size`` have
+        finished and no instance of it is open any more."""
         if self._closed:
             return
         self._finalizer.detach()
@@ -334,8 +339,11 @@ class FileStore(Store):
                     log.offset = _HEADER.size
                     log.apply(os.pread(fd, size - _HEADER.size, _HEADER.size))
                     done = parse_counter(log.internal.get("finished"), 1, "finished")
-                    os.pwrite(fd, _record(_SET, _INTERNAL, "finished", done), size)
-                    if world_size is not None and int(done) >= world_size:
+                    refs = parse_counter(log.internal.get("refs"), -1, "refs")
+                    os.pwrite(fd, _record(_SET, _INTERNAL, "finished", done)
+                              + _record(_SET, _INTERNAL, "refs", refs), size)
+                    if (world_size is not None and int(done) >= world_size
+                            and int(refs) <= 0):
                         try:
                             os.unlink(path)
                         except FileNotFoundError:

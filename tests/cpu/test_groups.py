@@ -21,6 +21,11 @@ def subgroups(rank: int) -> dict:
     out["ranks"] = dist.get_process_group_ranks(mine)
     out["group rank"] = dist.get_rank(mine)
     out["other rank"] = dist.get_rank(odds if rank % 2 == 0 else evens)
+    out["other size"] = dist.get_world_size(odds if rank % 2 == 0 else evens)
+    try:
+        dist.get_backend(odds if rank % 2 == 0 else evens)
+    except ValueError as e:
+        out["other backend"] = str(e)
     out["group size"] = dist.get_world_size(mine)
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, group=mine)
@@ -81,6 +86,8 @@ def test_subgroup_identity(runs):
     for rank, r in enumerate(runs):
         assert r["ranks"] == ([0, 2] if rank % 2 == 0 else [1, 3])
         assert r["group rank"] == rank // 2 and r["other rank"] == -1 and r["group size"] == 2
+        assert r["other size"] == -1  # a non-member's view, as in torch
+        assert "invalid process group" in r["other backend"]
         assert r["global of 1"] == r["ranks"][1]
         assert r["group of me"] == rank // 2
 

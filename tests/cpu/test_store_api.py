@@ -163,3 +163,17 @@ def test_prefix_store_namespaces_keys():
         PrefixStore(3, base)
     with pytest.raises(TypeError):
         PrefixStore("p", object())
+
+
+def test_file_store_file_outlives_the_first_of_two_open_users(tmp_path):
+    """Two users of one file, each with world_size=1 (a process group's init file and
+    RPC's): the file goes when the last one closes, not the first (as in torch)."""
+    from spmd.runtime import FileStore
+
+    path = tmp_path / "shared.store"
+    first, second = FileStore(str(path), 1), FileStore(str(path), 1)
+    first.set("k", b"v")
+    first.close()
+    assert path.exists() and second.get("k") == b"v"
+    second.close()
+    assert not path.exists()
