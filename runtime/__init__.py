@@ -11,7 +11,8 @@ import importlib
 from typing import Any
 
 from spmd.runtime.context import RankContext
-from spmd.runtime.errors import DistError, DistStoreError, DistTimeoutError
+from spmd.runtime.errors import (DistError, DistStoreError, DistTimeoutError, QueueEmptyError,
+                                 StoreTimeoutError)
 from spmd.runtime.launch import SpawnContext, SpawnError, spawn
 from spmd.runtime.rendezvous import rendezvous
 from spmd.runtime.store import FileStore, HashStore, PrefixStore, Store, TCPStore
@@ -52,7 +53,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "DistError", "DistTimeoutError", "DistStoreError",
+    "DistError", "DistTimeoutError", "DistStoreError", "StoreTimeoutError", "QueueEmptyError",
     "Store", "TCPStore", "FileStore", "PrefixStore", "HashStore",
     "rendezvous", "spawn", "SpawnContext", "SpawnError", "RankContext",
     *_LAZY,

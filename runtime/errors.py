@@ -8,7 +8,8 @@ code that does not know this library. Bad arguments are never ``DistError``: the
 
 from __future__ import annotations
 
-__all__ = ["DistError", "DistTimeoutError", "DistStoreError"]
+__all__ = ["DistError", "DistTimeoutError", "DistStoreError", "StoreTimeoutError",
+           "QueueEmptyError"]
 
 
 class DistError(RuntimeError):
@@ -21,3 +22,12 @@ class DistTimeoutError(DistError, TimeoutError):
 
 class DistStoreError(DistError):
     """A key-value store failed: refused connection, lost server, a bad value for ``add``."""
+
+
+class StoreTimeoutError(DistTimeoutError, DistStoreError):
+    """A store's blocking call gave up: a timeout, and a store error (torch raises
+    ``DistStoreError`` there, so code catching that catches this too)."""
+
+
+class QueueEmptyError(DistStoreError):
+    """``queue_pop(block=False)`` on an empty queue."""

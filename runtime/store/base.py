@@ -12,11 +12,12 @@ argument first, so a bad call raises ``TypeError``/``ValueError`` before any I/O
 from __future__ import annotations
 
 import abc
+import time
 from datetime import timedelta
 from typing import Iterable, Sequence, Union
 
 from spmd.runtime import config
-from spmd.runtime.errors import DistStoreError
+from spmd.runtime.errors import DistStoreError, QueueEmptyError, StoreTimeoutError
 
 __all__ = ["Store", "Value"]
 
@@ -162,6 +163,53 @@ class Store(abc.ABC):
     def append(self, key: str, value: Value) -> None:
         """Atomically append ``value`` to the value at ``key`` (created when missing)."""
         self._append(_key(key), _value(value))
+
+    # -- queues (torch's ``queue_push``/``queue_pop``/``queue_len``) --------------------
+    #
+    # A queue ``q`` is two counters (``q/head``, ``q/tail``) and one key per item
+    # (``q/<index>``), built on the store's atomic ``add`` and ``compare_set``, so every
+    # store has it and producers and consumers may be in any processes.
+
+    def queue_push(self, key: str, value: Value) -> None:
+        """Append ``value`` to the queue ``key``."""
+        data = _value(value)
+        index = self._add(f"{_key(key)}/tail", 1) - 1
+        self._set(f"{key}/{index}", data)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Remove and return the queue's first item. ``block``: wait up to the store's
+        timeout for one (``DistTimeoutError``); else ``QueueEmptyError`` at once."""
+        _key(key)
+        deadline = time.monotonic() + self._timeout
+        delay = 0.001
+        while True:
+            head = self._add(f"{key}/head", 0)
+            if head < self._add(f"{key}/tail", 0):
+                # claim index ``head``; another consumer may have claimed it first
+                won = self._compare_set(f"{key}/head", str(head).encode(),
+                                        str(head + 1).encode())
+                if won == str(head + 1).encode():
+                    item = f"{key}/{head}"
+                    value = self._multi_get([item], max(deadline - time.monotonic(), 0.001))[0]
+                    self._delete_key(item)
+                    return value
+                continue
+            if not block:
+                raise QueueEmptyError(f"queue_pop: queue {key!r} is empty")
+            if time.monotonic() >= deadline:
+                raise StoreTimeoutError(f"queue_pop: queue {key!r} stayed empty for "
+                                       f"{self._timeout:g}s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def queue_len(self, key: str) -> int:
+        """How many items the queue ``key`` holds now."""
+        _key(key)
+        return self._add(f"{key}/tail", 0) - self._add(f"{key}/head", 0)
+
+    def has_extended_api(self) -> bool:
+        """Whether ``append``, ``multi_get`` and ``multi_set`` are supported (always)."""
+        return True
 
     def close(self) -> None:
         """Release the store's resources (connections, files). Idempotent."""

@@ -19,7 +19,7 @@ import time
 import weakref
 from datetime import timedelta
 
-from spmd.runtime.errors import DistStoreError, DistTimeoutError
+from spmd.runtime.errors import DistStoreError, StoreTimeoutError
 from spmd.runtime.store.base import Store, compare_set_result, describe_missing, parse_counter
 
 __all__ = ["FileStore"]
@@ -148,7 +148,7 @@ class FileStore(Store):
                 if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                     raise DistStoreError(f"FileStore {op}: flock({self._path!r}) failed: {e}")
             if time.monotonic() >= deadline:
-                raise DistTimeoutError(
+                raise StoreTimeoutError(
                     f"FileStore {op}: could not lock {self._path!r} within "
                     f"{self._timeout:g}s (another process holds it)"
                 )
@@ -252,7 +252,7 @@ class FileStore(Store):
                 if not missing:
                     return [data[k] for k in keys]
             if time.monotonic() >= deadline:
-                raise DistTimeoutError(
+                raise StoreTimeoutError(
                     f"FileStore({self._path!r}).{op}: keys {describe_missing(missing)} "
                     f"were not set within {timeout:g}s"
                 )

@@ -6,7 +6,7 @@ import threading
 import time
 from datetime import timedelta
 
-from spmd.runtime.errors import DistTimeoutError
+from spmd.runtime.errors import StoreTimeoutError
 from spmd.runtime.store.base import Store, compare_set_result, describe_missing, parse_counter
 
 __all__ = ["HashStore"]
@@ -43,7 +43,7 @@ class HashStore(Store):
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                raise DistTimeoutError(
+                raise StoreTimeoutError(
                     f"HashStore.{op}: keys {describe_missing(missing)} were not set "
                     f"within {timeout:g}s"
                 )

@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import Sequence
 
 from spmd.runtime import config
-from spmd.runtime.errors import DistStoreError, DistTimeoutError
+from spmd.runtime.errors import DistStoreError, StoreTimeoutError
 from spmd.runtime.store import protocol as P
 from spmd.runtime.store.base import Store, describe_missing
 from spmd.runtime.store.tcp_server import StoreServer
@@ -246,7 +246,7 @@ class TCPStore(Store):
                 return sock
             left = deadline - time.monotonic()
             if left <= 0:
-                raise DistTimeoutError(
+                raise StoreTimeoutError(
                     f"{self._where()}: could not connect within {self._timeout:g}s "
                     f"(last error: {last})"
                 )
@@ -259,7 +259,7 @@ class TCPStore(Store):
         try:
             magic, flags, max_message, nonce = P.HELLO.unpack(_recv_exact(sock, P.HELLO.size))
         except socket.timeout:
-            raise DistTimeoutError(
+            raise StoreTimeoutError(
                 f"{where}: no greeting from the server within {self._timeout:g}s; is "
                 f"something other than an spmd TCPStore listening there?"
             ) from None
@@ -291,7 +291,7 @@ class TCPStore(Store):
             sock.sendall(hello)
             status, proof = _ACCEPT.unpack(_recv_exact(sock, _ACCEPT.size))
         except socket.timeout:
-            raise DistTimeoutError(f"{where}: the server did not answer the greeting") from None
+            raise StoreTimeoutError(f"{where}: the server did not answer the greeting") from None
         except (OSError, ConnectionError) as e:
             raise _Transient(f"{where}: connection lost during the greeting: {e}") from e
         if status != P.ACCEPT_OK:
@@ -345,7 +345,7 @@ class TCPStore(Store):
             payload = _recv_exact(sock, length) if length else b""
         except socket.timeout:
             self._disconnect()
-            raise DistTimeoutError(
+            raise StoreTimeoutError(
                 f"{self._where()}: {op} got no answer from the server within {limit:g}s"
             ) from None
         except (OSError, ConnectionError) as e:
@@ -366,7 +366,7 @@ class TCPStore(Store):
             return result, P.split(payload) if payload else []
         if status == P.TIMEOUT:
             missing = [k.decode("utf-8", "replace") for k in P.split(payload)]
-            raise DistTimeoutError(
+            raise StoreTimeoutError(
                 f"{self._where()}: {op} timed out after {wait:g}s waiting for keys "
                 f"{describe_missing(missing or keys)}"
             )
@@ -379,7 +379,7 @@ class TCPStore(Store):
             "wait_for_workers", wait=self._timeout,
         )
         if status != P.OK:
-            raise DistTimeoutError(
+            raise StoreTimeoutError(
                 f"{self._where()}: only {joined} of {world_size} participants joined "
                 f"within {self._timeout:g}s"
             )

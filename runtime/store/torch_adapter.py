@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as _dist
 
-from spmd.runtime.errors import DistStoreError, DistTimeoutError
+from spmd.runtime.errors import DistStoreError, StoreTimeoutError
 from spmd.runtime.store.base import Store
 
 __all__ = ["to_torch_store", "TorchStore"]
@@ -106,7 +106,7 @@ class TorchStore(Store):
         except Exception as e:  # torch raises DistStoreError / RuntimeError subclasses
             text = str(e)
             if "timeout" in text.lower() or "timed out" in text.lower():
-                raise DistTimeoutError(f"torch store {op}: {text}") from e
+                raise StoreTimeoutError(f"torch store {op}: {text}") from e
             raise DistStoreError(f"torch store {op}: {text}") from e
 
     def _set(self, key: str, value: bytes) -> None:

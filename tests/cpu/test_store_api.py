@@ -177,3 +177,36 @@ def test_file_store_file_outlives_the_first_of_two_open_users(tmp_path):
     assert path.exists() and second.get("k") == b"v"
     second.close()
     assert not path.exists()
+
+
+def test_queues_push_pop_len(store):
+    from spmd.runtime import DistStoreError, QueueEmptyError
+
+    assert store.has_extended_api()
+    assert store.queue_len("q") == 0
+    with pytest.raises(QueueEmptyError, match="empty"):
+        store.queue_pop("q", block=False)
+    for item in (b"a", "b", b"c"):
+        store.queue_push("q", item)
+    assert store.queue_len("q") == 3
+    assert [store.queue_pop("q") for _ in range(3)] == [b"a", b"b", b"c"]
+    assert store.queue_len("q") == 0
+    # a blocking pop waits for a producer elsewhere
+    import threading
+
+    threading.Timer(0.2, lambda: store.queue_push("q", b"late")).start()
+    assert store.queue_pop("q") == b"late"
+    # and gives up after the store's timeout: a store error and a timeout, as torch's is
+    store.set_timeout(timedelta(seconds=0.3))
+    with pytest.raises(DistStoreError) as caught:
+        store.queue_pop("q")
+    assert isinstance(caught.value, TimeoutError)
+
+
+def test_store_timeouts_are_store_errors(store):
+    from spmd.runtime import DistStoreError, DistTimeoutError
+
+    store.set_timeout(timedelta(seconds=0.2))
+    with pytest.raises(DistStoreError) as caught:
+        store.get("never-set")
+    assert isinstance(caught.value, DistTimeoutError)
