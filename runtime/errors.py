@@ -9,7 +9,7 @@ code that does not know this library. Bad arguments are never ``DistError``: the
 from __future__ import annotations
 
 __all__ = ["DistError", "DistTimeoutError", "DistStoreError", "StoreTimeoutError",
-           "QueueEmptyError"]
+           "QueueEmptyError", "InvalidArgumentError", "WrongTypeError"]
 
 
 class DistError(RuntimeError):
@@ -31,3 +31,15 @@ class StoreTimeoutError(DistTimeoutError, DistStoreError):
 
 class QueueEmptyError(DistStoreError):
     """``queue_pop(block=False)`` on an empty queue."""
+
+
+class InvalidArgumentError(ValueError, RuntimeError):
+    """A bad argument where torch.distributed raises ``RuntimeError`` (an unknown worker or
+    rendezvous scheme, a rank outside the group, ``local_value()`` off the owner): a
+    ``ValueError`` as our other bad arguments are, and a ``RuntimeError`` so code written
+    for torch catches it."""
+
+
+class WrongTypeError(TypeError, RuntimeError):
+    """A value of the wrong type where torch raises ``RuntimeError`` (an
+    ``async_execution`` function that returned no Future)."""

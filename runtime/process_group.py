@@ -18,7 +18,7 @@ import torch
 
 from spmd.runtime import context as _context
 from spmd.runtime import health
-from spmd.runtime.errors import DistError, DistTimeoutError
+from spmd.runtime.errors import DistError, DistTimeoutError, InvalidArgumentError
 from spmd.runtime.store.base import Store
 
 __all__ = ["ProcessGroup", "Work"]
@@ -105,8 +105,8 @@ class ProcessGroup:
                             f"{type(global_rank).__name__}")
         index = self._group_rank.get(global_rank)
         if index is None:
-            raise ValueError(f"{what} {global_rank} is not in process group {self.name!r} "
-                             f"(global ranks {self.ranks})")
+            raise InvalidArgumentError(f"{what} {global_rank} is not in process group "
+                                       f"{self.name!r} (global ranks {self.ranks})")
         return index
 
     def global_rank(self, group_rank: int) -> int:

@@ -23,6 +23,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from spmd.runtime import config
 from spmd.runtime.context import getenv
+from spmd.runtime.errors import InvalidArgumentError
 from spmd.runtime.store.base import Store, as_seconds
 from spmd.runtime.store.file_store import FileStore
 from spmd.runtime.store.prefix_store import PrefixStore
@@ -113,7 +114,7 @@ def rendezvous(
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in ("tcp", "file", "env"):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"rendezvous: unknown scheme in {url!r}; expected tcp://host:port, "
             f"file:///path or env://"
         )

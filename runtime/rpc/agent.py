@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from spmd.runtime.context import RankContext, rank_context
-from spmd.runtime.errors import DistError, DistTimeoutError
+from spmd.runtime.errors import DistError, DistTimeoutError, WrongTypeError
 from spmd.runtime import config
 from spmd.runtime.rpc import cma
 from spmd.runtime.rpc.faults import Faults
@@ -403,7 +403,7 @@ class RpcAgent:
             self.respond(peer, rid, result, None, ctx)
             return
         if not isinstance(future, torch._C.Future):
-            self.respond(peer, rid, None, TypeError(
+            self.respond(peer, rid, None, WrongTypeError(
                 f"{getattr(func, '__qualname__', func)!r} is an async_execution function but "
                 f"returned {type(future).__name__}, not a torch.futures.Future"))
             return

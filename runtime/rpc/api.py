@@ -21,7 +21,7 @@ import torch
 
 from spmd.runtime import context
 from spmd.runtime.autograd.contexts import current_context
-from spmd.runtime.errors import DistError, DistTimeoutError
+from spmd.runtime.errors import DistError, DistTimeoutError, InvalidArgumentError
 from spmd.runtime.rendezvous import rendezvous
 from spmd.runtime import config
 from spmd.runtime.rpc.agent import RpcAgent
@@ -176,17 +176,18 @@ def _resolve(agent: RpcAgent, to: Any, op: str) -> int:
     if isinstance(to, WorkerInfo):
         known = agent.infos.get(to.id)
         if known != to:
-            raise ValueError(f"{op}: unknown worker {to}")
+            raise InvalidArgumentError(f"{op}: unknown worker {to}")
         return to.id
     if isinstance(to, str):
         info = agent.by_name.get(to)
         if info is None:
-            raise ValueError(f"{op}: no worker is called {to!r}; workers are "
+            raise InvalidArgumentError(f"{op}: no worker is called {to!r}; workers are "
                              f"{sorted(agent.by_name)}")
         return info.id
     if isinstance(to, int) and not isinstance(to, bool):
         if to not in agent.infos:
-            raise ValueError(f"{op}: no worker has rank {to}; ranks are 0..{agent.world_size - 1}")
+            raise InvalidArgumentError(f"{op}: no worker has rank {to}; ranks are "
+                                       f"0..{agent.world_size - 1}")
         return to
     raise TypeError(f"{op}: to must be a worker name, rank or WorkerInfo, got "
                     f"{type(to).__name__}")

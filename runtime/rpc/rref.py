@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from spmd.runtime.errors import DistTimeoutError
+from spmd.runtime.errors import DistTimeoutError, InvalidArgumentError
 from spmd.runtime.rpc.agent import AsyncResult, done_within, is_async
 from spmd.runtime.rpc.options import UNSET_RPC_TIMEOUT, WorkerInfo, resolve_timeout
 from spmd.runtime.rpc.serialize import loading
@@ -229,10 +229,12 @@ class RRef(Generic[T]):
         return self._confirmed
 
     def local_value(self) -> T:
-        """The value itself; only on the owner (``ValueError`` elsewhere)."""
+        """The value itself; only on the owner (elsewhere an error that is a ``ValueError``
+        and, as in torch, a ``RuntimeError``)."""
         if self._record is None:
-            raise ValueError(f"local_value() of an RRef owned by {self.owner_name()!r} called on "
-                             f"{self._agent.name!r}: call it on the owner, or use to_here()")
+            raise InvalidArgumentError(f"local_value() of an RRef owned by "
+                                       f"{self.owner_name()!r} called on {self._agent.name!r}: "
+                                       f"call it on the owner, or use to_here()")
         return _wait(self._record.future, self._agent.timeout,
                      lambda: f"local_value() of RRef {self._rref_id}")
 

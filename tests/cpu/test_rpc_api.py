@@ -186,8 +186,9 @@ def test_bad_input_raises_before_anything_is_sent():
     assert "init_rpc() first" in out["before_init"]
     assert out["bad name"] == "ValueError" and out["zero rpc_timeout"] == "ValueError"
     assert out["threads"] == "ValueError"
-    expected = {"unknown name": ("ValueError", "no worker is called 'nobody'"),
-                "unknown rank": ("ValueError", "no worker has rank 5"),
+    # a ValueError and, as torch raises there, a RuntimeError
+    expected = {"unknown name": ("InvalidArgumentError", "no worker is called 'nobody'"),
+                "unknown rank": ("InvalidArgumentError", "no worker has rank 5"),
                 "bad to": ("TypeError", "to must be a worker name"),
                 "not callable": ("TypeError", "func must be callable"),
                 "args type": ("TypeError", "args must be a tuple or list"),

@@ -150,3 +150,19 @@ def test_env_rendezvous_reads_mpi_variables(monkeypatch, rank_var, size_var):
         assert (rank, size) == (0, 1)
     finally:
         store.close()
+
+
+def test_bad_arguments_where_torch_raises_runtime_error_are_both():
+    """Code written for torch catches RuntimeError; ours stay ValueError/TypeError too."""
+    from spmd.runtime.errors import InvalidArgumentError, WrongTypeError
+
+    for cls, base in ((InvalidArgumentError, ValueError), (WrongTypeError, TypeError)):
+        assert issubclass(cls, RuntimeError) and issubclass(cls, base)
+    with pytest.raises(RuntimeError, match="unknown scheme"):
+        dist.rendezvous("gopher://127.0.0.1:1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="not in process group"):
+            dist.broadcast(torch.ones(1), src=5)
+    finally:
+        dist.destroy_process_group()
