@@ -181,13 +181,21 @@ def new_group(
     ranks: Sequence[int] | None = None,
     timeout: timedelta | None = None,
     backend: str | None = None,
+    pg_options: object = None,
+    use_local_synchronization: bool = False,
+    group_desc: str | None = None,
+    device_id: object = None,
     *,
     group_name: str | None = None,
 ) -> ProcessGroup:
-    """A process group of ``ranks`` (global ranks; None: all). Every rank must call it.
+    """A process group of ``ranks`` (global ranks; None: all). Every rank must call it,
+    unless ``use_local_synchronization=True`` (as in torch: only the members call it, and
+    the group is named after its ranks).
 
     Only members build a backend; a non-member gets a handle whose operations raise.
     Groups are named in call order, so every rank must create groups in the same order.
+    ``pg_options`` is accepted for torch's signature and must be None; ``group_desc`` and
+    ``device_id`` (torch's description and eager-init device) are accepted and unused.
 
     Example::
 
@@ -214,7 +222,17 @@ def new_group(
         members = sorted(members)
     name_backend = state.backend if backend is None else backends.check_backend(backend)
     pg_timeout = state.timeout if timeout is None else timedelta(seconds=as_seconds(timeout))
-    if group_name is None:  # named in call order, which every rank shares
+    if pg_options is not None:
+        raise ValueError("new_group: pg_options are not supported; pass timeout= and backend=")
+    if not isinstance(use_local_synchronization, bool):
+        raise TypeError(f"new_group: use_local_synchronization must be a bool, got "
+                        f"{type(use_local_synchronization).__name__}")
+    if group_name is None and use_local_synchronization:  # only members call: name by ranks
+        if state.rank not in members:
+            raise ValueError(f"new_group: with use_local_synchronization=True only members call "
+                             f"it; rank {state.rank} is not in {members}")
+        name = "local:" + ",".join(map(str, members))
+    elif group_name is None:  # named in call order, which every rank shares
         state.counter += 1
         name = f"group{state.counter}"
     elif not isinstance(group_name, str) or not group_name:

@@ -89,8 +89,9 @@ def rendezvous(
     rank: int | None = None,
     world_size: int | None = None,
     timeout: timedelta | None = None,
-) -> tuple[Store, int, int]:
-    """Meet the other processes of a job; returns ``(store, rank, world_size)``.
+) -> "Rendezvous":
+    """Meet the other processes of a job; returns ``(store, rank, world_size)`` (which
+    ``next()`` also gives, as torch's rendezvous iterator does).
 
     Args:
         init_method: ``tcp://host:port``, ``file:///path`` or ``env://`` (see module doc).
@@ -173,4 +174,17 @@ def rendezvous(
         store = PrefixStore(f"spmd/{attempt}", TorchStore(client))
     else:
         store = TCPStore(host, port, world_size, rank == 0, timeout, rank=rank)
-    return store, rank, world_size
+    return Rendezvous((store, rank, world_size))
+
+
+class Rendezvous(tuple):
+    """``(store, rank, world_size)``, unpacked directly, or, as torch's ``rendezvous``
+    returns an iterator, taken with ``next()`` (once)."""
+
+    _taken = False
+
+    def __next__(self) -> tuple:
+        if self._taken:
+            raise StopIteration
+        self._taken = True
+        return tuple(self)

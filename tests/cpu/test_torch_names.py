@@ -166,3 +166,42 @@ def test_bad_arguments_where_torch_raises_runtime_error_are_both():
             dist.broadcast(torch.ones(1), src=5)
     finally:
         dist.destroy_process_group()
+
+
+def _local_groups(rank: int) -> dict:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
+        out = {}
+        if rank in (0, 1):  # only the members call it
+            pair = dist.new_group([0, 1], use_local_synchronization=True)
+            t = torch.ones(1)
+            dist.all_reduce(t, group=pair)
+            out["pair"] = (pair.name, t.item())
+        evens = dist.new_group([0, 2])  # the ordinary kind still works after it
+        if rank in (0, 2):
+            t = torch.ones(1)
+            dist.all_reduce(t, group=evens)
+            out["evens"] = t.item()
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_new_group_with_local_synchronization():
+    runs = dist.spawn(_local_groups, nprocs=3, start_method="forkserver", timeout=60)
+    assert runs[0]["pair"] == ("local:0,1", 2.0) and runs[1]["pair"] == ("local:0,1", 2.0)
+    assert "pair" not in runs[2]
+    assert runs[0]["evens"] == 2.0 and runs[2]["evens"] == 2.0
+
+
+def test_rendezvous_is_torchs_iterator_too(tmp_path):
+    url = f"file://{tmp_path}/rdzv?rank=0&world_size=1"
+    it = dist.rendezvous(url)
+    store, rank, size = next(it)
+    assert (rank, size) == (0, 1)
+    with pytest.raises(StopIteration):
+        next(it)
+    store.close()
+    store, rank, size = dist.rendezvous(f"file://{tmp_path}/rdzv2?rank=0&world_size=1")
+    assert (rank, size) == (0, 1)
+    store.close()
