@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Sequence
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "ZeroRedundancyOptimizer", "PostLocalSGDOptimizer"]
 
 
 class _LocalOptimizer:
@@ -103,3 +103,16 @@ class DistributedOptimizer:
         if errors:
             raise errors[0]
 
+
+
+# torch's own optimizers over process groups: they run on ours, since torch.distributed
+# sees them (spmd.runtime.torch_groups); resolved on first use (they import torch's)
+_TORCH_OPTIMIZERS = ("ZeroRedundancyOptimizer", "PostLocalSGDOptimizer")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH_OPTIMIZERS:
+        import torch.distributed.optim as torch_optim
+
+        return getattr(torch_optim, name)
+    raise AttributeError(f"module 'spmd.runtime.optim' has no attribute {name!r}")

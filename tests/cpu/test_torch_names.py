@@ -14,6 +14,9 @@ import torch.nn as nn
 import spmd
 from spmd import runtime as dist
 
+# importing torch.distributed.optim warns that torch.jit is deprecated: torch's, not ours
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.*:DeprecationWarning")
+
 # torch.distributed.distributed_c10d.__all__ names not provided, and why
 EXCLUDED = {
     "all_gather_single": "new experimental single-tensor API of torch 2.13; all_gather_into_tensor",
@@ -207,3 +210,61 @@ def test_rendezvous_is_torchs_iterator_too(tmp_path):
     store, rank, size = dist.rendezvous(f"file://{tmp_path}/rdzv2?rank=0&world_size=1")
     assert (rank, size) == (0, 1)
     store.close()
+
+
+# torch.distributed.rpc / autograd / optim names not provided, and why
+EXCLUDED_SUBMODULES = {
+    "rpc": {"AllGatherStates": "internal state of torch's rpc shutdown barrier",
+            "method_factory": "internal helper of torch's backend registry",
+            "new_method": "internal helper of torch's backend registry",
+            "backend_registered": "torch's RPC backend registry (TensorPipe); ours has one transport",
+            "register_backend": "torch's RPC backend registry",
+            "construct_rpc_backend_options": "torch's RPC backend registry",
+            "init_backend": "torch's RPC backend registry",
+            "BackendValue": "torch's RPC backend registry"},
+    "autograd": {},
+    "optim": {"as_functional_optim": "internal helper of torch's functional optimizers"},
+}
+
+
+@pytest.mark.parametrize("module", ["rpc", "autograd", "optim"])
+def test_every_public_name_of_rpc_autograd_optim_resolves_or_is_listed(module):
+    import importlib
+
+    theirs = importlib.import_module(f"torch.distributed.{module}")
+    ours = getattr(dist, module)
+    names = getattr(theirs, "__all__", None) or [n for n in dir(theirs) if not n.startswith("_")]
+    missing = sorted(n for n in names
+                     if not hasattr(ours, n) and n not in EXCLUDED_SUBMODULES[module])
+    assert missing == [], f"torch.distributed.{module} names missing: {missing}"
+
+
+def _zero(rank: int) -> list:
+    """torch's ZeroRedundancyOptimizer, from spmd.runtime.optim, on our group."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+        opt = dist.optim.ZeroRedundancyOptimizer(model.parameters(),
+                                                 optimizer_class=torch.optim.SGD, lr=0.1)
+        x = torch.randn(8, 4)[rank * 4:(rank + 1) * 4]
+        model(x).sum().backward()
+        for p in model.parameters():  # average, as DDP would
+            dist.all_reduce(p.grad)
+            p.grad /= 2
+        opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torchs_zero_redundancy_optimizer_runs_on_our_group():
+    runs = dist.spawn(_zero, nprocs=2, start_method="forkserver", timeout=60)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    x = torch.randn(8, 4)
+    (model(x).sum() / 2).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    for run in runs:
+        for got, want in zip(run, model.parameters()):
+            assert torch.allclose(got, want, atol=1e-6)
