@@ -157,7 +157,8 @@ def rendezvous(
         if not host or raw_port is None:
             raise ValueError(f"rendezvous: {url!r} needs a host and a port: tcp://host:port")
         port = _port(str(raw_port), f"port in {url!r}")
-        store = TCPStore(host, port, world_size, rank == 0, timeout, rank=rank)
+        store = TCPStore(host, port, world_size, rank == 0, timeout, multi_tenant=True,
+                         rank=rank)
     elif scheme == "file":
         if parts.netloc or not parts.path:
             raise ValueError(
@@ -173,7 +174,8 @@ def rendezvous(
         attempt = getenv("TORCHELASTIC_RESTART_COUNT", "0")
         store = PrefixStore(f"spmd/{attempt}", TorchStore(client))
     else:
-        store = TCPStore(host, port, world_size, rank == 0, timeout, rank=rank)
+        store = TCPStore(host, port, world_size, rank == 0, timeout, multi_tenant=True,
+                         rank=rank)
     return Rendezvous((store, rank, world_size))
 
 

@@ -76,6 +76,39 @@ class _Transient(DistStoreError):
     """The connection dropped during the greeting: worth another try until the timeout."""
 
 
+_TENANTS: dict[tuple[str, int], list] = {}  # (host, port) -> [server, users]
+_TENANTS_LOCK = threading.Lock()
+
+
+def _serve(host: str, port: int, token: bytes | None, multi_tenant: bool) -> "StoreServer":
+    """A new server on ``port``; with ``multi_tenant``, the one this process already serves
+    there if any (torch's ``multi_tenant``: a process group and RPC on one address)."""
+    with _TENANTS_LOCK:
+        shared = _TENANTS.get((host, port)) if multi_tenant and port else None
+        if shared is not None:
+            shared[1] += 1
+            return shared[0]
+        server = StoreServer(host, port, auth_token=token, max_message=config.store_max_message())
+        if multi_tenant:
+            _TENANTS[(host, server.port)] = [server, 1]
+            server._spmd_tenant_key = (host, server.port)  # type: ignore[attr-defined]
+        return server
+
+
+def _release(server: "StoreServer") -> None:
+    """One user of ``server`` is done; the last one stops it."""
+    key = getattr(server, "_spmd_tenant_key", None)
+    if key is not None:
+        with _TENANTS_LOCK:
+            entry = _TENANTS.get(key)
+            if entry is not None and entry[0] is server:
+                entry[1] -= 1
+                if entry[1] > 0:
+                    return
+                del _TENANTS[key]
+    server.stop()
+
+
 class TCPStore(Store):
     """A store served over TCP by the master process, used by every process of a job.
 
@@ -90,6 +123,9 @@ class TCPStore(Store):
             (``SPMD_STORE_TIMEOUT``).
         wait_for_workers: on the master, return from the constructor only when
             ``world_size`` participants have joined.
+        multi_tenant: on the master, share the server this process already runs on the
+            same host and port, if any (a process group and RPC on one ``tcp://``
+            address, as torch's ``multi_tenant``); the server stops with its last user.
         auth_token: a shared secret (default ``SPMD_AUTH_TOKEN``). The server admits only
             clients that prove they hold it, by HMAC challenge-response; the token never
             crosses the wire. Every participant must be given the same token.
@@ -112,6 +148,7 @@ class TCPStore(Store):
         is_master: bool = False,
         timeout: timedelta | None = None,
         wait_for_workers: bool = True,
+        multi_tenant: bool = False,
         *,
         auth_token: str | bytes | None = None,
         rank: int | None = None,
@@ -122,6 +159,8 @@ class TCPStore(Store):
             raise ValueError(f"TCPStore port must be an int in [0, 65535], got {port!r}")
         if not isinstance(is_master, bool):
             raise TypeError(f"is_master must be a bool, got {type(is_master).__name__}")
+        if not isinstance(multi_tenant, bool):
+            raise TypeError(f"multi_tenant must be a bool, got {type(multi_tenant).__name__}")
         if port == 0 and not is_master:
             raise ValueError("TCPStore port 0 (pick a free port) is only valid on the master")
         if world_size is not None and (
@@ -147,11 +186,9 @@ class TCPStore(Store):
         self._server: StoreServer | None = None
         self._max_message = 1 << 62  # until the server's greeting says otherwise
         if is_master:
-            self._server = StoreServer(
-                host_name, port, auth_token=self._token, max_message=config.store_max_message()
-            )
+            self._server = _serve(host_name, port, self._token, multi_tenant)
             port = self._server.port
-            self._stop_server = weakref.finalize(self, self._server.stop)
+            self._stop_server = weakref.finalize(self, _release, self._server)
         self._port = port
         try:
             self._connection()

@@ -420,3 +420,25 @@ def test_unauthenticated_frames_are_never_run():
     assert closed_by_server(sock)
     assert not master.check(["intruder"])
     master.close()
+
+
+def test_multi_tenant_masters_share_one_server_until_the_last_closes():
+    import socket
+
+    from spmd.runtime import TCPStore
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True)
+    second = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True)
+    first.set("k", b"v")
+    assert second.get("k") == b"v"  # one server, two tenants
+    first.close()
+    second.set("still", b"served")  # the server outlives its first user
+    client = TCPStore("127.0.0.1", port)
+    assert client.get("still") == b"served"
+    client.close()
+    second.close()
+    with pytest.raises(Exception):  # now it is gone
+        TCPStore("127.0.0.1", port, timeout=__import__("datetime").timedelta(seconds=0.5))

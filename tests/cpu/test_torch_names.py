@@ -268,3 +268,23 @@ def test_torchs_zero_redundancy_optimizer_runs_on_our_group():
     for run in runs:
         for got, want in zip(run, model.parameters()):
             assert torch.allclose(got, want, atol=1e-6)
+
+
+def _group_and_rpc_on_one_address(rank: int, port: int) -> int:
+    url = f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("gloo", init_method=url, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    rpc = dist.rpc
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2,
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=url))
+    try:
+        return rpc.rpc_sync(f"w{1 - rank}", max, args=(rank, 7))
+    finally:
+        rpc.shutdown()
+        dist.destroy_process_group()
+
+
+def test_a_process_group_and_rpc_share_one_tcp_address():
+    """torch's multi_tenant: RPC's rendezvous reuses the group's server, no second bind."""
+    assert dist.spawn(_group_and_rpc_on_one_address, args=(_free_port(),), nprocs=2,
+                      start_method="forkserver", timeout=60) == [7, 7]
