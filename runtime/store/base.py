@@ -207,6 +207,12 @@ class Store(abc.ABC):
         _key(key)
         return self._add(f"{key}/tail", 0) - self._add(f"{key}/head", 0)
 
+    def clone(self) -> "Store":
+        """Another handle on the same store, for another thread or component (torch's
+        ``Store.clone``): a new client connection for a TCPStore, a new file handle for
+        a FileStore; an in-process store is its own clone."""
+        return self
+
     def has_extended_api(self) -> bool:
         """Whether ``append``, ``multi_get`` and ``multi_set`` are supported (always)."""
         return True

@@ -119,6 +119,10 @@ class FileStore(Store):
             self, FileStore._finish, self._path, self._fd, world_size, self._pid, self._timeout
         )
 
+    def clone(self) -> "FileStore":
+        """Another user of the same file (it counts as one more open instance)."""
+        return FileStore(self._path, self._world_size, self.timeout)
+
     @property
     def path(self) -> str:
         return self._path

@@ -33,6 +33,10 @@ class PrefixStore(Store):
         self._prefix = prefix
         self._store = store
 
+    def clone(self) -> "PrefixStore":
+        """The same namespace over a clone of the underlying store."""
+        return PrefixStore(self._prefix, self._store.clone())
+
     @property
     def underlying_store(self) -> Store:
         """The wrapped store."""

@@ -199,6 +199,11 @@ class TCPStore(Store):
             self.close()
             raise
 
+    def clone(self) -> "TCPStore":
+        """A new client of the same server (same token, timeout and rank)."""
+        return TCPStore(self._host, self._port, self._world_size, False, self.timeout,
+                        auth_token=self._token, rank=self._rank)
+
     # -- identity ---------------------------------------------------------------------
 
     @property

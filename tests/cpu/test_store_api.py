@@ -210,3 +210,14 @@ def test_store_timeouts_are_store_errors(store):
     with pytest.raises(DistStoreError) as caught:
         store.get("never-set")
     assert isinstance(caught.value, DistTimeoutError)
+
+
+def test_clone_is_another_handle_on_the_same_store(store):
+    twin = store.clone()
+    store.set("from-original", b"1")
+    twin.set("from-clone", b"2")
+    assert twin.get("from-original") == b"1" and store.get("from-clone") == b"2"
+    if twin is not store:
+        twin.close()
+    store.set("after", b"3")  # closing the clone leaves the original working
+    assert store.get("after") == b"3"
