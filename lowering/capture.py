@@ -218,13 +218,8 @@ def _instrument(run: Callable[[list], Any], capture: "Capture", record: GraphRec
     label = f"{record.name} {phase}"
     owner = weakref.ref(record)
     timed = [phase != "forward" or record.forward_seconds is not None]
-    name = record.name
 
     def call(args: list) -> Any:
-        if phase == "forward":  # which regions a step ran, in order (spmd.Join shadows them)
-            ran = getattr(capture._owner(), "ran", None)
-            if ran is not None:
-                ran.append(name)
         profiler = capture.profiler
         if profiler is None and timed[0]:
             return run(args)

@@ -92,8 +92,6 @@ class ModuleState:
         self.discovery = DISCOVERY_STEPS  # steps left with a hook on every parameter
         self._hooks: dict[str, Any] = {}
         self.join: Any = None  # the spmd.Join context this model trains in, if any
-        self.ran: list[str] = []  # regions this forward ran, in order
-        self.last_ran: list[str] = []  # ... and the previous training forward
         self._hook_all()
 
     # -- planning ---------------------------------------------------------------------
@@ -294,10 +292,7 @@ class ModuleState:
                 self.accumulated = True
         if self.compiled is None:
             self.compiled = _compile(module, original, self.capture)
-        self.ran = []
         out = self._run(module, original, args, kwargs)
-        if training:
-            self.last_ran = self.ran
         if training and self.reducer.pending:
             # gradients accumulated under no_sync() wait in the reducer: make sure this
             # backward ends by averaging them, even if no parameter hook remains
