@@ -36,13 +36,17 @@ from spmd.lowering.propagate import derive
 from spmd.lowering.redistribute import Step, plan_redistribution
 from spmd.lowering.state import Boundary, CollectiveInfo, Role, needs
 
-__all__ = ["insert_collectives", "build_bucket", "insert_redistribution", "bucket_results"]
+__all__ = ["insert_collectives", "build_bucket", "insert_redistribution", "bucket_results",
+           "new_node", "unpack_after"]
 
 aten = torch.ops.aten
 
 
-def _node(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None,
-          *, sharding: Any = None, role: Role | None = None, name: str | None = None) -> fx.Node:
+def new_node(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None,
+             *, sharding: Any = None, role: Role | None = None,
+             name: str | None = None) -> fx.Node:
+    """A call node at the graph's insertion point, with its fake value filled in and,
+    when given, its sharding and role."""
     node = graph.create_node("call_function", target, args, kwargs or {}, name=name)
     fill_val(node)
     if sharding is not None:
@@ -79,8 +83,8 @@ def build_bucket(gm: fx.GraphModule, ctx: LoweringContext, grads: list[fx.Node],
     src = grads[0].meta["sharding"]
     dst = src.with_placement(step.mesh_dim, step.dst)
     with graph.inserting_after(last):
-        flat = _node(graph, ops.bucket_all_reduce, (list(grads), handle), sharding=src,
-                     name="all_reduce")  # fx numbers it
+        flat = new_node(graph, ops.bucket_all_reduce, (list(grads), handle), sharding=src,
+                        name="all_reduce")  # fx numbers it
     spec.name = f"{ctx.graph_name}:{flat.name}"
     numels = tuple(int(g.meta["val"].numel()) for g in grads)
     flat.meta["spmd_collective"] = CollectiveInfo(
@@ -88,28 +92,35 @@ def build_bucket(gm: fx.GraphModule, ctx: LoweringContext, grads: list[fx.Node],
         params=tuple(params), numels=numels, dtype=dtype, wire_dtype=wire,
         bytes=sum(numels) * wire.itemsize, handle=handle, provenance=provenance)
     unpack = Role(kind="unpack", collective=flat.name)
-    anchor = flat
-    with graph.inserting_after(anchor):
+    with graph.inserting_after(flat):
         waiter = ops.wait if wire == dtype else ops.wait_cast
-        done = anchor = _node(graph, waiter, (flat, handle), sharding=dst,
-                              role=Role(kind="wait", collective=flat.name))
-    pieces = [done]
-    if len(grads) > 1:
+        done = new_node(graph, waiter, (flat, handle), sharding=dst,
+                        role=Role(kind="wait", collective=flat.name))
+    results = unpack_after(graph, done, list(numels),
+                           [list(g.meta["val"].shape) for g in grads], unpack)
+    return flat, results
+
+
+def unpack_after(graph: fx.Graph, flat: fx.Node, numels: list[int], shapes: list[list[int]],
+                 role: Role) -> list[fx.Node]:
+    """Nodes right after ``flat`` that cut it into pieces of ``numels`` elements, each
+    viewed as its shape (one piece: just the view); the views, in order."""
+    anchor, pieces = flat, [flat]
+    if len(numels) > 1:
         with graph.inserting_after(anchor):
-            split = anchor = _node(graph, aten.split_with_sizes.default, (done, list(numels)),
-                                   role=unpack)
+            split = anchor = new_node(graph, aten.split_with_sizes.default, (flat, numels),
+                                      role=role)
         pieces = []
-        for k in range(len(grads)):
+        for k in range(len(numels)):
             with graph.inserting_after(anchor):
-                anchor = _node(graph, operator.getitem, (split, k), role=unpack)
+                anchor = new_node(graph, operator.getitem, (split, k), role=role)
             pieces.append(anchor)
     results = []
-    for piece, g in zip(pieces, grads):
+    for piece, shape in zip(pieces, shapes):
         with graph.inserting_after(anchor):
-            anchor = _node(graph, aten.view.default, (piece, list(g.meta["val"].shape)),
-                           role=unpack)
+            anchor = new_node(graph, aten.view.default, (piece, shape), role=role)
         results.append(anchor)
-    return flat, results
+    return results
 
 
 def bucket_results(gm: fx.GraphModule, collective: fx.Node) -> list[fx.Node]:
@@ -147,11 +158,11 @@ def insert_redistribution(gm: fx.GraphModule, ctx: LoweringContext, value: fx.No
     spec, handle = _spec(ctx, step)
     if not step.communicates:
         with graph.inserting_after(value):
-            node = _node(graph, ops.local_redistribute, (value, handle), sharding=dst)
+            node = new_node(graph, ops.local_redistribute, (value, handle), sharding=dst)
         return node
     with graph.inserting_after(value):
-        coll = _node(graph, ops.COLLECTIVE_OPS[step.kind], (value, handle), sharding=src,
-                     name=step.kind)
+        coll = new_node(graph, ops.COLLECTIVE_OPS[step.kind], (value, handle), sharding=src,
+                        name=step.kind)
     spec.name = f"{ctx.graph_name}:{coll.name}"
     val = value.meta["val"]
     coll.meta["spmd_collective"] = CollectiveInfo(
@@ -162,17 +173,17 @@ def insert_redistribution(gm: fx.GraphModule, ctx: LoweringContext, value: fx.No
         * val.dtype.itemsize, handle=handle,
         provenance=provenance)
     with graph.inserting_after(coll):
-        done = _node(graph, ops.wait, (coll, handle), sharding=dst,
-                     role=Role(kind="wait", collective=coll.name))
+        done = new_node(graph, ops.wait, (coll, handle), sharding=dst,
+                        role=Role(kind="wait", collective=coll.name))
     unpack = Role(kind="unpack", collective=coll.name)
     with graph.inserting_after(done):
         if step.kind == "all_to_all":  # pieces stacked in front: back along the source dim
-            moved = _node(graph, aten.movedim.int, (done, 0, step.src.dim), role=unpack)
+            moved = new_node(graph, aten.movedim.int, (done, 0, step.src.dim), role=unpack)
             with graph.inserting_after(moved):
-                return _node(graph, aten.flatten.using_ints, (moved, step.src.dim,
-                                                              step.src.dim + 1), role=unpack)
+                return new_node(graph, aten.flatten.using_ints, (moved, step.src.dim,
+                                step.src.dim + 1), role=unpack)
         dim = _LAYOUT[step.kind](step)
-        return _node(graph, aten.movedim.int, (done, 0, dim), role=unpack)
+        return new_node(graph, aten.movedim.int, (done, 0, dim), role=unpack)
 
 
 def insert_collectives(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:

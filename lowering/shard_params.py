@@ -25,14 +25,13 @@ written.
 from __future__ import annotations
 
 import operator
-from typing import Any
 
 import torch
 import torch.fx as fx
 
 from spmd.lowering import ops
+from spmd.lowering.collectives import new_node, unpack_after
 from spmd.lowering.context import LoweringContext
-from spmd.lowering.graph import fill_val
 from spmd.lowering.passes import Provenance
 from spmd.lowering.placements import Partial, Replicate, Shard, Sharding
 from spmd.lowering.redistribute import Step
@@ -42,17 +41,6 @@ __all__ = ["shard_params", "build_gather", "build_scatter", "gathered_results",
            "scattered_results"]
 
 aten = torch.ops.aten
-
-
-def _node(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None, *,
-          role: Role | None = None, sharding: Any = None, name: str | None = None) -> fx.Node:
-    node = graph.create_node("call_function", target, args, kwargs or {}, name=name)
-    fill_val(node)
-    if role is not None:
-        node.meta["spmd_role"] = role
-    if sharding is not None:
-        node.meta["sharding"] = sharding
-    return node
 
 
 def _bucket_spec(ctx: LoweringContext, kind: str, specs: list[ops.ShardSpec],
@@ -76,8 +64,8 @@ def build_gather(gm: fx.GraphModule, ctx: LoweringContext, shards: list[fx.Node]
     sharding = shards[0].meta["sharding"]
     whole = sharding.with_placement(spec.step.mesh_dim, Replicate())
     with graph.inserting_before(before):
-        coll = _node(graph, ops.bucket_all_gather, (list(shards), handle), sharding=sharding,
-                     name="all_gather")
+        coll = new_node(graph, ops.bucket_all_gather, (list(shards), handle), sharding=sharding,
+                        name="all_gather")
     spec.name = f"{ctx.graph_name}:{coll.name}"
     dtype = specs[0].gather_dtype
     coll.meta["spmd_collective"] = CollectiveInfo(
@@ -87,10 +75,10 @@ def build_gather(gm: fx.GraphModule, ctx: LoweringContext, shards: list[fx.Node]
         provenance=provenance)
     unpack = Role(kind="unpack", collective=coll.name)
     with graph.inserting_before(before):
-        done = _node(graph, ops.wait, (coll, handle), sharding=whole,
-                     role=Role(kind="wait", collective=coll.name))
-        parts = _node(graph, ops.unpack_gathered, (done, handle), role=unpack)
-        results = [_node(graph, operator.getitem, (parts, k), role=unpack)
+        done = new_node(graph, ops.wait, (coll, handle), sharding=whole,
+                        role=Role(kind="wait", collective=coll.name))
+        parts = new_node(graph, ops.unpack_gathered, (done, handle), role=unpack)
+        results = [new_node(graph, operator.getitem, (parts, k), role=unpack)
                    for k in range(len(specs))]
     return coll, results
 
@@ -111,8 +99,8 @@ def build_scatter(gm: fx.GraphModule, ctx: LoweringContext, grads: list[fx.Node]
     src = Sharding.on(strategy.mesh, {d: Partial("avg") for d in strategy.data_dims})
     dst = strategy.parameter_sharding()
     with graph.inserting_after(last):
-        coll = _node(graph, ops.bucket_reduce_scatter, (list(grads), handle), sharding=src,
-                     name="reduce_scatter")
+        coll = new_node(graph, ops.bucket_reduce_scatter, (list(grads), handle), sharding=src,
+                        name="reduce_scatter")
     spec.name = f"{ctx.graph_name}:{coll.name}"
     coll.meta["spmd_collective"] = CollectiveInfo(
         kind="reduce_scatter", mesh_dim=spec.step.mesh_dim, src=spec.step.src,
@@ -122,28 +110,15 @@ def build_scatter(gm: fx.GraphModule, ctx: LoweringContext, grads: list[fx.Node]
     unpack = Role(kind="unpack", collective=coll.name)
     anchor = coll
     with graph.inserting_after(anchor):
-        done = anchor = _node(graph, ops.wait, (coll, handle), sharding=dst,
-                              role=Role(kind="wait", collective=coll.name))
+        done = anchor = new_node(graph, ops.wait, (coll, handle), sharding=dst,
+                                 role=Role(kind="wait", collective=coll.name))
     stored = specs[0].dtype
     if wire != stored:
         with graph.inserting_after(anchor):
-            anchor = _node(graph, aten._to_copy.default, (done,), {"dtype": stored},
-                           role=unpack)
-    pieces = [anchor]
-    if len(specs) > 1:
-        with graph.inserting_after(anchor):
-            split = anchor = _node(graph, aten.split_with_sizes.default,
-                                   (anchor, [s.local_numel for s in specs]), role=unpack)
-        pieces = []
-        for k in range(len(specs)):
-            with graph.inserting_after(anchor):
-                anchor = _node(graph, operator.getitem, (split, k), role=unpack)
-            pieces.append(anchor)
-    results = []
-    for piece, s in zip(pieces, specs):
-        with graph.inserting_after(anchor):
-            anchor = _node(graph, aten.view.default, (piece, list(s.local_shape)), role=unpack)
-        results.append(anchor)
+            anchor = new_node(graph, aten._to_copy.default, (done,), {"dtype": stored},
+                              role=unpack)
+    results = unpack_after(graph, anchor, [s.local_numel for s in specs],
+                           [list(s.local_shape) for s in specs], unpack)
     return coll, results
 
 
@@ -182,8 +157,8 @@ def _combine_reduces(gm: fx.GraphModule) -> dict[str, str]:
             if a.args[1] != b.args[1]:
                 continue
             with graph.inserting_before(node):
-                total = _node(graph, aten.add.Tensor, (a.args[0], b.args[0]))
-                merged = _node(graph, ops.shard_reduce, (total, a.args[1]))
+                total = new_node(graph, aten.add.Tensor, (a.args[0], b.args[0]))
+                merged = new_node(graph, ops.shard_reduce, (total, a.args[1]))
             node.replace_all_uses_with(merged)
             renamed[node.name] = merged.name
             for key, value in renamed.items():
