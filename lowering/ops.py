@@ -26,6 +26,7 @@ so a model that is collected takes its specs, groups and optimizers with it.
 from __future__ import annotations
 
 import contextlib
+import math
 import itertools
 import threading
 import time
@@ -256,13 +257,14 @@ class ShardSpec:
 
     @property
     def local_numel(self) -> int:
-        n = self.rows
-        for d in self.shape[1:]:
-            n *= d
-        return n
+        return math.prod(self.local_shape)
 
     def rank(self) -> int:
         return self.group.rank() if self.live else 0
+
+    def valid_rows(self) -> int:
+        """How many of this rank's shard rows hold the parameter (the rest is padding)."""
+        return max(0, min(self.rows, self.rows_global - self.rank() * self.rows))
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's padded piece of the whole tensor ``full`` (a new tensor)."""

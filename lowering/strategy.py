@@ -25,6 +25,7 @@ would each repeat the same work, which is never what the user meant.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from spmd.lowering.state import InputInfo
@@ -64,10 +65,7 @@ class Strategy:
     @property
     def data_size(self) -> int:
         """Ranks the batch is split over (the product along every data dimension)."""
-        n = 1
-        for dim in self.data_dims:
-            n *= self.mesh.size(dim)
-        return n
+        return math.prod(self.mesh.size(dim) for dim in self.data_dims)
 
     @property
     def shards_parameters(self) -> bool:

@@ -218,8 +218,7 @@ def get_backend_config(group: Any = None) -> str:
 
 def get_default_backend_for_device(device: Any) -> str:
     """The backend for a device type: ``"nccl"`` for CUDA, ``"gloo"`` for the CPU."""
-    kind = device if isinstance(device, str) else torch.device(device).type
-    kind = torch.device(kind).type
+    kind = torch.device(device).type
     if kind == "cuda":
         return "nccl"
     if kind == "cpu":

@@ -61,11 +61,6 @@ def _device_mesh(state: Any) -> tuple[Any, list[Any]]:
     return mesh.to_torch(), placements
 
 
-def _rows(spec: ops.ShardSpec) -> int:
-    """How many of this rank's shard rows hold the parameter (the rest is padding)."""
-    return max(0, min(spec.rows, spec.rows_global - spec.rank() * spec.rows))
-
-
 def _as_dtensor(shard: torch.Tensor, spec: ops.ShardSpec, device_mesh: Any,
                 placements: list[Any]) -> Any:
     from torch.distributed.tensor import DTensor, Replicate
@@ -75,7 +70,7 @@ def _as_dtensor(shard: torch.Tensor, spec: ops.ShardSpec, device_mesh: Any,
 
         return DTensor.from_local(gather_full(spec, shard), device_mesh,
                                   [Replicate()] * len(placements), run_check=False)
-    local = shard.detach()[:_rows(spec)]
+    local = shard.detach()[:spec.valid_rows()]
     stride = torch.empty(spec.shape, device="meta").stride()
     return DTensor.from_local(local, device_mesh, placements, run_check=False,
                               shape=torch.Size(spec.shape), stride=stride)
@@ -150,7 +145,7 @@ def _copy_into(target: torch.Tensor, value: Any, spec: ops.ShardSpec) -> None:
     with torch.no_grad():
         if isinstance(value, DTensor) and spec.shape:
             local = value.to_local()
-            rows = _rows(spec)
+            rows = spec.valid_rows()
             if local.data_ptr() != target.data_ptr():
                 target[:rows].copy_(local)
             target[rows:].zero_()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import types
 from typing import Any, Iterator
 
@@ -183,7 +184,7 @@ class ModuleState:
             seen.add(id(param))
             local = param.numel() * param.element_size()
             spec = self.shards.get(name)
-            whole = local if spec is None else _numel(spec.shape) * param.element_size()
+            whole = local if spec is None else math.prod(spec.shape) * param.element_size()
             plan.parameters[name] = (local, whole, param.requires_grad)
         plan.buffer_bytes = sum(b.numel() * b.element_size() for b in self.buffers.values())
         plan.sharded = sorted(self.shards)
@@ -370,13 +371,6 @@ class ModuleState:
             yield
         finally:
             self.sync.enabled = previous
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

@@ -224,7 +224,7 @@ def plan_from_records(records: list, *, setup: Any, options: Options,
         if hasattr(record, "compute"):
             plan.compute_paths[record.name] = f"{record.compute} ({record.compute_reason})"
         planned = []
-        if record.forward is not None and getattr(record, "backward", None) is not record.forward:
+        if record.forward is not None:
             planned.append(record.forward)  # sharded parameters' gathers
         if record.backward is not None:
             plan.graphs[f"{record.name}.{getattr(record, 'label', 'backward')}"] = record.backward

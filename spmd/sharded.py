@@ -107,11 +107,10 @@ def shard_module(module: nn.Module, specs_for: Any, sharding: Sharding,
                 spec = specs_for(name, param)
                 shard = nn.Parameter(spec.shard_of(param), requires_grad=param.requires_grad)
                 entry = shards[id(param)] = (shard, spec, handles.add(spec))
-                padding = max(0, (spec.rank() + 1) * spec.rows - spec.rows_global)
                 shard._spmd_placement = ParameterPlacement(  # type: ignore[attr-defined]
                     name=name, shape=spec.shape, sharding=sharding,
                     local_shape=spec.local_shape, rows=spec.rows,
-                    padding=min(spec.rows, padding))
+                    padding=spec.rows - spec.valid_rows())
             shard, spec, handle = entry
             sub._parameters[pname] = shard
             local[pname] = handle
