@@ -24,13 +24,19 @@ from spmd.lowering.context import LoweringContext
 from spmd.lowering.placements import Sharding, Varying
 from spmd.lowering.state import Boundary, Gradient, put
 
-__all__ = ["annotate", "PlanningError", "graph_outputs", "GRADIENT_TAG"]
+__all__ = ["annotate", "PlanningError", "ShardingError", "graph_outputs", "GRADIENT_TAG"]
 
 GRADIENT_TAG = "spmd_gradient_of"  # set by the step tracer on each parameter's gradient
 
 
 class PlanningError(RuntimeError):
     """The graph does not have the shape a pass relies on; the caller falls back."""
+
+
+class ShardingError(RuntimeError):
+    """Tensor parallelism cannot place an op as its rule says (the message names the op,
+    its inputs' placements and the model code): there is no correct unplanned graph to
+    fall back to, so this is raised to the user."""
 
 
 def graph_outputs(gm: fx.GraphModule) -> list:

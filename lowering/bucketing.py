@@ -60,10 +60,13 @@ def plan_buckets(sizes: list[int], keys: list[Hashable], cap: int) -> list[list[
 
 
 def bucketing(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
-    singles = [n for n in collective_nodes(gm)  # graph order: the order gradients are ready
-               if n.meta["spmd_collective"].kind == "all_reduce"]
+    # graph order: the order gradients are ready. Tensor parallelism's collectives move
+    # activations a node needs right away: they are never merged
+    ours = [n for n in collective_nodes(gm)
+            if n.meta["spmd_collective"].provenance.pass_name != "tensor_parallel"]
+    singles = [n for n in ours if n.meta["spmd_collective"].kind == "all_reduce"]
     infos = [n.meta["spmd_collective"] for n in singles]
-    every = [n.meta["spmd_collective"] for n in collective_nodes(gm)]
+    every = [n.meta["spmd_collective"] for n in ours]
     # gradient bytes (all-reduced or reduce-scattered); a forward graph's gathered bytes
     total = (sum(i.bytes for i in every if i.kind in ("all_reduce", "reduce_scatter"))
              or sum(i.bytes for i in every))

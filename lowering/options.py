@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -44,6 +44,9 @@ class Options:
             Environment: ``SPMD_COMPILE_COMPUTE`` (0 or 1).
         calibrate: measure the collective cost model's latency and bandwidth on the live
             group when the model is parallelized (decided on rank 0, shared).
+        placements: tensor parallelism: ``{mesh dimension: {parameter name pattern:
+            Shard(d) | Replicate()}}``, or a preset (``spmd.tp.megatron()``); see
+            ``spmd.tp``.
     """
 
     strategy: str = "ddp"
@@ -55,6 +58,7 @@ class Options:
     broadcast_buffers: bool = True
     compile_compute: bool | None = None
     calibrate: bool = False
+    placements: Any = field(default=None, compare=False)
 
     @classmethod
     def from_kwargs(cls, where: str, **kwargs: Any) -> "Options":
@@ -113,6 +117,11 @@ class Options:
                 raise ValueError(f"{where}: param_dtype applies to the sharded strategies "
                                  f"('fsdp', 'hsdp'), which gather parameters in it; with "
                                  f"'ddp', convert the model (model.to(dtype)) instead")
+        if self.placements is not None:
+            from spmd.tp import tp_dims_of
+
+            if not tp_dims_of(self.placements):
+                raise ValueError(f"{where}: placements names no mesh dimension")
         if not self.reshard_after_forward and self.strategy == "ddp":
             raise ValueError(f"{where}: reshard_after_forward=False applies to the sharded "
                              f"strategies ('fsdp', 'hsdp'); 'ddp' never reshards")

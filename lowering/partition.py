@@ -83,6 +83,10 @@ def partition(joint: fx.GraphModule, joint_inputs: Any, *, reshard: bool = False
     from torch._functorch.partitioners import default_partition
 
     fw, bw = default_partition(joint, joint_inputs, **kwargs)
+    if "num_fwd_outputs" in kwargs:  # the rest are saved for the backward
+        from spmd.lowering.tensor_parallel import USER_OUTPUTS
+
+        fw.meta[USER_OUTPUTS] = kwargs["num_fwd_outputs"]
     drop_copies(fw, bw)
     if reshard:
         reshard_saved(fw, bw)

@@ -9,9 +9,12 @@ Rules are per mesh dimension:
   parameter's gradient, computed on this rank's shard of the batch, is what the strategy
   says (``Partial("avg")`` for ``ddp``), and the collectives pass turns it into the
   placement the parameter needs.
-- On any other dimension, replicated inputs give a replicated output; anything else needs
-  a rule for the op (``spmd.lowering.rules``), and an op without one is refused by name
-  rather than guessed.
+- On any other dimension (tensor parallelism's), replicated inputs give a replicated
+  output; anything else asks the op's rule (``spmd.lowering.rules``) for the valid
+  decisions, prices each one's redistributions with the cost model on that dimension and
+  keeps the cheapest (``meta["spmd_tp"][dim]``, a :class:`TPChoice` with the reason and
+  the alternatives, for the plan). An op without a rule has its inputs replicated
+  first, and the choice says so; ``tensor_parallel`` then inserts what was decided.
 
 Nodes a pass inserted keep what it decided (a collective holds its source placement, its
 wait the destination's); everything after them is derived again, so a value computed
@@ -21,16 +24,105 @@ from a reduced gradient is ``Replicate()``. Passes that rewrite the graph call
 
 from __future__ import annotations
 
+import operator
+from dataclasses import dataclass
+
 import torch
 import torch.fx as fx
 
 from spmd.lowering import rules
-from spmd.lowering.annotate import PlanningError
+from spmd.lowering.annotate import PlanningError, ShardingError
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.placements import Placement, Replicate, Sharding, Varying
+from spmd.lowering.redistribute import redistribution
 from spmd.lowering.state import Boundary, needs
 
-__all__ = ["propagate", "derive"]
+__all__ = ["propagate", "derive", "TPChoice", "choose"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TPChoice:
+    """What ``propagate`` decided for one node on one tensor-parallel mesh dimension.
+
+    Attributes:
+        decision: the rule's decision taken (output placement, inputs' placements).
+        inputs: the inputs' placements before it (:func:`rules.tensor_args` order).
+        seconds: the predicted time of the redistributions it needs.
+        alternatives: the other valid decisions and their predicted seconds.
+        fallback: no rule exists for the op: its inputs are replicated first.
+    """
+
+    decision: rules.Decision
+    inputs: tuple[Placement, ...]
+    seconds: float
+    alternatives: tuple[tuple[rules.Decision, float], ...] = ()
+    fallback: bool = False
+
+    @property
+    def output(self) -> Placement | tuple[Placement, ...]:
+        return self.decision.output
+
+    def why(self) -> str:
+        text = self.decision.reason
+        if self.alternatives:
+            others = ", ".join(f"{d.reason} ({s * 1e3:.3f} ms)" for d, s in self.alternatives[:3])
+            text += f" ({self.seconds * 1e3:.3f} ms of communication; over: {others})"
+        return text
+
+
+def _bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        val = val[0]
+    return int(val.numel()) * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def _price(decision: rules.Decision, args: list[fx.Node], incoming: tuple[Placement, ...],
+           dim: str, ctx: LoweringContext) -> float | None:
+    """Predicted seconds of the redistributions ``decision`` needs; None if one of them
+    has no step in the table."""
+    size = ctx.mesh.size(dim)
+    total = 0.0
+    for arg, have, want in zip(args, incoming, decision.required(incoming)):
+        try:
+            step = redistribution(have, want)
+        except ValueError:
+            return None
+        total += step.seconds(_bytes(arg), ctx.cost_model, size)
+    return total
+
+
+def choose(node: fx.Node, dim: str, incoming: tuple[Placement, ...],
+           ctx: LoweringContext) -> TPChoice:
+    """The cheapest valid decision for ``node`` on tensor-parallel dimension ``dim``."""
+    args = rules.tensor_args(node)
+    rule = rules.lookup(node.target)
+    size = ctx.mesh.size(dim)
+    if rule is None:
+        decision = rules.replicate_all(node, f"no sharding rule for {node.target}: its "
+                                             f"inputs are replicated first")
+        seconds = _price(decision, args, incoming, dim, ctx) or 0.0
+        return TPChoice(decision=decision, inputs=incoming, seconds=seconds, fallback=True)
+    found = (rule(node, incoming, size, dim) if getattr(rule, "wants_dim", False)  # type: ignore[call-arg]
+             else rule(node, incoming, size))
+    options = found if isinstance(found, list) else [found]
+    priced = [(d, _price(d, args, incoming, dim, ctx)) for d in options]
+    valid = [(d, s) for d, s in priced if s is not None]
+    if not valid:
+        raise ShardingError(f"{ctx.graph_name}: the sharding rule of {node.target} "
+                            f"({node.name}{_where(node)}) offers no decision reachable from "
+                            f"inputs {list(incoming)} on mesh dimension {dim!r}")
+    best = min(range(len(valid)), key=lambda i: (valid[i][1], i))
+    decision, seconds = valid[best]
+    others = tuple(v for i, v in enumerate(valid) if i != best)
+    return TPChoice(decision=decision, inputs=incoming, seconds=seconds, alternatives=others)
+
+
+def _where(node: fx.Node) -> str:
+    """`` at file:line`` of the model code that made ``node``, when known."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File")]
+    return f" at {lines[-1]}" if lines else ""
 
 def _is_random(node: fx.Node) -> bool:
     target = node.target
@@ -49,25 +141,42 @@ def _input_shardings(node: fx.Node) -> list[Sharding]:
     return found
 
 
-def _rule(node: fx.Node, ctx: LoweringContext) -> Sharding:
+def _arg_placements(node: fx.Node, index: int) -> tuple[Placement, ...]:
+    """The placement on mesh dimension ``index`` of each tensor argument, in
+    :func:`rules.tensor_args` order."""
+    found = []
+    for arg in rules.tensor_args(node):
+        spec = arg.meta.get("sharding")
+        found.append(Replicate() if spec is None or isinstance(spec, tuple)
+                     else spec.placements[index])
+    return tuple(found)
+
+
+def _rule(node: fx.Node, ctx: LoweringContext) -> Sharding | tuple[Sharding, ...]:
     strategy = ctx.strategy
     specs = _input_shardings(node)
-    placements: list[Placement] = []
+    count = len(node.meta["val"]) if isinstance(node.meta.get("val"), (tuple, list)) else 0
+    per_output: list[list[Placement]] = [[] for _ in range(max(count, 1))]
     for index, dim in enumerate(strategy.mesh.dim_names):
         incoming = [s.placements[index] for s in specs]
         if dim in strategy.data_dims:
             local = _is_random(node) or any(not p.is_replicate() for p in incoming)
-            placements.append(Varying() if local else Replicate())
+            placed: Placement | tuple = Varying() if local else Replicate()
+        elif node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            source = node.args[0].meta["sharding"]
+            placed = (source[node.args[1]] if isinstance(source, tuple) else source
+                      ).placements[index]
         elif all(p.is_replicate() for p in incoming):
-            placements.append(Replicate())
+            placed = Replicate()
         else:
-            rule = rules.lookup(node.target)
-            if rule is None:
-                raise PlanningError(f"{ctx.graph_name}: no sharding rule for {node.target} "
-                                    f"({node.name}) with inputs {incoming} on mesh dimension "
-                                    f"{dim!r}")
-            placements.append(rule(node, incoming))
-    return Sharding(mesh=strategy.mesh, placements=tuple(placements))
+            chosen = node.meta.setdefault("spmd_tp", {})
+            if dim not in chosen:
+                chosen[dim] = choose(node, dim, _arg_placements(node, index), ctx)
+            placed = chosen[dim].output
+        for k, out in enumerate(per_output):
+            out.append(placed[k] if isinstance(placed, tuple) else placed)
+    made = tuple(Sharding(mesh=strategy.mesh, placements=tuple(p)) for p in per_output)
+    return made if count else made[0]
 
 
 def derive(gm: fx.GraphModule, ctx: LoweringContext) -> None:
@@ -81,15 +190,26 @@ def derive(gm: fx.GraphModule, ctx: LoweringContext) -> None:
         if param is not None:
             node.meta["sharding"] = ctx.strategy.local_gradient(param)
             continue
-        spec = _rule(node, ctx)
-        val = node.meta.get("val")
-        node.meta["sharding"] = tuple(spec for _ in val) if isinstance(val, (tuple, list)) else spec
+        role = node.meta.get("spmd_role")
+        if role is not None and role.kind == "unpack":
+            # the pieces of a collective's result hold what its wait holds
+            source = node.args[0].meta["sharding"]
+            if isinstance(source, tuple):
+                source = source[node.args[1] if node.target is operator.getitem else 0]
+            val = node.meta.get("val")
+            node.meta["sharding"] = (tuple(source for _ in val)
+                                     if isinstance(val, (tuple, list)) else source)
+            continue
+        node.meta["sharding"] = _rule(node, ctx)
 
 
 def _decided(node: fx.Node) -> bool:
     """A collective or a wait: the pass that inserted it decided its sharding."""
+    from spmd.lowering import ops
+
     role = node.meta.get("spmd_role")
-    return "spmd_collective" in node.meta or (role is not None and role.kind == "wait")
+    return ("spmd_collective" in node.meta or (role is not None and role.kind == "wait")
+            or node.target is ops.local_redistribute)
 
 
 def propagate(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:

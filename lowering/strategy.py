@@ -19,6 +19,11 @@ the collectives, the buckets) is derived by the passes.
   batch is split along both; gradients are reduce-scattered along ``"fsdp"`` and the
   shards averaged along ``"dp"``.
 
+Tensor parallelism composes with each: ``placements`` name, per mesh dimension, where
+parameters live (``Shard(d)`` or ``Replicate()``); those dimensions (``tp_dims``) are
+not data dimensions (every rank of one sees the same batch), and the placements of
+everything computed from those parameters follow from the ops' rules.
+
 A mesh dimension no strategy uses is refused when larger than 1, naming it: its ranks
 would each repeat the same work, which is never what the user meant.
 """
@@ -26,10 +31,11 @@ would each repeat the same work, which is never what the user meant.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 from spmd.lowering.state import InputInfo
-from spmd.lowering.placements import Partial, Shard, Sharding
+from spmd.lowering.placements import Partial, Placement, Replicate, Shard, Sharding
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["Strategy", "resolve_strategy", "STRATEGIES"]
@@ -49,18 +55,34 @@ class Strategy:
         data_dims: every dimension the batch is split along.
         shard_dim: the dimension parameters are sharded along (None: replicated).
         replicate_dim: ``hsdp``'s dimension across which shards are replicated.
+        tp_dims: the tensor-parallel dimensions (named in ``placements``).
+        placements: parameter name -> its placement on each tensor-parallel dimension.
     """
 
     name: str
     mesh: Mesh
-    data_dim: str
+    data_dim: str | None
     data_dims: tuple[str, ...] = ()
     shard_dim: str | None = None
     replicate_dim: str | None = None
+    tp_dims: tuple[str, ...] = ()
+    placements: Mapping[str, Mapping[str, Placement]] = field(default_factory=dict,
+                                                             compare=False)
 
     def __post_init__(self) -> None:
-        if not self.data_dims:
+        if not self.data_dims and self.data_dim is not None:
             object.__setattr__(self, "data_dims", (self.data_dim,))
+
+    def tp_placement(self, param: str) -> dict[str, Placement]:
+        """``param``'s placement on each tensor-parallel dimension (``Replicate()`` where
+        the user named none)."""
+        own = self.placements.get(param, {})
+        return {dim: own.get(dim, Replicate()) for dim in self.tp_dims}
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return any(any(p.is_shard() for p in placed.values())
+                   for placed in self.placements.values())
 
     @property
     def data_size(self) -> int:
@@ -76,15 +98,19 @@ class Strategy:
         ``Shard(0)`` on the sharding dimension (if any), everything else ``Replicate()``."""
         if info.kind == "data":
             return Sharding.on(self.mesh, {d: Shard(0) for d in self.data_dims})
-        if info.kind == "param" and self.shard_dim is not None:
-            return self.parameter_sharding()
+        if info.kind == "param":
+            return self.parameter_sharding(info.name)
         return Sharding.replicated(self.mesh)
 
-    def parameter_sharding(self) -> Sharding:
-        """Where a parameter lives (its shard, for the sharded strategies)."""
-        if self.shard_dim is None:
-            return Sharding.replicated(self.mesh)
-        return Sharding.on(self.mesh, {self.shard_dim: Shard(0)})
+    def parameter_sharding(self, param: str | None = None) -> Sharding:
+        """Where a parameter lives: its shard along the sharding dimension (for the
+        sharded strategies) and its placement on each tensor-parallel dimension."""
+        placed: dict[str, Placement] = {}
+        if self.shard_dim is not None:
+            placed[self.shard_dim] = Shard(0)
+        if param is not None:
+            placed.update(self.tp_placement(param))
+        return Sharding.on(self.mesh, placed)
 
     def local_gradient(self, param: str) -> Sharding:
         """Each rank's gradient of a parameter as the graph leaves it.
@@ -95,26 +121,66 @@ class Strategy:
         graph's gradient is already the reduce-scattered shard that the parameter's
         gather produced in backward, where the parameter lives.
         """
-        if self.shard_dim is not None:
-            return self.parameter_sharding()
-        if self.data_size == 1:
-            return Sharding.replicated(self.mesh)
-        return Sharding.on(self.mesh, {self.data_dim: Partial("avg")})
+        if self.shard_dim is not None or self.data_size == 1:
+            return self.parameter_sharding(param)
+        placed: dict[str, Placement] = dict(self.tp_placement(param))
+        placed[self.data_dim] = Partial("avg")  # type: ignore[index]
+        return Sharding.on(self.mesh, placed)
 
     def gradient_target(self, param: str) -> Sharding:
         """Where a parameter's gradient must end up: where the parameter lives."""
-        return self.parameter_sharding()
+        return self.parameter_sharding(param)
+
+
+class _Dims:
+    """The names and sizes of some of a mesh's dimensions, for choosing data dimensions
+    among those tensor parallelism leaves."""
+
+    def __init__(self, names: tuple[str, ...], shape: tuple[int, ...]) -> None:
+        self.dim_names, self.shape, self.ndim = names, shape, len(names)
+
+    def size(self, dim: str) -> int:
+        return self.shape[self.dim_names.index(dim)]
+
+    def __repr__(self) -> str:
+        return f"Mesh({self.shape}, dim_names={self.dim_names})"
+
+
+def _without(mesh: Mesh, dims: tuple[str, ...]) -> "_Dims":
+    names = tuple(d for d in mesh.dim_names if d not in dims)
+    return _Dims(names, tuple(mesh.size(d) for d in names))
 
 
 def _pick(mesh: Mesh, names: tuple[str, ...]) -> str | None:
     return next((n for n in names if n in mesh.dim_names), None)
 
 
-def resolve_strategy(name: str, mesh: Mesh, where: str) -> Strategy:
-    """The strategy ``name`` on ``mesh``; ``ValueError`` naming a dimension it cannot use."""
+def resolve_strategy(name: str, mesh: Mesh, where: str, tp_dims: tuple[str, ...] = (),
+                     placements: Mapping[str, Mapping[str, Placement]] | None = None
+                     ) -> Strategy:
+    """The strategy ``name`` on ``mesh``, with tensor parallelism along ``tp_dims``
+    (``placements``: parameter name -> placement per such dimension); ``ValueError``
+    naming a dimension it cannot use."""
     if name not in STRATEGIES:
         raise ValueError(f"{where}: strategy {name!r} is not supported; expected one of "
                          f"{', '.join(STRATEGIES)}")
+    for dim in tp_dims:
+        if dim not in mesh.dim_names:
+            raise ValueError(f"{where}: placements name mesh dimension {dim!r}, which mesh "
+                             f"{mesh} does not have")
+    if tp_dims:
+        if all(d in tp_dims for d in mesh.dim_names):  # tensor parallelism alone: no data dimension
+            if name != "ddp":
+                raise ValueError(f"{where}: strategy {name!r} shards parameters along a data "
+                                 f"dimension, but every dimension of mesh {mesh} is "
+                                 f"tensor-parallel; add one, e.g. Mesh((2, 2), dim_names="
+                                 f"('fsdp', 'tp'))")
+            return Strategy(name=name, mesh=mesh, data_dim=None, data_dims=(),
+                            tp_dims=tuple(tp_dims), placements=dict(placements or {}))
+        base = resolve_strategy(name, _without(mesh, tp_dims), where)  # type: ignore[arg-type]
+        return Strategy(name=name, mesh=mesh, data_dim=base.data_dim, data_dims=base.data_dims,
+                        shard_dim=base.shard_dim, replicate_dim=base.replicate_dim,
+                        tp_dims=tuple(tp_dims), placements=dict(placements or {}))
     if name == "hsdp":
         if mesh.ndim != 2:
             raise ValueError(f"{where}: strategy 'hsdp' needs a 2-D mesh (replicate x shard, "

@@ -53,7 +53,8 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
                 reshard_after_forward: bool = True, param_dtype: Any = None,
                 bucket_cap_mb: float | None = None, overlap: bool = True,
                 reduce_dtype: Any = None, broadcast_buffers: bool = True,
-                compile_compute: bool | None = None, calibrate: bool = False) -> Any:
+                compile_compute: bool | None = None, calibrate: bool = False,
+                placements: Any = None) -> Any:
     """Data parallelism and parameter sharding, planned by a compiler: capture, bucket,
     overlap, run.
 
@@ -86,6 +87,11 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         compile_compute: Inductor for the graphs' compute (True), generated Python (False),
             or the planner's choice (None).
         calibrate: measure the collective cost model on the live group first.
+        placements: tensor parallelism (``spmd.tp``): where parameters live on named mesh
+            dimensions, ``{"tp": {"layers.*.linear1.weight": spmd.Shard(0), ...}}`` (glob
+            patterns over parameter names; unnamed parameters are replicated there), or a
+            preset such as ``spmd.tp.megatron()``. Those dimensions are not data
+            dimensions: ``strategy`` runs along the others.
 
     Returns:
         The parallelized module, class or step function; with ``obj`` omitted, a decorator.
@@ -101,14 +107,17 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         "parallelize", strategy=strategy, reshard_after_forward=reshard_after_forward,
         param_dtype=param_dtype, bucket_cap_mb=bucket_cap_mb, overlap=overlap,
         reduce_dtype=reduce_dtype, broadcast_buffers=broadcast_buffers,
-        compile_compute=compile_compute, calibrate=calibrate)
+        compile_compute=compile_compute, calibrate=calibrate, placements=placements)
     if mesh is not None:
         if not isinstance(mesh, Mesh):
             raise TypeError(f"parallelize: mesh must be an spmd.Mesh or None, got "
                             f"{type(mesh).__name__}")
         from spmd.lowering.strategy import resolve_strategy
 
-        resolve_strategy(options.strategy, mesh, "parallelize")  # refuse a mesh it cannot use
+        from spmd.tp import tp_dims_of
+
+        # refuse a mesh it cannot use
+        resolve_strategy(options.strategy, mesh, "parallelize", tp_dims_of(placements))
 
     def apply(target: Any) -> Any:
         if isinstance(target, nn.Module):

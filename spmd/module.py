@@ -69,6 +69,12 @@ class ModuleState:
             from spmd.sharded import shard_for
 
             self.shards = shard_for(module, setup, options, self.handles)
+        # tensor parallelism: parameters placed Shard(d) become this rank's pieces
+        self.tp_specs: dict[str, Any] = {}
+        if setup.strategy.tensor_parallel:
+            from spmd.tp import shard_tensor_parallel
+
+            self.tp_specs = shard_tensor_parallel(module, setup.strategy, self.handles)
         self.params = dict(module.named_parameters())
         self.buffers = dict(module.named_buffers())
         names = {id(p): ("param", n) for n, p in self.params.items()}
@@ -183,7 +189,7 @@ class ModuleState:
                 continue
             seen.add(id(param))
             local = param.numel() * param.element_size()
-            spec = self.shards.get(name)
+            spec = self.shards.get(name) or self.tp_specs.get(name)
             whole = local if spec is None else math.prod(spec.shape) * param.element_size()
             plan.parameters[name] = (local, whole, param.requires_grad)
         plan.buffer_bytes = sum(b.numel() * b.element_size() for b in self.buffers.values())

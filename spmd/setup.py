@@ -147,8 +147,21 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
     """Set ``module`` up on every rank (see the module doc); the agreed :class:`Setup`."""
     from spmd.reducer import broadcast_coalesced
 
-    strategy = resolve_strategy(options.strategy, resolve_mesh(mesh, where), where)
-    mesh = strategy.mesh
+    mesh = resolve_mesh(mesh, where)
+    placed: dict = {}
+    if options.placements is not None:
+        from spmd.tp import resolve_placements, tp_dims_of
+
+        dims = tp_dims_of(options.placements)
+        if options.strategy != "ddp":
+            raise NotImplementedError(
+                f"{where}: tensor parallelism (placements=) composes with strategy 'ddp' "
+                f"along the other mesh dimensions; with {options.strategy!r} it is not "
+                f"supported yet")
+        placed = resolve_placements(module, mesh, options.placements, where)
+        strategy = resolve_strategy(options.strategy, mesh, where, dims, placed)
+    else:
+        strategy = resolve_strategy(options.strategy, mesh, where)
     group = None if mesh.simulated else _data_group(strategy)
     world_size = strategy.data_size
     backend = "gloo" if group is None else group.backend
@@ -159,5 +172,12 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
     index = _next_index()
     if live:
         broadcast_coalesced([*module.parameters(), *module.buffers()], group.ranks[0], group)
+    if strategy.tp_dims and not mesh.simulated:
+        for dim in strategy.tp_dims:  # the ranks splitting a layer start from one model
+            tp_group = mesh.get_group(dim)
+            if tp_group.size() > 1:
+                check_same_model(module, tp_group, where)
+                broadcast_coalesced([*module.parameters(), *module.buffers()],
+                                    tp_group.ranks[0], tp_group)
     return Setup(strategy=strategy, group=group, world_size=world_size, cost_model=cost_model,
                  index=index)

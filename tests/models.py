@@ -143,3 +143,57 @@ def batch(name: str, size: int = 12, step: int = 0) -> tuple[torch.Tensor, torch
                                                                                    generator=g)
     return x, torch.randn(size, 4, generator=g)
 
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block with separate query/key/value projections (the
+    layout tensor parallelism splits by heads) and a GELU MLP."""
+
+    def __init__(self, dim: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        # no key bias: softmax ignores it, so its gradient is rounding noise that AdamW
+        # would amplify to whole steps, differently on every layout of the sums
+        self.q, self.k = nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False)
+        self.v = nn.Linear(dim, dim)
+        self.o = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.linear1 = nn.Linear(dim, 4 * dim)
+        self.linear2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        y = self.norm1(x)
+
+        def heads(z):
+            return z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+
+        a = F.scaled_dot_product_attention(heads(self.q(y)), heads(self.k(y)), heads(self.v(y)),
+                                           is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.linear2(F.gelu(self.linear1(self.norm2(x))))
+
+
+class Transformer(nn.Module):
+    """Token embedding, ``layers`` blocks, a vocabulary head: the tensor-parallel tests'
+    model."""
+
+    def __init__(self, layers: int = 2, dim: int = 16, vocab: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([Block(dim) for _ in range(layers)])
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def tokens(step: int = 0, rows: int = 8, length: int = 6, vocab: int = 32):
+    """A batch of token ids and the next-token targets, the same for a given step."""
+    g = torch.Generator().manual_seed(1000 + step)
+    seq = torch.randint(0, vocab, (rows, length + 1), generator=g)
+    return seq[:, :-1], seq[:, 1:]

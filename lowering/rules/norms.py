@@ -1,0 +1,58 @@
+"""Layer norm (``native_layer_norm`` and its backward): sharded along a batch dimension
+(one not normalised over), every row is normalised on its own rank, with replicated
+weight and bias; the weight's and bias's gradients are then each rank's sum over its
+rows, ``Partial("sum")``. Sharded along a normalised dimension, the statistics need the
+whole row: gathered first. RMS norm decomposes into pointwise ops and a mean in aten
+graphs, or is ``_fused_rms_norm``, treated the same way here.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from spmd.lowering.placements import Partial, Placement, Replicate, Shard
+from spmd.lowering.rules import Decision, op, register, replicate_all, shape, tensor_args
+
+
+def _normalized(node: fx.Node, index: int) -> int:
+    return len(node.args[index])
+
+
+@register(op("native_layer_norm.default"), op("_fused_rms_norm.default"))
+def layer_norm(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    x = tensor_args(node)[0]
+    first = len(shape(x)) - _normalized(node, 1)
+    p = inputs[0]
+    outs = len(node.meta["val"])
+    if isinstance(p, Shard) and p.dim < first:
+        needed = (p,) + (Replicate(),) * (len(inputs) - 1)
+        return [Decision(output=(p,) * outs, inputs=needed,
+                         reason=f"rows sharded along {p.dim}, normalised on their own rank"),
+                replicate_all(node, "whole rows")]
+    return [replicate_all(node, "normalised over its sharded dimension (or a partial "
+                                "value): the statistics need whole rows")]
+
+
+@register(op("native_layer_norm_backward.default"), op("_fused_rms_norm_backward.default"))
+def layer_norm_backward(node: fx.Node, inputs: tuple[Placement, ...], size: int
+                        ) -> list[Decision]:
+    args = tensor_args(node)
+    grad = args[0]
+    index = 2 if node.target is op("native_layer_norm_backward.default") else 2
+    first = len(shape(grad)) - _normalized(node, index)
+    outs = len(node.meta["val"])
+    decisions = []
+    rows = [p for p in inputs if isinstance(p, Shard) and p.dim < first]
+    if rows:
+        d = rows[0].dim
+        needed = []
+        for a in args:
+            rank = len(shape(a))
+            # grad, input and the statistics are row-shaped; weight and bias are not
+            needed.append(Shard(d) if rank == len(shape(grad)) else Replicate())
+        out: list[Placement] = [Shard(d)] + [Partial("sum")] * (outs - 1)
+        decisions.append(Decision(output=tuple(out), inputs=tuple(needed),
+                                  reason=f"rows sharded along {d}: the input's gradient "
+                                         f"sharded, the weight's a partial sum"))
+    decisions.append(replicate_all(node, "whole rows"))
+    return decisions

@@ -1,0 +1,146 @@
+"""Pointwise ops, with broadcasting: an output dimension is sharded when the inputs that
+span it are sharded the same way there (a replicated input is sliced locally, free; one
+broadcast along that dimension is read whole). ``Partial`` values pass through ops that
+are linear in them: a sum of partial sums, a partial times a replicated factor, an
+average plus a replicated value; any other op needs them reduced first.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch.fx as fx
+
+from spmd.lowering.placements import Partial, Placement, Replicate, Shard
+from spmd.lowering.rules import Decision, op, register, shape, tensor_args
+
+__all__ = ["broadcast_decisions", "aligned_dim"]
+
+
+def aligned_dim(arg_shape: Sequence[int], out_shape: Sequence[int], out_dim: int) -> int | None:
+    """The dimension of an argument broadcast to ``out_shape`` that spans output dimension
+    ``out_dim``; None where the argument is broadcast along it (absent or of size 1)."""
+    k = out_dim - (len(out_shape) - len(arg_shape))
+    if k < 0 or (arg_shape[k] == 1 and out_shape[out_dim] != 1):
+        return None
+    return k
+
+
+PartialCheck = Callable[[tuple[Placement, ...]], "str | None"]
+
+
+def broadcast_decisions(node: fx.Node, inputs: tuple[Placement, ...], size: int,
+                        keeps_partial: PartialCheck | None = None,
+                        outputs: int = 1) -> list[Decision]:
+    """The decisions of a broadcasting pointwise op: keep ``Partial`` where
+    ``keeps_partial`` says the op is linear in these placements, shard an output
+    dimension some input is sharded along (where it divides), or replicate everything."""
+    out = shape(node)
+    args = tensor_args(node)
+    shapes = [shape(a) for a in args]
+    decisions = []
+
+    def result(p: Placement) -> Placement | tuple[Placement, ...]:
+        return (p,) * outputs if outputs > 1 else p
+
+    if keeps_partial is not None and not any(isinstance(p, Shard) for p in inputs):
+        reduce_op = keeps_partial(inputs)
+        if reduce_op is not None:
+            decisions.append(Decision(output=result(Partial(reduce_op)),
+                                      reason=f"linear in its Partial({reduce_op!r}) input"))
+    candidates: list[int] = []
+    for s, p in zip(shapes, inputs):
+        if isinstance(p, Shard):
+            od = p.dim + len(out) - len(s)
+            if od not in candidates and out[od] % size == 0 and out[od] > 0:
+                candidates.append(od)
+    for od in candidates:
+        needed = []
+        for s in shapes:
+            k = aligned_dim(s, out, od)
+            needed.append(Replicate() if k is None else Shard(k))
+        decisions.append(Decision(output=result(Shard(od)), inputs=tuple(needed),
+                                  reason=f"elementwise: output dim {od} sharded like its inputs"))
+    decisions.append(Decision(output=result(Replicate()), inputs=(Replicate(),) * len(args),
+                              reason="elementwise on whole inputs"))
+    return decisions
+
+
+def _same_partial(inputs: tuple[Placement, ...]) -> str | None:
+    """add/sub: partial sums add up, and an average plus a replicated value is the average
+    of each rank's part plus that value."""
+    ops = {p.reduce_op for p in inputs if isinstance(p, Partial)}
+    if len(ops) != 1:
+        return None
+    reduce_op = ops.pop()
+    if all(isinstance(p, Partial) for p in inputs):
+        return reduce_op
+    return reduce_op if reduce_op == "avg" else None
+
+
+def _one_partial(inputs: tuple[Placement, ...]) -> str | None:
+    """mul: one Partial factor, the others replicated."""
+    partials = [p for p in inputs if isinstance(p, Partial)]
+    if len(partials) == 1 and all(isinstance(p, (Partial, Replicate)) for p in inputs):
+        return partials[0].reduce_op
+    return None
+
+
+def _first_partial(inputs: tuple[Placement, ...]) -> str | None:
+    """Linear in the first argument (div by a replicated value, the backward of an
+    activation in its incoming gradient)."""
+    if inputs and isinstance(inputs[0], Partial) and all(
+            isinstance(p, Replicate) for p in inputs[1:]):
+        return inputs[0].reduce_op
+    return None
+
+
+def _rule(check: PartialCheck | None) -> Callable:
+    def rule(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+        return broadcast_decisions(node, inputs, size, check)
+    return rule
+
+
+_ADDITIVE = ["add.Tensor", "sub.Tensor"]
+_MULTIPLICATIVE = ["mul.Tensor"]
+_LINEAR_IN_FIRST = [
+    "div.Tensor", "mul.Scalar", "div.Scalar", "neg.default", "clone.default",
+    "_to_copy.default", "alias.default", "detach.default", "gelu_backward.default",
+    "tanh_backward.default", "sigmoid_backward.default", "silu_backward.default",
+    "threshold_backward.default", "native_dropout_backward.default",
+    "masked_fill.Scalar", "where.self",
+]
+_NONLINEAR = [
+    "add.Scalar", "sub.Scalar", "rsub.Scalar", "pow.Tensor_Scalar", "pow.Tensor_Tensor",
+    "gelu.default", "relu.default", "tanh.default", "sigmoid.default", "silu.default",
+    "exp.default", "log.default", "sqrt.default", "rsqrt.default", "reciprocal.default",
+    "abs.default", "sin.default", "cos.default", "erf.default", "sign.default",
+    "maximum.default", "minimum.default", "clamp.default", "clamp_min.default",
+    "le.Scalar", "lt.Scalar", "ge.Scalar", "gt.Scalar", "eq.Scalar", "ne.Scalar",
+    "le.Tensor", "lt.Tensor", "ge.Tensor", "gt.Tensor", "eq.Tensor", "ne.Tensor",
+    "logical_not.default", "logical_and.default", "bitwise_not.default",
+    "mul.Tensor_Scalar", "square.default", "masked_fill.Tensor", "leaky_relu.default",
+    "elu.default", "hardtanh.default", "log1p.default", "expm1.default", "fill.Scalar",
+    "rand_like.default", "randn_like.default", "bernoulli.p", "type_as.default",
+]
+# masked_fill/where are linear in their first value only when the filled value is zero;
+# they are treated as non-linear (a Partial input is reduced first)
+_LINEAR_IN_FIRST.remove("masked_fill.Scalar")
+_LINEAR_IN_FIRST.remove("where.self")
+_NONLINEAR += ["masked_fill.Scalar", "where.self"]
+
+register(*[op(n) for n in _ADDITIVE])(_rule(_same_partial))
+register(*[op(n) for n in _MULTIPLICATIVE])(_rule(_one_partial))
+register(*[op(n) for n in _LINEAR_IN_FIRST])(_rule(_first_partial))
+register(*[op(n) for n in _NONLINEAR])(_rule(None))
+
+
+@register(op("zeros_like.default"), op("ones_like.default"), op("empty_like.default"),
+          op("full_like.default"))
+def like(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    """A new tensor shaped like its input: sharded like it; a Partial input's local tensor
+    is whole-shaped, so the new one is replicated, nothing sent."""
+    (p,) = inputs
+    if isinstance(p, Shard):
+        return [Decision(output=p, reason="a new tensor shaped like its sharded input")]
+    return [Decision(output=Replicate(), reason="values do not depend on the input's")]

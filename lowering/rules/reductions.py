@@ -1,0 +1,91 @@
+"""Reductions and softmax: summing over a sharded dimension leaves each rank a partial sum
+(``Partial("sum")``), averaging over it a partial average (equal pieces: the average of
+the ranks' averages); a maximum over it, or a softmax along it, needs the whole
+dimension. Over other dimensions the shards stay, shifted past removed dimensions.
+``Partial`` values pass through sums and means (linear) but not through max or softmax.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from spmd.lowering.placements import Partial, Placement, Replicate, Shard
+from spmd.lowering.rules import Decision, norm_dim, op, register, replicate_all, shape, tensor_args
+
+
+def _reduced_dims(node: fx.Node) -> tuple[list[int], bool]:
+    """The dimensions reduced over (all of them when none are named) and keepdim."""
+    ndim = len(shape(tensor_args(node)[0]))
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    if node.target in (op("sum.default"), op("mean.default"), op("amax.default"),
+                       op("max.default"), op("min.default"), op("amin.default")):
+        dims, keepdim = None, False
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return list(range(ndim)), keepdim
+    if isinstance(dims, int):
+        dims = [dims]
+    return [norm_dim(int(d), ndim) for d in dims], keepdim
+
+
+def _kept(p: Shard, dims: list[int], keepdim: bool) -> Shard:
+    return p if keepdim else Shard(p.dim - sum(1 for d in dims if d < p.dim))
+
+
+def _linear(kind: str):
+    def rule(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+        p = inputs[0]
+        if isinstance(p, Partial):
+            return [Decision(output=p, reason=f"the {kind} of partial values is partial")]
+        dims, keepdim = _reduced_dims(node)
+        if p.dim in dims:
+            reduce_op = "sum" if kind == "sum" else "avg"
+            return [Decision(output=Partial(reduce_op),
+                             reason=f"{kind} over sharded dimension {p.dim}: each rank's "
+                                    f"{kind} of its piece, Partial({reduce_op!r})")]
+        return [Decision(output=_kept(p, dims, keepdim),
+                         reason=f"{kind} over other dimensions than the sharded one")]
+    return rule
+
+
+register(op("sum.dim_IntList"), op("sum.default"))(_linear("sum"))
+register(op("mean.dim"), op("mean.default"))(_linear("mean"))
+
+
+@register(op("amax.default"), op("amin.default"), op("max.dim"), op("min.dim"),
+          op("argmax.default"), op("argmin.default"), op("max.default"), op("min.default"),
+          op("logsumexp.default"), op("var.correction"), op("any.dim"), op("all.dim"))
+def extreme(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    p = inputs[0]
+    if isinstance(p, Shard):
+        dims, keepdim = _reduced_dims(node)
+        if p.dim not in dims:
+            out = _kept(p, dims, keepdim)
+            outputs = node.meta.get("val")
+            return [Decision(output=(out, out) if isinstance(outputs, (tuple, list)) else out,
+                             reason="reduced over other dimensions than the sharded one")]
+    return [replicate_all(node, "reduced over its sharded dimension (or of partial values), "
+                                "which needs the whole tensor")]
+
+
+def _softmax_dim(node: fx.Node) -> int:
+    ndim = len(shape(tensor_args(node)[0]))
+    if node.target in (op("_softmax_backward_data.default"),
+                       op("_log_softmax_backward_data.default")):
+        return norm_dim(int(node.args[2]), ndim)
+    return norm_dim(int(node.args[1]), ndim)
+
+
+@register(op("_softmax.default"), op("_log_softmax.default"),
+          op("_softmax_backward_data.default"), op("_log_softmax_backward_data.default"))
+def softmax(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    dim = _softmax_dim(node)
+    decisions = []
+    for p in inputs:
+        if isinstance(p, Shard) and p.dim != dim:
+            decisions.append(Decision(output=p, inputs=(p,) * len(inputs),
+                                      reason=f"normalised along {dim}, sharded along {p.dim}"))
+            break
+    decisions.append(replicate_all(node, f"normalised along dimension {dim}, which needs it "
+                                         f"whole"))
+    return decisions

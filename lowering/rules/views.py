@@ -1,0 +1,160 @@
+"""Views and layout: ``view``/``reshape``, ``transpose``/``t``/``permute``, ``expand``,
+``unsqueeze``/``squeeze``, ``slice``/``select``, ``split``, ``cat``/``stack``.
+
+A sharded dimension survives a reshape when it is the outermost dimension (of size > 1)
+of the group of dimensions merged or split with it, and the dimension it becomes there
+divides: chunks of the outermost dimension of a row-major block are contiguous ranges of
+the whole block, the same ranges as chunks of the dimension it becomes. Cutting or
+joining along a sharded dimension needs the whole tensor. ``Partial`` values pass through
+every view (a view of a sum is the sum of the views).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch.fx as fx
+
+from spmd.lowering.placements import Partial, Placement, Replicate, Shard
+from spmd.lowering.rules import (Decision, norm_dim, op, outputs_of, register, replicate_all,
+                                 shape, tensor_args)
+
+__all__ = ["reshape_map"]
+
+
+def reshape_map(src: Sequence[int], dst: Sequence[int], dim: int, size: int) -> int | None:
+    """The dimension of ``dst`` that sharded dimension ``dim`` of ``src`` becomes under a
+    reshape, or None where the shards are not contiguous pieces of one dimension there.
+
+    Chunk r of ``src``'s dimension ``dim`` is, for each index of the dimensions before
+    it, the r-th of ``size`` equal contiguous ranges of the elements from there on. A
+    dimension ``e`` of ``dst`` with the same number of elements before it (the same
+    prefix product) and a size ``size`` divides has exactly the same chunks.
+    """
+    if math.prod(src) != math.prod(dst):
+        return None
+    before = math.prod(src[:dim])
+    for e in range(len(dst)):
+        if math.prod(dst[:e]) == before and dst[e] > 1 and dst[e] % size == 0:
+            return e
+    return None
+
+
+def _whole(node: fx.Node, inputs: tuple[Placement, ...], why: str) -> list[Decision]:
+    return [replicate_all(node, why)]
+
+
+@register(op("view.default"), op("_unsafe_view.default"), op("reshape.default"))
+def view(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    p = inputs[0]
+    if not isinstance(p, Shard):
+        return [Decision(output=p, reason="a view of a whole or partial value")]
+    src, dst = shape(tensor_args(node)[0]), shape(node)
+    mapped = reshape_map(src, dst, p.dim, size)
+    if mapped is None:
+        return _whole(node, inputs, f"reshape {list(src)} -> {list(dst)} splits the pieces "
+                                    f"of sharded dimension {p.dim}")
+    return [Decision(output=Shard(mapped), reason=f"dimension {p.dim} becomes {mapped}")]
+
+
+@register(op("t.default"), op("transpose.int"), op("permute.default"))
+def transpose(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    (p,) = inputs
+    ndim = len(shape(node))
+    if not isinstance(p, Shard):
+        return [Decision(output=p, reason="a view of a whole or partial value")]
+    if node.target is op("permute.default"):
+        order = [norm_dim(d, ndim) for d in node.args[1]]
+        dim = order.index(p.dim)
+    else:
+        if node.target is op("t.default"):
+            d0, d1 = (0, 1) if ndim == 2 else (0, 0)
+        else:
+            d0, d1 = (norm_dim(d, ndim) for d in node.args[1:3])
+        dim = d1 if p.dim == d0 else d0 if p.dim == d1 else p.dim
+    return [Decision(output=Shard(dim), reason=f"dimension {p.dim} moves to {dim}")]
+
+
+@register(op("expand.default"))
+def expand(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    (p,) = inputs
+    if not isinstance(p, Shard):
+        return [Decision(output=p, reason="a view of a whole or partial value")]
+    src, dst = shape(tensor_args(node)[0]), shape(node)
+    od = p.dim + len(dst) - len(src)
+    if src[p.dim] != dst[od]:
+        return _whole(node, inputs, "expanded along its sharded dimension")
+    return [Decision(output=Shard(od), reason="a broadcast view keeps the shards")]
+
+
+@register(op("unsqueeze.default"), op("squeeze.dim"), op("squeeze.dims"), op("squeeze.default"))
+def squeeze(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    (p,) = inputs
+    if not isinstance(p, Shard):
+        return [Decision(output=p, reason="a view of a whole or partial value")]
+    src, dst = shape(tensor_args(node)[0]), shape(node)
+    mapped = reshape_map(src, dst, p.dim, size)
+    if mapped is None:
+        return _whole(node, inputs, "squeezes its sharded dimension")
+    return [Decision(output=Shard(mapped), reason=f"dimension {p.dim} becomes {mapped}")]
+
+
+def _cut_dim(node: fx.Node) -> int:
+    ndim = len(shape(tensor_args(node)[0]))
+    target = node.target
+    if target in (op("slice.Tensor"), op("select.int")):
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    else:  # split / split_with_sizes / unbind / chunk: dim after the sizes
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        if target is op("unbind.int"):
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    return norm_dim(int(dim), ndim)
+
+
+@register(op("slice.Tensor"), op("select.int"), op("split.Tensor"),
+          op("split_with_sizes.default"), op("unbind.int"), op("chunk.default"))
+def cut(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    """Pieces along one dimension: along another than the sharded one, each piece is
+    sharded as the input (a dimension removed by ``select``/``unbind`` shifts it)."""
+    (p,) = inputs
+    count = outputs_of(node)
+    if not isinstance(p, Shard):
+        out: Placement | tuple = (p,) * count if count > 1 or isinstance(
+            node.meta.get("val"), (tuple, list)) else p
+        return [Decision(output=out, reason="pieces of a whole or partial value")]
+    dim = _cut_dim(node)
+    if dim == p.dim:
+        src = shape(tensor_args(node)[0])
+        if node.target is op("slice.Tensor") and shape(node) == src:
+            return [Decision(output=p, reason="a slice of everything")]
+        return _whole(node, inputs, f"cut along its sharded dimension {dim}")
+    removes = node.target in (op("select.int"), op("unbind.int"))
+    new = Shard(p.dim - 1 if removes and p.dim > dim else p.dim)
+    out = (new,) * count if isinstance(node.meta.get("val"), (tuple, list)) else new
+    return [Decision(output=out, reason=f"cut along dimension {dim}, sharded along {p.dim}")]
+
+
+@register(op("cat.default"), op("stack.default"))
+def cat(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    """Joined along a dimension other than the one every piece is sharded along, the
+    result is sharded there; otherwise the pieces are gathered first."""
+    args = tensor_args(node)
+    ndim_in = len(shape(args[0]))
+    raw = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    stack = node.target is op("stack.default")
+    dim = norm_dim(int(raw), ndim_in + 1 if stack else ndim_in)
+    first = inputs[0]
+    if all(p == first for p in inputs) and isinstance(first, Partial):
+        return [Decision(output=first, reason="pieces of one partial sum")]
+    decisions = []
+    shards = [p for p in inputs if isinstance(p, Shard)]
+    if shards:
+        d = shards[0].dim
+        out_dim = d + 1 if stack and d >= dim else d
+        if d != dim or stack:
+            if all(shape(a)[d] % size == 0 for a in args):
+                decisions.append(Decision(output=Shard(out_dim), inputs=(Shard(d),) * len(args),
+                                          reason=f"joined along {dim}, sharded along {d}"))
+    decisions.append(replicate_all(node, "joined along its sharded dimension"))
+    return decisions

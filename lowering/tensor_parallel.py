@@ -1,0 +1,398 @@
+"""tensor_parallel: run the graph on each rank's pieces, as ``propagate`` placed them.
+
+Parameters placed ``Shard(d)`` on a tensor-parallel dimension are stored as their pieces
+(``spmd.tensor_parallel``); the model's code reads them through ``spmd::tp_param``,
+whose value is the whole tensor, so a graph is traced on global shapes (a layer's
+``view(B, T, n_heads, head_dim)`` is written for the whole model and stays right) and
+its backward hands each piece's gradient through ``spmd::tp_grad``. Eagerly these are a
+blocking all-gather and a slice: code outside any compiled graph still computes the
+right values. In a planned graph this pass carries out what ``propagate`` decided for
+every node on every tensor-parallel dimension (``meta["spmd_tp"]``):
+
+1. each input whose placement differs from the one the node's decision needs is
+   redistributed first (the table's collective or local step, once per value and
+   placement, with a provenance that names the op, the rule's reason and the module
+   that made the node);
+2. shape arguments written for the whole tensor (``view``, ``reshape``, ``expand``) are
+   rewritten for the local piece;
+3. every value gets its local ``meta["val"]``, checked against its global shape and
+   placement: a rule that disagrees with the op is a planning error naming the node,
+   never a wrong result.
+
+``tp_param`` becomes an alias of the stored piece and ``tp_grad`` of the gradient brought
+to the parameter's placement. Values the caller receives (a forward's outputs, gradients
+of anything but a tensor-parallel parameter) are made ``Replicate()`` first: the caller
+sees whole tensors, as on one process.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from dataclasses import replace as dc_replace
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate
+
+from spmd.lowering import ops, rules
+from spmd.lowering.annotate import PlanningError, ShardingError, graph_outputs
+from spmd.lowering.collectives import insert_redistribution
+from spmd.lowering.context import LoweringContext
+from spmd.lowering.graph import fill_val
+from spmd.lowering.passes import Provenance
+from spmd.lowering.placements import Placement, Replicate, Shard, Sharding
+from spmd.lowering.propagate import TPChoice, derive
+from spmd.lowering.redistribute import redistribution
+from spmd.lowering.state import Boundary, find, put
+
+__all__ = ["TPSpec", "tp_param", "tp_grad", "tensor_parallel", "local_shape", "module_of",
+           "USER_OUTPUTS"]
+
+aten = torch.ops.aten
+USER_OUTPUTS = "spmd_user_outputs"  # gm.meta: how many forward outputs the caller receives
+
+
+@dataclass(eq=False, kw_only=True)
+class TPSpec:
+    """One tensor-parallel parameter: its whole shape, its placement per tensor-parallel
+    dimension, and the groups along them (None: a simulated mesh).
+
+    ``coords`` is this rank's index along each dimension: the piece it stores."""
+
+    param: str
+    shape: tuple[int, ...]
+    placements: dict[str, Placement]
+    sizes: dict[str, int]
+    groups: dict[str, Any] = field(default_factory=dict)
+
+    def rank(self, dim: str) -> int:
+        group = self.groups.get(dim)
+        return 0 if group is None else group.rank()
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        shape = list(self.shape)
+        for dim, p in self.placements.items():
+            if isinstance(p, Shard):
+                shape[p.dim] //= self.sizes[dim]
+        return tuple(shape)
+
+    def piece(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a whole tensor laid out like the parameter."""
+        out = full
+        for dim, p in self.placements.items():
+            if isinstance(p, Shard):
+                out = out.chunk(self.sizes[dim], dim=p.dim)[self.rank(dim)]
+        return out
+
+    def whole(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole tensor from every rank's piece: an all-gather along each sharded
+        dimension (blocking; on a simulated mesh, this piece repeated)."""
+        out = local.detach()
+        for dim, p in self.placements.items():
+            if not isinstance(p, Shard):
+                continue
+            size, group = self.sizes[dim], self.groups.get(dim)
+            front = out.movedim(p.dim, 0).contiguous()
+            if group is None or size == 1 or not ops._sending():
+                gathered = torch.cat([front] * size)
+            else:
+                from spmd.runtime.collectives import all_gather_into_tensor
+
+                gathered = front.new_empty((front.shape[0] * size, *front.shape[1:]))
+                all_gather_into_tensor(gathered, front, group=group)
+            out = gathered.movedim(0, p.dim)
+        return out.contiguous()
+
+
+_lib = torch.library.Library("spmd", "FRAGMENT")
+_lib.define("tp_param(Tensor local, int handle) -> Tensor")
+_lib.define("tp_grad(Tensor grad, int handle) -> Tensor")
+
+
+def _tp_param(local: torch.Tensor, handle: int) -> torch.Tensor:
+    """The whole parameter from its pieces (eager: a blocking all-gather per sharded
+    dimension; planned graphs keep the pieces instead)."""
+    return ops.lookup(handle).whole(local)
+
+
+def _tp_grad(grad: torch.Tensor, handle: int) -> torch.Tensor:
+    """This rank's piece of the whole parameter's gradient. Eagerly every rank of a
+    tensor-parallel dimension computed the same whole gradient (they see the same batch),
+    so the piece is a slice."""
+    return ops.lookup(handle).piece(grad.detach()).clone()
+
+
+def _fake_tp_param(local: torch.Tensor, handle: int) -> torch.Tensor:
+    return local.new_empty(ops.lookup(handle).shape)
+
+
+def _fake_tp_grad(grad: torch.Tensor, handle: int) -> torch.Tensor:
+    return grad.new_empty(ops.lookup(handle).local_shape)
+
+
+for _name, _impl, _fake in (("tp_param", _tp_param, _fake_tp_param),
+                            ("tp_grad", _tp_grad, _fake_tp_grad)):
+    _lib.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"spmd::{_name}", _fake, lib=_lib)
+
+tp_param = torch.ops.spmd.tp_param.default
+tp_grad = torch.ops.spmd.tp_grad.default
+ops.FAKES[tp_param], ops.FAKES[tp_grad] = _fake_tp_param, _fake_tp_grad
+ops.IMPLEMENTATIONS[tp_param], ops.IMPLEMENTATIONS[tp_grad] = _tp_param, _tp_grad
+
+
+def _param_context(ctx: Any, inputs: tuple, output: Any) -> None:
+    ctx.handle = inputs[1]
+
+
+def _param_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return tp_grad(grad, ctx.handle), None
+
+
+torch.library.register_autograd("spmd::tp_param", _param_backward,
+                                setup_context=_param_context, lib=_lib)
+
+
+@rules.register(tp_param)
+def _param_rule(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> rules.Decision:
+    return rules.Decision(output=inputs[0], reason="the parameter's stored pieces")
+
+
+def _grad_rule(node: fx.Node, inputs: tuple[Placement, ...], size: int, dim: str
+               ) -> rules.Decision:
+    want = ops.lookup(node.args[1]).placements.get(dim, Replicate())
+    return rules.Decision(output=want, inputs=(want,),
+                          reason="a parameter's gradient is placed as the parameter")
+
+
+_grad_rule.wants_dim = True  # type: ignore[attr-defined]
+rules.register(tp_grad)(_grad_rule)
+
+
+# -- the pass ---------------------------------------------------------------------------
+
+
+def local_shape(global_shape: tuple[int, ...], sharding: Sharding, dims: tuple[str, ...]
+                ) -> tuple[int, ...]:
+    """The piece of a tensor of ``global_shape`` each rank holds under ``sharding`` on the
+    tensor-parallel dimensions ``dims``."""
+    shape = list(global_shape)
+    for name in dims:
+        p = sharding[name]
+        if isinstance(p, Shard):
+            size = sharding.mesh.size(name)
+            if shape[p.dim] % size:
+                raise PlanningError(f"dimension {p.dim} of a tensor of shape {global_shape} "
+                                    f"is sharded over {size} ranks of {name!r}, which does not "
+                                    f"divide it")
+            shape[p.dim] //= size
+    return tuple(shape)
+
+
+def module_of(node: fx.Node) -> str:
+    """The module path (``layers.0.linear2``) of the model code that made ``node``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    for prefix in ("L['self'].", "L['self']", "self."):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+    path = path.replace("L__self___", "").replace("['", ".").replace("']", "")
+    return path.replace("[", ".").replace("]", "").strip(".")
+
+
+_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+             aten.expand.default}
+
+
+def _fake_like(val: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    return val.new_empty(shape) if tuple(val.shape) != shape else val
+
+
+class _Localizer:
+    def __init__(self, gm: fx.GraphModule, ctx: LoweringContext) -> None:
+        self.gm, self.ctx = gm, ctx
+        self.dims = ctx.strategy.tp_dims
+        self.index = {d: ctx.mesh.dim_names.index(d) for d in self.dims}
+        self.brought: dict[tuple[fx.Node, str, Placement], fx.Node] = {}
+
+    def expected(self, node: fx.Node) -> Any:
+        """The local shapes of ``node``'s value(s) under its sharding."""
+        val, spec = node.meta["val"], node.meta["sharding"]
+        if isinstance(val, (tuple, list)):
+            return [None if not isinstance(v, torch.Tensor) else
+                    local_shape(tuple(v.shape), s, self.dims) for v, s in zip(val, spec)]
+        return local_shape(tuple(val.shape), spec, self.dims)
+
+    def bring(self, value: fx.Node, dim: str, want: Placement, user: fx.Node,
+              choice: TPChoice | None) -> fx.Node:
+        """``value`` redistributed to ``want`` on ``dim`` (cached)."""
+        spec = value.meta["sharding"]
+        have = spec[dim]
+        if have == want:
+            return value
+        key = (value, dim, want)
+        if key in self.brought:
+            return self.brought[key]
+        step = redistribution(have, want)
+        if step.kind == "none":
+            return value
+        step = dc_replace(step, mesh_dim=dim)
+        module = module_of(user) or user.name
+        reason = (f"{user.target} ({user.name}) needs {value.name} {have!r} -> {want!r} on "
+                  f"{dim!r}: " + (choice.why() if choice is not None else
+                                  "the caller receives whole tensors"))
+        why = Provenance(params=(module,), pass_name="tensor_parallel", reason=reason)
+        node = insert_redistribution(self.gm, self.ctx, value, step, why)
+        self._seal(value, node, dim, want)
+        self.brought[key] = node
+        return node
+
+    def _seal(self, value: fx.Node, result: fx.Node, dim: str, want: Placement) -> None:
+        """The inserted nodes from ``value`` to ``result`` are done; the unpacking ones
+        (no sharding of their own yet) hold the target placement."""
+        dst = value.meta["sharding"].with_placement(dim, want)
+        node = value.next
+        while True:
+            node.meta.setdefault("sharding", dst)
+            node.meta["spmd_tp_inserted"] = True
+            if node is result:
+                break
+            node = node.next
+        result.meta["sharding"] = dst
+
+    def run(self) -> None:
+        graph = self.gm.graph
+        role = self.ctx.role
+        infos = list(self.ctx.inputs)
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        for k, node in enumerate(placeholders):
+            # a forward's inputs are what the model holds (parameters as pieces); a
+            # backward's are values traced whole
+            if role == "backward":
+                want = self.expected(node)
+                node.meta["val"] = _fake_like(node.meta["val"], want)
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.meta.get("spmd_tp_inserted"):
+                continue
+            self.localize(node)
+        self.finish_outputs(infos)
+
+    def localize(self, node: fx.Node) -> None:
+        choices: dict[str, TPChoice] = node.meta.get("spmd_tp", {})
+        want = None
+        if node.target is tp_grad:  # traced as the piece already
+            want = tuple(node.meta["val"].shape)
+            spec = ops.lookup(node.args[1])
+            source = node.args[0]
+            for dim in self.dims:
+                source = self.bring(source, dim, spec.placements.get(dim, Replicate()),
+                                    node, None)
+            node.target, node.args = aten.alias.default, (source,)
+        elif choices:
+            args = rules.tensor_args(node)
+            wanted: list[dict[str, Placement]] = [{} for _ in args]
+            for dim, choice in choices.items():
+                for k, p in enumerate(choice.decision.required(choice.inputs)):
+                    wanted[k][dim] = p
+            counter = iter(range(len(args)))
+
+            def swap(a: Any) -> Any:
+                if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+                    k = next(counter)
+                    for dim, p in wanted[k].items():
+                        a = self.bring(a, dim, p, node, choices[dim])
+                return a
+
+            node.args = map_aggregate(node.args, swap)
+            node.kwargs = map_aggregate(node.kwargs, swap)
+        if node.target is tp_param:
+            node.target, node.args = aten.alias.default, (node.args[0],)
+        if want is None:
+            want = self.expected(node)
+        if node.target in _RESHAPES:
+            node.args = (node.args[0], list(want), *node.args[2:])
+        self.check(node, want)
+
+    def check(self, node: fx.Node, want: Any) -> None:
+        global_val = node.meta["val"]
+        try:
+            fill_val(node)
+        except Exception as e:
+            raise PlanningError(f"{self.ctx.graph_name}: {node.target} ({node.name}"
+                                f"{_where(node)}) fails on the local pieces "
+                                f"{self._inputs(node)}: {e}") from e
+        got = node.meta["val"]
+        if isinstance(got, (tuple, list)):
+            shapes = [None if not isinstance(v, torch.Tensor) else tuple(v.shape) for v in got]
+            ok = all(w is None or s == tuple(w) for s, w in zip(shapes, want))
+        else:
+            shapes = tuple(got.shape)
+            ok = shapes == tuple(want)
+        if not ok:
+            raise PlanningError(
+                f"{self.ctx.graph_name}: the sharding rule of {node.target} ({node.name}"
+                f"{_where(node)}) places its output {node.meta['sharding']} (local shape "
+                f"{want}) but the op gives {shapes} on inputs {self._inputs(node)}; whole "
+                f"shape {_shapes(global_val)}")
+
+    def _inputs(self, node: fx.Node) -> str:
+        return ", ".join(f"{a.name}: {a.meta.get('sharding')}" for a in rules.tensor_args(node))
+
+    def finish_outputs(self, infos: list) -> None:
+        """What the caller receives must be whole on every tensor-parallel dimension."""
+        graph = self.gm.graph
+        output = graph.output_node()
+        values = graph_outputs(self.gm)
+        role = self.ctx.role
+        user = self.gm.meta.get(USER_OUTPUTS, len(values)) if role == "forward" else len(values)
+        changed = list(values)
+        for i, value in enumerate(values):
+            if not isinstance(value, fx.Node) or i >= user:
+                continue
+            if role == "backward" and i < len(infos) and value.target is aten.alias.default \
+                    and infos[i].kind == "param":
+                continue  # a tensor-parallel parameter's gradient: its piece
+            if not isinstance(value.meta.get("val"), torch.Tensor):
+                continue
+            for dim in self.dims:
+                value = self.bring(value, dim, Replicate(), output, None)
+            changed[i] = value
+        original = output.args[0]
+        output.args = (type(original)(changed) if isinstance(original, (list, tuple))
+                       else changed[0],)
+        boundary = find(self.gm, Boundary)
+        if boundary is not None and boundary.gradients:
+            moved = [g if g.output is None or changed[g.output] is values[g.output]
+                     else dc_replace(g, node=changed[g.output].name) for g in boundary.gradients]
+            put(self.gm, dc_replace(boundary, gradients=tuple(moved)))
+
+
+def _where(node: fx.Node) -> str:
+    module = module_of(node)
+    return f" in {module}" if module else ""
+
+
+def _shapes(val: Any) -> Any:
+    if isinstance(val, (tuple, list)):
+        return [tuple(v.shape) if isinstance(v, torch.Tensor) else v for v in val]
+    return tuple(val.shape)
+
+
+def tensor_parallel(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
+    if not ctx.strategy.tp_dims:
+        return gm
+    try:
+        _Localizer(gm, ctx).run()
+    except PlanningError as e:  # a graph on whole shapes cannot run on pieces: never
+        raise ShardingError(str(e)) from e  # left unplanned
+    gm.graph.eliminate_dead_code()
+    derive(gm, ctx)
+    return gm
+
+
+del operator
