@@ -37,7 +37,7 @@ from spmd.lowering.placements import Placement, Replicate, Sharding, Varying
 from spmd.lowering.redistribute import redistribution
 from spmd.lowering.state import Boundary, needs
 
-__all__ = ["propagate", "derive", "TPChoice", "choose"]
+__all__ = ["propagate", "derive", "TPChoice", "choose", "module_of"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -118,11 +118,24 @@ def choose(node: fx.Node, dim: str, incoming: tuple[Placement, ...],
     return TPChoice(decision=decision, inputs=incoming, seconds=seconds, alternatives=others)
 
 
+def module_of(node: fx.Node) -> str:
+    """The module path (``layers.0.linear2``) of the model code that made ``node``."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    for prefix in ("L['module']", "L['self']", "self"):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+            break
+    path = path.replace("L__self___", "").replace("['", ".").replace("']", "")
+    return path.replace("[", ".").replace("]", "").strip(".")
+
+
 def _where(node: fx.Node) -> str:
-    """`` at file:line`` of the model code that made ``node``, when known."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File")]
-    return f" at {lines[-1]}" if lines else ""
+    """`` in <module path>`` of the model code that made ``node``, when known."""
+    module = module_of(node)
+    return f" in {module}" if module else ""
 
 def _is_random(node: fx.Node) -> bool:
     target = node.target

@@ -43,7 +43,7 @@ from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import fill_val
 from spmd.lowering.passes import Provenance
 from spmd.lowering.placements import Placement, Replicate, Shard, Sharding
-from spmd.lowering.propagate import TPChoice, derive
+from spmd.lowering.propagate import TPChoice, derive, module_of
 from spmd.lowering.redistribute import redistribution
 from spmd.lowering.state import Boundary, find, put
 
@@ -192,19 +192,6 @@ def local_shape(global_shape: tuple[int, ...], sharding: Sharding, dims: tuple[s
     return tuple(shape)
 
 
-def module_of(node: fx.Node) -> str:
-    """The module path (``layers.0.linear2``) of the model code that made ``node``."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    for prefix in ("L['self'].", "L['self']", "self."):
-        if path.startswith(prefix):
-            path = path[len(prefix):]
-    path = path.replace("L__self___", "").replace("['", ".").replace("']", "")
-    return path.replace("[", ".").replace("]", "").strip(".")
-
-
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
              aten.expand.default}
 
@@ -242,11 +229,12 @@ class _Localizer:
         if step.kind == "none":
             return value
         step = dc_replace(step, mesh_dim=dim)
-        module = module_of(user) or user.name
+        modules = tuple(dict.fromkeys(m for m in (module_of(value), module_of(user)) if m))
         reason = (f"{user.target} ({user.name}) needs {value.name} {have!r} -> {want!r} on "
                   f"{dim!r}: " + (choice.why() if choice is not None else
                                   "the caller receives whole tensors"))
-        why = Provenance(params=(module,), pass_name="tensor_parallel", reason=reason)
+        why = Provenance(params=modules or (user.name,), pass_name="tensor_parallel",
+                         reason=reason)
         node = insert_redistribution(self.gm, self.ctx, value, step, why)
         self._seal(value, node, dim, want)
         self.brought[key] = node

@@ -21,7 +21,7 @@ from spmd.lowering.options import Options
 from spmd.lowering.passes import Provenance
 from spmd.lowering.state import CollectiveInfo, OptimizerFusion, find
 
-__all__ = ["Plan", "Bucket", "Collective", "Fallback", "plan_from_records"]
+__all__ = ["Plan", "Bucket", "Collective", "Fallback", "Placed", "plan_from_records"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,6 +65,28 @@ class Collective:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Placed:
+    """What propagation decided for one op on one tensor-parallel mesh dimension."""
+
+    graph: str
+    phase: str
+    node: str
+    op: str
+    module: str  # the model code's module path, "" when unknown
+    mesh_dim: str
+    inputs: tuple[str, ...]  # the inputs' placements before
+    needed: tuple[str, ...]  # the placements the rule needs them in
+    output: str
+    reason: str
+    fallback: bool  # no rule for the op: its inputs replicated first
+
+    def __str__(self) -> str:
+        moved = "" if self.inputs == self.needed else f" (inputs brought to {list(self.needed)})"
+        return (f"{self.graph} {self.phase} {self.node} = {self.op}{list(self.inputs)} -> "
+                f"{self.output} on {self.mesh_dim!r}{moved}: {self.reason}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Fallback:
     """A parameter whose gradient the eager safety net synchronised, and why."""
 
@@ -94,6 +116,10 @@ class Plan:
     parameters: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
     buffer_bytes: int = 0
     sharded: list[str] = field(default_factory=list)  # parameters stored as shards
+    # tensor parallelism: parameter -> its placement per tensor-parallel dimension, and
+    # every op's decision where some input was not replicated
+    tp_placements: dict[str, dict[str, Any]] = field(default_factory=dict)
+    placed: list[Placed] = field(default_factory=list)
     measured: Any = None  # a measured Timeline, after spmd.profile
 
     def fingerprint(self) -> str:
@@ -127,6 +153,16 @@ class Plan:
         lines = [f"Plan: {self.strategy} over {self.world_size} rank(s) (group {self.group!r}), "
                  f"{len(regions)} captured region(s), {len(self.buckets)} "
                  f"bucket(s), {len(self.collectives)} collective(s); per step {per_kind}"]
+        if self.tp_placements:
+            dims = sorted({d for p in self.tp_placements.values() for d in p})
+            sizes = ", ".join(f"{d!r} ({self.mesh.size(d)} ranks)" for d in dims)
+            split = sum(1 for p in self.tp_placements.values()
+                        if any(q.is_shard() for q in p.values()))
+            lines.append(f"tensor parallel along {sizes}: {split} parameter(s) stored as "
+                         f"pieces; {len(self.placed)} op placement(s) decided by rules")
+            missing = sorted({p.op for p in self.placed if p.fallback})
+            if missing:
+                lines.append(f"  replicated for want of a sharding rule: {', '.join(missing)}")
         if self.sharded:
             lines.append(f"parameters stored as dim-0 shards: {len(self.sharded)} (every "
                          f"parameter; 0-dim ones as one row)")
@@ -241,6 +277,10 @@ def plan_from_records(records: list, *, setup: Any, options: Options,
                 info: CollectiveInfo = node.meta["spmd_collective"]
                 model = replace(setup.cost_model, world_size=mesh.size(info.mesh_dim))
                 seconds = model.seconds(info.kind, info.bytes)
+                name, ranks = group_name, group_ranks
+                if info.mesh_dim in setup.strategy.tp_dims and not mesh.simulated:
+                    along = mesh.get_group(info.mesh_dim)
+                    name, ranks = along.name, tuple(along.ranks)
                 index = len(plan.buckets)
                 plan.buckets.append(Bucket(
                     index=index, graph=record.name, params=info.params, dtype=info.dtype,
@@ -248,9 +288,29 @@ def plan_from_records(records: list, *, setup: Any, options: Options,
                     kernel=kernel, predicted_seconds=seconds, collective=node.name,
                     kind=info.kind, phase=phase))
                 plan.collectives.append(Collective(
-                    name=node.name, kind=info.kind, bytes=info.bytes, group=group_name,
-                    group_ranks=group_ranks, bucket=index, graph=record.name,
+                    name=node.name, kind=info.kind, bytes=info.bytes, group=name,
+                    group_ranks=ranks, bucket=index, graph=record.name,
                     provenance=info.provenance, predicted_seconds=seconds,
                     mesh_dim=info.mesh_dim, placements=f"{info.src!r} -> {info.dst!r}",
                     phase=phase))
+            plan.placed.extend(_placed(graph, record.name, phase))
+    strategy = setup.strategy
+    if strategy.tp_dims:
+        plan.tp_placements = {n: strategy.tp_placement(n) for n in strategy.placements}
     return plan
+
+
+def _placed(graph: fx.GraphModule, name: str, phase: str) -> list[Placed]:
+    """The tensor-parallel decisions ``propagate`` recorded on ``graph``'s nodes."""
+    from spmd.lowering.propagate import module_of
+
+    found = []
+    for node in graph.graph.nodes:
+        for dim, choice in (node.meta.get("spmd_tp") or {}).items():
+            needed = choice.decision.required(choice.inputs)
+            found.append(Placed(
+                graph=name, phase=phase, node=node.name, op=str(node.target),
+                module=module_of(node), mesh_dim=dim,
+                inputs=tuple(map(repr, choice.inputs)), needed=tuple(map(repr, needed)),
+                output=repr(choice.output), reason=choice.why(), fallback=choice.fallback))
+    return found

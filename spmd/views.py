@@ -103,6 +103,9 @@ def explain(plan: Any, x: Any) -> str:
             return (f"parameter {x!r}: its gradient is Partial('avg') on every rank (each rank "
                     f"saw its own shard of the batch); it travels in bucket {b.index}.\n"
                     + _explain_bucket(plan, b))
+    tp = _explain_tensor_parallel(plan, x)
+    if tp is not None:
+        return tp
     for f in plan.fallbacks:
         if f.param == x:
             return (f"parameter {x!r} is synchronised by the eager safety net: {f.reason}; "
@@ -112,6 +115,41 @@ def explain(plan: Any, x: Any) -> str:
     known = [c.name for c in plan.collectives][:5]
     raise KeyError(f"explain: {x!r} is neither a collective ({', '.join(known)}...) nor a "
                    f"parameter in this plan")
+
+
+def _explain_tensor_parallel(plan: Any, x: str) -> str | None:
+    """Why the collectives of module (or parameter) ``x`` exist under tensor parallelism:
+    each one's rule, placements in and out and cost, then the placements the rules chose
+    for its ops; None when ``x`` names nothing tensor-parallel."""
+    if not plan.placed:
+        return None
+    module = x.rsplit(".", 1)[0] if x in plan.tp_placements else x
+
+    def inside(path: str) -> bool:
+        return path == module or path.startswith(module + ".")
+
+    params = {n: p for n, p in plan.tp_placements.items() if inside(n.rsplit(".", 1)[0])}
+    colls = [c for c in plan.collectives if c.provenance.pass_name == "tensor_parallel"
+             and any(inside(m) for m in c.provenance.params)]
+    placed = [p for p in plan.placed if inside(p.module)]
+    if not (params or colls or placed):
+        return None
+    lines = [f"{x}: tensor parallel"]
+    for name, where in params.items():
+        shown = ", ".join(f"{d}: {p!r}" for d, p in where.items())
+        lines.append(f"  parameter {name}: {shown}")
+    if not colls:
+        lines.append("  no collective: every value it computes is placed as its consumers "
+                     "need it")
+    for c in colls:
+        lines.append(f"  {c.name} ({c.graph} {c.phase}): {c.kind} of {c.bytes:,} bytes on "
+                     f"{c.mesh_dim!r}, {c.placements}, {c.predicted_seconds * 1e6:.1f} µs "
+                     f"predicted")
+        lines.append(f"    why: {c.provenance.reason}")
+    if placed:
+        lines.append("  placements chosen by the rules:")
+        lines += [f"    {p}" for p in placed]
+    return "\n".join(lines)
 
 
 def _explain_bucket(plan: Any, b: Any) -> str:
