@@ -321,6 +321,10 @@ class ModuleState:
                 if not isinstance(e, TorchDynamoException):
                     raise  # the model's own error, not a capture failure
                 inner = getattr(e, "inner_exception", None) or e.__cause__ or e
+                from spmd.lowering.annotate import ShardingError
+
+                if isinstance(inner, ShardingError):
+                    raise inner from None  # names the op: tensor parallelism cannot place it
                 first = (str(inner).strip().splitlines() or ["?"])[0][:200]
                 reason = f"the model could not be captured ({type(inner).__name__}: {first})"
                 log.warning("spmd: %s; running it eagerly, gradients averaged by the safety "
