@@ -201,10 +201,23 @@ def derive(gm: fx.GraphModule, ctx: LoweringContext) -> None:
             continue
         param = gradients.get(node.name)
         if param is not None:
-            node.meta["sharding"] = ctx.strategy.local_gradient(param)
+            local = ctx.strategy.local_gradient(param)
+            tp_dims = ctx.strategy.tp_dims
+            if tp_dims and "spmd_role" not in node.meta and "spmd_collective" not in node.meta:
+                # the data dimensions are the strategy's to say; a tensor-parallel one is
+                # what the rules give (tensor_parallel brings it to the parameter's)
+                computed = _rule(node, ctx)
+                local = Sharding(mesh=local.mesh, placements=tuple(
+                    c if dim in tp_dims else p for dim, p, c in
+                    zip(local.mesh.dim_names, local.placements, computed.placements)))
+            node.meta["sharding"] = local
             continue
         role = node.meta.get("spmd_role")
         if role is not None and role.kind == "unpack":
+            gathered = _gathered_piece(node)
+            if gathered is not None:
+                node.meta["sharding"] = gathered
+                continue
             # the pieces of a collective's result hold what its wait holds
             source = node.args[0].meta["sharding"]
             if isinstance(source, tuple):
@@ -214,6 +227,25 @@ def derive(gm: fx.GraphModule, ctx: LoweringContext) -> None:
                                      if isinstance(val, (tuple, list)) else source)
             continue
         node.meta["sharding"] = _rule(node, ctx)
+
+
+def _gathered_piece(node: fx.Node) -> Sharding | None:
+    """A parameter's whole tensor out of a bucket of sharded parameters' gather: placed as
+    that parameter's shard was, but whole along the gathered dimension (parameters of
+    one bucket may differ on a tensor-parallel dimension)."""
+    from spmd.lowering import ops
+
+    if node.target is not operator.getitem:
+        return None
+    unpack = node.args[0]
+    if not isinstance(unpack, fx.Node) or unpack.target is not ops.unpack_gathered:
+        return None
+    coll = unpack.args[0].args[0]
+    info = coll.meta.get("spmd_collective")
+    shard = coll.args[0][node.args[1]]
+    if info is None or "sharding" not in shard.meta:
+        return None
+    return shard.meta["sharding"].with_placement(info.mesh_dim, Replicate())
 
 
 def _decided(node: fx.Node) -> bool:

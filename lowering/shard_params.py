@@ -96,8 +96,10 @@ def build_scatter(gm: fx.GraphModule, ctx: LoweringContext, grads: list[fx.Node]
     wire = specs[0].reduce_dtype or dtype
     spec, handle = _bucket_spec(ctx, "reduce_scatter", specs, wire)
     strategy = ctx.strategy
-    src = Sharding.on(strategy.mesh, {d: Partial("avg") for d in strategy.data_dims})
-    dst = strategy.parameter_sharding()
+    dst = strategy.parameter_sharding(specs[0].param)
+    src = dst
+    for d in strategy.data_dims:
+        src = src.with_placement(d, Partial("avg"))
     with graph.inserting_after(last):
         coll = new_node(graph, ops.bucket_reduce_scatter, (list(grads), handle), sharding=src,
                         name="reduce_scatter")

@@ -45,6 +45,7 @@ from spmd.lowering.passes import Provenance
 from spmd.lowering.placements import Placement, Replicate, Shard, Sharding
 from spmd.lowering.propagate import TPChoice, derive, module_of
 from spmd.lowering.redistribute import redistribution
+from spmd.lowering.reshard import RESHARDED
 from spmd.lowering.state import Boundary, find, put
 
 __all__ = ["TPSpec", "tp_param", "tp_grad", "tensor_parallel", "local_shape", "module_of",
@@ -261,12 +262,14 @@ class _Localizer:
         for k, node in enumerate(placeholders):
             # a forward's inputs are what the model holds (parameters as pieces); a
             # backward's are values traced whole
-            if role == "backward":
+            if role == "backward" and RESHARDED not in node.meta:  # (resharded: a shard)
                 want = self.expected(node)
                 node.meta["val"] = _fake_like(node.meta["val"], want)
         for node in list(graph.nodes):
             if node.op != "call_function" or node.meta.get("spmd_tp_inserted"):
                 continue
+            if "spmd_collective" in node.meta or "spmd_role" in node.meta:
+                continue  # a sharded strategy's gathers and reduce-scatters: on pieces
             self.localize(node)
         self.finish_outputs(infos)
 
@@ -342,13 +345,15 @@ class _Localizer:
         for i, value in enumerate(values):
             if not isinstance(value, fx.Node) or i >= user:
                 continue
-            if role == "backward" and i < len(infos) and value.target is aten.alias.default \
-                    and infos[i].kind == "param":
-                continue  # a tensor-parallel parameter's gradient: its piece
             if not isinstance(value.meta.get("val"), torch.Tensor):
                 continue
+            # a parameter's gradient is placed as the parameter; the rest whole
+            param = (infos[i].name if role == "backward" and i < len(infos)
+                     and infos[i].kind == "param" else None)
             for dim in self.dims:
-                value = self.bring(value, dim, Replicate(), output, None)
+                want = (Replicate() if param is None
+                        else self.ctx.strategy.tp_placement(param)[dim])
+                value = self.bring(value, dim, want, output, None)
             changed[i] = value
         original = output.args[0]
         output.args = (type(original)(changed) if isinstance(original, (list, tuple))

@@ -63,18 +63,23 @@ class ModuleState:
         self.sync = SyncState()
         self.handles = Handles()  # the specs this model's graphs refer to
         # fsdp/hsdp: every parameter becomes its shard; ddp: none does
+        # tensor parallelism: parameters placed Shard(d) become this rank's pieces (which
+        # a sharded strategy then shards along its dimension)
+        self.tp_specs: dict[str, Any] = {}
+        if setup.strategy.tensor_parallel:
+            from spmd.tp import shard_tensor_parallel
+
+            self.tp_specs = shard_tensor_parallel(module, setup.strategy, self.handles)
         self.shards: dict[str, ShardSpec] = {}
         self.sharded = setup.strategy.shards_parameters
         if self.sharded:
             from spmd.sharded import shard_for
 
             self.shards = shard_for(module, setup, options, self.handles)
-        # tensor parallelism: parameters placed Shard(d) become this rank's pieces
-        self.tp_specs: dict[str, Any] = {}
-        if setup.strategy.tensor_parallel:
-            from spmd.tp import shard_tensor_parallel
+        if self.tp_specs:
+            from spmd.tp import install_state_dict_hooks
 
-            self.tp_specs = shard_tensor_parallel(module, setup.strategy, self.handles)
+            install_state_dict_hooks(module, self.tp_specs)
         self.params = dict(module.named_parameters())
         self.buffers = dict(module.named_buffers())
         names = {id(p): ("param", n) for n, p in self.params.items()}
@@ -189,7 +194,7 @@ class ModuleState:
                 continue
             seen.add(id(param))
             local = param.numel() * param.element_size()
-            spec = self.shards.get(name) or self.tp_specs.get(name)
+            spec = self.tp_specs.get(name) or self.shards.get(name)
             whole = local if spec is None else math.prod(spec.shape) * param.element_size()
             plan.parameters[name] = (local, whole, param.requires_grad)
         plan.buffer_bytes = sum(b.numel() * b.element_size() for b in self.buffers.values())

@@ -153,11 +153,6 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
         from spmd.tp import resolve_placements, tp_dims_of
 
         dims = tp_dims_of(options.placements)
-        if options.strategy != "ddp":
-            raise NotImplementedError(
-                f"{where}: tensor parallelism (placements=) composes with strategy 'ddp' "
-                f"along the other mesh dimensions; with {options.strategy!r} it is not "
-                f"supported yet")
         placed = resolve_placements(module, mesh, options.placements, where)
         strategy = resolve_strategy(options.strategy, mesh, where, dims, placed)
     else:

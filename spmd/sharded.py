@@ -117,7 +117,11 @@ def shard_module(module: nn.Module, specs_for: Any, sharding: Sharding,
             by_name[name] = spec
         if local and getattr(sub, "_spmd_shard_handles", None) is None:
             sub._spmd_shard_handles = local
-            sub.__class__ = _sharded_class(type(sub), local)
+            # tensor-parallel pieces: their property gathers the shards itself
+            own = {n: h for n, h in local.items()
+                   if n not in (getattr(sub, "_spmd_tp_handles", None) or {})}
+            if own:
+                sub.__class__ = _sharded_class(type(sub), own)
     return by_name
 
 

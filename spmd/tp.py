@@ -30,7 +30,7 @@ import torch.nn as nn
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
 
 __all__ = ["megatron", "Preset", "resolve_placements", "tp_dims_of", "shard_tensor_parallel",
-           "COLUMN", "ROW"]
+           "install_state_dict_hooks", "COLUMN", "ROW"]
 
 # Megatron-LM's layer names (and the common ones of Hugging Face and torch models):
 # column-parallel layers split their output features, row-parallel their input features
@@ -169,7 +169,13 @@ def _property(name: str) -> property:
     from spmd.lowering.tensor_parallel import tp_param
 
     def whole(self: nn.Module) -> torch.Tensor:
-        return tp_param(self._parameters[name], self._spmd_tp_handles[name])
+        local = self._parameters[name]
+        sharded = getattr(self, "_spmd_shard_handles", None)
+        if sharded is not None and name in sharded:  # fsdp x tp: the piece from its shards
+            from spmd.lowering.ops import shard_gather
+
+            local = shard_gather(local, sharded[name])
+        return tp_param(local, self._spmd_tp_handles[name])
 
     whole.__name__ = name
     return property(whole, doc=f"{name}, whole (from its tensor-parallel pieces)")
@@ -193,7 +199,9 @@ def shard_tensor_parallel(module: nn.Module, strategy: Any, handles: Any) -> dic
     """Store every parameter with a ``Shard`` placement as this rank's piece (in place;
     every rank of each tensor-parallel dimension must already hold the same whole
     parameters); every such parameter name (tied ones included) -> its
-    :class:`~spmd.lowering.tensor_parallel.TPSpec`."""
+    :class:`~spmd.lowering.tensor_parallel.TPSpec`. A sharded strategy then shards the
+    pieces along its dimension; :func:`install_state_dict_hooks` comes after it, so
+    state dicts go shards -> pieces -> whole tensors and back."""
     from spmd.lowering.tensor_parallel import TPSpec
     from spmd.sharded import ParameterPlacement
 
@@ -229,20 +237,27 @@ def shard_tensor_parallel(module: nn.Module, strategy: Any, handles: Any) -> dic
         if local:
             sub._spmd_tp_handles = local
             sub.__class__ = _tp_class(type(sub), tuple(sorted(local)))
-    _state_dict_hooks(module, specs)
+    _load_hook(module, specs)
     return specs
 
 
-def _state_dict_hooks(module: nn.Module, specs: dict[str, Any]) -> None:
+def install_state_dict_hooks(module: nn.Module, specs: dict[str, Any]) -> None:
     """Whole tensors in ``state_dict()`` (every rank of the tensor-parallel groups must
-    call it); whole tensors or this rank's pieces accepted by ``load_state_dict``."""
-    weak = weakref.ref(module)
+    call it); registered after any sharded strategy's hook, which gives the pieces."""
 
     def to_whole(mod: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
         for name, spec in specs.items():
             key = prefix + name
             if isinstance(state.get(key), torch.Tensor):
                 state[key] = spec.whole(state[key])
+
+    module._register_state_dict_hook(to_whole)
+
+
+def _load_hook(module: nn.Module, specs: dict[str, Any]) -> None:
+    """Whole tensors or this rank's pieces accepted by ``load_state_dict`` (before any
+    sharded strategy's hook, which takes pieces)."""
+    weak = weakref.ref(module)
 
     def to_piece(state: dict, prefix: str, *args: Any) -> None:
         if weak() is None:
@@ -260,7 +275,6 @@ def _state_dict_hooks(module: nn.Module, specs: dict[str, Any]) -> None:
                                  f"parameter takes the whole tensor {spec.shape} (or this "
                                  f"rank's piece {spec.local_shape})")
 
-    module._register_state_dict_hook(to_whole)
     module._register_load_state_dict_pre_hook(to_piece)
 
 

@@ -1,5 +1,6 @@
 """Tensor parallelism on real ranks: a transformer with Megatron's placements trains like one
-process on the whole batch, at tp=2 and on a 2x2 (dp x tp) mesh.
+process on the whole batch, at tp=2 and on 2x2 meshes: dp x tp (ddp along "dp") and
+fsdp x tp (each tensor-parallel piece sharded along "fsdp").
 
 Each data-parallel rank trains on its rows of the batch; the tensor-parallel ranks of a
 row see the same rows. The test process trains the one-process reference. Compared:
@@ -43,21 +44,23 @@ def _model() -> Transformer:
     return Transformer()
 
 
-def tp_job(rank: int, shape: tuple[int, ...]) -> dict:
+def tp_job(rank: int, shape: tuple[int, ...], strategy: str) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=90))
     try:
-        names = ("dp", "tp")[-len(shape):]
+        data = "fsdp" if strategy == "fsdp" else "dp"
+        names = (data, "tp")[-len(shape):]
         mesh = spmd.Mesh(shape, dim_names=names)
-        model = spmd.parallelize(_model(), mesh=mesh, placements=spmd.tp.megatron())
-        dp = mesh.size("dp") if "dp" in names else 1
-        me = mesh.get_group("dp").rank() if dp > 1 else 0
+        options = dict(mesh=mesh, placements=spmd.tp.megatron(), strategy=strategy)
+        model = spmd.parallelize(_model(), **options)
+        dp = mesh.size(data) if data in names else 1
+        me = mesh.get_group(data).rank() if dp > 1 else 0
         per = 8 // dp
         pieces = {n: tuple(p.shape) for n, p in model.named_parameters()}
         outputs, params = _train(model, slice(me * per, (me + 1) * per))
         plan = spmd.inspect(model)
         # a checkpoint round trip: whole tensors out, each rank keeps its piece
-        fresh = spmd.parallelize(Transformer(), mesh=mesh, placements=spmd.tp.megatron())
+        fresh = spmd.parallelize(Transformer(), **options)
         fresh.load_state_dict(params)
         again = {k: v.detach().clone() for k, v in fresh.state_dict().items()}
         return {"rows": (me * per, (me + 1) * per), "outputs": outputs, "params": params,
@@ -69,14 +72,15 @@ def tp_job(rank: int, shape: tuple[int, ...]) -> dict:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=[(2,), (2, 2)], ids=["tp2", "dp2xtp2"])
+@pytest.fixture(scope="module", params=[((2,), "ddp"), ((2, 2), "ddp"), ((2, 2), "fsdp")],
+                ids=["tp2", "dp2xtp2", "fsdp2xtp2"])
 def tp_runs(request):
-    shape = request.param
+    shape, strategy = request.param
     world = 1
     for s in shape:
         world *= s
-    return shape, dist.spawn(tp_job, args=(shape,), nprocs=world, start_method="forkserver",
-                             timeout=115)
+    return shape, strategy, dist.spawn(tp_job, args=(shape, strategy), nprocs=world,
+                                       start_method="forkserver", timeout=115)
 
 
 def _reference() -> tuple[list, dict]:
@@ -85,10 +89,11 @@ def _reference() -> tuple[list, dict]:
 
 
 def test_tensor_parallel_trains_like_one_process(tp_runs):
-    shape, runs = tp_runs
+    shape, _, runs = tp_runs
     want_outputs, want_params = _reference()
     for rank, run in enumerate(runs):
         lo, hi = run["rows"]
+        assert hi - lo == 8 // (shape[0] if len(shape) == 2 else 1)
         for step, (got, want) in enumerate(zip(run["outputs"], want_outputs)):
             diff = (got - want[lo:hi]).abs().max().item()
             assert diff <= ATOL, f"{shape} rank {rank} step {step}: output differs by {diff:.3g}"
@@ -98,10 +103,14 @@ def test_tensor_parallel_trains_like_one_process(tp_runs):
 
 
 def test_parameters_are_pieces_and_state_dicts_whole(tp_runs):
-    shape, runs = tp_runs
+    shape, strategy, runs = tp_runs
     whole = dict(_model().named_parameters())
     tp = shape[-1]
     for run in runs:
+        if strategy == "fsdp":  # the pieces, sharded along dim 0 over "fsdp"
+            assert run["pieces"]["layers.0.linear1.weight"] == (64 // tp // shape[0], 16)
+            assert run["pieces"]["layers.0.linear2.weight"] == (16 // shape[0], 64 // tp)
+            continue
         pieces = run["pieces"]
         assert pieces["layers.0.linear1.weight"] == (whole["layers.0.linear1.weight"].shape[0]
                                                      // tp, 16)
@@ -115,7 +124,7 @@ def test_parameters_are_pieces_and_state_dicts_whole(tp_runs):
 
 
 def test_megatron_layers_cost_one_all_reduce_each_way(tp_runs):
-    shape, runs = tp_runs
+    shape, strategy, runs = tp_runs
     layers = 2
     for run in runs:
         on_tp = [(k, p) for k, p, d in run["collectives"] if d == "tp"]
@@ -123,6 +132,8 @@ def test_megatron_layers_cost_one_all_reduce_each_way(tp_runs):
         assert on_tp.count(("all_reduce", "forward")) == 2 * layers
         assert on_tp.count(("all_reduce", "backward")) == 2 * layers
         assert len(on_tp) == 4 * layers
-        on_dp = [k for k, _, d in run["collectives"] if d == "dp"]
-        assert on_dp == (["all_reduce"] * len(on_dp)) and (len(on_dp) > 0) == (len(shape) == 2)
+        on_data = sorted({k for k, _, d in run["collectives"] if d != "tp"})
+        assert on_data == {"tp2": [], "ddp": ["all_reduce"],
+                           "fsdp": ["all_gather", "reduce_scatter"]}[
+                               "tp2" if len(shape) == 1 else strategy]
         assert run["fallbacks"] == [] and run["unruled"] == []
