@@ -161,6 +161,10 @@ class ModuleState:
                             f"control flow?)") from None
         differ = [self.group.ranks[r] for r, h in enumerate(every) if h != every[0]]
         if differ:
+            # every rank has read every plan before any raises (the first rank's store
+            # server goes down with it, which would turn the others' error into a lost
+            # connection)
+            _all_arrived(store, f"{key}/read", self.group.size())
             raise DistError(f"parallelize: ranks planned {record.name} differently (plan "
                             f"{every[0]} on rank {self.group.ranks[0]}, other plans on rank(s) "
                             f"{', '.join(map(str, differ))}); every rank must trace the same "
@@ -386,6 +390,17 @@ class ModuleState:
             yield
         finally:
             self.sync.enabled = previous
+
+
+def _all_arrived(store: Any, key: str, size: int, seconds: float = 10.0) -> None:
+    """Count this rank in at ``key`` and wait (at most ``seconds``) until ``size`` have."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    count = store.add(key, 1)
+    while count < size and time.monotonic() < deadline:
+        time.sleep(0.01)
+        count = store.add(key, 0)
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

@@ -95,6 +95,11 @@ class ParallelStep:
 
     def __init__(self, fn: Callable[..., Any], options: Options, mesh: Mesh | None) -> None:
         functools.update_wrapper(self, fn)
+        if options.placements is not None:
+            raise NotImplementedError(
+                f"parallelize({getattr(fn, '__name__', 'step')}): tensor parallelism "
+                f"(placements=) applies to models: parallelize the model with placements and "
+                f"keep the training step in Python")
         self.fn = fn
         self.options = options
         self.mesh = mesh

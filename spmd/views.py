@@ -30,7 +30,8 @@ __all__ = ["to_networkx", "overview", "explain", "timeline_figure", "html", "svg
 
 
 def to_networkx(plan: Any) -> nx.DiGraph:
-    """One DiGraph of all captured graphs; nodes named ``"<graph>.<phase>/<node>"``."""
+    """One DiGraph of all captured graphs; nodes named ``"<graph>.<phase>/<node>"``, each
+    node and edge with the ``sharding`` of its value (placements per mesh dimension)."""
     out = nx.DiGraph()
     by_collective = {c.name: c for c in plan.collectives}
     for key, gm in plan.graphs.items():
@@ -43,9 +44,14 @@ def to_networkx(plan: Any) -> nx.DiGraph:
                 attrs.update(bytes=c.bytes, bucket=c.bucket, kind="communication",
                              predicted_seconds=c.predicted_seconds,
                              provenance=str(c.provenance))
+            sharding = fx_nodes[name].meta.get("sharding")
+            if sharding is not None:
+                attrs["sharding"] = repr(sharding)
             out.add_node(f"{key}/{name}", **attrs)
-        for a, b in deps.edges:
-            out.add_edge(f"{key}/{a}", f"{key}/{b}")
+        for a, b in deps.edges:  # an edge carries the value of its source, so its placement
+            placed = fx_nodes[a].meta.get("sharding")
+            out.add_edge(f"{key}/{a}", f"{key}/{b}",
+                         **({} if placed is None else {"sharding": repr(placed)}))
     return out
 
 

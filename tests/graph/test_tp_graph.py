@@ -16,10 +16,12 @@ from spmd.lowering.annotate import ShardingError
 from ..models import Transformer, tokens
 
 
-def _plan(model: nn.Module, *inputs, shape=(2,), names=("tp",), placements=None):
+def _plan(model: nn.Module, *inputs, shape=(2,), names=("tp",), placements=None, **options):
     torch.manual_seed(0)
+    if "fsdp" in names:
+        options.setdefault("strategy", "hsdp" if "dp" in names else "fsdp")
     return spmd.inspect(model, *inputs, mesh=spmd.Mesh.simulated(shape, dim_names=names),
-                        placements=placements or spmd.tp.megatron())
+                        placements=placements or spmd.tp.megatron(), **options)
 
 
 def test_megatron_transformer_collectives_per_layer():
@@ -94,11 +96,24 @@ def test_bad_placements_are_refused_before_anything_runs(placements, error, matc
               placements=placements)
 
 
-def test_strategies_that_shard_parameters_are_refused_with_tensor_parallelism():
-    with pytest.raises(NotImplementedError, match="'fsdp'"):
+def test_a_sharding_strategy_needs_a_data_dimension():
+    with pytest.raises(ValueError, match="every dimension of mesh"):
         spmd.inspect(Transformer(), tokens()[0], strategy="fsdp",
-                     mesh=spmd.Mesh.simulated((2, 2), dim_names=("fsdp", "tp")),
+                     mesh=spmd.Mesh.simulated((2,), dim_names=("tp",)),
                      placements=spmd.tp.megatron())
+
+
+def test_whole_steps_with_placements_are_refused():
+    with pytest.raises(NotImplementedError, match="applies to models"):
+        spmd.parallelize(lambda model, x: model(x).sum().backward(),
+                         placements=spmd.tp.megatron())
+
+
+def test_hsdp_composes_with_tensor_parallelism():
+    plan = _plan(Transformer(layers=1), tokens()[0], shape=(2, 2, 2),
+                 names=("dp", "fsdp", "tp"))
+    kinds = {(c.kind, c.mesh_dim) for c in plan.collectives}
+    assert {("all_reduce", "tp"), ("all_gather", "fsdp"), ("reduce_scatter", "fsdp")} <= kinds
 
 
 def test_a_layout_the_op_cannot_run_on_is_an_error_naming_it():
