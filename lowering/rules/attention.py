@@ -3,7 +3,8 @@ lowers to, forward and backward). Queries, keys and values ``[batch, heads, leng
 head_dim]`` sharded alike along heads (Megatron's attention: each rank its heads) or
 along the batch give outputs, log-sum-exps and gradients sharded the same way; any other
 placement is gathered first (a sequence-sharded attention needs ring communication
-this rule does not do). An attention mask must be replicated.
+this rule does not do). An attention mask is sharded along the same dimension where it
+spans it, else replicated.
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ def _placed(value: object, d: int, extent: int) -> Placement:
     return Replicate()
 
 
+def _mask_placed(mask: torch.Tensor, d: int, extent: int) -> Placement:
+    """A mask broadcasts against ``[batch, heads, length, key length]`` from the right: it is
+    sharded along its dimension that spans ``d`` (not one of size 1), else whole."""
+    k = d - (4 - mask.dim())
+    return Shard(k) if k >= 0 and mask.shape[k] == extent else Replicate()
+
+
 @register(*_FORWARD, *_BACKWARD)
 def attention(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     args = tensor_args(node)
@@ -43,7 +51,7 @@ def attention(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[D
         extent = shape(query)[d]
         if extent % size:
             continue
-        needed = tuple(Replicate() if a is mask and shape(a)[d] == 1
+        needed = tuple(_mask_placed(a.meta["val"], d, extent) if a is mask
                        else _placed(a.meta["val"], d, extent) for a in args)
         out = [_placed(o, d, extent) for o in outs]
         decisions.append(Decision(output=tuple(out) if isinstance(val, (tuple, list)) else out[0],

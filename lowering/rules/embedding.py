@@ -46,7 +46,10 @@ def embedding_backward(node: fx.Node, inputs: tuple[Placement, ...], size: int
         decisions.append(Decision(output=Shard(1), inputs=(pg, Replicate()),
                                   reason="output gradient sharded along the embedding "
                                          "dimension: the table's gradient by columns"))
-    if isinstance(pg, Shard) and pg.dim < last or isinstance(pi, Shard):
+    by_freq = bool(node.args[4] if len(node.args) > 4 else node.kwargs.get(
+        "scale_grad_by_freq", False))
+    # scaled by each index's frequency, a rank's rows need the whole batch's counts
+    if not by_freq and (isinstance(pg, Shard) and pg.dim < last or isinstance(pi, Shard)):
         d = pg.dim if isinstance(pg, Shard) and pg.dim < last else pi.dim  # type: ignore
         decisions.append(Decision(output=Partial("sum"), inputs=(Shard(d), Shard(d)),
                                   reason="indices sharded: each rank's rows add up"))

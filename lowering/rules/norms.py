@@ -42,14 +42,16 @@ def layer_norm_backward(node: fx.Node, inputs: tuple[Placement, ...], size: int
     first = len(shape(grad)) - _normalized(node, index)
     outs = len(node.meta["val"])
     decisions = []
-    rows = [p for p in inputs if isinstance(p, Shard) and p.dim < first]
+    ndim = len(shape(grad))
+    # a row dimension sharded on a row-shaped argument (the weight's dims are normalised)
+    rows = [p for a, p in zip(args, inputs)
+            if isinstance(p, Shard) and p.dim < first and len(shape(a)) == ndim]
     if rows:
         d = rows[0].dim
         needed = []
         for a in args:
-            rank = len(shape(a))
             # grad, input and the statistics are row-shaped; weight and bias are not
-            needed.append(Shard(d) if rank == len(shape(grad)) else Replicate())
+            needed.append(Shard(d) if len(shape(a)) == ndim else Replicate())
         out: list[Placement] = [Shard(d)] + [Partial("sum")] * (outs - 1)
         decisions.append(Decision(output=tuple(out), inputs=tuple(needed),
                                   reason=f"rows sharded along {d}: the input's gradient "

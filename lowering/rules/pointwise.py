@@ -105,7 +105,7 @@ _ADDITIVE = ["add.Tensor", "sub.Tensor"]
 _MULTIPLICATIVE = ["mul.Tensor"]
 _LINEAR_IN_FIRST = [
     "div.Tensor", "mul.Scalar", "div.Scalar", "neg.default", "clone.default",
-    "_to_copy.default", "alias.default", "detach.default", "gelu_backward.default",
+    "alias.default", "detach.default", "gelu_backward.default",
     "tanh_backward.default", "sigmoid_backward.default", "silu_backward.default",
     "threshold_backward.default", "native_dropout_backward.default",
     "masked_fill.Scalar", "where.self",
@@ -129,10 +129,26 @@ _LINEAR_IN_FIRST.remove("masked_fill.Scalar")
 _LINEAR_IN_FIRST.remove("where.self")
 _NONLINEAR += ["masked_fill.Scalar", "where.self"]
 
-register(*[op(n) for n in _ADDITIVE])(_rule(_same_partial))
+
+@register(*[op(n) for n in _ADDITIVE])
+def additive(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    """add/sub; a number operand (``x + 1``: one tensor argument) is a replicated value,
+    added once, not once per rank's partial sum."""
+    numbers = (Replicate(),) * (2 - len(inputs))
+    return broadcast_decisions(node, inputs, size, lambda ps: _same_partial(ps + numbers))
+
+
 register(*[op(n) for n in _MULTIPLICATIVE])(_rule(_one_partial))
 register(*[op(n) for n in _LINEAR_IN_FIRST])(_rule(_first_partial))
 register(*[op(n) for n in _NONLINEAR])(_rule(None))
+
+
+@register(op("_to_copy.default"))
+def to_copy(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    """A copy or conversion: a Partial value stays partial converted to a floating type,
+    not to an integer or boolean one (the parts would round, or clamp, each on its own)."""
+    floating = node.meta["val"].is_floating_point() or node.meta["val"].is_complex()
+    return broadcast_decisions(node, inputs, size, _first_partial if floating else None)
 
 
 @register(op("zeros_like.default"), op("ones_like.default"), op("empty_like.default"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from spmd.lowering.placements import Partial, Placement, Replicate, Shard
+from spmd.lowering.placements import Partial, Placement, Shard
 from spmd.lowering.rules import Decision, norm_dim, op, register, replicate_all, shape, tensor_args
 
 
@@ -18,8 +18,9 @@ def _reduced_dims(node: fx.Node) -> tuple[list[int], bool]:
     ndim = len(shape(tensor_args(node)[0]))
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
-    if node.target in (op("sum.default"), op("mean.default"), op("amax.default"),
-                       op("max.default"), op("min.default"), op("amin.default")):
+    # these take no dimensions (amax/amin take a list: ``amax.default(x, [-1], True)``)
+    if node.target in (op("sum.default"), op("mean.default"), op("max.default"),
+                       op("min.default")):
         dims, keepdim = None, False
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         return list(range(ndim)), keepdim

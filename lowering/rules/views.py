@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from spmd.lowering.placements import Partial, Placement, Replicate, Shard
+from spmd.lowering.placements import Partial, Placement, Shard
 from spmd.lowering.rules import (Decision, norm_dim, op, outputs_of, register, replicate_all,
                                  shape, tensor_args)
 
@@ -88,12 +88,27 @@ def expand(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Deci
     return [Decision(output=Shard(od), reason="a broadcast view keeps the shards")]
 
 
+def _squeezes(node: fx.Node, dim: int, ndim: int) -> bool:
+    """Whether a squeeze names dimension ``dim`` (``squeeze.default`` names every one): it
+    removes it wherever it is 1 long, so on ranks that hold one index of it."""
+    if node.target is op("squeeze.default"):
+        return True
+    if node.target is op("squeeze.dim"):
+        return norm_dim(int(node.args[1]), ndim) == dim
+    if node.target is op("squeeze.dims"):
+        return dim in [norm_dim(int(d), ndim) for d in node.args[1]]
+    return False
+
+
 @register(op("unsqueeze.default"), op("squeeze.dim"), op("squeeze.dims"), op("squeeze.default"))
 def squeeze(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     (p,) = inputs
     if not isinstance(p, Shard):
         return [Decision(output=p, reason="a view of a whole or partial value")]
     src, dst = shape(tensor_args(node)[0]), shape(node)
+    if src[p.dim] == size and _squeezes(node, p.dim, len(src)):
+        return _whole(node, inputs, f"sharded dimension {p.dim} is 1 long on each rank, "
+                                    f"where the squeeze would remove it")
     mapped = reshape_map(src, dst, p.dim, size)
     if mapped is None:
         return _whole(node, inputs, "squeezes its sharded dimension")
