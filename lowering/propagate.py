@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from spmd.lowering import rules
-from spmd.lowering.annotate import PlanningError, ShardingError
+from spmd.lowering.annotate import ShardingError
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.placements import Placement, Replicate, Sharding, Varying
 from spmd.lowering.redistribute import redistribution

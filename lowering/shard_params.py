@@ -33,7 +33,7 @@ from spmd.lowering import ops
 from spmd.lowering.collectives import new_node, unpack_after
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.passes import Provenance
-from spmd.lowering.placements import Partial, Replicate, Shard, Sharding
+from spmd.lowering.placements import Partial, Replicate, Shard
 from spmd.lowering.redistribute import Step
 from spmd.lowering.state import Boundary, CollectiveInfo, Gradient, Role, needs, put
 

@@ -8,7 +8,6 @@ import time
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import spmd
 from spmd.lowering.annotate import ShardingError
