@@ -118,7 +118,7 @@ class Options:
                                  f"('fsdp', 'hsdp'), which gather parameters in it; with "
                                  f"'ddp', convert the model (model.to(dtype)) instead")
         if self.placements is not None:
-            from spmd.tp import tp_dims_of
+            from spmd.lowering.strategy import tp_dims_of
 
             if not tp_dims_of(self.placements):
                 raise ValueError(f"{where}: placements names no mesh dimension")

@@ -179,7 +179,7 @@ def _rule(node: fx.Node, ctx: LoweringContext) -> Sharding | tuple[Sharding, ...
             source = node.args[0].meta["sharding"]
             placed = (source[node.args[1]] if isinstance(source, tuple) else source
                       ).placements[index]
-        elif all(p.is_replicate() for p in incoming):
+        elif all(p.is_replicate() for p in incoming) and not _placing(node):
             placed = Replicate()
         else:
             chosen = node.meta.setdefault("spmd_tp", {})
@@ -227,6 +227,12 @@ def derive(gm: fx.GraphModule, ctx: LoweringContext) -> None:
                                      if isinstance(val, (tuple, list)) else source)
             continue
         node.meta["sharding"] = _rule(node, ctx)
+
+
+def _placing(node: fx.Node) -> bool:
+    """The node's rule places its output whatever its inputs (a tensor-parallel
+    parameter's gradient takes the parameter's placement)."""
+    return getattr(rules.lookup(node.target), "wants_dim", False)
 
 
 def _gathered_piece(node: fx.Node) -> Sharding | None:

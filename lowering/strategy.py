@@ -38,7 +38,7 @@ from spmd.lowering.state import InputInfo
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard, Sharding
 from spmd.runtime.mesh import Mesh
 
-__all__ = ["Strategy", "resolve_strategy", "STRATEGIES"]
+__all__ = ["Strategy", "resolve_strategy", "STRATEGIES", "tp_dims_of"]
 
 STRATEGIES = ("ddp", "fsdp", "hsdp")
 
@@ -149,6 +149,21 @@ class _Dims:
 def _without(mesh: Mesh, dims: tuple[str, ...]) -> "_Dims":
     names = tuple(d for d in mesh.dim_names if d not in dims)
     return _Dims(names, tuple(mesh.size(d) for d in names))
+
+
+def tp_dims_of(spec: object) -> tuple[str, ...]:
+    """The mesh dimensions a ``placements`` argument names: a dict's keys, or a preset's
+    ``dims`` (``spmd.tp.megatron()``)."""
+    if spec is None:
+        return ()
+    dims = getattr(spec, "dims", None)
+    if dims is not None:
+        return tuple(dims)
+    if not isinstance(spec, Mapping):
+        raise TypeError(f"placements must be a dict {{mesh dimension: {{parameter name "
+                        f"pattern: placement}}}} or a preset such as spmd.tp.megatron(), got "
+                        f"{type(spec).__name__}")
+    return tuple(spec)
 
 
 def _pick(mesh: Mesh, names: tuple[str, ...]) -> str | None:

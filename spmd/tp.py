@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
+from spmd.lowering.strategy import tp_dims_of
 
 __all__ = ["megatron", "Preset", "resolve_placements", "tp_dims_of", "shard_tensor_parallel",
            "install_state_dict_hooks", "COLUMN", "ROW"]
@@ -99,19 +100,6 @@ def megatron(model: Any = None, *, dim: str = "tp") -> Any:
                          f"{type(model).__name__} (nn.Linear children named one of "
                          f"{', '.join(COLUMN)}); write placements by name instead")
     return {dim: placed}
-
-
-def tp_dims_of(spec: Any) -> tuple[str, ...]:
-    """The mesh dimensions a placements argument names."""
-    if spec is None:
-        return ()
-    if isinstance(spec, Preset):
-        return spec.dims
-    if not isinstance(spec, Mapping):
-        raise TypeError(f"placements must be a dict {{mesh dimension: {{parameter name "
-                        f"pattern: placement}}}} or a preset such as spmd.tp.megatron(), got "
-                        f"{type(spec).__name__}")
-    return tuple(spec)
 
 
 def resolve_placements(model: nn.Module, mesh: Any, spec: Any, where: str

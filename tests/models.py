@@ -197,3 +197,16 @@ def tokens(step: int = 0, rows: int = 8, length: int = 6, vocab: int = 32):
     g = torch.Generator().manual_seed(1000 + step)
     seq = torch.randint(0, vocab, (rows, length + 1), generator=g)
     return seq[:, :-1], seq[:, 1:]
+
+
+class Cumulative(nn.Module):
+    """A column-parallel layer feeding an op with no sharding rule (``cumsum``), then a
+    row-parallel one: tensor parallelism must replicate around it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(8, 16)
+        self.linear2 = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.linear2(torch.cumsum(self.linear1(x), dim=-1))

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import spmd
 from spmd import runtime as dist
 
-from ..models import Transformer, tokens
+from ..models import Cumulative, Transformer, tokens
 
 STEPS = 5
 ATOL = 1e-5
@@ -37,6 +37,16 @@ def _train(model, rows: slice, steps: int = STEPS) -> tuple[list, dict]:
         opt.step()
         opt.zero_grad()
     return outputs, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train_cumulative(model) -> dict:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _model() -> Transformer:
@@ -63,7 +73,15 @@ def tp_job(rank: int, shape: tuple[int, ...], strategy: str) -> dict:
         fresh = spmd.parallelize(Transformer(), **options)
         fresh.load_state_dict(params)
         again = {k: v.detach().clone() for k, v in fresh.state_dict().items()}
-        return {"rows": (me * per, (me + 1) * per), "outputs": outputs, "params": params,
+        extra = {}
+        if len(shape) == 1:  # an op without a rule, replicated around: still one process
+            torch.manual_seed(0)
+            small = spmd.parallelize(Cumulative(), mesh=mesh, placements=spmd.tp.megatron())
+            extra["cumulative"] = _train_cumulative(small)
+            extra["cumulative_unruled"] = sorted({p.op for p in spmd.inspect(small).placed
+                                                  if p.fallback})
+        return {**extra, "rows": (me * per, (me + 1) * per), "outputs": outputs,
+                "params": params,
                 "pieces": pieces, "reloaded": again,
                 "collectives": [(c.kind, c.phase, c.mesh_dim) for c in plan.collectives],
                 "fallbacks": [f.param for f in plan.fallbacks],
@@ -137,3 +155,16 @@ def test_megatron_layers_cost_one_all_reduce_each_way(tp_runs):
                            "fsdp": ["all_gather", "reduce_scatter"]}[
                                "tp2" if len(shape) == 1 else strategy]
         assert run["fallbacks"] == [] and run["unruled"] == []
+
+
+def test_an_op_without_a_rule_trains_like_one_process(tp_runs):
+    shape, _, runs = tp_runs
+    if len(shape) != 1:
+        pytest.skip("checked at tp=2")
+    torch.manual_seed(0)
+    want = _train_cumulative(Cumulative())
+    for run in runs:
+        assert "aten.cumsum.default" in run["cumulative_unruled"]
+        for key, value in want.items():
+            diff = (run["cumulative"][key] - value).abs().max().item()
+            assert diff <= ATOL, f"{key} differs by {diff:.3g}"

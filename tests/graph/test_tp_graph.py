@@ -12,7 +12,7 @@ import torch.nn as nn
 import spmd
 from spmd.lowering.annotate import ShardingError
 
-from ..models import Transformer, tokens
+from ..models import Cumulative, Transformer, tokens
 
 
 def _plan(model: nn.Module, *inputs, shape=(2,), names=("tp",), placements=None, **options):
@@ -45,18 +45,6 @@ def test_every_op_of_the_test_models_has_a_rule():
     plan = _plan(Transformer(), tokens()[0])
     ops = {p.op for p in plan.placed}
     assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in ops
-
-
-class Cumulative(nn.Module):
-    """A column-parallel layer feeding an op with no sharding rule (cumsum)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear1 = nn.Linear(8, 16)
-        self.linear2 = nn.Linear(16, 8)
-
-    def forward(self, x):
-        return self.linear2(torch.cumsum(self.linear1(x), dim=-1))
 
 
 def test_an_op_without_a_rule_is_replicated_and_listed():
