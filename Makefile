@@ -28,6 +28,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/ddp.py
 	$(PY) benchmarks/fsdp.py
+	$(PY) benchmarks/tp.py
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/planning.py
 	$(PY) benchmarks/planning.py --strategy fsdp
