@@ -480,18 +480,13 @@ class DataParallel:
         """Clip the gradients by the norm of the whole gradient, as
         ``torch.nn.utils.clip_grad_norm_`` does on one process; the total norm.
 
-        With ``fsdp``/``hsdp`` each rank holds shards of the gradients, whose local norm
-        is not the norm: this sums the ranks' parts first (torch's function on
-        ``model.parameters()`` would clip each rank by its own part). Every rank must
-        call it."""
+        With ``fsdp``/``hsdp`` or tensor parallelism each rank holds parts of the
+        gradients, whose local norm is not the norm: this sums the ranks' parts first
+        (torch's function on ``model.parameters()`` is rerouted to do the same). Every
+        rank must call it."""
         from spmd.sharded import clip_grad_norm_
 
-        state: ModuleState = self._spmd  # type: ignore[attr-defined]
-        group = None
-        if state.sharded and state.communicates:
-            group = state.setup.strategy.mesh.get_group(state.setup.strategy.shard_dim)
-        return clip_grad_norm_(self.parameters(), max_norm, norm_type,  # type: ignore
-                               group)
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type)  # type: ignore
 
 
 _SUBCLASSES: dict[type, type] = {}

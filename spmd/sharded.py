@@ -92,7 +92,7 @@ def shard_module(module: nn.Module, specs_for: Any, sharding: Sharding,
     parameter name (tied ones included) -> its spec.
 
     ``specs_for(name, param) -> ShardSpec`` describes each distinct parameter;
-    ``sharding`` is where every parameter lives on the mesh.
+    ``sharding`` is where every parameter lives on the mesh (or a function of its name).
     """
     shards: dict[int, tuple[nn.Parameter, ops.ShardSpec, int]] = {}
     by_name: dict[str, ops.ShardSpec] = {}
@@ -108,7 +108,8 @@ def shard_module(module: nn.Module, specs_for: Any, sharding: Sharding,
                 shard = nn.Parameter(spec.shard_of(param), requires_grad=param.requires_grad)
                 entry = shards[id(param)] = (shard, spec, handles.add(spec))
                 shard._spmd_placement = ParameterPlacement(  # type: ignore[attr-defined]
-                    name=name, shape=spec.shape, sharding=sharding,
+                    name=name, shape=spec.shape,
+                    sharding=sharding(name) if callable(sharding) else sharding,
                     local_shape=spec.local_shape, rows=spec.rows,
                     padding=spec.rows - spec.valid_rows())
             shard, spec, handle = entry
@@ -150,7 +151,7 @@ def shard_for(module: nn.Module, setup: Any, options: Any, handles: ops.Handles
     state dicts whole; every parameter name -> its spec."""
     install_clip()
     shards = shard_module(module, lambda name, p: spec_for(name, p, setup, options),
-                          setup.strategy.parameter_sharding(), handles)
+                          setup.strategy.parameter_sharding, handles)
     install_state_dict_hooks(module, shards)
     return shards
 
@@ -208,23 +209,20 @@ def install_state_dict_hooks(module: nn.Module, shards: dict[str, ops.ShardSpec]
 _ORIGINAL_CLIP: Any = None
 
 
-def _shard_group(params: list[torch.Tensor]) -> Any:
-    """The process group the shards among ``params`` are spread over (None: not live);
-    ``ValueError`` for a mix of shards and whole parameters, or of several meshes."""
-    placed = [getattr(p, "_spmd_placement", None) for p in params]
-    if all(p is None for p in placed):
-        return False
-    if any(p is None for p in placed):
-        raise ValueError("clip_grad_norm_: the parameters mix shards of a sharded model with "
-                         "whole tensors; clip each model's parameters on their own")
-    meshes = {p.sharding.mesh for p in placed}
-    if len(meshes) != 1:
-        raise ValueError("clip_grad_norm_: the parameters are shards of models on different "
-                         "meshes; clip each model's parameters on their own")
-    sharding = placed[0].sharding
-    mesh = sharding.mesh
-    dim = next(n for n, q in zip(mesh.dim_names, sharding.placements) if q.is_shard())
-    return None if mesh.simulated or mesh.size(dim) == 1 else mesh.get_group(dim)
+def _split_over(param: torch.Tensor) -> tuple[Any, tuple[str, ...]]:
+    """The mesh a parameter of a parallelized model is split on and the dimensions it is
+    split along (sharded or tensor-parallel pieces); (None, ()) for a whole tensor."""
+    placed = getattr(param, "_spmd_placement", None)
+    if placed is None:
+        return None, ()
+    mesh = placed.sharding.mesh
+    dims = tuple(d for d, p in zip(mesh.dim_names, placed.sharding.placements)
+                 if p.is_shard() and mesh.size(d) > 1)
+    return mesh, dims
+
+
+def _is_split(params: list[torch.Tensor]) -> bool:
+    return any(_split_over(p)[1] for p in params)
 
 
 def _torch_clip_on_shards(parameters: Any, max_norm: float, norm_type: float = 2.0,
@@ -234,14 +232,13 @@ def _torch_clip_on_shards(parameters: Any, max_norm: float, norm_type: float = 2
     each rank by its part of the norm; here the parts are summed over the group first.
     Anything else goes to torch's function unchanged."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    group = _shard_group(params)
-    if group is False:
+    if not _is_split(params):
         return _ORIGINAL_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
-    total = total_norm(params, norm_type, group)
+    total = total_norm(params, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from "
                            f"`parameters` is non-finite, so it cannot be clipped")
-    return clip_grad_norm_(params, max_norm, norm_type, None, total=total)
+    return clip_grad_norm_(params, max_norm, norm_type, total=total)
 
 
 def install_clip() -> None:
@@ -259,36 +256,48 @@ def install_clip() -> None:
     clip_module.clip_grad_norm_ = _torch_clip_on_shards
 
 
-def total_norm(params: Iterable[torch.Tensor], norm_type: float, group: Any) -> torch.Tensor:
-    """The norm of the whole gradient whose parts (shards) ``params`` hold on this rank:
-    each rank's part, summed (max for the inf-norm) over ``group`` (None: this rank's)."""
-    grads = [p.grad for p in params if p.grad is not None]
+def total_norm(params: Iterable[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of the whole gradient whose parts ``params`` hold on this rank.
+
+    A parameter split along some mesh dimensions (``fsdp`` shards, tensor-parallel
+    pieces, both) holds one part of its gradient per rank along them: each such group of
+    parameters' local sum of ``|g|^p`` (max for the inf-norm) is summed over those
+    dimensions' groups. Whole parameters count once. Every rank must call it."""
+    grads: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            mesh, dims = _split_over(p)
+            grads.setdefault((id(mesh), dims), []).append(p)
     if not grads:
         return torch.tensor(0.0)
     norm_type = float(norm_type)
-    if math.isinf(norm_type):
-        local = torch.stack([g.detach().abs().max() for g in grads]).max().float()
-        if group is not None:
+    infinite = math.isinf(norm_type)
+    total = torch.tensor(0.0)
+    for (_, dims), members in sorted(grads.items(), key=lambda kv: kv[0][1]):
+        gs = [m.grad.detach() for m in members]
+        if infinite:
+            part = torch.stack([g.abs().max() for g in gs]).max().float()
+        else:
+            part = torch.stack([g.float().norm(norm_type) ** norm_type for g in gs]).sum()
+        mesh = _split_over(members[0])[0]
+        if dims and not mesh.simulated:
             from spmd.runtime.collectives import ReduceOp, all_reduce
 
-            all_reduce(local, op=ReduceOp.MAX, group=group)
-        return local
-    local = torch.stack([g.detach().float().norm(norm_type) ** norm_type for g in grads]).sum()
-    if group is not None:
-        from spmd.runtime.collectives import all_reduce
-
-        all_reduce(local, group=group)
-    return local ** (1.0 / norm_type)
+            for dim in dims:
+                all_reduce(part, op=ReduceOp.MAX if infinite else ReduceOp.SUM,
+                           group=mesh.get_group(dim))
+        total = torch.maximum(total, part) if infinite else total + part
+    return total if infinite else total ** (1.0 / norm_type)
 
 
-def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float,
-                    group: Any, total: torch.Tensor | None = None) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for gradients spread over ``group``'s shards:
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                    total: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for gradients split over ranks (shards, pieces):
     every rank clips by the norm of the whole gradient (:func:`total_norm`; padding rows
     hold zeros and add nothing); the norm."""
     params = list(params)
     if total is None:
-        total = total_norm(params, norm_type, group)
+        total = total_norm(params, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:

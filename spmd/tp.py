@@ -191,7 +191,9 @@ def shard_tensor_parallel(module: nn.Module, strategy: Any, handles: Any) -> dic
     pieces along its dimension; :func:`install_state_dict_hooks` comes after it, so
     state dicts go shards -> pieces -> whole tensors and back."""
     from spmd.lowering.tensor_parallel import TPSpec
-    from spmd.sharded import ParameterPlacement
+    from spmd.sharded import ParameterPlacement, install_clip
+
+    install_clip()  # torch's clip_grad_norm_ on pieces: by the whole gradient's norm
 
     mesh = strategy.mesh
     groups = {d: None if mesh.simulated else mesh.get_group(d) for d in strategy.tp_dims}

@@ -49,6 +49,23 @@ def _train_cumulative(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _grad_norms(model, rows: slice) -> list[float]:
+    """The gradient's 2-norm and inf-norm by model.clip_grad_norm_, and the 2-norm by
+    torch's own clip_grad_norm_ on model.parameters() (pieces and shards)."""
+    x, y = tokens(STEPS)
+
+    def backward():
+        model.zero_grad()
+        F.cross_entropy(model(x[rows]).flatten(0, 1), y[rows].flatten()).backward()
+
+    backward()
+    norms = [float(model.clip_grad_norm_(1e9)), float(model.clip_grad_norm_(1e9, float("inf")))]
+    backward()
+    norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
+    model.zero_grad()
+    return norms
+
+
 def _model() -> Transformer:
     torch.manual_seed(0)
     return Transformer()
@@ -69,6 +86,7 @@ def tp_job(rank: int, shape: tuple[int, ...], strategy: str) -> dict:
         pieces = {n: tuple(p.shape) for n, p in model.named_parameters()}
         outputs, params = _train(model, slice(me * per, (me + 1) * per))
         plan = spmd.inspect(model)
+        norms = _grad_norms(model, slice(me * per, (me + 1) * per))
         # a checkpoint round trip: whole tensors out, each rank keeps its piece
         fresh = spmd.parallelize(Transformer(), **options)
         fresh.load_state_dict(params)
@@ -80,7 +98,7 @@ def tp_job(rank: int, shape: tuple[int, ...], strategy: str) -> dict:
             extra["cumulative"] = _train_cumulative(small)
             extra["cumulative_unruled"] = sorted({p.op for p in spmd.inspect(small).placed
                                                   if p.fallback})
-        return {**extra, "rows": (me * per, (me + 1) * per), "outputs": outputs,
+        return {**extra, "norms": norms, "rows": (me * per, (me + 1) * per), "outputs": outputs,
                 "params": params,
                 "pieces": pieces, "reloaded": again,
                 "collectives": [(c.kind, c.phase, c.mesh_dim) for c in plan.collectives],
@@ -168,3 +186,19 @@ def test_an_op_without_a_rule_trains_like_one_process(tp_runs):
         for key, value in want.items():
             diff = (run["cumulative"][key] - value).abs().max().item()
             assert diff <= ATOL, f"{key} differs by {diff:.3g}"
+
+
+def test_clipping_uses_the_whole_gradients_norm(tp_runs):
+    """Each rank holds pieces (and shards) of the gradients: the norm is the whole
+    gradient's, by the model's method and by torch's own function."""
+    model = _model()
+    _train(model, slice(0, 8))
+    x, y = tokens(STEPS)
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    grads = [p.grad for p in model.parameters()]
+    want = [float(torch.norm(torch.stack([g.norm() for g in grads]))),
+            max(float(g.abs().max()) for g in grads)]
+    want.append(want[0])
+    for run in tp_runs[2]:
+        for got, expected in zip(run["norms"], want):
+            assert abs(got - expected) <= 1e-4 * expected, (run["norms"], want)
