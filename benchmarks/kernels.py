@@ -19,13 +19,18 @@ Bytes (each element read or written once; itemsize of its tensor):
 - copy: ``2 * n * 4`` (``dst.copy_(src)`` of ``n`` float32 of the bucket's total size)
 - pack to float32: ``n * (4 + 4)``; pack with scale to bfloat16: ``n * (4 + 2)``
 - unpack bfloat16, scaled, accumulating into float32: ``n * (2 + 4 + 4)``
+- reduce_chunks of 8 received chunks (``n / 8`` elements each) to float32, x1/8:
+  ``n * 2 + n / 8 * 4`` from bfloat16, ``n * 1 + n / 8 * 4`` from float8_e4m3fn (plus 32
+  bytes of scales)
 - sgd_step with momentum: ``n * (4 + 2*4 + 2*4)`` (gradient, parameter, buffer)
 - adamw_step: ``n * (4 + 2*4 + 2*4 + 2*4)`` (gradient, parameter, two moments)
 
 Peers, given the same buffers: ``torch.cat`` (with ``torch._foreach_mul`` before it when
 scaling), ``torch._foreach_copy_``/``_foreach_add_``, and ``torch.optim`` SGD/AdamW with
 ``foreach=True`` and ``fused=True`` whose ``.grad`` are views into the bucket (as DDP's
-``gradient_as_bucket_view``), so they read the same gradient bytes. Times are medians of
+``gradient_as_bucket_view``), so they read the same gradient bytes; for reduce_chunks
+``torch.mean(chunks, 0, dtype=torch.float32)`` (one kernel) and, for float8, the usual
+``(q.float() * scales[:, None]).sum(0).mul_(1 / 8)``. Times are medians of
 ``triton.testing.do_bench`` (L2 flushed before each call); "copy %" is our GB/s over the
 copy's. Aims (issue "Kernels"): pack/unpack at least 85% of the copy, adamw_step faster
 than ``fused=True``.
@@ -101,6 +106,17 @@ def measure(name: str, shapes, device, bench) -> list[tuple]:
     rows.append(("unpack bf16 x1/8 +=", name, n * 10, {
         "spmd": bench(lambda: kernels.unpack(bf16, params, scale=0.125, accumulate=True)),
         "foreach_add_": bench(lambda: torch._foreach_add_(params, bf16_views, alpha=0.125))}))
+
+    p, m = 8, n // 8
+    chunks = torch.randn(p, m, device=device).to(torch.bfloat16)
+    out_m = torch.empty(m, device=device)
+    rows.append(("reduce_chunks 8 bf16", name, p * m * 2 + m * 4, {
+        "spmd": bench(lambda: kernels.reduce_chunks(chunks, out_m, scale=1 / p)),
+        "torch.mean": bench(lambda: torch.mean(chunks, 0, dtype=torch.float32, out=out_m))}))
+    q, scales = kernels.quantize_chunks(chunks.float(), torch.float8_e4m3fn)
+    rows.append(("reduce_chunks 8 fp8", name, p * m + m * 4, {
+        "spmd": bench(lambda: kernels.reduce_chunks(q, out_m, scales=scales, scale=1 / p)),
+        "float+mul+sum": bench(lambda: (q.float() * scales[:, None]).sum(0).mul_(1 / p))}))
 
     sgd = dict(lr=1e-3, momentum=0.9)
     buffers = [torch.zeros_like(p) for p in params]

@@ -78,11 +78,12 @@ def bucketing(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
         reason = f"cap {_size(cap)} set by bucket_cap_mb"
     put(gm, Buckets(cap=cap, reason=reason))
     if cap == 0:
+        _number_buckets(gm, ctx)
         return gm  # bucketing off: every parameter keeps its own collective
     _bucket_shards(gm, ctx, cap, reason, fixed=ctx.options.bucket_cap_bytes is not None)
     if not singles:
         derive(gm, ctx)
-        return gm
+        return gm  # no gradient all-reduce to number
     keys = [(i.dtype, i.wire_dtype, i.mesh_dim, i.src) for i in infos]
     groups = plan_buckets([i.bytes for i in infos], keys, cap)
     for members in groups:
@@ -101,8 +102,20 @@ def bucketing(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
             (old,) = bucket_results(gm, node)
             old.replace_all_uses_with(value)
     gm.graph.eliminate_dead_code()  # the single collectives, now unused
+    _number_buckets(gm, ctx)
     derive(gm, ctx)
     return gm
+
+
+def _number_buckets(gm: fx.GraphModule, ctx: LoweringContext) -> None:
+    """Each gradient bucket's index (unique across the model's graphs, stable from step to
+    step: communication hooks keep state per bucket) and which one is the graph's last."""
+    buckets = [ops.lookup(n.meta["spmd_collective"].handle) for n in collective_nodes(gm)
+               if n.target is ops.bucket_all_reduce]
+    buckets = [b for b in buckets if b.sync is not None]
+    base = 1000 * int("".join(c for c in ctx.graph_name if c.isdigit()) or 0)
+    for k, spec in enumerate(buckets):
+        spec.index, spec.last = base + k, k == len(buckets) - 1
 
 
 def gather_cap(cap: int, total: int, floor: int = 1) -> int:

@@ -22,12 +22,13 @@ its wait and the view that restores the layout.
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from spmd.lowering import ops
+from spmd.lowering import ops, reduction
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import fill_val
 from spmd.lowering.passes import Provenance
@@ -76,10 +77,16 @@ def build_bucket(gm: fx.GraphModule, ctx: LoweringContext, grads: list[fx.Node],
     dtype = grads[0].meta["val"].dtype
     wire = (ctx.options.reduce_dtype if gradients else None) or dtype
     last = max(grads, key=order.__getitem__)
+    algorithm, why = reduction.choose(wire, dtype, ctx.mesh.size(step.mesh_dim))
+    if why:
+        provenance = replace(provenance, reason=f"{provenance.reason}; {why}")
+    # the float32 addition reads and writes the bucket in the gradients' dtype
+    packed = dtype if algorithm == "fp32" else wire
     spec, handle = _spec(ctx, step, params=tuple(params),
-                         wire_dtype=None if wire == dtype else wire,
-                         result_dtype=None if wire == dtype else dtype,
-                         sync=ctx.sync if gradients else None)
+                         wire_dtype=None if packed == dtype else packed,
+                         result_dtype=None if packed == dtype else dtype,
+                         sync=ctx.sync if gradients else None, algorithm=algorithm,
+                         compress=wire if algorithm == "fp32" else None)
     src = grads[0].meta["sharding"]
     dst = src.with_placement(step.mesh_dim, step.dst)
     with graph.inserting_after(last):
@@ -93,7 +100,7 @@ def build_bucket(gm: fx.GraphModule, ctx: LoweringContext, grads: list[fx.Node],
         bytes=sum(numels) * wire.itemsize, handle=handle, provenance=provenance)
     unpack = Role(kind="unpack", collective=flat.name)
     with graph.inserting_after(flat):
-        waiter = ops.wait if wire == dtype else ops.wait_cast
+        waiter = ops.wait if packed == dtype else ops.wait_cast
         done = new_node(graph, waiter, (flat, handle), sharding=dst,
                         role=Role(kind="wait", collective=flat.name))
     results = unpack_after(graph, done, list(numels),

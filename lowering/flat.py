@@ -15,7 +15,7 @@ import torch
 import spmd.kernels as kernels
 from spmd.kernels.layout import SUPPORTED_DTYPES
 
-__all__ = ["pack", "pack_planned", "unpack"]
+__all__ = ["pack", "pack_planned", "unpack", "views"]
 
 
 def _kernels_take(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None) -> bool:
@@ -31,6 +31,16 @@ def pack(tensors: Sequence[torch.Tensor], *, scale: float = 1.0,
     target = dtype or tensors[0].dtype
     flat = torch.cat([t.reshape(-1).to(target) for t in tensors])
     return flat.mul_(scale) if scale != 1.0 else flat
+
+
+def views(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like each of ``tensors``, in the layout :func:`pack`
+    writes (what a communication hook's ``bucket.gradients()`` returns)."""
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+    return out
 
 
 def pack_planned(tensors: list[torch.Tensor], scale: float, dtype: torch.dtype,

@@ -103,6 +103,8 @@ class SyncState:
     enabled: bool = True
     track: bool = True
     profiler: Any = None  # set while a profile records this model's steps
+    comm_hook: Any = None  # a torch DDP communication hook: hook(state, bucket) -> Future
+    comm_state: Any = None
     reduced: dict[int, tuple["CollectiveSpec", torch.Tensor]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -142,6 +144,10 @@ class CollectiveSpec:
     result_dtype: torch.dtype | None = None
     sync: SyncState | None = None
     name: str = ""
+    algorithm: str = "native"  # "native" or "fp32" (spmd.lowering.reduction)
+    compress: torch.dtype | None = None  # the "fp32" algorithm's wire dtype
+    index: int = 0  # a gradient bucket's index, for communication hooks
+    last: bool = False  # the graph's last gradient bucket
     pending: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # storage -> work
     lock: threading.Lock = field(default_factory=threading.Lock)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
@@ -351,14 +357,32 @@ _lib.define("bucket_reduce_scatter(Tensor[] grads, int handle) -> Tensor")
 def _bucket_all_reduce(grads: list[torch.Tensor], handle: int) -> torch.Tensor:
     s: CollectiveSpec = lookup(handle)
     active = s.active
-    average = active and s.step.src.reduce_op == "avg"  # pre-divided, then summed
+    hook = s.sync.comm_hook if s.sync is not None else None
+    # averaged by pre-dividing, then summing; a communication hook gets the sums and
+    # averages itself, as torch's DDP hooks do
+    average = active and s.step.src.reduce_op == "avg" and hook is None
     dtype = s.wire_dtype or grads[0].dtype
+    if hook is not None:
+        dtype = grads[0].dtype  # the hook chooses what goes on the wire
     numel = sum(g.numel() for g in grads)
     out = s.buffer("flat", numel, dtype, grads[0].device)
     flat = s.keep("flat", pack_planned(grads, 1.0 / s.size if average else 1.0, dtype, out))
     if active:
         issued = time.perf_counter()
-        s.started(flat, collectives.all_reduce(flat, group=s.group, async_op=True), issued)
+        if hook is not None:
+            from spmd.lowering.reduction import GradBucket, run_hook
+
+            from spmd.lowering.flat import views
+
+            bucket = GradBucket(s.index, flat, [], views(flat, grads), s.last)
+            work = run_hook(hook, s.sync.comm_state, bucket)  # type: ignore[union-attr]
+        elif s.algorithm == "fp32":
+            from spmd.lowering.reduction import start
+
+            work = start(flat, s.group, "fp32", s.compress)
+        else:
+            work = collectives.all_reduce(flat, group=s.group, async_op=True)
+        s.started(flat, work, issued)
         if s.result_dtype is None and s.sync is not None:
             s.sync.record(s, flat)
     return flat

@@ -8,10 +8,12 @@ from typing import Any
 
 import torch
 
+from spmd.runtime.compressed import FLOAT8_DTYPES as _FP8
+
 __all__ = ["Options", "STRATEGIES"]
 
 STRATEGIES = ("ddp", "fsdp", "hsdp")  # spmd.lowering.strategy implements them
-_WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, *_FP8)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,6 +46,11 @@ class Options:
             Environment: ``SPMD_COMPILE_COMPUTE`` (0 or 1).
         calibrate: measure the collective cost model's latency and bandwidth on the live
             group when the model is parallelized (decided on rank 0, shared).
+        comm_hook: a communication hook with torch's DDP signature, ``hook(state,
+            bucket) -> torch.futures.Future`` (``bf16_compress_hook``, ``powerSGD_hook``,
+            your own): it reduces every gradient bucket, in the compiled graphs and in the
+            eager safety net (``ddp`` only).
+        comm_state: the hook's state (``PowerSGDState``, a process group, None).
         placements: tensor parallelism: ``{mesh dimension: {parameter name pattern:
             Shard(d) | Replicate()}}``, or a preset (``spmd.tp.megatron()``); see
             ``spmd.tp``.
@@ -59,6 +66,8 @@ class Options:
     compile_compute: bool | None = None
     calibrate: bool = False
     placements: Any = field(default=None, compare=False)
+    comm_hook: Any = field(default=None, compare=False)
+    comm_state: Any = field(default=None, compare=False)
 
     @classmethod
     def from_kwargs(cls, where: str, **kwargs: Any) -> "Options":
@@ -106,6 +115,22 @@ class Options:
                 raise ValueError(f"{where}: reduce_dtype must be a floating dtype, got "
                                  f"{self.reduce_dtype}")
 
+        if self.reduce_dtype in _FP8 and self.strategy != "ddp":
+            raise ValueError(f"{where}: reduce_dtype={self.reduce_dtype} applies to 'ddp' "
+                             f"(all-reduces added in float32 by spmd); sharded strategies "
+                             f"reduce-scatter in the backend, which cannot add float8")
+        if self.comm_hook is not None:
+            from spmd.lowering.reduction import check_hook
+
+            check_hook(self.comm_hook, where)
+            if self.strategy != "ddp":
+                raise ValueError(f"{where}: comm_hook reduces all-reduce buckets ('ddp'); "
+                                 f"strategy {self.strategy!r} reduce-scatters its gradients")
+            if self.reduce_dtype is not None:
+                raise ValueError(f"{where}: pass comm_hook or reduce_dtype, not both: the "
+                                 f"hook decides what goes on the wire")
+        elif self.comm_state is not None:
+            raise ValueError(f"{where}: comm_state is given without a comm_hook")
         if self.param_dtype is not None:
             if not isinstance(self.param_dtype, torch.dtype):
                 raise TypeError(f"{where}: param_dtype must be a torch.dtype or None, got "

@@ -32,6 +32,8 @@ _LAZY = {
         "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather",
         "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
         "all_to_all_single", "barrier")},
+    "all_reduce_compressed": "spmd.runtime.compressed",
+    "CompressedWork": "spmd.runtime.compressed",
     **{name: "spmd.runtime.p2p" for name in (
         "send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv")},
     **{name: "spmd.runtime.objects" for name in (

@@ -54,7 +54,7 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
                 bucket_cap_mb: float | None = None, overlap: bool = True,
                 reduce_dtype: Any = None, broadcast_buffers: bool = True,
                 compile_compute: bool | None = None, calibrate: bool = False,
-                placements: Any = None) -> Any:
+                placements: Any = None, comm_hook: Any = None, comm_state: Any = None) -> Any:
     """Data parallelism and parameter sharding, planned by a compiler: capture, bucket,
     overlap, run.
 
@@ -81,12 +81,20 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         bucket_cap_mb: gradient bytes per all-reduce (MiB); None: the cost model decides;
             0: one all-reduce per parameter.
         overlap: start each bucket's all-reduce as soon as its gradients exist.
-        reduce_dtype: dtype of gradients on the wire (e.g. ``torch.bfloat16``; for
-            ``fsdp`` with ``param_dtype``, e.g. ``torch.float32`` to reduce exactly).
+        reduce_dtype: dtype of gradients on the wire (e.g. ``torch.bfloat16``,
+            ``torch.float8_e4m3fn``; for ``fsdp`` with ``param_dtype``, e.g.
+            ``torch.float32`` to reduce exactly). With ``ddp``, where the backend would
+            add in that dtype (bfloat16/float16 over more than 2 ranks, float8 always),
+            spmd adds in float32 instead: the result is rounded once.
         broadcast_buffers: broadcast buffers from rank 0 before each training forward.
         compile_compute: Inductor for the graphs' compute (True), generated Python (False),
             or the planner's choice (None).
         calibrate: measure the collective cost model on the live group first.
+        comm_hook: a communication hook with torch's DDP signature, ``hook(state,
+            bucket) -> Future``, e.g. ``torch.distributed.algorithms.ddp_comm_hooks
+            .default_hooks.bf16_compress_hook`` or ``powerSGD_hook``; it reduces every
+            gradient bucket (``ddp``).
+        comm_state: the hook's state (e.g. a ``PowerSGDState``).
         placements: tensor parallelism (``spmd.tp``): where parameters live on named mesh
             dimensions, ``{"tp": {"layers.*.linear1.weight": spmd.Shard(0), ...}}`` (glob
             patterns over parameter names; unnamed parameters are replicated there), or a
@@ -107,7 +115,8 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         "parallelize", strategy=strategy, reshard_after_forward=reshard_after_forward,
         param_dtype=param_dtype, bucket_cap_mb=bucket_cap_mb, overlap=overlap,
         reduce_dtype=reduce_dtype, broadcast_buffers=broadcast_buffers,
-        compile_compute=compile_compute, calibrate=calibrate, placements=placements)
+        compile_compute=compile_compute, calibrate=calibrate, placements=placements,
+        comm_hook=comm_hook, comm_state=comm_state)
     if mesh is not None:
         if not isinstance(mesh, Mesh):
             raise TypeError(f"parallelize: mesh must be an spmd.Mesh or None, got "

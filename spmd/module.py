@@ -60,7 +60,7 @@ class ModuleState:
         self.communicates = setup.communicates
         self.cost_model = cost_model = setup.cost_model
         self.index = setup.index  # the how-many-th parallelized model of this rank
-        self.sync = SyncState()
+        self.sync = SyncState(comm_hook=options.comm_hook, comm_state=options.comm_state)
         self.handles = Handles()  # the specs this model's graphs refer to
         # fsdp/hsdp: every parameter becomes its shard; ddp: none does
         # tensor parallelism: parameters placed Shard(d) become this rank's pieces (which
@@ -91,7 +91,7 @@ class ModuleState:
                                     options.bucket_cap_bytes or cost_model.bucket_bytes(
                                         sum(p.numel() * p.element_size()
                                             for p in self.params.values()), None),
-                                    options.reduce_dtype)
+                                    options.reduce_dtype, self.sync)
         self.fallbacks: dict[str, str] = {}
         self.accumulated = False  # gradients were accumulated under no_sync()
         self.finish_queued = False
@@ -468,6 +468,25 @@ class DataParallel:
         return Join([self], enable=enable,  # type: ignore[list-item]
                     throw_on_early_termination=throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """Reduce every gradient bucket with ``hook(state, bucket) -> Future``, as
+        ``DistributedDataParallel.register_comm_hook`` does (torch's hooks work as they
+        are: ``bf16_compress_hook``, ``powerSGD_hook`` with a ``PowerSGDState``, ...);
+        ``parallelize(comm_hook=, comm_state=)`` is the same from the start. Once, before
+        the first backward, on every rank."""
+        from spmd.lowering.reduction import check_hook
+
+        st: ModuleState = self._spmd  # type: ignore[attr-defined]
+        where = "register_comm_hook"
+        check_hook(hook, where)
+        if st.sync.comm_hook is not None:
+            raise RuntimeError(f"{where}: a communication hook is already registered; it can "
+                               f"be registered only once, as with DDP")
+        if st.sharded or st.options.reduce_dtype is not None:
+            raise ValueError(f"{where}: communication hooks reduce 'ddp' all-reduce buckets "
+                             f"without reduce_dtype (the hook decides the wire format)")
+        st.sync.comm_hook, st.sync.comm_state = hook, state
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Skip gradient averaging in this context (gradient accumulation), as DDP does:

@@ -153,6 +153,11 @@ class Plan:
         lines = [f"Plan: {self.strategy} over {self.world_size} rank(s) (group {self.group!r}), "
                  f"{len(regions)} captured region(s), {len(self.buckets)} "
                  f"bucket(s), {len(self.collectives)} collective(s); per step {per_kind}"]
+        hook = self.options.comm_hook
+        if hook is not None:
+            lines.append(f"gradient buckets reduced by communication hook "
+                         f"{getattr(hook, '__qualname__', hook)!s} (torch's DDP signature), "
+                         f"in the graphs and in the eager safety net")
         if self.tp_placements:
             dims = sorted({d for p in self.tp_placements.values() for d in p})
             sizes = ", ".join(f"{d!r} ({self.mesh.size(d)} ranks)" for d in dims)

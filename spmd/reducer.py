@@ -40,11 +40,12 @@ class EagerReducer:
     """Collects ``(param, local part)`` pairs during backward; :meth:`finish` averages them."""
 
     def __init__(self, group: Any, world_size: int, cap_bytes: int,
-                 wire_dtype: torch.dtype | None) -> None:
+                 wire_dtype: torch.dtype | None, sync: Any = None) -> None:
         self.group = group
         self.world_size = world_size
         self.cap_bytes = max(cap_bytes, 1)
         self.wire_dtype = wire_dtype
+        self.sync = sync  # the model's SyncState: its communication hook, if any
         self.pending: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
 
     def add(self, param: torch.nn.Parameter, part: torch.Tensor) -> None:
@@ -52,18 +53,32 @@ class EagerReducer:
 
     def finish(self) -> None:
         """Average every pending part across ranks and fix ``.grad``."""
-        from spmd.runtime.collectives import all_reduce
+        from spmd.lowering import reduction
 
         pending, self.pending = self.pending, []
         if not pending or self.group is None or self.world_size <= 1:
             return
         parts = [part for _, part in pending]
         sizes = [p.numel() * p.element_size() for p in parts]
+        hook = self.sync.comm_hook if self.sync is not None else None
         works = []
-        for members in plan_buckets(sizes, [p.dtype for p in parts], self.cap_bytes):
+        groups = plan_buckets(sizes, [p.dtype for p in parts], self.cap_bytes)
+        for index, members in enumerate(groups):
             chunk = [parts[i] for i in members]
-            flat = buffers.pack(chunk, scale=1.0 / self.world_size, dtype=self.wire_dtype)
-            works.append((members, flat, all_reduce(flat, group=self.group, async_op=True)))
+            if hook is not None:  # the hook gets the sums and averages itself
+                flat = buffers.pack(chunk)
+                views = buffers.views(flat, chunk)
+                bucket = reduction.GradBucket(10**6 + index, flat,
+                                              [pending[i][0] for i in members], views,
+                                              index == len(groups) - 1)
+                works.append((members, flat, reduction.run_hook(
+                    hook, self.sync.comm_state, bucket)))
+                continue
+            wire = self.wire_dtype or chunk[0].dtype
+            algorithm, _ = reduction.choose(wire, chunk[0].dtype, self.world_size)
+            flat = buffers.pack(chunk, scale=1.0 / self.world_size,
+                                dtype=None if algorithm == "fp32" else self.wire_dtype)
+            works.append((members, flat, reduction.start(flat, self.group, algorithm, wire)))
         with torch.no_grad():
             for members, flat, work in works:
                 work.wait()

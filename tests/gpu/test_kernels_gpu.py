@@ -149,3 +149,39 @@ def test_kernels_match_the_torch_path_on_the_same_gpu(monkeypatch):
         results.append(ps + m + v)
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, **TOL)
+
+
+WIRE = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("wire", WIRE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1 << 22, (1 << 20) + 7])  # 16-byte aligned chunks, and not
+def test_reduce_chunks_full_size_against_the_torch_path(monkeypatch, wire, dtype, n):
+    from spmd.kernels import quantize_chunks, reduce_chunks
+
+    if wire == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("Triton loads float8_e4m3fn on sm_89 and later only")
+    g = torch.Generator(device="cuda").manual_seed(6)
+    p = 8
+    x = torch.randn(p, n, device="cuda", generator=g) * torch.logspace(-2, 2, p,
+                                                                        device="cuda")[:, None]
+    chunks, scales = quantize_chunks(x, wire)
+    if scales is None:
+        scales = torch.rand(p, device="cuda", generator=g) + 0.5
+    results = []
+    for impl in ("triton", "torch"):  # the torch path: separate multiplies and adds, in order
+        monkeypatch.setenv("SPMD_KERNELS", impl)
+        results.append(reduce_chunks(chunks, scales=scales, scale=1 / p, dtype=dtype))
+    assert same(*results)
+
+
+@pytest.mark.parametrize("wire", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_reduce_chunks_decodes_every_float8_bit_pattern(wire):
+    """NaN and e5m2's infinities included, which Triton's interpreter gets wrong on CPU."""
+    from spmd.kernels import reduce_chunks
+
+    if wire == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("Triton loads float8_e4m3fn on sm_89 and later only")
+    chunks = torch.arange(256, dtype=torch.uint8, device="cuda").view(wire).view(1, 256)
+    assert same(reduce_chunks(chunks), chunks[0].float())
