@@ -11,6 +11,8 @@ time per byte of reduction arithmetic, p the number of ranks, n the bytes of the
     ring reduce_scatter (p-1)α + (p-1)/p·nβ + (p-1)/p·nγ (n: input bytes)
     tree broadcast      ⌈log2 p⌉(α + nβ)
     pairwise all_to_all (p-1)α + (p-1)/p·nβ             (n: each rank's local bytes)
+    fp32 all_reduce     2(p-1)α + 2(p-1)/p·nβ + n·γ     (all-to-all, float32 addition of
+                                                         the p received chunks, all-gather)
 
 The bucket size is derived, not guessed: with S gradient bytes cut into buckets of b
 bytes, each all-reduce costs A + B·b (A, B from the formula above), and all but the last
@@ -48,6 +50,9 @@ FORMULAS: dict[tuple[str, str], sympy.Expr] = {
     + (p - 1) / p * n * gamma,
     ("broadcast", "tree"): _log_p * (alpha + n * beta),
     ("all_to_all", "pairwise"): (p - 1) * alpha + (p - 1) / p * n * beta,
+    # spmd.runtime.all_reduce_compressed: a pairwise all-to-all of the n wire bytes, each
+    # rank adding the p chunks it received (n bytes read), a ring all-gather of the result
+    ("all_reduce", "fp32"): 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta + n * gamma,
 }
 
 # Constants measured on this project's development machine: a 2-core x86_64 VM (AMD
@@ -114,11 +119,14 @@ class CostModel:
         return replace(self, alpha=alpha, beta=beta, gamma=0.0, source=source,
                        reference_world_size=self.world_size)
 
-    def seconds(self, kind: str, nbytes: int) -> float:
-        """Predicted time of one ``kind`` collective over ``nbytes``."""
+    def seconds(self, kind: str, nbytes: int, algorithm: str | None = None) -> float:
+        """Predicted time of one ``kind`` collective over ``nbytes`` (by ``algorithm``, or
+        the model's own for all-reduces and the usual one for the others)."""
         if self.world_size <= 1:
             return 0.0
-        algorithm = self.algorithm if kind == "all_reduce" else _ALGORITHMS.get(kind, "ring")
+        if algorithm is None:
+            algorithm = (self.algorithm if kind == "all_reduce"
+                         else _ALGORITHMS.get(kind, "ring"))
         fn = _lambdified(kind, algorithm)
         return float(fn(self.world_size, nbytes, self.alpha, self.beta, self.gamma))
 

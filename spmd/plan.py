@@ -281,7 +281,10 @@ def plan_from_records(records: list, *, setup: Any, options: Options,
             for node in collective_nodes(graph):
                 info: CollectiveInfo = node.meta["spmd_collective"]
                 model = replace(setup.cost_model, world_size=mesh.size(info.mesh_dim))
-                seconds = model.seconds(info.kind, info.bytes)
+                spec = _spec_of(info)
+                algorithm = getattr(spec, "algorithm", "native")
+                seconds = model.seconds(info.kind, info.bytes,
+                                        "fp32" if algorithm == "fp32" else None)
                 name, ranks = group_name, group_ranks
                 if info.mesh_dim in setup.strategy.tp_dims and not mesh.simulated:
                     along = mesh.get_group(info.mesh_dim)
@@ -303,6 +306,15 @@ def plan_from_records(records: list, *, setup: Any, options: Options,
     if strategy.tp_dims:
         plan.tp_placements = {n: strategy.tp_placement(n) for n in strategy.placements}
     return plan
+
+
+def _spec_of(info: CollectiveInfo) -> Any:
+    from spmd.lowering import ops
+
+    try:
+        return ops.lookup(info.handle)
+    except RuntimeError:
+        return None
 
 
 def _placed(graph: fx.GraphModule, name: str, phase: str) -> list[Placed]:

@@ -216,3 +216,26 @@ def test_bad_hooks_are_refused():
     with pytest.raises(ValueError, match="cannot add float8"):
         spmd.parallelize(MLP(), reduce_dtype=torch.float8_e4m3fn, strategy="fsdp",
                          mesh=spmd.Mesh.simulated(2))
+
+
+@pytest.mark.parametrize("ranks, wire, ours", [(8, torch.bfloat16, True), (2, torch.bfloat16, False),
+                                               (2, torch.float8_e4m3fn, True),
+                                               (8, torch.float32, False)])
+def test_the_planner_says_which_reduction_and_why(ranks, wire, ours):
+    """Per bucket: ours where the backend would round partial sums in the wire dtype (or
+    cannot add it), the backend's all-reduce where one addition rounds once anyway; the
+    cost model prices each by its algorithm."""
+    torch.manual_seed(0)
+    x, _ = batch("mlp")
+    kwargs = {} if wire == torch.float32 else {"reduce_dtype": wire}
+    plan = spmd.inspect(MLP(), x, mesh=spmd.Mesh.simulated(ranks), **kwargs)
+    assert plan.collectives
+    for c, b in zip(plan.collectives, plan.buckets):
+        assert ("added in float32" in c.provenance.reason) == ours, c.provenance.reason
+        assert b.wire_dtype == wire and b.bytes == b.numel * wire.itemsize
+    from spmd.lowering.cost_model import CostModel
+
+    model = CostModel.default("gloo", ranks)
+    b = plan.buckets[0]
+    assert b.predicted_seconds == pytest.approx(
+        model.seconds("all_reduce", b.bytes, "fp32" if ours else None))
