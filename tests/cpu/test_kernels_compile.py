@@ -74,3 +74,26 @@ def test_adamw_kernel_compiles(aligned):
     text = "\n".join(ptx)
     assert "sqrt.rn.f32" in text and "div.rn.f32" in text  # IEEE, like torch on CUDA
     assert ("ld.global.v4.b32" in memory_ops(ptx)) == aligned
+
+
+@pytest.mark.parametrize("wire, scaled", [("*bf16", False), ("*fp16", False), ("*fp32", False),
+                                          ("*fp8e4nv", True), ("*fp8e5", True)])
+def test_reduce_kernel_compiles(wire, scaled):
+    """``reduce_chunks`` for every wire dtype; 16-byte vector loads for the 2-byte wires."""
+    from spmd.kernels import reduce_triton
+
+    kernel = reduce_triton.reduce_kernel
+    if not isinstance(kernel, triton.runtime.jit.JITFunction):
+        pytest.skip("TRITON_INTERPRET=1 was set when the kernels were imported")
+    signature = {"chunks": wire, "scales": "*fp32", "out": "*bf16", "p": "i32", "n": "i32",
+                 "scale": "fp32", "HAS_SCALES": "constexpr", "BLOCK": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}
+    attrs[(4,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature,
+                                        constexprs={"HAS_SCALES": scaled, "BLOCK": 1024},
+                                        attrs=attrs),
+                              target=H100, options={"enable_fp_fusion": False})
+    ops = memory_ops(compiled.asm["ptx"].splitlines())
+    assert any(op.startswith("st.global") for op in ops), ops
+    if wire in ("*bf16", "*fp16"):
+        assert "ld.global.v4.b32" in ops, ops
