@@ -60,10 +60,10 @@ def plan_buckets(sizes: list[int], keys: list[Hashable], cap: int) -> list[list[
 
 
 def bucketing(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
-    # graph order: the order gradients are ready. Tensor parallelism's collectives move
-    # activations a node needs right away: they are never merged
-    ours = [n for n in collective_nodes(gm)
-            if n.meta["spmd_collective"].provenance.pass_name != "tensor_parallel"]
+    # graph order: the order gradients are ready. Tensor parallelism's and batch-norm
+    # statistics' collectives move values a node needs right away: never merged
+    ours = [n for n in collective_nodes(gm) if n.meta["spmd_collective"].provenance.pass_name
+            not in ("tensor_parallel", "sync_batchnorm")]
     singles = [n for n in ours if n.meta["spmd_collective"].kind == "all_reduce"]
     infos = [n.meta["spmd_collective"] for n in singles]
     every = [n.meta["spmd_collective"] for n in ours]

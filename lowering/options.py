@@ -46,6 +46,10 @@ class Options:
             Environment: ``SPMD_COMPILE_COMPUTE`` (0 or 1).
         calibrate: measure the collective cost model's latency and bandwidth on the live
             group when the model is parallelized (decided on rank 0, shared).
+        sync_batchnorm: batch norms in training normalise by the whole batch's statistics
+            (an all-reduce in the forward and one in the backward per layer, planned by
+            the compiler), as ``nn.SyncBatchNorm`` does; a model holding
+            ``nn.SyncBatchNorm`` layers turns it on.
         comm_hook: a communication hook with torch's DDP signature, ``hook(state,
             bucket) -> torch.futures.Future`` (``bf16_compress_hook``, ``powerSGD_hook``,
             your own): it reduces every gradient bucket, in the compiled graphs and in the
@@ -66,6 +70,7 @@ class Options:
     compile_compute: bool | None = None
     calibrate: bool = False
     placements: Any = field(default=None, compare=False)
+    sync_batchnorm: bool = False
     comm_hook: Any = field(default=None, compare=False)
     comm_state: Any = field(default=None, compare=False)
 
@@ -100,7 +105,8 @@ class Options:
             if cap < 0 or cap != cap:
                 raise ValueError(f"{where}: bucket_cap_mb must be >= 0 (0 turns bucketing off), "
                                  f"got {cap}")
-        for name in ("overlap", "broadcast_buffers", "calibrate", "reshard_after_forward"):
+        for name in ("overlap", "broadcast_buffers", "calibrate", "reshard_after_forward",
+                     "sync_batchnorm"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{where}: {name} must be a bool, got "
                                 f"{type(getattr(self, name)).__name__}")

@@ -1,7 +1,7 @@
 """The pass list every graph goes through, module regions and whole steps alike:
 
-    annotate -> shard_params -> propagate -> tensor_parallel -> insert_collectives
-             -> bucketing -> fuse_optimizer -> schedule
+    annotate -> shard_params -> propagate -> sync_batchnorm -> tensor_parallel
+             -> insert_collectives -> bucketing -> fuse_optimizer -> schedule
 
 Each pass is ``(gm, ctx) -> gm`` in a file of its own; a pass with nothing to do on a
 graph (no gradients in a forward, no optimizer in a module's backward) leaves it as is.
@@ -22,6 +22,7 @@ from spmd.lowering.passes import Pass, run_passes
 from spmd.lowering.propagate import propagate
 from spmd.lowering.schedule import schedule
 from spmd.lowering.shard_params import shard_params
+from spmd.lowering.sync_batchnorm import sync_batchnorm
 from spmd.lowering.tensor_parallel import tensor_parallel
 
 __all__ = ["PASSES", "plan_graph"]
@@ -30,6 +31,7 @@ PASSES: list[tuple[str, Pass]] = [
     ("annotate", annotate),
     ("shard_params", shard_params),
     ("propagate", propagate),
+    ("sync_batchnorm", sync_batchnorm),
     ("tensor_parallel", tensor_parallel),
     ("insert_collectives", insert_collectives),
     ("bucketing", bucketing),

@@ -54,7 +54,8 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
                 bucket_cap_mb: float | None = None, overlap: bool = True,
                 reduce_dtype: Any = None, broadcast_buffers: bool = True,
                 compile_compute: bool | None = None, calibrate: bool = False,
-                placements: Any = None, comm_hook: Any = None, comm_state: Any = None) -> Any:
+                placements: Any = None, comm_hook: Any = None, comm_state: Any = None,
+                sync_batchnorm: bool = False) -> Any:
     """Data parallelism and parameter sharding, planned by a compiler: capture, bucket,
     overlap, run.
 
@@ -90,6 +91,9 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         compile_compute: Inductor for the graphs' compute (True), generated Python (False),
             or the planner's choice (None).
         calibrate: measure the collective cost model on the live group first.
+        sync_batchnorm: batch norms normalise by the whole batch's statistics (as
+            ``nn.SyncBatchNorm``; a model holding those turns it on): the compiler makes
+            each layer's statistics and their gradients whole with one all-reduce each.
         comm_hook: a communication hook with torch's DDP signature, ``hook(state,
             bucket) -> Future``, e.g. ``torch.distributed.algorithms.ddp_comm_hooks
             .default_hooks.bf16_compress_hook`` or ``powerSGD_hook``; it reduces every
@@ -116,7 +120,7 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         param_dtype=param_dtype, bucket_cap_mb=bucket_cap_mb, overlap=overlap,
         reduce_dtype=reduce_dtype, broadcast_buffers=broadcast_buffers,
         compile_compute=compile_compute, calibrate=calibrate, placements=placements,
-        comm_hook=comm_hook, comm_state=comm_state)
+        comm_hook=comm_hook, comm_state=comm_state, sync_batchnorm=sync_batchnorm)
     if mesh is not None:
         if not isinstance(mesh, Mesh):
             raise TypeError(f"parallelize: mesh must be an spmd.Mesh or None, got "

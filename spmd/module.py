@@ -524,6 +524,9 @@ def _parallel_class(cls: type) -> type:
 def parallelize_module(module: nn.Module, options: Options, setup: Setup) -> nn.Module:
     """Turn ``module`` (in place) into a data-parallel module; returns it. The caller has
     set it up on every rank first (``spmd.setup.prepare_model``)."""
+    from spmd.batchnorm import prepare_batchnorms
+
+    options = prepare_batchnorms(module, options, setup)
     state = ModuleState(module, options, setup)
     module.__class__ = _parallel_class(type(module))
     module._spmd = state
