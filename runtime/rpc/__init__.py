@@ -22,6 +22,7 @@ from spmd.runtime.rpc.api import (debug_info, get_all_worker_infos, get_worker_i
 from spmd.runtime.rpc.options import (UNSET_RPC_TIMEOUT, BackendType, RemoteError,
                                       RpcBackendOptions, TensorPipeRpcBackendOptions,
                                       WorkerInfo)
+from spmd.runtime.rpc.remote_module import RemoteModule
 from spmd.runtime.rpc.rref import RRef
 from spmd.runtime.rpc.shutdown import shutdown
 
@@ -29,7 +30,7 @@ __all__ = [
     "init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "get_worker_info",
     "get_all_worker_infos", "debug_info", "is_available", "RRef", "WorkerInfo",
     "RpcBackendOptions", "TensorPipeRpcBackendOptions", "BackendType", "RemoteError",
-    "UNSET_RPC_TIMEOUT", "functions", "faults",
+    "UNSET_RPC_TIMEOUT", "functions", "faults", "RemoteModule",
 ]
 
 
