@@ -56,8 +56,10 @@ class AsyncResult:
 
 
 def is_async(func: Any) -> bool:
-    """Whether ``func`` was decorated with ``functions.async_execution``."""
-    return bool(getattr(func, "_spmd_async_execution", False))
+    """Whether ``func`` was decorated with ``functions.async_execution`` (ours, or torch's
+    ``torch.distributed.rpc.functions.async_execution``, which marks it the same way)."""
+    return bool(getattr(func, "_spmd_async_execution", False)
+                or getattr(func, "_wrapped_async_rpc_function", None) is not None)
 
 
 class _Entry:

@@ -238,6 +238,48 @@ class RRef(Generic[T]):
         return _wait(self._record.future, self._agent.timeout,
                      lambda: f"local_value() of RRef {self._rref_id}")
 
+    def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT) -> type:
+        """The type of the value (asked of the owner once, then kept), as torch's."""
+        found = getattr(self, "_value_type", None)
+        if found is None:
+            if self._record is not None:
+                found = type(self.local_value())
+            else:
+                from spmd.runtime.rpc import api
+
+                found = api.rpc_sync(self.owner(), _value_type, args=(self,), timeout=timeout)
+            self._value_type = found
+        return found
+
+    def _attributes(self) -> frozenset[str]:
+        """The names the value's type defines (asked of the owner once, then kept): a
+        proxy call to a method the value lacks fails at the call, not on the owner."""
+        found = getattr(self, "_type_names", None)
+        if found is None:
+            if self._record is not None:
+                found = _type_names(self)
+            else:
+                from spmd.runtime.rpc import api
+
+                found = api.rpc_sync(self.owner(), _type_names, args=(self,))
+            self._type_names = found
+        return found
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run the backward pass with the value (a scalar tensor) as its root, on the
+        owner: in distributed-autograd context ``dist_autograd_ctx_id`` (its gradients
+        stay in the context), or, with -1, plain autograd (into ``.grad``), as torch's."""
+        if not isinstance(dist_autograd_ctx_id, int):
+            raise TypeError(f"RRef.backward: dist_autograd_ctx_id must be an int, got "
+                            f"{type(dist_autograd_ctx_id).__name__}")
+        if self._record is not None:
+            _owner_backward(self, dist_autograd_ctx_id, retain_graph)
+            return
+        from spmd.runtime.rpc import api
+
+        api.rpc_sync(self.owner(), _owner_backward,
+                     args=(self, dist_autograd_ctx_id, retain_graph))
+
     def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> T:
         """A copy of the value fetched from the owner (the value itself on the owner)."""
         seconds = resolve_timeout(timeout, self._agent.timeout, "to_here")
@@ -325,10 +367,36 @@ class _Proxy:
 
         @functools.wraps(call)
         def invoke(*args: Any, **kwargs: Any) -> Any:
+            if name not in rref._attributes():  # a method the value lacks: raise now
+                raise AttributeError(f"the value of {rref!r} has no attribute {name!r}")
             return call(rref.owner(), _local_invoke, args=(rref, name, args, kwargs),
                         timeout=timeout)
 
         return invoke
+
+
+def _value_type(rref: RRef) -> type:
+    return type(rref.local_value())
+
+
+def _type_names(rref: RRef) -> frozenset[str]:
+    value = rref.local_value()
+    return frozenset(dir(type(value))) | frozenset(getattr(value, "__dict__", {}))
+
+
+def _owner_backward(rref: RRef, context_id: int, retain_graph: bool) -> None:
+    root = rref.local_value()
+    if not isinstance(root, torch.Tensor) or root.numel() != 1 or not root.requires_grad:
+        raise InvalidArgumentError(
+            f"RRef.backward: the value must be a scalar tensor that requires grad, got "
+            f"{type(root).__name__}" + (f" of shape {tuple(root.shape)}"
+                                         if isinstance(root, torch.Tensor) else ""))
+    if context_id == -1:
+        root.backward(retain_graph=retain_graph)
+        return
+    from spmd.runtime.autograd import backward
+
+    backward(context_id, [root], retain_graph=retain_graph)
 
 
 def _local_invoke(rref: RRef, name: str, args: tuple, kwargs: dict) -> Any:

@@ -163,14 +163,26 @@ def _reduce_tensor(t: torch.Tensor, state: DumpState) -> Any:
         data = data.cpu()  # through host memory
     if data.is_conj() or data.is_neg():
         data = data.resolve_conj().resolve_neg()
+    order = None
     if not data.is_contiguous():
-        data = data.contiguous()
+        order = _dense_order(data)
+        # a permuted dense tensor (a transpose, say) travels in its own memory order and
+        # arrives with its strides; any other layout arrives contiguous
+        data = data.permute(order) if order is not None else data.contiguous()
     if data.numel() == 0:
         buf: Any = b""
     else:
         buf = pickle.PickleBuffer(data.reshape(-1).view(torch.uint8).numpy())
     return _rebuild_tensor, (data.dtype, tuple(data.shape), t.requires_grad, device, slot,
-                             type(t) is _Parameter, buf)
+                             type(t) is _Parameter, buf, order)
+
+
+def _dense_order(t: torch.Tensor) -> list[int] | None:
+    """The dimension order that makes ``t`` contiguous when its elements fill their memory
+    without gaps or overlaps in some order (permuted dense); None otherwise."""
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d]))
+    permuted = t.permute(order)
+    return order if permuted.is_contiguous() else None
 
 
 class _Loading(threading.local):
@@ -181,7 +193,8 @@ loading = _Loading()
 
 
 def _rebuild_tensor(dtype: torch.dtype, shape: tuple, requires_grad: bool, device: str | None,
-                    slot: int, is_param: bool, buf: Any) -> torch.Tensor:
+                    slot: int, is_param: bool, buf: Any,
+                    order: list[int] | None = None) -> torch.Tensor:
     count = 1
     for n in shape:
         count *= n
@@ -194,6 +207,11 @@ def _rebuild_tensor(dtype: torch.dtype, shape: tuple, requires_grad: bool, devic
             raise ValueError(f"tensor of shape {shape} and {dtype} needs {nbytes} bytes, the "
                              f"message carried {size}")
         t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+    if order is not None:  # back to the sender's dimension order, strides included
+        inverse = [0] * len(order)
+        for position, dim in enumerate(order):
+            inverse[dim] = position
+        t = t.permute(inverse)
     if device is not None:
         t = t.to(device)
     if is_param:

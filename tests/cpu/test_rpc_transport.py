@@ -90,7 +90,9 @@ def test_tensors_arrive_by_value_with_dtype_shape_and_flags(cma):
         assert (dtype, shape, requires_grad) == (sent.dtype, tuple(sent.shape),
                                                  sent.requires_grad), key
         assert kind == ("Parameter" if key == "param" else "Tensor"), key
-        assert contiguous, key
+        # a permuted dense tensor keeps its strides (as torch's RPC sends it); others
+        # arrive contiguous
+        assert contiguous == (key not in ("transposed", "big int")), key
     assert torch.equal(back, torch.arange(3 << 20, dtype=torch.float32))
     assert lent == 0  # every lent buffer was released
     probe = cma_module.Probe()
