@@ -12,9 +12,10 @@ argument first, so a bad call raises ``TypeError``/``ValueError`` before any I/O
 from __future__ import annotations
 
 import abc
+import re
 import time
 from datetime import timedelta
-from typing import Iterable, Sequence, Union
+from typing import Any, Iterable, Sequence, Union
 
 from spmd.runtime import config
 from spmd.runtime.errors import DistStoreError, QueueEmptyError, StoreTimeoutError
@@ -66,6 +67,13 @@ def as_seconds(timeout: object, what: str = "timeout") -> float:
     if not seconds > 0:
         raise ValueError(f"{what} must be positive, got {timeout!r}")
     return seconds
+
+
+def _as_bytes(value: Any) -> bytes:
+    """A Python store's answer as bytes (str encoded, bytes-like copied)."""
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)
 
 
 class Store(abc.ABC):
@@ -237,50 +245,83 @@ class Store(abc.ABC):
         self.close()
 
     # -- implementation --------------------------------------------------------------
+    #
+    # Our stores implement these. A store written in Python the way torch's
+    # ``torch.distributed.Store`` is subclassed (overriding the public ``set``, ``get``,
+    # ``add``, ``compare_set``, ``wait``, ``check``, ``delete_key``, ``num_keys``) gets
+    # them from its overrides, so every other method (``multi_get``, ``append``, the
+    # queues, ``wait`` by polling ``check``) and everything built on stores (process
+    # groups, PrefixStore, rendezvous) works on it.
 
-    @abc.abstractmethod
-    def _set(self, key: str, value: bytes) -> None: ...
+    def _own(self, name: str) -> Any:
+        """The subclass's override of public method ``name``; ``NotImplementedError``
+        naming it when there is none."""
+        method = getattr(type(self), name)
+        if method is getattr(Store, name):
+            raise NotImplementedError(f"{type(self).__name__} does not implement {name}(); a "
+                                      f"Store subclass overrides {name}() (or _{name}())")
+        return getattr(self, name)
 
-    @abc.abstractmethod
-    def _multi_get(self, keys: list[str], timeout: float) -> list[bytes]: ...
+    def _set(self, key: str, value: bytes) -> None:
+        self._own("set")(key, value)
 
-    @abc.abstractmethod
-    def _add(self, key: str, amount: int) -> int: ...
+    def _multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
+        get = self._own("get")
+        return [_as_bytes(get(k)) for k in keys]
 
-    @abc.abstractmethod
-    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes: ...
+    def _add(self, key: str, amount: int) -> int:
+        return int(self._own("add")(key, amount))
 
-    @abc.abstractmethod
-    def _wait(self, keys: list[str], timeout: float) -> None: ...
+    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        return _as_bytes(self._own("compare_set")(key, expected, desired))
 
-    @abc.abstractmethod
-    def _check(self, keys: list[str]) -> bool: ...
+    def _wait(self, keys: list[str], timeout: float) -> None:
+        if type(self).wait is not Store.wait:
+            self.wait(keys, timedelta(seconds=timeout))
+            return
+        deadline = time.monotonic() + timeout
+        while not self._check(keys):
+            if time.monotonic() >= deadline:
+                raise StoreTimeoutError(f"{type(self).__name__}: keys {keys} not set within "
+                                        f"{timeout:g} s")
+            time.sleep(0.005)
 
-    @abc.abstractmethod
-    def _delete_key(self, key: str) -> bool: ...
+    def _check(self, keys: list[str]) -> bool:
+        return bool(self._own("check")(keys))
 
-    @abc.abstractmethod
-    def _num_keys(self) -> int: ...
+    def _delete_key(self, key: str) -> bool:
+        return bool(self._own("delete_key")(key))
 
-    @abc.abstractmethod
-    def _multi_set(self, keys: list[str], values: list[bytes]) -> None: ...
+    def _num_keys(self) -> int:
+        return int(self._own("num_keys")())
 
-    @abc.abstractmethod
-    def _append(self, key: str, value: bytes) -> None: ...
+    def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        for key, value in zip(keys, values):
+            self._set(key, value)
+
+    def _append(self, key: str, value: bytes) -> None:
+        while True:  # atomic through compare_set: retried if another writer came first
+            current = self._multi_get([key], self._timeout)[0] if self._check([key]) else b""
+            desired = current + value
+            if self._compare_set(key, current, desired) == desired:
+                return
+
+
+_COUNTER = re.compile(rb"[ \t\n\r\f\v]*[+-]?[0-9]+[ \t\n\r\f\v]*")
 
 
 def parse_counter(current: bytes | None, amount: int, key: str) -> bytes:
     """The new decimal value of a counter; ``DistStoreError`` naming the key otherwise."""
     if current is None:
         return str(amount).encode()
-    try:
-        base = int(current.decode("ascii").strip())
-    except (UnicodeDecodeError, ValueError):
+    # ASCII whitespace and one decimal integer, as C's strtoll reads it (Python's own
+    # int() would also take other whitespace, such as b"\x1c", and digit underscores)
+    if not _COUNTER.fullmatch(current):
         shown = current[:40]
         raise DistStoreError(
             f"add({key!r}): the value at this key is {shown!r}, not a decimal integer"
-        ) from None
-    return str(base + amount).encode()
+        )
+    return str(int(current) + amount).encode()
 
 
 def compare_set_result(

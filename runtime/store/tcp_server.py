@@ -93,12 +93,13 @@ class StoreServer:
     """
 
     def __init__(
-        self, host: str, port: int, *, auth_token: bytes | None, max_message: int
+        self, host: str, port: int, *, auth_token: bytes | None, max_message: int,
+        listen_fd: int | None = None,
     ) -> None:
         self.host = host
         self._token = auth_token
         self._max = max_message
-        self._listener = self._bind(host, port)
+        self._listener = self._bind(host, port) if listen_fd is None else self._adopt(listen_fd)
         self.port: int = self._listener.getsockname()[1]
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -130,6 +131,23 @@ class StoreServer:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @staticmethod
+    def _adopt(fd: int) -> socket.socket:
+        """A socket the caller already bound and listens on (torch's ``master_listen_fd``:
+        a launcher that reserved the port hands it over)."""
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError as e:
+            raise DistStoreError(f"TCPStore: master_listen_fd {fd} is not a socket: {e}") from e
+        if sock.type != socket.SOCK_STREAM:
+            raise DistStoreError(f"TCPStore: master_listen_fd {fd} is not a stream socket")
+        try:
+            sock.listen(4096)  # already listening: only raises the backlog
+        except OSError as e:
+            raise DistStoreError(f"TCPStore: master_listen_fd {fd} cannot listen: {e}") from e
+        sock.setblocking(False)
+        return sock
 
     @staticmethod
     def _bind(host: str, port: int) -> socket.socket:

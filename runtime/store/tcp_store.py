@@ -80,15 +80,18 @@ _TENANTS: dict[tuple[str, int], list] = {}  # (host, port) -> [server, users]
 _TENANTS_LOCK = threading.Lock()
 
 
-def _serve(host: str, port: int, token: bytes | None, multi_tenant: bool) -> "StoreServer":
-    """A new server on ``port``; with ``multi_tenant``, the one this process already serves
-    there if any (torch's ``multi_tenant``: a process group and RPC on one address)."""
+def _serve(host: str, port: int, token: bytes | None, multi_tenant: bool,
+           listen_fd: int | None = None) -> "StoreServer":
+    """A new server on ``port`` (or on the listening socket ``listen_fd``); with
+    ``multi_tenant``, the one this process already serves there if any (torch's
+    ``multi_tenant``: a process group and RPC on one address)."""
     with _TENANTS_LOCK:
         shared = _TENANTS.get((host, port)) if multi_tenant and port else None
         if shared is not None:
             shared[1] += 1
             return shared[0]
-        server = StoreServer(host, port, auth_token=token, max_message=config.store_max_message())
+        server = StoreServer(host, port, auth_token=token, max_message=config.store_max_message(),
+                             listen_fd=listen_fd)
         if multi_tenant:
             _TENANTS[(host, server.port)] = [server, 1]
             server._spmd_tenant_key = (host, server.port)  # type: ignore[attr-defined]
@@ -126,6 +129,10 @@ class TCPStore(Store):
         multi_tenant: on the master, share the server this process already runs on the
             same host and port, if any (a process group and RPC on one ``tcp://``
             address, as torch's ``multi_tenant``); the server stops with its last user.
+        master_listen_fd: on the master, serve on this already bound and listening socket
+            instead of binding ``port`` (torch's: a launcher that reserved the port hands
+            it over, so no other process can take it in between).
+        use_libuv: accepted for torch's signature; the server is ours either way.
         auth_token: a shared secret (default ``SPMD_AUTH_TOKEN``). The server admits only
             clients that prove they hold it, by HMAC challenge-response; the token never
             crosses the wire. Every participant must be given the same token.
@@ -149,6 +156,8 @@ class TCPStore(Store):
         timeout: timedelta | None = None,
         wait_for_workers: bool = True,
         multi_tenant: bool = False,
+        master_listen_fd: int | None = None,
+        use_libuv: bool = True,
         *,
         auth_token: str | bytes | None = None,
         rank: int | None = None,
@@ -161,6 +170,14 @@ class TCPStore(Store):
             raise TypeError(f"is_master must be a bool, got {type(is_master).__name__}")
         if not isinstance(multi_tenant, bool):
             raise TypeError(f"multi_tenant must be a bool, got {type(multi_tenant).__name__}")
+        if master_listen_fd is not None and (
+                not isinstance(master_listen_fd, int) or isinstance(master_listen_fd, bool)
+                or master_listen_fd < 0 or not is_master):
+            raise ValueError(f"TCPStore master_listen_fd must be a listening socket's file "
+                             f"descriptor on the master, got {master_listen_fd!r} with "
+                             f"is_master={is_master}")
+        if not isinstance(use_libuv, bool):
+            raise TypeError(f"use_libuv must be a bool, got {type(use_libuv).__name__}")
         if port == 0 and not is_master:
             raise ValueError("TCPStore port 0 (pick a free port) is only valid on the master")
         if world_size is not None and (
@@ -186,7 +203,8 @@ class TCPStore(Store):
         self._server: StoreServer | None = None
         self._max_message = 1 << 62  # until the server's greeting says otherwise
         if is_master:
-            self._server = _serve(host_name, port, self._token, multi_tenant)
+            self._server = _serve(host_name, port, self._token, multi_tenant,
+                                  master_listen_fd)
             port = self._server.port
             self._stop_server = weakref.finalize(self, _release, self._server)
         self._port = port

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import tempfile
 
 import pytest
@@ -38,7 +40,10 @@ def machine_for(kind: str):
         @rule(key=KEYS, amount=st.integers(-1000, 1000))
         def add(self, key, amount):
             current = self.model.get(key)
-            try:
+            try:  # a counter is ASCII whitespace around one decimal integer (C's strtoll)
+                if current is not None and not re.fullmatch(
+                        rb"[ \t\n\r\f\v]*[+-]?[0-9]+[ \t\n\r\f\v]*", current):
+                    raise ValueError(current)
                 expected = (int(current) if current is not None else 0) + amount
             except ValueError:
                 with pytest.raises(DistStoreError):

@@ -1,0 +1,328 @@
+"""Low-precision gradient all-reduce: accuracy and DDP step time, ours against torch's
+``bf16_compress_hook``.
+
+    python benchmarks/compressed.py [--part accuracy|speed|all] [--quick]
+                                    [--worlds 2,4,8] [--elements 1048576]
+                                    [--nprocs 2,3] [--steps 20] [--rounds 5]
+
+Local ranks (processes), one thread each, Gloo over loopback.
+
+**Accuracy** (``--worlds``): each rank holds ``--elements`` float32 "gradients",
+``m * (s + n_r)``: a magnitude ``m = 10**U(-3, 0)`` and a signal ``s ~ N(0, 1)`` per
+element, common to all ranks (a parameter's gradients have one scale and the ranks agree
+on a direction), and noise ``n_r ~ N(0, 1)`` of the rank's own. The reference is the
+mean over the ranks in float64. Methods, each on a copy of the same inputs:
+
+- ``fp32 all_reduce / p``: ``spmd.runtime.all_reduce`` (sum) in float32, then divided;
+- ``torch bf16_compress_hook``: torch's hook itself, called as torch's DDP calls it
+  (``hook(None, bucket)`` with a :class:`spmd.lowering.reduction.GradBucket` over the
+  buffer, torch.distributed's default group being ours), its future waited: cast to
+  bfloat16, divided by ``p``, all-reduced in bfloat16 (Gloo adds in bfloat16 at each
+  step), cast back;
+- ``ours, bf16 wire`` / ``ours, fp8 wire``: ``spmd.runtime.all_reduce_compressed(AVG)``
+  with ``wire_dtype`` bfloat16 / float8_e4m3fn and the compiler's ``combine`` (sent by
+  all-to-all, added in float32, rounded once, all-gathered);
+- two floors, computed, not communicated: ``bf16(exact mean)``, the exact mean rounded
+  once (the best a bfloat16 result can be), and ``mean of bf16(inputs)``, the exact mean
+  of the inputs rounded to bfloat16 (what the wire alone loses).
+
+Errors against the reference ``r``: ``||x - r||_2 / ||r||_2``, ``max |x - r| / max |r|``
+and the median over the elements of ``|x - r| / |r|``; "x one rounding" is the L2 error
+over that of ``bf16(exact mean)``. Every rank must hold the same result (checked).
+
+**Speed** (``--nprocs``): DDP step time of ``benchmarks/ddp.py``'s encoder case (a
+3-layer transformer encoder of width 128, AdamW, 32 sequences of 16 tokens split over the
+ranks), the same model, data and optimizer for every variant:
+
+- ``spmd, fp32 wire``: ``spmd.parallelize(model)``;
+- ``spmd, bf16 wire``: ``spmd.parallelize(model, reduce_dtype=torch.bfloat16)`` (over 2
+  ranks the backend's bfloat16 all-reduce, one addition; above, ours: float32 addition);
+- ``torch DDP + bf16 hook``: ``DistributedDataParallel`` with ``bf16_compress_hook``
+  (wrapped in a lambda: torch's DDP refuses the hook by name off NCCL);
+- ``torch DDP``: ``DistributedDataParallel`` with its defaults (float32), for context.
+
+torch's DDP runs on a Gloo group of torch's own, as in ``benchmarks/ddp.py``. Variants
+alternate in rounds so all see the same machine; round 0 warms up (compiles) and is not
+counted. The figure is the median step time over the rounds; the ratio is the hooked
+DDP's time over the variant's (above 1: faster than DDP with the bf16 hook) and "spread"
+the lowest and highest per-round ratio. After the rounds, every variant has trained from
+the same weights on the same batches: the largest difference of its weights from plain
+DDP's. More ranks than cores (3 on a 2-core machine) time the machine's scheduler as
+much as the all-reduce: read those ratios with their spread.
+
+``--quick``: 2^18 elements, 2 ranks for speed, 10 steps x 3 rounds. Prints markdown
+tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ddp import CASES, _batch, _fresh
+
+METHODS = ("fp32 all_reduce / p", "torch bf16_compress_hook", "ours, bf16 wire",
+           "ours, fp8 wire")
+FLOORS = ("bf16(exact mean)", "mean of bf16(inputs)")
+VARIANTS = ("spmd, fp32 wire", "spmd, bf16 wire", "torch DDP + bf16 hook", "torch DDP")
+HOOKED = "torch DDP + bf16 hook"
+
+
+# -- accuracy --------------------------------------------------------------------------
+
+
+def _gradients(rank: int, n: int) -> torch.Tensor:
+    """Rank ``rank``'s float32 gradients: ``m * (s + n_r)`` (see the module doc)."""
+    shared = torch.Generator().manual_seed(0)
+    magnitude = 10.0 ** (-3.0 * torch.rand(n, generator=shared, dtype=torch.float64))
+    signal = torch.randn(n, generator=shared, dtype=torch.float64)
+    noise = torch.randn(n, generator=torch.Generator().manual_seed(1 + rank),
+                        dtype=torch.float64)
+    return (magnitude * (signal + noise)).float()
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.contiguous().numpy().tobytes()).hexdigest()
+
+
+def accuracy_main(rank: int, n: int) -> dict:
+    import torch.distributed as tdist
+    from spmd.lowering.reduction import GradBucket, _combine
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from spmd import runtime as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    try:
+        p = dist.get_world_size()
+        # the hook all-reduces on torch's default group: it must be ours
+        if not tdist.is_initialized() or tdist.get_world_size() != p:
+            raise RuntimeError("torch.distributed does not see spmd's default group")
+        x = _gradients(rank, n)
+        out: dict[str, torch.Tensor] = {}
+
+        y = x.clone()
+        dist.all_reduce(y)
+        out[METHODS[0]] = y.div_(p)
+
+        buffer = x.clone()
+        bucket = GradBucket(0, buffer, [], [buffer], True)
+        future = default_hooks.bf16_compress_hook(None, bucket)
+        result = future.wait()
+        out[METHODS[1]] = result[0] if isinstance(result, (list, tuple)) else result
+
+        for method, wire in ((METHODS[2], torch.bfloat16), (METHODS[3], torch.float8_e4m3fn)):
+            y = x.clone()
+            dist.all_reduce_compressed(y, dist.ReduceOp.AVG, wire_dtype=wire, combine=_combine)
+            out[method] = y
+        digests = {m: _digest(t) for m, t in out.items()}
+        return {"results": out, "digests": digests} if rank == 0 else {"digests": digests}
+    finally:
+        dist.destroy_process_group()
+
+
+def _errors(x: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    d = x.double() - ref
+    nonzero = ref != 0
+    return {"l2": (d.norm() / ref.norm()).item(),
+            "max": (d.abs().max() / ref.abs().max()).item(),
+            "median": (d.abs()[nonzero] / ref.abs()[nonzero]).median().item()}
+
+
+def accuracy(worlds: list[int], n: int) -> None:
+    from spmd.runtime import spawn
+
+    rows: dict[int, dict[str, dict[str, float]]] = {}
+    notes: list[str] = []
+    for p in worlds:
+        start = time.perf_counter()
+        runs = spawn(accuracy_main, args=(n,), nprocs=p, start_method="forkserver",
+                     timeout=1200)
+        seconds = time.perf_counter() - start
+        results = runs[0]["results"]
+        xs = [_gradients(r, n) for r in range(p)]
+        ref = sum(x.double() for x in xs) / p
+        sent = [x.to(torch.bfloat16) for x in xs]
+        floors = {FLOORS[0]: ref.to(torch.bfloat16),
+                  FLOORS[1]: sum(s.double() for s in sent) / p}
+        # ours' float32 model: the bf16 inputs added in float32 in rank order, scaled once,
+        # rounded once (bit for bit what it should return)
+        total = torch.zeros(n, dtype=torch.float32)
+        for s in sent:
+            total += s.float()
+        model = (total * (1.0 / p)).to(torch.bfloat16).float()
+        rows[p] = {m: _errors(results[m], ref) for m in METHODS}
+        rows[p].update({f: _errors(v, ref) for f, v in floors.items()})
+        unequal = [m for m in METHODS if len({run["digests"][m] for run in runs}) > 1]
+        notes.append(f"{p} ranks ({seconds:.0f} s): ranks hold the same result: "
+                     f"{'yes' if not unequal else 'NO for ' + ', '.join(unequal)}; ours, bf16 "
+                     f"wire equals its float32 model bit for bit: "
+                     f"{'yes' if torch.equal(results[METHODS[2]], model) else 'NO'}")
+
+    print(f"\n### Accuracy: {n:,} float32 gradients per rank, mean over the ranks, against "
+          f"float64\n")
+    print("| ranks | method | rel. L2 error | max abs error / max abs | median rel. error "
+          "| x one rounding |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for p, row in rows.items():
+        unit = row[FLOORS[0]]["l2"]
+        for method, e in row.items():
+            print(f"| {p} | {method} | {e['l2']:.3e} | {e['max']:.3e} | {e['median']:.3e} | "
+                  f"{e['l2'] / unit:.3g} |")
+    print()
+    for note in notes:
+        print(note)
+    hook = {p: row[METHODS[1]]["l2"] / row[FLOORS[0]]["l2"] for p, row in rows.items()}
+    ours = {p: row[METHODS[2]]["l2"] / row[FLOORS[0]]["l2"] for p, row in rows.items()}
+    wire = {p: row[FLOORS[1]]["l2"] / row[FLOORS[0]]["l2"] for p, row in rows.items()}
+    fmt = lambda d: ", ".join(f"{v:.2f}x at {p}" for p, v in d.items())
+    print(f"\nIn units of one bfloat16 rounding of the exact mean (L2): ours with a bf16 "
+          f"wire {fmt(ours)} (the wire alone: {fmt(wire)}); torch's bf16_compress_hook "
+          f"{fmt(hook)}.")
+
+
+# -- speed -----------------------------------------------------------------------------
+
+
+def speed_main(rank: int, steps: int, rounds: int) -> dict | None:
+    import torch.distributed as tdist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    import spmd
+    from spmd import runtime as dist
+
+    torch.set_num_threads(1)
+    # torch DDP on a Gloo group of torch's own (initialized first: after ours, torch would
+    # share our group), as DDP users run it
+    port = int(os.environ["MASTER_PORT"]) + 1
+    world = int(os.environ["WORLD_SIZE"])
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                             world_size=world)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    case = CASES["encoder"]
+
+    def hooked():
+        ddp = DistributedDataParallel(_fresh(case))
+        # torch's DDP refuses bf16_compress_hook by name off NCCL; called through, it runs
+        # (torch checks the hook's parameters by name: state, bucket)
+        ddp.register_comm_hook(
+            None, lambda state, bucket: default_hooks.bf16_compress_hook(state, bucket))
+        return ddp
+
+    make = {
+        "spmd, fp32 wire": lambda: spmd.parallelize(_fresh(case)),
+        "spmd, bf16 wire": lambda: spmd.parallelize(_fresh(case), reduce_dtype=torch.bfloat16),
+        HOOKED: hooked,
+        "torch DDP": lambda: DistributedDataParallel(_fresh(case)),
+    }
+    models = {v: make[v]() for v in VARIANTS}
+    opts = {v: case.optimizer(list(m.parameters())) for v, m in models.items()}
+    batches = [_batch(case, step, rank, world) for step in range(steps)]
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for r in range(rounds + 1):  # round 0 warms up (compiles) and is not counted
+        for variant, model in models.items():
+            opt = opts[variant]
+            tdist.barrier()
+            start = time.perf_counter()
+            for x, y in batches:
+                case.loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            if r:
+                times[variant].append((time.perf_counter() - start) / steps)
+
+    weights = {v: {k.removeprefix("module."): t for k, t in m.state_dict().items()}
+               for v, m in models.items()}
+    base = weights["torch DDP"]
+    differences = {v: max((w[k] - base[k]).abs().max().item() for k in base)
+                   for v, w in weights.items() if v != "torch DDP"}
+    initial = _fresh(case).state_dict()
+    moved = max((base[k] - initial[k]).abs().max().item() for k in base)
+    plans = {}
+    for variant in ("spmd, fp32 wire", "spmd, bf16 wire"):
+        plan = spmd.inspect(models[variant])
+        reasons = sorted({c.provenance.reason for c in plan.collectives})
+        plans[variant] = (str(plan).splitlines()[0], reasons)
+    tdist.destroy_process_group()
+    dist.destroy_process_group()
+    if rank:
+        return None
+    return {"times": times, "differences": differences, "moved": moved, "plans": plans}
+
+
+def speed(worlds: list[int], steps: int, rounds: int) -> None:
+    from spmd.runtime import spawn
+
+    for p in worlds:
+        res = spawn(speed_main, args=(steps, rounds), nprocs=p, start_method="forkserver",
+                    timeout=1200)[0]
+        times = res["times"]
+        print(f"\n### Speed, {p} ranks: {CASES['encoder'].label}, {steps} steps x {rounds} "
+              f"rounds\n")
+        print("| variant | ms/step | vs DDP + bf16 hook (x faster) | spread over rounds "
+              "| max abs w - DDP's w |")
+        print("|---|---:|---:|---|---:|")
+        hook = times[HOOKED]
+        for variant in VARIANTS:
+            samples = times[variant]
+            t = statistics.median(samples)
+            ratios = [h / s for h, s in zip(hook, samples)]
+            spread = f"{min(ratios):.2f}–{max(ratios):.2f}" if variant != HOOKED else ""
+            diff = res["differences"].get(variant)
+            print(f"| {variant} | {t * 1e3:.2f} | {statistics.median(hook) / t:.2f} | "
+                  f"{spread} | {'' if diff is None else f'{diff:.2e}'} |")
+        print(f"\n(torch DDP's weights moved up to {res['moved']:.2e} from their initial "
+              f"values)")
+        for variant, (summary, reasons) in res["plans"].items():
+            print(f"{variant}: {summary}")
+            for reason in reasons:
+                if reason:
+                    print(f"  reduction: {reason}")
+
+
+def _sizes(text: str, flag: str, parser: argparse.ArgumentParser) -> list[int]:
+    sizes = [int(s) for s in text.split(",") if s.strip()]
+    if not sizes or min(sizes) < 2:
+        parser.error(f"{flag}: world sizes of 2 or more")
+    return sizes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("accuracy", "speed", "all"), default="all")
+    parser.add_argument("--quick", action="store_true",
+                        help="2^18 elements, 2 ranks for speed, 10 steps x 3 rounds")
+    parser.add_argument("--worlds", default="2,4,8", help="accuracy: comma-separated ranks")
+    parser.add_argument("--elements", type=int, default=None,
+                        help="accuracy: gradients per rank (default 2^20; 2^18 with --quick)")
+    parser.add_argument("--nprocs", default=None,
+                        help="speed: comma-separated ranks (default 2,3; 2 with --quick)")
+    parser.add_argument("--steps", type=int, default=None, help="speed (default 20; 10)")
+    parser.add_argument("--rounds", type=int, default=None, help="speed (default 5; 3)")
+    args = parser.parse_args()
+    quick = args.quick
+    elements = args.elements or (1 << 18 if quick else 1 << 20)
+    nprocs = args.nprocs or ("2" if quick else "2,3")
+    steps = args.steps or (10 if quick else 20)
+    rounds = args.rounds or (3 if quick else 5)
+    worlds = _sizes(args.worlds, "--worlds", parser)
+    speed_worlds = _sizes(nprocs, "--nprocs", parser)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if args.part in ("accuracy", "all"):
+        accuracy(worlds, elements)
+    if args.part in ("speed", "all"):
+        speed(speed_worlds, steps, rounds)
+
+
+if __name__ == "__main__":
+    main()
