@@ -30,7 +30,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.ddp import MODELS, _data, _fresh, _loss  # noqa: E402
+from benchmarks.ddp import CASES, _batch, _fresh  # noqa: E402
+
+MODELS = list(CASES)
 
 
 def profiled(rank: int, name: str, steps: int) -> dict:
@@ -41,12 +43,13 @@ def profiled(rank: int, name: str, steps: int) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     world = dist.get_world_size()
-    model = spmd.parallelize(_fresh(name), calibrate=True, overlap=False)
+    case = CASES[name]
+    model = spmd.parallelize(_fresh(case), calibrate=True, overlap=False)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step(i: int) -> None:
-        x, y = _data(name, i, rank, world)
-        _loss(name, model(x), y).backward()
+        x, y = _batch(case, i, rank, world)
+        case.loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
 
