@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/ddp.py
 	$(PY) benchmarks/fsdp.py
 	$(PY) benchmarks/tp.py
+	$(PY) benchmarks/compressed.py
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/planning.py
 	$(PY) benchmarks/planning.py --strategy fsdp
