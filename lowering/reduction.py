@@ -5,8 +5,8 @@ wire, float32 addition), or the user's communication hook.
 - ``fp32``: ``spmd.runtime.all_reduce_compressed``: sent in a low-precision ``reduce_dtype``
   by all-to-all, added in float32 by ``spmd.kernels.reduce_chunks``, all-gathered. The
   planner takes it where the backend would round partial sums in the wire dtype (bfloat16
-  or float16 over more than 2 ranks: ``p - 1`` roundings, an error that grows with the
-  ranks) or cannot add at all (float8); over 2 ranks one addition rounds once either way,
+  or float16 over more than 2 ranks, a ``reduce_dtype`` or the parameters' own: ``p - 1``
+  roundings, an error that grows with the ranks) or cannot add at all (float8); over 2 ranks one addition rounds once either way,
   and the backend's single collective is kept.
 - a communication hook with torch's DDP signature, ``hook(state, bucket) -> Future``
   (``torch.distributed.algorithms.ddp_comm_hooks``: ``bf16_compress_hook``,
@@ -34,7 +34,7 @@ def choose(wire: torch.dtype, dtype: torch.dtype, ranks: int) -> tuple[str, str]
         return "fp32", (f"{str(wire)[6:]} on the wire: backends cannot add float8; sent by "
                         f"all-to-all with a scale per chunk, added in float32 "
                         f"(spmd.kernels.reduce_chunks), all-gathered")
-    if wire == dtype or wire.itemsize >= 4:
+    if wire.itemsize >= 4:  # float32 (or wider) sums: the backend's all-reduce
         return "native", ""
     if ranks <= 2:
         return "native", (f"{str(wire)[6:]} on the wire over {ranks} ranks: one addition, "

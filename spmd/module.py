@@ -393,14 +393,20 @@ class ModuleState:
 
 
 def _all_arrived(store: Any, key: str, size: int, seconds: float = 10.0) -> None:
-    """Count this rank in at ``key`` and wait (at most ``seconds``) until ``size`` have."""
+    """Count this rank in at ``key`` and wait (at most ``seconds``) until ``size`` have.
+    Best effort: the caller raises what it knows either way (a rank whose store server
+    went down first has already read what it needs)."""
     import time
 
     deadline = time.monotonic() + seconds
-    count = store.add(key, 1)
-    while count < size and time.monotonic() < deadline:
-        time.sleep(0.01)
-        count = store.add(key, 0)
+    try:
+        count = store.add(key, 1)
+        while count < size and time.monotonic() < deadline:
+            time.sleep(0.01)
+            count = store.add(key, 0)
+        time.sleep(0.05)  # the server's last replies reach the others before it may go
+    except Exception:
+        return
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

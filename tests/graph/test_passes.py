@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx as fx
 from hypothesis import given, settings, strategies as st
+
+import spmd
+from spmd.lowering import ops
 
 from spmd.lowering.emit import emit
 from spmd.lowering.graph import collective_nodes, dependency_graph, is_wait
@@ -58,14 +62,22 @@ def test_a_parameter_larger_than_the_cap_gets_its_own_bucket():
     assert buckets(planned) == [("p0",), ("p1",), ("p2",)]
 
 
-def test_one_dtype_per_bucket_and_wire_dtype():
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_one_dtype_per_bucket_and_wire_dtype(ranks):
     dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16]
     gm, infos = backward_like([(8,)] * 4, dtypes, [0, 1, 2, 3])
-    planned = lower(gm, infos, bucket_cap_mb=1.0, reduce_dtype=torch.bfloat16)
+    planned = lower(gm, infos, mesh=spmd.Mesh.simulated(ranks), bucket_cap_mb=1.0,
+                    reduce_dtype=torch.bfloat16)
     assert sorted(buckets(planned)) == [("p0", "p2"), ("p1", "p3")]
     for node in collective_nodes(planned):
-        assert node.meta["spmd_collective"].wire_dtype == torch.bfloat16
-        assert node.meta["val"].dtype == torch.bfloat16  # the buffer on the wire
+        info = node.meta["spmd_collective"]
+        spec = ops.lookup(info.handle)
+        assert info.wire_dtype == torch.bfloat16
+        if ranks == 2:  # the backend's all-reduce on the bfloat16 buffer
+            assert spec.algorithm == "native" and node.meta["val"].dtype == torch.bfloat16
+        else:  # packed in the gradients' dtype, sent in bfloat16, added in float32
+            assert spec.algorithm == "fp32" and spec.compress == torch.bfloat16
+            assert node.meta["val"].dtype == info.dtype
     out = emit(planned)(inputs_for(infos))
     assert [t.dtype for t in out[:4]] == dtypes  # cast back to each parameter's dtype
 
