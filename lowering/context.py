@@ -61,6 +61,16 @@ class LoweringContext:
     def mesh(self) -> Any:
         return self.strategy.mesh
 
+    def cost_model_along(self, dim: str) -> CostModel:
+        """The cost model of collectives along mesh dimension ``dim``: the hardware
+        model's link for it on a simulated cluster, else this model at its size."""
+        from dataclasses import replace
+
+        hardware = getattr(self.mesh, "hardware", None)
+        if hardware is not None:
+            return hardware.cost_model(self.mesh, dim)
+        return replace(self.cost_model, world_size=self.mesh.size(dim))
+
     def group(self, dim: str) -> Any:
         """The process group along mesh dimension ``dim``; None on a simulated mesh."""
         return None if self.mesh.simulated else self.mesh.get_group(dim)

@@ -88,7 +88,7 @@ def _price(decision: rules.Decision, args: list[fx.Node], incoming: tuple[Placem
             step = redistribution(have, want)
         except ValueError:
             return None
-        total += step.seconds(_bytes(arg), ctx.cost_model, size)
+        total += step.seconds(_bytes(arg), ctx.cost_model_along(dim), size)
     return total
 
 

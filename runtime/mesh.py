@@ -77,6 +77,7 @@ class Mesh:
         self.shape = _shape(shape)
         self.dim_names = _names(dim_names, len(self.shape))
         self.simulated = _simulated
+        self.hardware: Any = None  # what a simulated mesh plans for (spmd.hardware)
         total = math.prod(self.shape)
         self._groups: dict[int, ProcessGroup] = {}
         self._coordinate: tuple[int, ...] | None = None
@@ -117,16 +118,28 @@ class Mesh:
         mesh.shape = (group.size(),)
         mesh.dim_names = _names(dim_name, 1)
         mesh.simulated = False
+        mesh.hardware = None
         mesh.ranks = list(group.ranks)
         mesh._groups = {0: group}
         mesh._coordinate = (group.rank(),)
         return mesh
 
     @classmethod
-    def simulated(cls, shape: int | Sequence[int],
-                  dim_names: Sequence[str] | None = None) -> "Mesh":
-        """A mesh of any size that exists only on paper: no processes, no operations."""
-        return cls(shape, dim_names, _simulated=True)
+    def simulated(cls, shape: int | Sequence[int], dim_names: Sequence[str] | None = None,
+                  hardware: Any = None) -> "Mesh":
+        """A mesh of any size that exists only on paper: no processes, no operations.
+
+        ``hardware`` (an ``spmd.hardware.Hardware``, e.g. ``H100_SXM(nodes_of=8)``): plan
+        for that cluster (collective costs per dimension from its links, compute from the
+        graphs' FLOPs on its device, memory against its capacity) instead of this
+        machine."""
+        mesh = cls(shape, dim_names, _simulated=True)
+        if hardware is not None and not all(
+                hasattr(hardware, a) for a in ("device", "intra", "inter", "cost_model")):
+            raise TypeError(f"Mesh.simulated: hardware must be an spmd.hardware.Hardware, got "
+                            f"{type(hardware).__name__}")
+        mesh.hardware = hardware
+        return mesh
 
     # -- geometry ---------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ _EXPORTS: dict[str, str] = {
     "Join": "spmd.join",
     "ParameterPlacement": "spmd.sharded",
 }
-_SUBMODULES = ("runtime", "lowering", "kernels", "checkpoint", "tp")
+_SUBMODULES = ("runtime", "lowering", "kernels", "checkpoint", "tp", "hardware")
 
 __all__ = [*_SUBMODULES, *_EXPORTS]
 

@@ -62,6 +62,7 @@ class MemoryView:
     peak: int
     peak_at: str
     unsharded_params: int
+    capacity: str = ""  # against the simulated cluster's device memory, when planned for one
 
     @property
     def persistent(self) -> int:
@@ -82,7 +83,14 @@ class MemoryView:
             f"  peak gathered     {mib(self.peak_gathered)}",
             f"  predicted peak    {mib(self.peak)}   at {self.peak_at}",
         ]
+        if self.capacity:
+            rows.append(f"  {self.capacity}")
         return "\n".join(rows)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the peak fits the simulated cluster's device (None: no hardware)."""
+        return None if not self.capacity else not self.capacity.endswith("DOES NOT FIT")
 
 
 def _bytes(val: Any) -> int:
@@ -180,8 +188,11 @@ def memory_view(plan: Any, optimizer: str | None = "adamw") -> MemoryView:
             gathered = max(gathered, g)
     state = OPTIMIZER_STATES[optimizer] * trainable
     persistent = params + trainable + state + plan.buffer_bytes
+    peak = persistent + transient
+    hardware = getattr(plan.mesh, "hardware", None)
+    capacity = "" if hardware is None else hardware.check_fits(peak, "device memory")
     return MemoryView(world_size=plan.world_size, params=params, grads=trainable,
                       optimizer_state=state, optimizer=optimizer, buffers=plan.buffer_bytes,
                       activations=activations, peak_gathered=gathered,
-                      peak_transient=transient, peak=persistent + transient, peak_at=at,
-                      unsharded_params=whole)
+                      peak_transient=transient, peak=peak, peak_at=at,
+                      unsharded_params=whole, capacity=capacity)

@@ -120,7 +120,16 @@ class ModuleState:
     def _backward_estimate(self, record: GraphRecord) -> float | None:
         """Backward compute is about twice the forward's (a gradient matmul for the input
         and one for the weight per forward matmul). The forward is timed on the group's
-        first rank and the figure shared, so every rank derives the same buckets."""
+        first rank and the figure shared, so every rank derives the same buckets; on a
+        simulated cluster (``Mesh.simulated(..., hardware=)``) it is the forward graph's
+        roofline on that cluster's device instead."""
+        hardware = getattr(self.setup.strategy.mesh, "hardware", None)
+        if hardware is not None and record.forward is not None:
+            from spmd.hardware import graph_seconds
+
+            seconds = 2.0 * graph_seconds(record.forward, hardware.device)
+            self.estimates[record.name] = seconds
+            return seconds
         if not self.communicates:
             seconds = time_forward(record)  # nothing to agree on: no collectives run
             if seconds is not None:
@@ -186,7 +195,16 @@ class ModuleState:
         plan = plan_from_records(self.records, setup=self.setup, options=self.options,
                                  fallbacks=fallbacks, frozen=frozen,
                                  kernel=kernels.implementation(device))
+        hardware = getattr(self.setup.strategy.mesh, "hardware", None)
         for record in self.records:
+            if hardware is not None and record.forward is not None:
+                from spmd.hardware import graph_seconds  # the cluster's roofline
+
+                forward = graph_seconds(record.forward, hardware.device)
+                backward = (graph_seconds(record.backward, hardware.device)
+                            if record.backward is not None else 2.0 * forward)
+                plan.compute[record.name] = (forward, backward)
+                continue
             backward = self.estimates.get(record.name)
             if backward is None and record.forward_seconds is not None:
                 backward = 2.0 * record.forward_seconds

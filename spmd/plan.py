@@ -280,7 +280,9 @@ def plan_from_records(records: list, *, setup: Any, options: Options,
                      else getattr(record, "label", "backward"))
             for node in collective_nodes(graph):
                 info: CollectiveInfo = node.meta["spmd_collective"]
-                model = replace(setup.cost_model, world_size=mesh.size(info.mesh_dim))
+                hardware = getattr(mesh, "hardware", None)
+                model = (hardware.cost_model(mesh, info.mesh_dim) if hardware is not None
+                         else replace(setup.cost_model, world_size=mesh.size(info.mesh_dim)))
                 spec = _spec_of(info)
                 algorithm = getattr(spec, "algorithm", "native")
                 seconds = model.seconds(info.kind, info.bytes,

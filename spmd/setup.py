@@ -163,7 +163,11 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
     live = group is not None and world_size > 1
     if live:
         check_same_model(module, group, where)
-    cost_model = cost_model_for(group, world_size, backend, options)
+    hardware = getattr(mesh, "hardware", None)
+    if hardware is not None:  # a simulated cluster: its links, not this machine
+        cost_model = hardware.cost_model(mesh, strategy.data_dim or mesh.dim_names[0])
+    else:
+        cost_model = cost_model_for(group, world_size, backend, options)
     index = _next_index()
     if live:
         broadcast_coalesced([*module.parameters(), *module.buffers()], group.ranks[0], group)

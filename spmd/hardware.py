@@ -1,0 +1,258 @@
+"""Hardware models: plan for the cluster the job will run on, not for this machine.
+
+    mesh = spmd.Mesh.simulated((8, 8), dim_names=("dp", "fsdp"),
+                               hardware=spmd.hardware.H100_SXM(nodes_of=8, network_gbps=400))
+    plan = spmd.inspect(model, x, mesh=mesh, strategy="hsdp")
+
+A :class:`Hardware` is frozen data: the device (dense peak FLOP/s by dtype, memory
+bandwidth and capacity) and two links, the one inside a node (NVLink) and the network
+between nodes, with the ranks per node. Every figure names its source. With a hardware
+model on a simulated mesh the planner uses, instead of what it would measure here:
+
+- **collective costs per mesh dimension** from where that dimension's ranks sit: ranks
+  are laid out row-major, a node holding ``ranks_per_node`` consecutive ones, so a
+  dimension whose ranks stay inside one node uses the NVLink figures and one that spans
+  nodes the network's (α latency per step, β seconds per byte of the link);
+- **overlap**: GPUs run collectives on their own engines beside the compute (NCCL), so
+  communication can hide behind all of it;
+- **compute from the graph**: each node's FLOPs (``torch.utils.flop_counter``'s formulas)
+  and the bytes it reads and writes, as a roofline on the device at an efficiency that
+  can be calibrated; this sets the backward time the bucket size is derived from;
+- **memory against capacity**: ``plan.memory()`` compares the predicted peak with the
+  device's memory and warns when the plan would not fit.
+
+Write your own with :class:`Device`, :class:`Link` and :class:`Hardware`, or start from a
+preset and ``dataclasses.replace`` what differs.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+__all__ = ["Device", "Link", "Hardware", "A100_80GB", "H100_SXM", "H200", "graph_seconds"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """One accelerator.
+
+    Attributes:
+        name: e.g. ``"NVIDIA H100 SXM5 80GB"``.
+        flops: dense peak FLOP/s by dtype name (``"float32"``, ``"bfloat16"``, ...).
+        memory_bytes: memory capacity.
+        memory_bandwidth: bytes/s.
+        efficiency: the share of peak FLOP/s and bandwidth a real kernel reaches (the
+            roofline's calibration; 1.0 is the datasheet).
+        source: where the figures come from.
+    """
+
+    name: str
+    flops: dict[str, float] = field(hash=False)
+    memory_bytes: int
+    memory_bandwidth: float
+    efficiency: float = 0.6
+    source: str = ""
+
+    def peak(self, dtype: torch.dtype) -> float:
+        """Dense peak FLOP/s for ``dtype`` (float32 when none is given for it)."""
+        name = str(dtype).removeprefix("torch.")
+        return self.flops.get(name, self.flops["float32"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """A link between ranks: ``latency`` (s, α per step of an algorithm) and
+    ``bandwidth`` (bytes/s each way per rank)."""
+
+    name: str
+    bandwidth: float
+    latency: float
+    source: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """A cluster: ``device`` on every rank, ``ranks_per_node`` of them joined by ``intra``,
+    nodes joined by ``inter``."""
+
+    name: str
+    device: Device
+    ranks_per_node: int
+    intra: Link
+    inter: Link
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
+            raise ValueError(f"Hardware {self.name}: ranks_per_node must be a positive int, "
+                             f"got {self.ranks_per_node!r}")
+        for what, value in (("device memory_bytes", self.device.memory_bytes),
+                            ("device memory_bandwidth", self.device.memory_bandwidth),
+                            ("intra bandwidth", self.intra.bandwidth),
+                            ("inter bandwidth", self.inter.bandwidth)):
+            if not value > 0:
+                raise ValueError(f"Hardware {self.name}: {what} must be positive, got {value}")
+        if "float32" not in self.device.flops or any(
+                not v > 0 for v in self.device.flops.values()):
+            raise ValueError(f"Hardware {self.name}: device flops need a positive 'float32' "
+                             f"entry, got {self.device.flops}")
+        if not 0 < self.device.efficiency <= 1:
+            raise ValueError(f"Hardware {self.name}: efficiency must be in (0, 1], got "
+                             f"{self.device.efficiency}")
+        for link in (self.intra, self.inter):
+            if link.latency < 0:
+                raise ValueError(f"Hardware {self.name}: {link.name} latency must be >= 0")
+
+    def link_for(self, mesh: Any, dim: str) -> Link:
+        """The link mesh dimension ``dim`` communicates over: inside a node when all of one
+        group's ranks share a node (row-major layout, ``ranks_per_node`` per node)."""
+        index = mesh.dim_names.index(dim)
+        stride = math.prod(mesh.shape[index + 1:])
+        span = stride * (mesh.shape[index] - 1) + 1  # first to last rank of one group
+        return self.intra if span <= self.ranks_per_node else self.inter
+
+    def cost_model(self, mesh: Any, dim: str) -> Any:
+        """The collective cost model of mesh dimension ``dim`` (NCCL on that link)."""
+        from spmd.lowering.cost_model import CostModel
+
+        link = self.link_for(mesh, dim)
+        return CostModel(backend="nccl", world_size=mesh.size(dim), alpha=link.latency,
+                         beta=1.0 / link.bandwidth, gamma=0.0, reference_world_size=2,
+                         overlap=1.0,
+                         source=f"{self.name}, {link.name} ({link.bandwidth / 1e9:g} GB/s, "
+                                f"α {link.latency * 1e6:g} µs; {link.source}); overlap 1: "
+                                f"NCCL moves data on the GPU's own engines")
+
+    def check_fits(self, peak_bytes: int, what: str) -> str:
+        """A line saying whether ``peak_bytes`` fits the device; warns when it does not."""
+        capacity = self.device.memory_bytes
+        share = peak_bytes / capacity
+        line = (f"{what}: predicted peak {peak_bytes / 2**30:.2f} GiB of "
+                f"{capacity / 2**30:.0f} GiB on {self.device.name} ({share:.0%})")
+        if peak_bytes > capacity:
+            warnings.warn(f"the plan does not fit: {line}", RuntimeWarning, stacklevel=3)
+            return line + ": DOES NOT FIT"
+        return line + ": fits"
+
+
+_NVIDIA = "NVIDIA datasheet"
+
+
+def _cluster(device: Device, nvlink: float, nvlink_source: str, nodes_of: int,
+             network_gbps: float, name: str) -> Hardware:
+    if not isinstance(nodes_of, int) or nodes_of < 1:
+        raise ValueError(f"{name}: nodes_of (GPUs per node) must be a positive int, got "
+                         f"{nodes_of!r}")
+    if not network_gbps > 0:
+        raise ValueError(f"{name}: network_gbps must be positive, got {network_gbps!r}")
+    return Hardware(
+        name=f"{name} x{nodes_of} per node, {network_gbps:g} Gb/s per GPU between nodes",
+        device=device, ranks_per_node=nodes_of,
+        intra=Link(name="NVLink", bandwidth=nvlink, latency=5e-6,
+                   source=f"{nvlink_source}; α assumed 5 µs, the order of nccl-tests' "
+                          f"small-message latency in one node; calibrate for real figures"),
+        inter=Link(name="network", bandwidth=network_gbps * 1e9 / 8, latency=15e-6,
+                   source=f"{network_gbps:g} Gb/s per GPU (the NIC given); α assumed 15 µs, "
+                          f"an InfiniBand/RoCE order of magnitude; calibrate"))
+
+
+def A100_80GB(nodes_of: int = 8, network_gbps: float = 200) -> Hardware:
+    """NVIDIA A100 SXM4 80GB: 312 TFLOP/s dense bf16/fp16, 156 tf32, 19.5 fp32; 80 GB
+    HBM2e at 2,039 GB/s; NVLink 600 GB/s total, 300 GB/s each way (NVIDIA A100
+    datasheet)."""
+    device = Device(name="NVIDIA A100 SXM4 80GB",
+                    flops={"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12,
+                           "float16": 312e12},
+                    memory_bytes=80 * 10**9, memory_bandwidth=2039e9,
+                    source=f"{_NVIDIA}: NVIDIA A100 Tensor Core GPU (dense, SXM4 80GB)")
+    return _cluster(device, 300e9, f"{_NVIDIA}: NVLink 600 GB/s total, 300 GB/s each way",
+                    nodes_of, network_gbps, "A100 80GB")
+
+
+def H100_SXM(nodes_of: int = 8, network_gbps: float = 400) -> Hardware:
+    """NVIDIA H100 SXM5 80GB: 989 TFLOP/s dense bf16/fp16, 1,979 fp8, 494.5 tf32, 67 fp32;
+    80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s total, 450 GB/s each way (NVIDIA H100
+    datasheet; its sparse figures are twice these)."""
+    device = Device(name="NVIDIA H100 SXM5 80GB",
+                    flops={"float32": 67e12, "tfloat32": 494.5e12, "bfloat16": 989e12,
+                           "float16": 989e12, "float8_e4m3fn": 1979e12},
+                    memory_bytes=80 * 10**9, memory_bandwidth=3.35e12,
+                    source=f"{_NVIDIA}: NVIDIA H100 Tensor Core GPU (dense, SXM5)")
+    return _cluster(device, 450e9, f"{_NVIDIA}: NVLink 900 GB/s total, 450 GB/s each way",
+                    nodes_of, network_gbps, "H100 SXM")
+
+
+def H200(nodes_of: int = 8, network_gbps: float = 400) -> Hardware:
+    """NVIDIA H200 SXM 141GB: the H100's compute (989 TFLOP/s dense bf16); 141 GB HBM3e at
+    4.8 TB/s; NVLink 900 GB/s total (NVIDIA H200 datasheet)."""
+    base = H100_SXM(nodes_of, network_gbps)
+    device = replace(base.device, name="NVIDIA H200 SXM 141GB", memory_bytes=141 * 10**9,
+                     memory_bandwidth=4.8e12,
+                     source=f"{_NVIDIA}: NVIDIA H200 Tensor Core GPU (SXM)")
+    return replace(base, name=base.name.replace("H100 SXM", "H200"), device=device)
+
+
+# -- compute from the graph -------------------------------------------------------------
+
+
+def _node_flops(node: Any) -> int:
+    from torch.utils.flop_counter import flop_registry
+
+    fn = flop_registry.get(getattr(node.target, "overloadpacket", None))
+    if fn is None:
+        return 0
+
+    def val(a: Any) -> Any:
+        return a.meta.get("val") if hasattr(a, "meta") else a
+
+    import torch.fx as fx
+    from torch.fx.node import map_aggregate
+
+    args = map_aggregate(node.args, lambda a: val(a) if isinstance(a, fx.Node) else a)
+    kwargs = map_aggregate(node.kwargs, lambda a: val(a) if isinstance(a, fx.Node) else a)
+    try:
+        return int(fn(*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception:  # a formula that needs what the graph does not carry: no FLOPs
+        return 0
+
+
+def _node_bytes(node: Any) -> int:
+    from spmd.lowering.graph import tensor_vals
+
+    total = 0
+    for arg in node.all_input_nodes:
+        total += sum(t.numel() * t.element_size() for t in tensor_vals(arg.meta.get("val")))
+    total += sum(t.numel() * t.element_size() for t in tensor_vals(node.meta.get("val")))
+    return total
+
+
+_FREE = ("view", "_unsafe_view", "t", "transpose", "permute", "expand", "alias", "detach",
+         "unsqueeze", "squeeze", "slice", "select", "split", "split_with_sizes", "getitem",
+         "reshape")
+
+
+def graph_seconds(gm: Any, device: Device) -> float:
+    """Predicted seconds of a graph's compute on ``device``: per node the roofline
+    ``max(FLOPs / (peak · efficiency), bytes / (bandwidth · efficiency))``, views free,
+    summed (one stream)."""
+    from spmd.lowering.graph import is_collective, is_wait
+
+    total = 0.0
+    eff = device.efficiency
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or is_collective(node) or is_wait(node):
+            continue
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        if name in _FREE:
+            continue
+        val = node.meta.get("val")
+        dtype = val.dtype if isinstance(val, torch.Tensor) else torch.float32
+        flops = _node_flops(node)
+        compute = flops / (device.peak(dtype) * eff)
+        memory = _node_bytes(node) / (device.memory_bandwidth * eff)
+        total += max(compute, memory)
+    return total

@@ -1,0 +1,109 @@
+"""Plans for a simulated cluster (``Mesh.simulated(..., hardware=)``): presets are data
+that validates, each mesh dimension's collectives are priced on the link its ranks use,
+compute comes from the graphs' FLOPs on the device, and memory is checked against its
+capacity."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+import spmd
+from spmd.hardware import A100_80GB, H100_SXM, H200, Hardware, graph_seconds
+
+from ..models import Transformer, tokens
+
+
+@pytest.mark.parametrize("preset", [A100_80GB, H100_SXM, H200])
+def test_presets_are_data_with_sources(preset):
+    hw = preset(nodes_of=8, network_gbps=400)
+    assert isinstance(hw, Hardware) and hw.ranks_per_node == 8
+    assert "datasheet" in hw.device.source and "datasheet" in hw.intra.source
+    assert hw.inter.bandwidth == 400e9 / 8
+    assert hw.device.peak(torch.bfloat16) > hw.device.peak(torch.float32) > 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        hw.ranks_per_node = 4  # type: ignore[misc]
+
+
+def test_bad_hardware_is_refused():
+    hw = H100_SXM()
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        dataclasses.replace(hw, ranks_per_node=0)
+    with pytest.raises(ValueError, match="bandwidth"):
+        dataclasses.replace(hw, inter=dataclasses.replace(hw.inter, bandwidth=0.0))
+    with pytest.raises(ValueError, match="network_gbps"):
+        H100_SXM(network_gbps=-1)
+    with pytest.raises(TypeError, match="Hardware"):
+        spmd.Mesh.simulated(8, hardware="H100")
+
+
+def test_a_dimension_inside_a_node_uses_nvlink_and_one_across_nodes_the_network():
+    hw = H100_SXM(nodes_of=8)
+    mesh = spmd.Mesh.simulated((8, 8), dim_names=("dp", "tp"))
+    assert hw.link_for(mesh, "tp") is hw.intra and hw.link_for(mesh, "dp") is hw.inter
+    assert hw.link_for(spmd.Mesh.simulated((2, 4), dim_names=("a", "b")), "a") is hw.intra
+    assert hw.link_for(spmd.Mesh.simulated(64), "dp") is hw.inter
+    fast = hw.cost_model(mesh, "tp").seconds("all_reduce", 1 << 26)
+    slow = hw.cost_model(mesh, "dp").seconds("all_reduce", 1 << 26)
+    assert slow > 5 * fast  # 50 GB/s against 450 GB/s
+
+
+def test_the_same_model_is_bucketed_for_the_cluster_not_this_machine():
+    model, x = Transformer(layers=4, dim=128, vocab=256), tokens(rows=16, length=32,
+                                                                 vocab=256)[0]
+    here = spmd.inspect(model, x, mesh=spmd.Mesh.simulated(64))
+    there = spmd.inspect(model, x, mesh=spmd.Mesh.simulated(64, hardware=H100_SXM()))
+    # this 2-core machine cannot overlap (one bucket: fewest latencies); GPUs can
+    assert len(here.buckets) == 1 and len(there.buckets) > 1
+    assert there.cost_model.backend == "nccl" and there.cost_model.overlap == 1.0
+    forward, backward = there.compute["graph0"]
+    assert 0 < forward < backward < 1e-2  # microseconds on an H100, not this CPU's ms
+
+
+def test_tensor_parallel_collectives_are_priced_on_their_link():
+    hw = H100_SXM(nodes_of=8)
+    mesh = spmd.Mesh.simulated((2, 8), dim_names=("dp", "tp"), hardware=hw)
+    plan = spmd.inspect(Transformer(layers=1, dim=64), tokens()[0], mesh=mesh,
+                        placements=spmd.tp.megatron())
+    tp = [c for c in plan.collectives if c.mesh_dim == "tp"]
+    dp = [c for c in plan.collectives if c.mesh_dim == "dp"]
+    assert tp and dp
+    for c in tp:
+        assert c.predicted_seconds == pytest.approx(
+            hw.cost_model(mesh, "tp").seconds(c.kind, c.bytes))
+    for c in dp:
+        assert c.predicted_seconds == pytest.approx(
+            hw.cost_model(mesh, "dp").seconds(c.kind, c.bytes))
+
+
+def test_compute_is_the_roofline_of_the_graph():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, x = Transformer(layers=2, dim=128, vocab=256), tokens(rows=8, length=32,
+                                                                 vocab=256)[0]
+    hw = H100_SXM()
+    plan = spmd.inspect(model, x, mesh=spmd.Mesh.simulated(8, hardware=hw))
+    seconds = graph_seconds(plan.graphs["graph0.forward"], hw.device)
+    with FlopCounterMode(display=False) as counter:
+        model(x)
+    flops = counter.get_total_flops()
+    floor = flops / (hw.device.peak(torch.float32) * hw.device.efficiency)
+    assert floor <= seconds < floor + 1e-3  # the matmuls' time, plus memory-bound ops
+
+
+def test_memory_is_checked_against_the_device():
+    small = dataclasses.replace(H100_SXM(), device=dataclasses.replace(
+        H100_SXM().device, memory_bytes=1 << 20))  # a 1 MiB device
+    model, x = Transformer(layers=2, dim=128, vocab=256), tokens(rows=8, vocab=256)[0]
+    fits = spmd.inspect(model, x, mesh=spmd.Mesh.simulated(8, hardware=H100_SXM())).memory()
+    assert fits.fits and "fits" in str(fits)
+    plan = spmd.inspect(model, x, mesh=spmd.Mesh.simulated(8, hardware=small))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        view = plan.memory()
+    assert view.fits is False and "DOES NOT FIT" in str(view)
+    assert any("does not fit" in str(w.message) for w in caught)
+    assert spmd.inspect(model, x, mesh=spmd.Mesh.simulated(8)).memory().fits is None
