@@ -107,3 +107,40 @@ def test_memory_is_checked_against_the_device():
     assert view.fits is False and "DOES NOT FIT" in str(view)
     assert any("does not fit" in str(w.message) for w in caught)
     assert spmd.inspect(model, x, mesh=spmd.Mesh.simulated(8)).memory().fits is None
+
+
+_META_PLAN = r"""
+import math, resource, sys, torch, spmd
+sys.path.insert(0, {root!r})
+from tests.models import Transformer
+with torch.device("meta"):
+    model = Transformer(layers=8, dim=2048, vocab=32000)
+for block in model.layers:
+    block.heads = 16
+shapes = [tuple(p.shape) for p in model.parameters()]
+x = torch.randint(0, 32000, (1, 512), device="meta")
+mesh = spmd.Mesh.simulated((8, 8), dim_names=("dp", "fsdp"),
+                           hardware=spmd.hardware.H100_SXM(nodes_of=8))
+view = spmd.inspect(model, x, mesh=mesh, strategy="hsdp").memory("adamw")
+local = sum(math.ceil(s[0] / 8) * math.prod(s[1:]) * 4 for s in shapes)
+print(sum(math.prod(s) for s in shapes), view.params == local, view.grads == local,
+      view.optimizer_state == 2 * local, view.fits,
+      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+
+
+def test_a_model_on_the_meta_device_plans_without_allocating():
+    """A 0.45B-parameter transformer built on the meta device (1.8 GB if it were real)
+    plans for 64 simulated H100s in a fresh process that never holds its weights; the
+    memory view's parameters, gradients and AdamW state are exactly this rank's shards."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-c", _META_PLAN.format(root=root)],
+                         capture_output=True, text=True, timeout=110, check=True)
+    numel, params, grads, state, fits, max_rss_mib = out.stdout.split()[-6:]
+    assert int(numel) > 400_000_000
+    assert params == grads == state == fits == "True"
+    assert int(max_rss_mib) < 1200, out.stdout  # weights alone would be 1.8 GB
