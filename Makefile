@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/fsdp.py
 	$(PY) benchmarks/tp.py
 	$(PY) benchmarks/compressed.py
+	$(PY) benchmarks/hardware.py
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/planning.py
 	$(PY) benchmarks/planning.py --strategy fsdp

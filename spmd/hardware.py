@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Device", "Link", "Hardware", "A100_80GB", "H100_SXM", "H200", "graph_seconds"]
+__all__ = ["Device", "Link", "Hardware", "A100_80GB", "H100_SXM", "H200", "graph_seconds",
+           "graph_flops", "throughput"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,3 +257,40 @@ def graph_seconds(gm: Any, device: Device) -> float:
         memory = _node_bytes(node) / (device.memory_bandwidth * eff)
         total += max(compute, memory)
     return total
+
+
+def graph_flops(gm: Any) -> dict[torch.dtype, int]:
+    """The graph's FLOPs by the dtype they run in (torch's flop_counter formulas)."""
+    out: dict[torch.dtype, int] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        flops = _node_flops(node)
+        if flops:
+            val = node.meta.get("val")
+            dtype = val.dtype if isinstance(val, torch.Tensor) else torch.float32
+            out[dtype] = out.get(dtype, 0) + flops
+    return out
+
+
+def throughput(plan: Any) -> str:
+    """One line for a plan on a simulated cluster: the predicted step time (compute and
+    exposed communication), the model FLOPs per device and the model FLOPs utilisation
+    (the share of the step the device would need at peak for them), tokens/s per device
+    when the model's first input is token ids."""
+    hardware = plan.mesh.hardware
+    timeline = plan.predicted_timeline()
+    step = timeline.step_seconds
+    flops: dict[torch.dtype, int] = {}
+    for gm in plan.graphs.values():
+        for dtype, n in graph_flops(gm).items():
+            flops[dtype] = flops.get(dtype, 0) + n
+    total = sum(flops.values())
+    at_peak = sum(n / hardware.device.peak(d) for d, n in flops.items())
+    mfu = at_peak / step if step > 0 else 0.0
+    line = (f"on {hardware.device.name}: predicted step {step * 1e3:.3f} ms (exposed "
+            f"communication {timeline.exposed_seconds * 1e3:.3f} ms), {total / 1e12:.3f} "
+            f"TFLOP per device per step, MFU {mfu:.1%}")
+    if plan.tokens_per_step and step > 0:
+        line += f", {plan.tokens_per_step / step:,.0f} tokens/s per device"
+    return line

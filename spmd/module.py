@@ -220,6 +220,11 @@ class ModuleState:
             whole = local if spec is None else math.prod(spec.shape) * param.element_size()
             plan.parameters[name] = (local, whole, param.requires_grad)
         plan.buffer_bytes = sum(b.numel() * b.element_size() for b in self.buffers.values())
+        for record in self.records[:1]:  # token ids: the first integer data input
+            ids = [i for i in record.inputs if i.kind == "data" and i.shape
+                   and not i.dtype.is_floating_point and i.dtype != torch.bool]
+            if ids:
+                plan.tokens_per_step = math.prod(ids[0].shape)
         plan.sharded = sorted(self.shards)
         return plan
 

@@ -120,6 +120,7 @@ class Plan:
     # every op's decision where some input was not replicated
     tp_placements: dict[str, dict[str, Any]] = field(default_factory=dict)
     placed: list[Placed] = field(default_factory=list)
+    tokens_per_step: int = 0  # elements of the first integer input (token ids), if any
     measured: Any = None  # a measured Timeline, after spmd.profile
 
     def fingerprint(self) -> str:
@@ -202,6 +203,10 @@ class Plan:
             lines += [f"  {f.param}: {f.reason}" for f in self.fallbacks]
         if self.frozen:
             lines.append(f"frozen (no gradient, never reduced): {', '.join(self.frozen)}")
+        if getattr(self.mesh, "hardware", None) is not None and self.compute:
+            from spmd.hardware import throughput
+
+            lines.append(throughput(self))
         lines.append(f"predicted communication per step: "
                      f"{self.predicted_communication_seconds() * 1e3:.3f} ms; plan {self.fingerprint()}")
         return "\n".join(lines)
