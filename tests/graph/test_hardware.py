@@ -61,6 +61,11 @@ def test_the_same_model_is_bucketed_for_the_cluster_not_this_machine():
     assert there.cost_model.backend == "nccl" and there.cost_model.overlap == 1.0
     forward, backward = there.compute["graph0"]
     assert 0 < forward < backward < 1e-2  # microseconds on an H100, not this CPU's ms
+    line = next(ln for ln in there.summary().splitlines() if ln.startswith("on NVIDIA"))
+    step = there.predicted_timeline().step_seconds
+    assert f"predicted step {step * 1e3:.3f} ms" in line and "MFU" in line
+    assert f"{16 * 32 / step:,.0f} tokens/s per device" in line  # 16 x 32 token ids
+    assert "MFU" not in here.summary()
 
 
 def test_tensor_parallel_collectives_are_priced_on_their_link():
