@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 __all__ = ["Device", "Link", "Hardware", "A100_80GB", "H100_SXM", "H200", "graph_seconds",
-           "graph_flops", "throughput"]
+           "graph_flops", "throughput", "fit", "profile_record"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -294,3 +294,124 @@ def throughput(plan: Any) -> str:
     if plan.tokens_per_step and step > 0:
         line += f", {plan.tokens_per_step / step:,.0f} tokens/s per device"
     return line
+
+
+# -- fitting a hardware model from a profiled run ---------------------------------------
+
+# (α coefficient, β coefficient) of each collective's time, as the cost model's formulas
+# give them for p ranks and n bytes
+_TERMS = {
+    "all_reduce": lambda p, n: (2 * (p - 1), 2 * (p - 1) / p * n),
+    "all_gather": lambda p, n: (p - 1, (p - 1) / p * n),
+    "reduce_scatter": lambda p, n: (p - 1, (p - 1) / p * n),
+    "all_to_all": lambda p, n: (p - 1, (p - 1) / p * n),
+}
+
+
+def profile_record(plan: Any) -> dict:
+    """What :func:`fit` needs from a profiled plan (``spmd.profile``, then
+    ``spmd.inspect``): each collective's kind, bytes, ranks and measured seconds (median
+    over the profiled steps), and each graph's measured compute with its nodes' FLOPs
+    and bytes. JSON-ready; ``plan.save_profile(path)`` writes it."""
+    import statistics
+
+    timelines = list(getattr(plan, "measured_steps", None) or
+                     ([plan.measured] if plan.measured is not None else []))
+    if not timelines:
+        raise ValueError("save_profile: the plan has no measured step; run spmd.profile("
+                         "model, steps=N) and N training steps first")
+    measured: dict[tuple[str, str], list[float]] = {}
+    for timeline in timelines:
+        for span in timeline.spans:
+            measured.setdefault((span.lane, span.label), []).append(span.seconds)
+    collectives = []
+    for c in plan.collectives:
+        seconds = measured.get(("communication", c.name))
+        if seconds:
+            collectives.append({"name": c.name, "kind": c.kind, "bytes": c.bytes,
+                                "ranks": plan.mesh.size(c.mesh_dim) if c.mesh_dim else
+                                plan.world_size, "mesh_dim": c.mesh_dim,
+                                "seconds": statistics.median(seconds)})
+    compute = []
+    for key, gm in plan.graphs.items():
+        region, phase = key.rsplit(".", 1)
+        seconds = measured.get(("compute", f"{region} {phase}"))
+        if not seconds:
+            continue
+        nodes = []
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+            if name in _FREE:
+                continue
+            val = node.meta.get("val")
+            dtype = str(val.dtype if isinstance(val, torch.Tensor) else torch.float32)
+            nodes.append([_node_flops(node), _node_bytes(node), dtype.removeprefix("torch.")])
+        compute.append({"graph": key, "seconds": statistics.median(seconds), "nodes": nodes})
+    return {"format": "spmd-profile-1", "mesh": {"shape": list(plan.mesh.shape),
+                                                 "dim_names": list(plan.mesh.dim_names)},
+            "backend": plan.cost_model.backend, "collectives": collectives,
+            "compute": compute}
+
+
+def fit(profile: Any, base: Hardware, *, link: str | None = None) -> Hardware:
+    """``base`` with the link the profiled collectives ran on, and the device's
+    efficiency, fitted to a profiled run of this library.
+
+    Args:
+        profile: a path to what ``plan.save_profile(path)`` wrote, or that dict.
+        base: the hardware the run was on (its datasheet figures: peak FLOP/s, memory
+            bandwidth, the other link).
+        link: ``"intra"`` or ``"inter"``; by default ``"intra"`` when the profiled groups
+            fit in one of ``base``'s nodes.
+
+    The link's latency α and seconds per byte β are the least-squares fit of every
+    measured collective's time to the cost model's formula for its kind (at least two
+    sizes are needed); the efficiency is the graphs' roofline at full efficiency over
+    their measured compute time.
+    """
+    import json
+
+    import numpy as np
+
+    where = "spmd.hardware.fit"
+    if not isinstance(base, Hardware):
+        raise TypeError(f"{where}: base must be a Hardware (the datasheet to start from), got "
+                        f"{type(base).__name__}")
+    name = "a profile"
+    if isinstance(profile, (str, bytes)) or hasattr(profile, "__fspath__"):
+        name = str(profile)
+        with open(profile) as f:
+            profile = json.load(f)
+    if not isinstance(profile, dict) or profile.get("format") != "spmd-profile-1":
+        raise ValueError(f"{where}: {name} is not a profile written by plan.save_profile()")
+    samples = [c for c in profile["collectives"] if c["kind"] in _TERMS and c["ranks"] > 1]
+    if len({c["bytes"] for c in samples}) < 2:
+        raise ValueError(f"{where}: {name} holds collectives of {len({c['bytes'] for c in samples})} "
+                         f"size(s); fitting latency and bandwidth needs at least two (profile "
+                         f"with bucket_cap_mb=0, or a model with buckets of different sizes)")
+    rows = [_TERMS[c["kind"]](c["ranks"], c["bytes"]) for c in samples]
+    times = [c["seconds"] for c in samples]
+    (alpha, beta), *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(times),
+                                        rcond=None)
+    alpha, beta = max(float(alpha), 1e-7), max(float(beta), 1e-15)
+    ranks = max(c["ranks"] for c in samples)
+    which = link or ("intra" if ranks <= base.ranks_per_node else "inter")
+    if which not in ("intra", "inter"):
+        raise ValueError(f"{where}: link must be 'intra' or 'inter', got {link!r}")
+    fitted = Link(name=getattr(base, which).name, bandwidth=1.0 / beta, latency=alpha,
+                  source=f"fitted from {name}: {len(samples)} collectives over {ranks} ranks "
+                         f"({profile.get('backend', '?')})")
+    roofline = measured = 0.0
+    for graph in profile["compute"]:
+        for flops, nbytes, dtype in graph["nodes"]:
+            peak = base.device.peak(getattr(torch, dtype, torch.float32))
+            roofline += max(flops / peak, nbytes / base.device.memory_bandwidth)
+        measured += graph["seconds"]
+    device = base.device
+    if measured > 0 and roofline > 0:
+        device = replace(device, efficiency=min(1.0, roofline / measured),
+                         source=f"{device.source}; efficiency fitted from {name}")
+    return replace(base, name=f"{base.name}, fitted from {name}", device=device,
+                   **{which: fitted})

@@ -101,6 +101,7 @@ class ModuleState:
         self.capture_failed: str | None = None  # why the model runs eagerly, if it does
         self.profiler: Any = None
         self.measured: Any = None  # the last profiled step's Timeline
+        self.measured_steps: list = []  # every profiled step's
         self.discovery = DISCOVERY_STEPS  # steps left with a hook on every parameter
         self._hooks: dict[str, Any] = {}
         self.join: Any = None  # the spmd.Join context this model trains in, if any
@@ -210,6 +211,7 @@ class ModuleState:
                 backward = 2.0 * record.forward_seconds
             plan.compute[record.name] = ((backward or 0.0) / 2.0, backward or 0.0)
         plan.measured = self.measured
+        plan.measured_steps = list(self.measured_steps)
         seen: set[int] = set()
         for name, param in self.params.items():  # named_parameters(): tied ones once
             if id(param) in seen:
@@ -238,6 +240,7 @@ class ModuleState:
         if profiler is None:
             return
         self.measured = profiler.end_step()
+        self.measured_steps = list(profiler.timelines)
         if profiler.done:
             self.profiler = self.sync.profiler = self.capture.profiler = None
 

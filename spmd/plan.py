@@ -122,6 +122,7 @@ class Plan:
     placed: list[Placed] = field(default_factory=list)
     tokens_per_step: int = 0  # elements of the first integer input (token ids), if any
     measured: Any = None  # a measured Timeline, after spmd.profile
+    measured_steps: list = field(default_factory=list)  # every profiled step's Timeline
 
     def fingerprint(self) -> str:
         """A hash of the decisions every rank must share (bucket layout and collectives)."""
@@ -234,6 +235,17 @@ class Plan:
         from spmd.views import timeline_figure
 
         return timeline_figure(self)
+
+    def save_profile(self, path: Any) -> None:
+        """Write what the profiled steps measured (each collective's and graph's time, with
+        the graphs' FLOPs and bytes) as JSON, for ``spmd.hardware.fit`` to fit a hardware
+        model to."""
+        import json
+
+        from spmd.hardware import profile_record
+
+        with open(path, "w") as f:
+            json.dump(profile_record(self), f)
 
     def explain(self, x: Any) -> str:
         """Why a collective, a bucket or a parameter's communication exists, and its cost."""
