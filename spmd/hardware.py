@@ -34,8 +34,10 @@ from typing import Any
 
 import torch
 
+from spmd.lowering.cost_model import CostModel
+
 __all__ = ["Device", "Link", "Hardware", "A100_80GB", "H100_SXM", "H200", "graph_seconds",
-           "graph_flops", "throughput", "fit", "profile_record"]
+           "graph_flops", "throughput", "fit", "profile_record", "TwoLevelCostModel"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,16 +119,25 @@ class Hardware:
         return self.intra if span <= self.ranks_per_node else self.inter
 
     def cost_model(self, mesh: Any, dim: str) -> Any:
-        """The collective cost model of mesh dimension ``dim`` (NCCL on that link)."""
-        from spmd.lowering.cost_model import CostModel
-
+        """The collective cost model of mesh dimension ``dim`` (NCCL on that link). A
+        dimension whose groups span nodes with several of their ranks in each node is
+        priced as the cheaper of a flat ring over the network and the two-level
+        algorithm (within each node over NVLink, across nodes on a node's share of the
+        bytes), as NCCL chooses among its algorithms."""
         link = self.link_for(mesh, dim)
-        return CostModel(backend="nccl", world_size=mesh.size(dim), alpha=link.latency,
-                         beta=1.0 / link.bandwidth, gamma=0.0, reference_world_size=2,
-                         overlap=1.0,
-                         source=f"{self.name}, {link.name} ({link.bandwidth / 1e9:g} GB/s, "
-                                f"α {link.latency * 1e6:g} µs; {link.source}); overlap 1: "
-                                f"NCCL moves data on the GPU's own engines")
+        fields = dict(backend="nccl", world_size=mesh.size(dim), alpha=link.latency,
+                      beta=1.0 / link.bandwidth, gamma=0.0, reference_world_size=2,
+                      overlap=1.0,
+                      source=f"{self.name}, {link.name} ({link.bandwidth / 1e9:g} GB/s, "
+                             f"α {link.latency * 1e6:g} µs; {link.source}); overlap 1: "
+                             f"NCCL moves data on the GPU's own engines")
+        index = mesh.dim_names.index(dim)
+        stride = math.prod(mesh.shape[index + 1:])
+        per_node = max(1, min(mesh.shape[index], self.ranks_per_node // stride))
+        if link is self.inter and per_node > 1 and mesh.size(dim) % per_node == 0:
+            return TwoLevelCostModel(per_node=per_node, inner_alpha=self.intra.latency,
+                                     inner_beta=1.0 / self.intra.bandwidth, **fields)
+        return CostModel(**fields)
 
     def check_fits(self, peak_bytes: int, what: str) -> str:
         """A line saying whether ``peak_bytes`` fits the device; warns when it does not."""
@@ -138,6 +149,41 @@ class Hardware:
             warnings.warn(f"the plan does not fit: {line}", RuntimeWarning, stacklevel=3)
             return line + ": DOES NOT FIT"
         return line + ": fits"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TwoLevelCostModel(CostModel):
+    """Collectives of a mesh dimension whose groups hold ``per_node`` ranks in each of
+    several nodes: the cheaper of the flat ring over the network (α, β) and the
+    two-level algorithm, a reduce-scatter (or all-gather) among a node's ranks over
+    NVLink (``inner_alpha``, ``inner_beta``) around an all-reduce across nodes of
+    1/``per_node`` of the bytes, run by every rank of a node at once."""
+
+    per_node: int = 1
+    inner_alpha: float = 0.0
+    inner_beta: float = 0.0
+
+    def seconds(self, kind: str, nbytes: int, algorithm: str | None = None) -> float:
+        flat = CostModel.seconds(self, kind, nbytes, algorithm)
+        k = self.per_node
+        nodes = self.world_size // k
+        if (algorithm not in (None, "ring") or k <= 1 or nodes <= 1
+                or kind not in ("all_reduce", "all_gather", "reduce_scatter")):
+            return flat
+        inner = CostModel(backend=self.backend, world_size=k, alpha=self.inner_alpha,
+                          beta=self.inner_beta)
+        outer = CostModel(backend=self.backend, world_size=nodes, alpha=self.alpha,
+                          beta=self.beta)
+        share = nbytes // k
+        if kind == "all_reduce":
+            two = (inner.seconds("reduce_scatter", nbytes) + outer.seconds(
+                "all_reduce", share) + inner.seconds("all_gather", nbytes))
+        elif kind == "all_gather":
+            two = outer.seconds("all_gather", share) + inner.seconds("all_gather", nbytes)
+        else:
+            two = inner.seconds("reduce_scatter", nbytes) + outer.seconds(
+                "reduce_scatter", share)
+        return min(flat, two)
 
 
 _NVIDIA = "NVIDIA datasheet"

@@ -150,3 +150,22 @@ def test_a_model_on_the_meta_device_plans_without_allocating():
     assert int(numel) > 400_000_000
     assert params == grads == state == fits == "True"
     assert int(max_rss_mib) < 1200, out.stdout  # weights alone would be 1.8 GB
+
+
+def test_a_dimension_spanning_nodes_takes_the_cheaper_of_flat_and_two_level():
+    from spmd.hardware import TwoLevelCostModel
+    from spmd.lowering.cost_model import CostModel
+
+    hw = H100_SXM(nodes_of=8, network_gbps=400)
+    wide = hw.cost_model(spmd.Mesh.simulated(64), "dp")  # 8 ranks in each of 8 nodes
+    assert isinstance(wide, TwoLevelCostModel) and wide.per_node == 8
+    flat = CostModel(backend="nccl", world_size=64, alpha=wide.alpha, beta=wide.beta)
+    big = 1 << 30
+    # within a node over NVLink, across nodes on an eighth of the bytes: far cheaper
+    assert wide.seconds("all_reduce", big) < 0.5 * flat.seconds("all_reduce", big)
+    assert wide.seconds("all_gather", big) < flat.seconds("all_gather", big)
+    assert wide.seconds("all_reduce", 8) == pytest.approx(
+        min(flat.seconds("all_reduce", 8), wide.seconds("all_reduce", 8)))
+    # one rank of each group per node: the network ring is all there is
+    across = hw.cost_model(spmd.Mesh.simulated((8, 8), dim_names=("dp", "tp")), "dp")
+    assert type(across) is CostModel
