@@ -52,6 +52,9 @@ class Device:
         efficiency: the share of peak FLOP/s and bandwidth a real kernel reaches (the
             roofline's calibration; 1.0 is the datasheet).
         source: where the figures come from.
+        matmul_dtype: the dtype matrix products run in when it is not the values' own
+            (``"float8_e4m3fn"`` for FP8 training, as Transformer Engine does), priced
+            at that dtype's peak.
     """
 
     name: str
@@ -60,6 +63,7 @@ class Device:
     memory_bandwidth: float
     efficiency: float = 0.6
     source: str = ""
+    matmul_dtype: str | None = None  # matrix products in this dtype (FP8 training: float8)
 
     def peak(self, dtype: torch.dtype) -> float:
         """Dense peak FLOP/s for ``dtype`` (float32 when none is given for it)."""
@@ -296,16 +300,27 @@ def graph_seconds(gm: Any, device: Device) -> float:
         name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
         if name in _FREE:
             continue
-        val = node.meta.get("val")
-        dtype = val.dtype if isinstance(val, torch.Tensor) else torch.float32
         flops = _node_flops(node)
-        compute = flops / (device.peak(dtype) * eff)
+        compute = flops / (device.peak(_compute_dtype(node, device)) * eff)
         memory = _node_bytes(node) / (device.memory_bandwidth * eff)
         total += max(compute, memory)
     return total
 
 
-def graph_flops(gm: Any) -> dict[torch.dtype, int]:
+_MATMULS = ("mm", "addmm", "bmm", "baddbmm")
+
+
+def _compute_dtype(node: Any, device: Device | None) -> torch.dtype:
+    """The dtype ``node``'s arithmetic runs in on ``device``."""
+    if device is not None and device.matmul_dtype is not None:
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        if name in _MATMULS:
+            return getattr(torch, device.matmul_dtype)
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else torch.float32
+
+
+def graph_flops(gm: Any, device: Device | None = None) -> dict[torch.dtype, int]:
     """The graph's FLOPs by the dtype they run in (torch's flop_counter formulas)."""
     out: dict[torch.dtype, int] = {}
     for node in gm.graph.nodes:
@@ -313,8 +328,7 @@ def graph_flops(gm: Any) -> dict[torch.dtype, int]:
             continue
         flops = _node_flops(node)
         if flops:
-            val = node.meta.get("val")
-            dtype = val.dtype if isinstance(val, torch.Tensor) else torch.float32
+            dtype = _compute_dtype(node, device)
             out[dtype] = out.get(dtype, 0) + flops
     return out
 
@@ -329,7 +343,7 @@ def throughput(plan: Any) -> str:
     step = timeline.step_seconds
     flops: dict[torch.dtype, int] = {}
     for gm in plan.graphs.values():
-        for dtype, n in graph_flops(gm).items():
+        for dtype, n in graph_flops(gm, hardware.device).items():
             flops[dtype] = flops.get(dtype, 0) + n
     total = sum(flops.values())
     at_peak = sum(n / hardware.device.peak(d) for d, n in flops.items())

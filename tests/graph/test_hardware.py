@@ -169,3 +169,19 @@ def test_a_dimension_spanning_nodes_takes_the_cheaper_of_flat_and_two_level():
     # one rank of each group per node: the network ring is all there is
     across = hw.cost_model(spmd.Mesh.simulated((8, 8), dim_names=("dp", "tp")), "dp")
     assert type(across) is CostModel
+
+
+def test_matmuls_can_be_priced_in_another_dtype():
+    """FP8 training: matrix products at the FP8 peak, everything else as it is."""
+    hw = H100_SXM()
+    fp8 = dataclasses.replace(hw.device, matmul_dtype="float8_e4m3fn")
+    with torch.device("meta"):  # wide enough that the matrix products are compute-bound
+        model = Transformer(layers=1, dim=1024, vocab=256).to(torch.bfloat16)
+    plan = spmd.inspect(model, torch.randint(0, 256, (16, 256), device="meta"),
+                        mesh=spmd.Mesh.simulated(8, hardware=hw))
+    graph = plan.graphs["graph0.forward"]
+    from spmd.hardware import graph_flops
+
+    assert set(graph_flops(graph, fp8)) >= {torch.float8_e4m3fn}
+    assert sum(graph_flops(graph, fp8).values()) == sum(graph_flops(graph).values())
+    assert graph_seconds(graph, fp8) < graph_seconds(graph, hw.device)
