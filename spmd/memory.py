@@ -48,6 +48,9 @@ class MemoryView:
         peak_transient: the most bytes of values alive at once during the step.
         peak: persistent + transient at the peak; ``peak_at``: ``graph:node`` there.
         unsharded_params: what the parameters take whole (``ddp``'s ``params``).
+        comm_buffers: the largest collective's flat buffer (every bucket alive at the
+            peak is already in ``peak``).
+        capacity: against the simulated cluster's device memory, when planned for one.
     """
 
     world_size: int
@@ -62,6 +65,7 @@ class MemoryView:
     peak: int
     peak_at: str
     unsharded_params: int
+    comm_buffers: int = 0  # the largest collective's buffer (the peak counts those alive)
     capacity: str = ""  # against the simulated cluster's device memory, when planned for one
 
     @property
@@ -81,6 +85,7 @@ class MemoryView:
             f"  persistent        {mib(self.persistent)}",
             f"  activations saved {mib(self.activations)}",
             f"  peak gathered     {mib(self.peak_gathered)}",
+            f"  largest bucket    {mib(self.comm_buffers)}",
             f"  predicted peak    {mib(self.peak)}   at {self.peak_at}",
         ]
         if self.capacity:
@@ -195,4 +200,5 @@ def memory_view(plan: Any, optimizer: str | None = "adamw") -> MemoryView:
                       optimizer_state=state, optimizer=optimizer, buffers=plan.buffer_bytes,
                       activations=activations, peak_gathered=gathered,
                       peak_transient=transient, peak=peak, peak_at=at,
-                      unsharded_params=whole, capacity=capacity)
+                      unsharded_params=whole, capacity=capacity,
+                      comm_buffers=max((b.bytes for b in plan.buckets), default=0))

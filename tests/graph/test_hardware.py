@@ -111,6 +111,7 @@ def test_memory_is_checked_against_the_device():
         warnings.simplefilter("always")
         view = plan.memory()
     assert view.fits is False and "DOES NOT FIT" in str(view)
+    assert view.comm_buffers == max(b.bytes for b in plan.buckets) > 0
     assert any("does not fit" in str(w.message) for w in caught)
     assert spmd.inspect(model, x, mesh=spmd.Mesh.simulated(8)).memory().fits is None
 
