@@ -455,7 +455,13 @@ def fit(profile: Any, base: Hardware, *, link: str | None = None) -> Hardware:
     times = [c["seconds"] for c in samples]
     (alpha, beta), *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(times),
                                         rcond=None)
-    alpha, beta = max(float(alpha), 1e-7), max(float(beta), 1e-15)
+    if not float(beta) > 0:
+        largest = max(c["bytes"] for c in samples)
+        raise ValueError(f"{where}: the collectives in {name} do not determine a bandwidth "
+                         f"(the fit gives {float(beta):.3g} s/B: their times are latency and "
+                         f"noise; the largest is {largest:,} bytes). Profile larger buckets, "
+                         f"megabytes at least")
+    alpha, beta = max(float(alpha), 0.0), float(beta)
     ranks = max(c["ranks"] for c in samples)
     which = link or ("intra" if ranks <= base.ranks_per_node else "inter")
     if which not in ("intra", "inter"):
