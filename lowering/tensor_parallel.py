@@ -27,7 +27,6 @@ sees whole tensors, as on one process.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from dataclasses import replace as dc_replace
 from typing import Any
@@ -205,7 +204,6 @@ class _Localizer:
     def __init__(self, gm: fx.GraphModule, ctx: LoweringContext) -> None:
         self.gm, self.ctx = gm, ctx
         self.dims = ctx.strategy.tp_dims
-        self.index = {d: ctx.mesh.dim_names.index(d) for d in self.dims}
         self.brought: dict[tuple[fx.Node, str, Placement], fx.Node] = {}
 
     def expected(self, node: fx.Node) -> Any:
@@ -387,5 +385,3 @@ def tensor_parallel(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
     derive(gm, ctx)
     return gm
 
-
-del operator
