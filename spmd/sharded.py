@@ -172,7 +172,6 @@ def gather_full(spec: ops.ShardSpec, shard: torch.Tensor) -> torch.Tensor:
 def install_state_dict_hooks(module: nn.Module, shards: dict[str, ops.ShardSpec]) -> None:
     """Whole tensors in ``module.state_dict()``; whole (or already local) tensors accepted
     by ``load_state_dict``."""
-    weak = weakref.ref(module)
 
     def to_full(mod: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
         done: dict[int, torch.Tensor] = {}
@@ -186,23 +185,34 @@ def install_state_dict_hooks(module: nn.Module, shards: dict[str, ops.ShardSpec]
                 full = done[id(spec)] = gather_full(spec, value)
             state[key] = full
 
+    module._register_state_dict_hook(to_full)
+    install_load_hook(module, shards, lambda spec, value: spec.shard_of(value.to(spec.dtype)),
+                      "a sharded parameter", "shard")
+
+
+def install_load_hook(module: nn.Module, specs: dict[str, Any], cut: Any, what: str,
+                      piece: str) -> None:
+    """Make ``load_state_dict`` take, for each parameter in ``specs`` (name -> a spec with
+    ``shape`` and ``local_shape``), the whole tensor (``cut(spec, whole)`` keeps this
+    rank's part) or this rank's part as it is; ``ValueError`` for any other shape."""
+    weak = weakref.ref(module)
+
     def to_local(state: dict, prefix: str, *args: Any) -> None:
         if weak() is None:
             return
-        for name, spec in shards.items():
+        for name, spec in specs.items():
             key = prefix + name
             value = state.get(key)
             if not isinstance(value, torch.Tensor):
                 continue
             shape = tuple(value.shape)
             if shape == spec.shape:
-                state[key] = spec.shard_of(value.to(spec.dtype))
+                state[key] = cut(spec, value)
             elif shape != spec.local_shape:
                 raise ValueError(
-                    f"load_state_dict: {key} has shape {shape}; a sharded parameter takes the "
-                    f"whole tensor {spec.shape} (or this rank's shard {spec.local_shape})")
+                    f"load_state_dict: {key} has shape {shape}; {what} takes the whole tensor "
+                    f"{spec.shape} (or this rank's {piece} {spec.local_shape})")
 
-    module._register_state_dict_hook(to_full)
     module._register_load_state_dict_pre_hook(to_local)
 
 

@@ -19,8 +19,6 @@ one all-reduce in forward, one in backward). ``state_dict()`` gives whole tensor
 from __future__ import annotations
 
 import fnmatch
-import math
-import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -247,26 +245,7 @@ def install_state_dict_hooks(module: nn.Module, specs: dict[str, Any]) -> None:
 def _load_hook(module: nn.Module, specs: dict[str, Any]) -> None:
     """Whole tensors or this rank's pieces accepted by ``load_state_dict`` (before any
     sharded strategy's hook, which takes pieces)."""
-    weak = weakref.ref(module)
+    from spmd.sharded import install_load_hook
 
-    def to_piece(state: dict, prefix: str, *args: Any) -> None:
-        if weak() is None:
-            return
-        for name, spec in specs.items():
-            key = prefix + name
-            value = state.get(key)
-            if not isinstance(value, torch.Tensor):
-                continue
-            shape = tuple(value.shape)
-            if shape == spec.shape and shape != spec.local_shape:
-                state[key] = spec.piece(value).clone()
-            elif shape != spec.local_shape:
-                raise ValueError(f"load_state_dict: {key} has shape {shape}; a tensor-parallel "
-                                 f"parameter takes the whole tensor {spec.shape} (or this "
-                                 f"rank's piece {spec.local_shape})")
-
-    module._register_load_state_dict_pre_hook(to_piece)
-
-
-def local_numel(spec: Any) -> int:
-    return math.prod(spec.local_shape)
+    install_load_hook(module, specs, lambda spec, value: spec.piece(value).clone(),
+                      "a tensor-parallel parameter", "piece")
