@@ -37,6 +37,7 @@ from typing import Any, Iterator
 import torch
 
 from spmd.lowering import redistribute as table
+from spmd.lowering import reduction
 from spmd.lowering.flat import pack_planned
 from spmd.runtime import collectives
 
@@ -369,20 +370,7 @@ def _bucket_all_reduce(grads: list[torch.Tensor], handle: int) -> torch.Tensor:
     flat = s.keep("flat", pack_planned(grads, 1.0 / s.size if average else 1.0, dtype, out))
     if active:
         issued = time.perf_counter()
-        if hook is not None:
-            from spmd.lowering.reduction import GradBucket, run_hook
-
-            from spmd.lowering.flat import views
-
-            bucket = GradBucket(s.index, flat, [], views(flat, grads), s.last)
-            work = run_hook(hook, s.sync.comm_state, bucket)  # type: ignore[union-attr]
-        elif s.algorithm == "fp32":
-            from spmd.lowering.reduction import start
-
-            work = start(flat, s.group, "fp32", s.compress)
-        else:
-            work = collectives.all_reduce(flat, group=s.group, async_op=True)
-        s.started(flat, work, issued)
+        s.started(flat, reduction.start_bucket(s, flat, grads), issued)
         if s.result_dtype is None and s.sync is not None:
             s.sync.record(s, flat)
     return flat

@@ -21,9 +21,11 @@ from typing import Any, Callable
 
 import torch
 
-from spmd.runtime.compressed import FLOAT8_DTYPES as FP8
+from spmd.lowering.flat import views
+from spmd.runtime.collectives import all_reduce
+from spmd.runtime.compressed import FLOAT8_DTYPES as FP8, all_reduce_compressed
 
-__all__ = ["choose", "start", "GradBucket", "HookWork", "check_hook", "FP8"]
+__all__ = ["choose", "start", "start_bucket", "GradBucket", "HookWork", "check_hook", "FP8"]
 
 
 
@@ -54,13 +56,19 @@ def _combine(chunks: torch.Tensor, scales: torch.Tensor | None, scale: float) ->
 def start(flat: torch.Tensor, group: Any, algorithm: str, wire: torch.dtype | None) -> Any:
     """Start all-reducing (summing) the packed ``flat``; the work to wait on."""
     if algorithm == "fp32":
-        from spmd.runtime.compressed import all_reduce_compressed
-
         return all_reduce_compressed(flat, group=group, async_op=True, wire_dtype=wire,
                                      combine=_combine)
-    from spmd.runtime.collectives import all_reduce
-
     return all_reduce(flat, group=group, async_op=True)
+
+
+def start_bucket(spec: Any, flat: torch.Tensor, grads: list[torch.Tensor]) -> Any:
+    """Start reducing a planned bucket (a ``CollectiveSpec``, its packed buffer and the
+    gradients packed in it) as the spec and its owner's hook say; the work to wait on."""
+    sync = spec.sync
+    if sync is not None and sync.comm_hook is not None:
+        bucket = GradBucket(spec.index, flat, [], views(flat, grads), spec.last)
+        return run_hook(sync.comm_hook, sync.comm_state, bucket)
+    return start(flat, spec.group, spec.algorithm, spec.compress)
 
 
 class GradBucket:
