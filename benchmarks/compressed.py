@@ -67,7 +67,7 @@ from datetime import timedelta
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ddp import CASES, _batch, _fresh
+from ddp import CASES, _batch, _fresh, time_rounds
 
 METHODS = ("fp32 all_reduce / p", "torch bf16_compress_hook", "ours, bf16 wire",
            "ours, fp8 wire")
@@ -228,18 +228,7 @@ def speed_main(rank: int, steps: int, rounds: int) -> dict | None:
     models = {v: make[v]() for v in VARIANTS}
     opts = {v: case.optimizer(list(m.parameters())) for v, m in models.items()}
     batches = [_batch(case, step, rank, world) for step in range(steps)]
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for r in range(rounds + 1):  # round 0 warms up (compiles) and is not counted
-        for variant, model in models.items():
-            opt = opts[variant]
-            tdist.barrier()
-            start = time.perf_counter()
-            for x, y in batches:
-                case.loss(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-            if r:
-                times[variant].append((time.perf_counter() - start) / steps)
+    times = time_rounds(models, opts, batches, case.loss, rounds, tdist.barrier)
 
     weights = {v: {k.removeprefix("module."): t for k, t in m.state_dict().items()}
                for v, m in models.items()}

@@ -36,7 +36,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -138,6 +138,26 @@ def _batch(case: Case, step: int, rank: int, world: int):
     return x[rows], y[rows]
 
 
+def time_rounds(models: dict, opts: dict, batches: list, loss: Callable, rounds: int,
+                barrier: Callable[[], Any]) -> dict[str, list[float]]:
+    """Each variant's mean step time per round, the variants alternating within each round
+    (all see the same machine), after a round 0 that warms up (compiles) and is not
+    counted; every rank starts each variant's run together (``barrier``)."""
+    times: dict[str, list[float]] = {v: [] for v in models}
+    for r in range(rounds + 1):
+        for variant, model in models.items():
+            opt = opts[variant]
+            barrier()
+            start = time.perf_counter()
+            for x, y in batches:
+                loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            if r:
+                times[variant].append((time.perf_counter() - start) / len(batches))
+    return times
+
+
 def rank_main(rank: int, steps: int, rounds: int, names: list[str]) -> dict | None:
     import torch.distributed as tdist
     from torch.nn.parallel import DistributedDataParallel
@@ -166,18 +186,7 @@ def rank_main(rank: int, steps: int, rounds: int, names: list[str]) -> dict | No
         models = {v: make[v](case) for v in case.variants}
         opts = {v: case.optimizer(list(m.parameters())) for v, m in models.items()}
         batches = [_batch(case, step, rank, world) for step in range(steps)]
-        times: dict[str, list[float]] = {v: [] for v in models}
-        for r in range(rounds + 1):  # round 0 warms up (compiles) and is not counted
-            for variant, model in models.items():
-                opt = opts[variant]
-                tdist.barrier()
-                start = time.perf_counter()
-                for x, y in batches:
-                    case.loss(model(x), y).backward()
-                    opt.step()
-                    opt.zero_grad()
-                if r:
-                    times[variant].append((time.perf_counter() - start) / steps)
+        times = time_rounds(models, opts, batches, case.loss, rounds, tdist.barrier)
         results[name] = {"times": times,
                          "plan": str(spmd.inspect(models["spmd"])).splitlines()[0]}
     tdist.destroy_process_group()
