@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from spmd.lowering.flat import views
-from spmd.runtime.collectives import all_reduce
+from spmd.runtime import collectives
 from spmd.runtime.compressed import FLOAT8_DTYPES as FP8, all_reduce_compressed
 
 __all__ = ["choose", "start", "start_bucket", "GradBucket", "HookWork", "check_hook", "FP8"]
@@ -58,7 +58,7 @@ def start(flat: torch.Tensor, group: Any, algorithm: str, wire: torch.dtype | No
     if algorithm == "fp32":
         return all_reduce_compressed(flat, group=group, async_op=True, wire_dtype=wire,
                                      combine=_combine)
-    return all_reduce(flat, group=group, async_op=True)
+    return collectives.all_reduce(flat, group=group, async_op=True)
 
 
 def start_bucket(spec: Any, flat: torch.Tensor, grads: list[torch.Tensor]) -> Any:
