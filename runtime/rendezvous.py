@@ -41,6 +41,11 @@ def _int(text: str, what: str) -> int:
         raise ValueError(f"{what} must be an integer, got {text!r}") from None
 
 
+class NodeArgumentsError(InvalidArgumentError, AssertionError):
+    """rank or world_size given both as an argument and in the URL: a ``ValueError`` like
+    our other bad arguments, and the ``AssertionError`` torch's ``rendezvous`` raises."""
+
+
 def _pick(name: str, arg: int | None, query: dict[str, str], env: tuple[str, ...],
           url: str) -> int:
     """One of rank/world_size from the argument, the query or the environment."""
@@ -51,10 +56,11 @@ def _pick(name: str, arg: int | None, query: dict[str, str], env: tuple[str, ...
         sources.append((arg, f"the {name}= argument"))
     if name in query:
         sources.append((_int(query[name], f"{name} in {url!r}"), f"the URL's ?{name}="))
-    if len(sources) == 2 and sources[0][0] != sources[1][0]:
-        raise ValueError(
-            f"rendezvous: {name} is {sources[0][0]} from {sources[0][1]} but "
-            f"{sources[1][0]} from {sources[1][1]}"
+    if len(sources) == 2:  # torch refuses this even when the two agree
+        raise NodeArgumentsError(
+            f"rendezvous: {name} is {sources[0][0]} from {sources[0][1]} and "
+            f"{sources[1][0]} from {sources[1][1]}: the url {url!r} has node-specific "
+            f"arguments (rank, world_size) already; give them one way"
         )
     if sources:
         return sources[0][0]
@@ -67,7 +73,9 @@ def _pick(name: str, arg: int | None, query: dict[str, str], env: tuple[str, ...
             f"rendezvous {url!r}: environment variable {env[0]} is not set{names}; set it "
             f"or pass {name}="
         )
-    raise ValueError(f"rendezvous {url!r}: {name} is missing; add ?{name}= or pass {name}=")
+    what = "rank" if name == "rank" else "size"
+    raise ValueError(f"rendezvous {url!r}: {name} is missing ({what} parameter missing); "
+                     f"add ?{name}= or pass {name}=")
 
 
 def _env(var: str, url: str) -> str:
@@ -116,8 +124,8 @@ def rendezvous(
     scheme = parts.scheme.lower()
     if scheme not in ("tcp", "file", "env"):
         raise InvalidArgumentError(
-            f"rendezvous: unknown scheme in {url!r}; expected tcp://host:port, "
-            f"file:///path or env://"
+            f"No rendezvous handler for {scheme}:// (rendezvous: unknown scheme in {url!r}; "
+            f"expected tcp://host:port, file:///path or env://)"
         )
     try:
         query = {k: v[-1] for k, v in parse_qs(parts.query, strict_parsing=bool(parts.query)).items()}
@@ -155,7 +163,9 @@ def rendezvous(
         except ValueError:
             raise ValueError(f"rendezvous: malformed port in {url!r}") from None
         if not host or raw_port is None:
-            raise ValueError(f"rendezvous: {url!r} needs a host and a port: tcp://host:port")
+            missing = "host" if not host else "port number"
+            raise ValueError(f"rendezvous: {url!r} needs a host and a port: tcp://host:port "
+                             f"({missing} missing)")
         port = _port(str(raw_port), f"port in {url!r}")
         store = TCPStore(host, port, world_size, rank == 0, timeout, multi_tenant=True,
                          rank=rank)
@@ -163,6 +173,7 @@ def rendezvous(
         if parts.netloc or not parts.path:
             raise ValueError(
                 f"rendezvous: {url!r} must name an absolute path: file:///path/to/file"
+                + ("" if parts.path else " (path missing)")
             )
         store = FileStore(parts.path, world_size, timeout)
     elif agent_store:

@@ -222,8 +222,19 @@ class Store(abc.ABC):
         return self
 
     def has_extended_api(self) -> bool:
-        """Whether ``append``, ``multi_get`` and ``multi_set`` are supported (always)."""
-        return True
+        """Whether ``append``, ``multi_get`` and ``multi_set`` work on this store.
+
+        Always for this library's stores. A store written in Python (torch's way, by
+        overriding public methods) has them when it overrides them, or overrides ``get``
+        and ``compare_set``, from which they are built; a subclass that overrides none of
+        these has not, as in torch."""
+        cls = type(self)
+        if cls._multi_get is not Store._multi_get:  # one of ours (or a wrapper of one)
+            return True
+        overrides = {name for name in ("append", "multi_get", "multi_set", "get", "compare_set")
+                     if getattr(cls, name) is not getattr(Store, name)}
+        return bool(overrides & {"append", "multi_get", "multi_set"}) or \
+            {"get", "compare_set"} <= overrides
 
     def close(self) -> None:
         """Release the store's resources (connections, files). Idempotent."""
@@ -258,14 +269,20 @@ class Store(abc.ABC):
         naming it when there is none."""
         method = getattr(type(self), name)
         if method is getattr(Store, name):
-            raise NotImplementedError(f"{type(self).__name__} does not implement {name}(); a "
-                                      f"Store subclass overrides {name}() (or _{name}())")
+            raise NotImplementedError(f"Not implemented: {type(self).__name__} does not "
+                                      f"implement {name}(); a Store subclass overrides "
+                                      f"{name}() (or _{name}())")
         return getattr(self, name)
 
     def _set(self, key: str, value: bytes) -> None:
         self._own("set")(key, value)
 
+    def _overridden(self, name: str) -> bool:
+        return getattr(type(self), name) is not getattr(Store, name)
+
     def _multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
+        if self._overridden("multi_get"):  # reached through a PrefixStore around this one
+            return [_as_bytes(v) for v in self.multi_get(keys)]
         get = self._own("get")
         return [_as_bytes(get(k)) for k in keys]
 
@@ -282,8 +299,8 @@ class Store(abc.ABC):
         deadline = time.monotonic() + timeout
         while not self._check(keys):
             if time.monotonic() >= deadline:
-                raise StoreTimeoutError(f"{type(self).__name__}: keys {keys} not set within "
-                                        f"{timeout:g} s")
+                raise StoreTimeoutError(f"{type(self).__name__}: Timeout: keys {keys} not "
+                                        f"set within {timeout:g} s")
             time.sleep(0.005)
 
     def _check(self, keys: list[str]) -> bool:
@@ -296,10 +313,16 @@ class Store(abc.ABC):
         return int(self._own("num_keys")())
 
     def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        if self._overridden("multi_set"):
+            self.multi_set(keys, values)
+            return
         for key, value in zip(keys, values):
             self._set(key, value)
 
     def _append(self, key: str, value: bytes) -> None:
+        if self._overridden("append"):
+            self.append(key, value)
+            return
         while True:  # atomic through compare_set: retried if another writer came first
             current = self._multi_get([key], self._timeout)[0] if self._check([key]) else b""
             desired = current + value

@@ -257,8 +257,8 @@ class FileStore(Store):
                     return [data[k] for k in keys]
             if time.monotonic() >= deadline:
                 raise StoreTimeoutError(
-                    f"FileStore({self._path!r}).{op}: keys {describe_missing(missing)} "
-                    f"were not set within {timeout:g}s"
+                    f"FileStore({self._path!r}).{op}: Timeout: keys "
+                    f"{describe_missing(missing)} were not set within {timeout:g}s"
                 )
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, _POLL_MAX)

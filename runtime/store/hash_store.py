@@ -44,8 +44,8 @@ class HashStore(Store):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise StoreTimeoutError(
-                    f"HashStore.{op}: keys {describe_missing(missing)} were not set "
-                    f"within {timeout:g}s"
+                    f"HashStore.{op}: Timeout: keys {describe_missing(missing)} were not "
+                    f"set within {timeout:g}s"
                 )
             self._cond.wait(left)
 

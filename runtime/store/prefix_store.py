@@ -57,6 +57,10 @@ class PrefixStore(Store):
     def set_timeout(self, timeout: timedelta) -> None:
         self._store.set_timeout(timeout)
 
+    def has_extended_api(self) -> bool:
+        """The wrapped store's answer."""
+        return self._store.has_extended_api()
+
     def _k(self, key: str) -> str:
         return f"{self._prefix}/{key}"
 

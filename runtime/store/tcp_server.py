@@ -169,7 +169,9 @@ class StoreServer:
             except OSError as e:
                 error = e
                 sock.close()
-        raise DistStoreError(f"TCPStore: cannot listen on {host}:{port}: {error}") from error
+        raise DistStoreError(f"The server socket has failed to listen on any local network "
+                             f"address: TCPStore cannot listen on {host}:{port}: {error}"
+                             ) from error
 
     # -- lifetime ---------------------------------------------------------------------
 

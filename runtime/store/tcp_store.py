@@ -427,7 +427,7 @@ class TCPStore(Store):
         if status == P.TIMEOUT:
             missing = [k.decode("utf-8", "replace") for k in P.split(payload)]
             raise StoreTimeoutError(
-                f"{self._where()}: {op} timed out after {wait:g}s waiting for keys "
+                f"{self._where()}: {op}: Timeout: timed out after {wait:g}s waiting for keys "
                 f"{describe_missing(missing or keys)}"
             )
         message = P.split(payload)[0].decode("utf-8", "replace") if payload else "?"

@@ -97,6 +97,8 @@ def test_arguments_override_environment(monkeypatch, tmp_path):
         ("tcp://127.0.0.1:{port}", {"rank": -1, "world_size": 2}, {}, r"outside \[0, 2\)"),
         ("tcp://127.0.0.1:{port}", {"rank": 0, "world_size": 0}, {}, "must be positive"),
         ("tcp://127.0.0.1:{port}?rank=1", {"rank": 0, "world_size": 2}, {}, "rank is 0 from"),
+        ("tcp://127.0.0.1:{port}?rank=0", {"rank": 0, "world_size": 1}, {},
+         "has node-specific arguments"),
         ("tcp://127.0.0.1:{port}?rank=x&world_size=2", {}, {}, "must be an integer"),
         ("tcp://127.0.0.1:{port}?color=red", {"rank": 0, "world_size": 1}, {},
          "unknown parameter"),
