@@ -16,7 +16,7 @@ Example::
         rpc.shutdown()
 """
 
-from spmd.runtime.rpc import faults, functions
+from spmd.runtime.rpc import backend_registry, constants, faults, functions
 from spmd.runtime.rpc.api import (debug_info, get_all_worker_infos, get_worker_info, init_rpc,
                                   remote, rpc_async, rpc_sync)
 from spmd.runtime.rpc.options import (UNSET_RPC_TIMEOUT, BackendType, RemoteError,
@@ -30,7 +30,8 @@ __all__ = [
     "init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "get_worker_info",
     "get_all_worker_infos", "debug_info", "is_available", "RRef", "WorkerInfo",
     "RpcBackendOptions", "TensorPipeRpcBackendOptions", "BackendType", "RemoteError",
-    "UNSET_RPC_TIMEOUT", "functions", "faults", "RemoteModule",
+    "UNSET_RPC_TIMEOUT", "functions", "faults", "RemoteModule", "backend_registry",
+    "constants",
 ]
 
 

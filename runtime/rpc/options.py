@@ -75,6 +75,8 @@ class RpcBackendOptions:
         device_maps: ``{worker name: {local device: remote device}}`` for accelerator
             tensors; without an entry, accelerator tensors arrive on the CPU.
         devices: accepted for PyTorch compatibility (the devices this worker uses).
+        _transports, _channels: TensorPipe's transport choices, accepted so PyTorch code
+            runs; the ZeroMQ agent picks its own (TCP, or shared memory on one host).
 
     Example::
 
@@ -87,6 +89,8 @@ class RpcBackendOptions:
     num_worker_threads: int = 16
     device_maps: dict[str, dict[str, str]] = field(default_factory=dict)
     devices: list[Any] | None = None
+    _transports: list[str] | None = None
+    _channels: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.init_method is not None and not isinstance(self.init_method, str):
