@@ -291,9 +291,15 @@ class RRef(Generic[T]):
             return _wait(self._record.future, seconds, what)
         if self._created is not None and self._created.done():
             self._created.wait()  # a failed or timed-out creation raises its error here
-        entry = self._agent.request(self._owner, Kind.FETCH, _owner_fetch, (self._rref_id,), {},
-                                    timeout=seconds, sync=True, what=what)
+        from spmd.runtime.autograd.contexts import current_context
         from spmd.runtime.rpc.api import wait_sync
+
+        # inside a distributed-autograd context the fetch is part of the graph, as torch's
+        # is: the value arrives attached to the owner's graph (which reaches the tensors
+        # remote() sent), so backward flows through it instead of stopping at a leaf
+        entry = self._agent.request(self._owner, Kind.FETCH, _owner_fetch, (self._rref_id,), {},
+                                    timeout=seconds, sync=True, what=what,
+                                    ctx=current_context(self._agent))
 
         return wait_sync(self._agent, entry)
 

@@ -196,3 +196,31 @@ def test_contexts_are_cleaned_up_on_every_worker():
     assert out["during"] == [1, 1, 1]
     assert torch.equal(out["grad"], torch.full((2,), 2.0))
     assert out["after"] == [0, 0, 0]
+
+
+def _remote_rank(rank):
+    from spmd.runtime import autograd as dist_autograd
+
+    rpc = _init(rank, 2)
+    out = {}
+    if rank == 0:
+        t1 = torch.linspace(-1.0, 1.0, 6, requires_grad=True)
+        t2 = torch.linspace(0.5, 2.0, 6, requires_grad=True)
+        with dist_autograd.context() as cid:
+            ret = rpc.remote("w1", torch.mul, args=(t1, t2)).to_here()
+            dist_autograd.backward(cid, [(ret * ret).sum()])
+            grads = dist_autograd.get_gradients(cid)
+            out = {"keys": [(k is t1, k is t2) for k in grads], "g1": grads.get(t1),
+                   "g2": grads.get(t2)}
+        local = (t1 * t2) ** 2
+        out["want1"], out["want2"] = torch.autograd.grad(local.sum(), [t1, t2])
+    rpc.shutdown(timeout=30)
+    return out
+
+
+def test_backward_flows_through_remote_and_to_here():
+    # remote(...).to_here() inside a context used to hand back a leaf: backward stopped at
+    # it (gradients for the fetched value, none for the tensors sent), silently
+    out = spawn(_remote_rank, nprocs=2, start_method="forkserver", timeout=60)[0]
+    assert sorted(out["keys"]) == [(False, True), (True, False)]
+    assert torch.allclose(out["g1"], out["want1"]) and torch.allclose(out["g2"], out["want2"])
