@@ -149,12 +149,16 @@ _picklers = _Picklers()
 
 
 def _reduce_tensor(t: torch.Tensor, state: DumpState) -> Any:
-    if t.layout is not torch.strided or t.is_quantized or t.is_nested:
-        return NotImplemented  # torch's own pickling, in band
     slot = -1
     if t.requires_grad and state.record_grads:
         slot = len(state.grad_tensors)
         state.grad_tensors.append(t)
+    if t.layout is not torch.strided or t.is_quantized or t.is_nested:
+        if not t.requires_grad:
+            return NotImplemented  # torch's own pickling, in band
+        # torch's pickling of a sparse tensor drops requires_grad: the data goes that way,
+        # requires_grad and the autograd slot around it
+        return _rebuild_other, (t.detach(), slot)
     data = t.detach()
     device = None
     if data.device.type != "cpu":
@@ -218,6 +222,16 @@ def _rebuild_tensor(dtype: torch.dtype, shape: tuple, requires_grad: bool, devic
         t = _Parameter(t, requires_grad)
     elif requires_grad:
         t.requires_grad_(True)
+    state = loading.state
+    if slot >= 0 and state is not None and state.ctx is not None:
+        state.ctx.record_recv(t, state.peer, state.grad_msg_id, slot)
+    return t
+
+
+def _rebuild_other(data: torch.Tensor, slot: int) -> torch.Tensor:
+    """A sparse (or other non-strided) tensor that requires grad, rebuilt by torch's own
+    unpickling, then made a leaf that requires grad and, in a context, a recv."""
+    t = data.requires_grad_(True)
     state = loading.state
     if slot >= 0 and state is not None and state.ctx is not None:
         state.ctx.record_recv(t, state.peer, state.grad_msg_id, slot)

@@ -224,3 +224,32 @@ def test_backward_flows_through_remote_and_to_here():
     out = spawn(_remote_rank, nprocs=2, start_method="forkserver", timeout=60)[0]
     assert sorted(out["keys"]) == [(False, True), (True, False)]
     assert torch.allclose(out["g1"], out["want1"]) and torch.allclose(out["g2"], out["want2"])
+
+
+def _sparse_rank(rank):
+    from spmd.runtime import autograd as dist_autograd
+
+    rpc = _init(rank, 2)
+    out = {}
+    if rank == 0:
+        i = torch.tensor([[0, 1, 2], [2, 0, 1]])
+        t1 = torch.sparse_coo_tensor(i, torch.tensor([1.0, 2.0, 3.0]), (3, 3)).requires_grad_()
+        t2 = torch.sparse_coo_tensor(i, torch.tensor([0.5, 0.5, 0.5]), (3, 3)).requires_grad_()
+        with dist_autograd.context() as cid:
+            ret = rpc.rpc_sync("w1", torch.mul, args=(t1, t2))
+            out["requires_grad"] = ret.requires_grad
+            dist_autograd.backward(cid, [torch.sparse.sum(ret)])
+            grads = dist_autograd.get_gradients(cid)
+            out["g1"], out["g2"] = grads[t1].to_dense(), grads[t2].to_dense()
+        w1, w2 = torch.autograd.grad(torch.sparse.sum(torch.mul(t1, t2)), [t1, t2])
+        out["want1"], out["want2"] = w1.to_dense(), w2.to_dense()
+    rpc.shutdown(timeout=30)
+    return out
+
+
+def test_sparse_tensors_keep_requires_grad_and_their_gradients_across_workers():
+    # torch's pickling of a sparse tensor drops requires_grad: it used to arrive as a
+    # constant, and the caller's backward had no graph to run (or silently missed it)
+    out = spawn(_sparse_rank, nprocs=2, start_method="forkserver", timeout=60)[0]
+    assert out["requires_grad"]
+    assert torch.equal(out["g1"], out["want1"]) and torch.equal(out["g2"], out["want2"])
