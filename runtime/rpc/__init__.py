@@ -17,8 +17,9 @@ Example::
 """
 
 from spmd.runtime.rpc import backend_registry, constants, faults, functions
-from spmd.runtime.rpc.api import (debug_info, get_all_worker_infos, get_worker_info, init_rpc,
-                                  remote, rpc_async, rpc_sync)
+from spmd.runtime.rpc.api import (_set_rpc_timeout, debug_info, get_all_worker_infos,  # noqa: F401
+                                  get_rpc_timeout, get_worker_info, init_rpc, remote, rpc_async,
+                                  rpc_sync)
 from spmd.runtime.rpc.options import (UNSET_RPC_TIMEOUT, BackendType, RemoteError,
                                       RpcBackendOptions, TensorPipeRpcBackendOptions,
                                       WorkerInfo)
@@ -28,7 +29,7 @@ from spmd.runtime.rpc.shutdown import shutdown
 
 __all__ = [
     "init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "get_worker_info",
-    "get_all_worker_infos", "debug_info", "is_available", "RRef", "WorkerInfo",
+    "get_all_worker_infos", "get_rpc_timeout", "debug_info", "is_available", "RRef", "WorkerInfo",
     "RpcBackendOptions", "TensorPipeRpcBackendOptions", "BackendType", "RemoteError",
     "UNSET_RPC_TIMEOUT", "functions", "faults", "RemoteModule", "backend_registry",
     "constants",

@@ -326,8 +326,7 @@ class RpcAgent:
                     heapq.heappush(self._heap, (now + entry.gap, rid, True))
                     self.pool.put((self._resend, (entry,)))
             elif self.pending.pop(rid, None) is entry:
-                self._fail(entry, DistTimeoutError(f"{entry.what} timed out after "
-                                                   f"{entry.timeout:g}s"))
+                self._fail(entry, rpc_timeout_error(entry.what, entry.timeout))
         if now >= self._next_purge:
             self._next_purge = now + _SEEN_KEEP
             self.seen = {k: t for k, t in self.seen.items() if now - t < _SEEN_KEEP}
@@ -406,6 +405,8 @@ class RpcAgent:
             return
         if not isinstance(future, torch._C.Future):
             self.respond(peer, rid, None, WrongTypeError(
+                f"Functions decorated with @rpc.async_function must return a "
+                f"torch.futures.Future object, but got {type(future).__name__}: "
                 f"{getattr(func, '__qualname__', func)!r} is an async_execution function but "
                 f"returned {type(future).__name__}, not a torch.futures.Future"))
             return
@@ -514,6 +515,14 @@ class RpcAgent:
 
 
 _ANSWERS = frozenset({Kind.RESPONSE, Kind.ERROR})
+def rpc_timeout_error(what: str | Callable[[], str], seconds: float) -> DistTimeoutError:
+    """The error of a call that ran past its timeout (torch's phrase included, for code
+    that matches it)."""
+    label = what() if callable(what) else what
+    return DistTimeoutError(f"{label} timed out after {seconds:g}s (RPC ran for more than "
+                            f"{seconds * 1000:g} ms)")
+
+
 _autograd_module: Any = None
 
 

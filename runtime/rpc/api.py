@@ -21,17 +21,17 @@ import torch
 
 from spmd.runtime import context
 from spmd.runtime.autograd.contexts import current_context
-from spmd.runtime.errors import DistError, DistTimeoutError, InvalidArgumentError
+from spmd.runtime.errors import DistError, InvalidArgumentError
 from spmd.runtime.rendezvous import rendezvous
 from spmd.runtime import config
-from spmd.runtime.rpc.agent import RpcAgent
+from spmd.runtime.rpc.agent import RpcAgent, rpc_timeout_error
 from spmd.runtime.rpc.options import (UNSET_RPC_TIMEOUT, BackendType, RpcBackendOptions,
-                                      WorkerInfo, check_name, resolve_timeout)
+                                      WorkerInfo, _positive, check_name, resolve_timeout)
 from spmd.runtime.rpc.wire import Kind
 from spmd.runtime.store.prefix_store import PrefixStore
 
 __all__ = ["init_rpc", "rpc_sync", "rpc_async", "remote", "get_worker_info",
-           "get_all_worker_infos", "current_agent", "wait_sync"]
+           "get_all_worker_infos", "get_rpc_timeout", "current_agent", "wait_sync"]
 
 log = logging.getLogger("spmd.runtime.rpc")
 _STATE_KEY = "rpc"
@@ -181,7 +181,8 @@ def _resolve(agent: RpcAgent, to: Any, op: str) -> int:
     if isinstance(to, str):
         info = agent.by_name.get(to)
         if info is None:
-            raise InvalidArgumentError(f"{op}: no worker is called {to!r}; workers are "
+            raise InvalidArgumentError(f"{op}: no worker is called {to!r} (could not find "
+                             f"destination); workers are "
                              f"{sorted(agent.by_name)}")
         return info.id
     if isinstance(to, int) and not isinstance(to, bool):
@@ -237,7 +238,7 @@ def wait_sync(agent: RpcAgent, entry: Any) -> Any:
     """Wait for a ``sync`` request's answer (the caller unpickles it); its deadline holds."""
     if not entry.waiter.acquire(timeout=max(entry.deadline - time.monotonic(), 0.0)):
         if agent.pending.pop(entry.rid, None) is entry:
-            raise DistTimeoutError(f"{entry.what} timed out after {entry.timeout:g}s")
+            raise rpc_timeout_error(entry.what, entry.timeout)
         if not entry.waiter.acquire(timeout=10.0):  # answered at the deadline: imminent
             raise DistError(f"{entry.what}: lost its answer")
     return agent.finish(entry)
@@ -356,6 +357,18 @@ def get_all_worker_infos() -> list[WorkerInfo]:
     """
     agent = current_agent("get_all_worker_infos")
     return [agent.infos[r] for r in sorted(agent.infos)]
+
+
+def get_rpc_timeout() -> float:
+    """This worker's default RPC timeout in seconds (``rpc_timeout`` of its options, or
+    what ``_set_rpc_timeout`` set since)."""
+    return current_agent("get_rpc_timeout").timeout
+
+
+def _set_rpc_timeout(rpc_timeout: float) -> None:
+    """Change this worker's default RPC timeout (seconds, positive), as torch's private
+    ``rpc._set_rpc_timeout`` does; calls already sent keep theirs."""
+    current_agent("_set_rpc_timeout").timeout = _positive(rpc_timeout, "rpc_timeout")
 
 
 def debug_info() -> dict[str, int]:

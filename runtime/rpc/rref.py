@@ -26,8 +26,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from spmd.runtime.errors import DistTimeoutError, InvalidArgumentError
-from spmd.runtime.rpc.agent import AsyncResult, done_within, is_async
+from spmd.runtime.errors import InvalidArgumentError
+from spmd.runtime.rpc.agent import AsyncResult, done_within, is_async, rpc_timeout_error
 from spmd.runtime.rpc.options import UNSET_RPC_TIMEOUT, WorkerInfo, resolve_timeout
 from spmd.runtime.rpc.serialize import loading
 from spmd.runtime.rpc.wire import Kind
@@ -164,7 +164,7 @@ class RRefContext:
 
 def _wait(future: torch.futures.Future, timeout: float, what: Callable[[], str]) -> Any:
     if not done_within(future, timeout):
-        raise DistTimeoutError(f"{what()} timed out after {timeout:g}s")
+        raise rpc_timeout_error(what, timeout)
     return future.wait()
 
 
@@ -393,8 +393,11 @@ def _type_names(rref: RRef) -> frozenset[str]:
 def _owner_backward(rref: RRef, context_id: int, retain_graph: bool) -> None:
     root = rref.local_value()
     if not isinstance(root, torch.Tensor) or root.numel() != 1 or not root.requires_grad:
+        why = ("RRef should contain a tensor for .backward()" if not isinstance(root, torch.Tensor)
+               else "tensors does not require grad and does not have a grad_fn"
+               if not root.requires_grad else "the value is not a scalar")
         raise InvalidArgumentError(
-            f"RRef.backward: the value must be a scalar tensor that requires grad, got "
+            f"RRef.backward: {why}; the value must be a scalar tensor that requires grad, got "
             f"{type(root).__name__}" + (f" of shape {tuple(root.shape)}"
                                          if isinstance(root, torch.Tensor) else ""))
     if context_id == -1:
