@@ -135,7 +135,9 @@ def scatter_object_list(scatter_object_output_list: list, scatter_object_input_l
     out = _object_list(scatter_object_output_list, "scatter_object_list",
                        "scatter_object_output_list")
     if not out:
-        raise ValueError("scatter_object_list: scatter_object_output_list needs at least one slot")
+        raise ValueError("scatter_object_list: scatter_object_output_list needs at least one "
+                         "slot (Expected argument scatter_object_output_list to be a list of "
+                         "size at least 1.)")
     root = pg.group_rank(src, "scatter_object_list: src")
     dev = _device(pg)
     if pg.rank() == root:
@@ -194,8 +196,10 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: timedelta | No
                     break
         if missing:
             names = ", ".join(map(str, missing))
-            message = (f"monitored_barrier on process group {pg.name!r}: rank {names} did not "
-                       f"arrive within {seconds:g}s")
+            message = (f"monitored_barrier on process group {pg.name!r}: "
+                       f"{'Rank' if len(missing) == 1 else 'Ranks'} {names} failed to pass "
+                       f"monitoredBarrier in {seconds * 1000:g} ms (rank {names} did not arrive "
+                       f"within {seconds:g}s)")
             store.set(result_key, message)
             raise DistTimeoutError(message)
         store.set(result_key, b"ok")

@@ -454,3 +454,10 @@ class Work:
         """The operation's output (e.g. the sender of a recv), after waiting."""
         self.wait()
         return self._result
+
+    def _source_rank(self) -> int:
+        """The sender of a receive from any source (torch's ``Work._source_rank``)."""
+        value = self.result()
+        if not isinstance(value, int):
+            raise RuntimeError("_source_rank: this work is not a receive")
+        return value

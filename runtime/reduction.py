@@ -10,6 +10,11 @@ import torch.distributed as _dist
 __all__ = ["ReduceOp"]
 
 
+class UnsupportedComplexOpError(TypeError, ValueError):
+    """MIN, MAX or PRODUCT asked of complex tensors: a ``TypeError`` as our other dtype
+    refusals are, and the ``ValueError`` torch raises there."""
+
+
 class ReduceOp(enum.Enum):
     """How collectives combine the ranks' values.
 
@@ -54,8 +59,10 @@ class ReduceOp(enum.Enum):
             raise TypeError(f"{what}: ReduceOp.AVG needs a floating-point or complex tensor "
                             f"(an integer average is not exact), got {dtype}")
         if self in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT) and dtype.is_complex:
-            raise TypeError(f"{what}: ReduceOp.{self.name} is not supported for complex tensors "
-                            f"(they travel as pairs of reals)")
+            raise UnsupportedComplexOpError(
+                f"{what}: ReduceOp.{self.name} is not supported for complex tensors (they "
+                f"travel as pairs of reals): {what} does not support {self.name} on complex "
+                f"tensors")
 
     def to_torch(self) -> _dist.ReduceOp:
         return getattr(_dist.ReduceOp, self.name)
