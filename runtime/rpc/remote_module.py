@@ -27,12 +27,19 @@ from spmd.runtime.rpc.rref import RRef
 __all__ = ["RemoteModule"]
 
 
+class NotAModuleError(TypeError, ValueError):
+    """module_cls built something that is not an nn.Module: a ``TypeError``, and the
+    ``ValueError`` torch raises there."""
+
+
 def _create(module_cls: Callable[..., nn.Module], args: tuple, kwargs: dict,
             device: str) -> nn.Module:
     module = module_cls(*args, **kwargs)
     if not isinstance(module, nn.Module):
-        raise TypeError(f"RemoteModule: module_cls must build an nn.Module, got "
-                        f"{type(module).__name__}")
+        raise NotAModuleError(f"RemoteModule: module_cls must build an nn.Module, got "
+                              f"{type(module).__name__} (Expect `module_cls(*args, **kwargs)` "
+                              f"returns an instance of <class nn.Module>, but it returns an "
+                              f"instance of {type(module)}.)")
     return module.to(device)
 
 
@@ -144,5 +151,7 @@ for _name in ("parameters", "named_parameters", "buffers", "named_buffers", "chi
               "named_children", "modules", "named_modules", "state_dict", "load_state_dict",
               "to", "cuda", "cpu", "type", "float", "double", "half", "bfloat16",
               "requires_grad_", "zero_grad", "share_memory", "apply",
-              "register_buffer", "register_parameter", "add_module"):
+              "register_buffer", "register_parameter", "add_module", "ipu", "xpu",
+              "register_backward_hook", "register_forward_pre_hook", "register_forward_hook",
+              "extra_repr"):
     setattr(RemoteModule, _name, _refuse(_name))
