@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 # The CPU build of torch 2.13.0; pyproject.toml itself accepts a range.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench clean torch-suites
 
 setup: $(STAMP)
 
@@ -24,6 +24,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# PyTorch's own distributed tests with their imports pointed at spmd.runtime, all of them
+# (make test runs a sample); counts by suite and each failure's cause at the end
+torch-suites: $(STAMP)
+	-SPMD_TORCH_SUITES=all $(PY) -m pytest tests/torch_suites -q -p no:warnings \
+	    --junitxml=torch-suites.xml
+	$(PY) -m tests.torch_suites.report torch-suites.xml
 
 bench: $(STAMP)
 	$(PY) benchmarks/ddp.py

@@ -1,0 +1,140 @@
+"""Which of PyTorch's own tests run, and which are known exceptions.
+
+Every test of torch's suites spawns fresh processes that import torch (about 10 s each
+here), so the whole of them (``make torch-suites``, about 1.5 hours on 2 cores) is not
+part of ``make test``: that runs ``SAMPLE``, a few tests of each suite. ``SPMD_TORCH_SUITES=all``
+runs everything. ``EXCEPTIONS`` lists, by cause, the tests that read torch's internals
+or an exact message of torch's; they are expected to fail (xfail, not strict) and
+nothing else is.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+
+import pytest
+
+# cause -> patterns of "Class::test" (the class names the test files generate)
+EXCEPTIONS: dict[str, tuple[str, ...]] = {
+    "TorchScript: torch.jit functions and modules compile remote calls into torch's C++ "
+    "RPC operators": (
+        "*::*script*", "*::*torchscript*", "*::*_jit_*", "TensorPipeRpcTest::test_rref_get_future",
+        # each also builds a RemoteModule from a scripted module
+        "TensorPipeRemoteModuleTest::test_forward_sync", "TensorPipeRemoteModuleTest::test_forward_async",
+    ),
+    "torch's profiler: remote events and RPC profiling keys recorded by torch's C++ agent, "
+    "and event counts of torch's c10d dispatcher": (
+        "*::*profil*", "TensorPipe*::test_rref_type_*", "TensorPipe*::test_rref_get_type_*",
+        "TestDistBackendWithSpawn::test_all_gather_coalesced_*",
+        "TestDistBackendWithSpawn::test_all_reduce_coalesced_*",
+    ),
+    "private internals: the autograd graph's send/recv functions (_current_context, "
+    "_retrieve_context), the agent object, _all_gather/_wait_all/_barrier helpers, RRef "
+    "debug counters, the RPC pickler, _get_default_group": (
+        "*DistAutogradTest::test_graph_for_*", "*DistAutogradTest::test_no_graph_with_*",
+        "*DistAutogradTest::test_*complex_args*", "*DistAutogradTest::test_context_cleanup_*",
+        "*DistAutogradTest::test_worker_ids_recorded", "*DistAutogradTest::test_debug_info",
+        "*DistAutogradTest::test_autograd_context", "*DistAutogradTest::test_clean_context_*",
+        "TensorPipeRpcTest::test_all_gather*", "TensorPipeRpcTest::test_rpc_barrier_*",
+        "TensorPipe*::test_wait_all_workers*", "TensorPipeRpcTest::test_wait_all",
+        "TensorPipeRpcTest::test_wait_all_multiple_call", "TensorPipeRpcTest::test_wait_all_raise_*",
+        "TensorPipeRpcTest::test_wait_all_timeout", "TensorPipeRpcTest::test_get_worker_infos",
+        "TensorPipeRpcTest::test_debug_info", "TensorPipeRpcTest::test_rref_context_debug_info",
+        "TensorPipeRpcTest::test_use_rpc_pickler", "TensorPipeRpcTest::test_py_nested_pickle",
+        "TensorPipeRpcTest::test_duplicate_name", "TensorPipeRpcTest::test_shutdown_errors",
+        "TensorPipeRpcTest::test_register_rpc_backend_and_set_and_start_rpc_backend",
+        "TensorPipeTensorPipeAgentRpcTest::test_infer_backend_from_options",
+        "TensorPipeTensorPipeAgentRpcTest::test_set_and_get_num_worker_threads",
+        "TestDistBackendWithSpawn::test_all_gather_object_subgroup",
+        "TensorPipeThreeWorkersRemoteModuleTest::test_send_remote_module_over_the_wire",
+        "TensorPipeRpcTest::test_rref_leak",
+    ),
+    "an exact message or C++ repr of torch's": (
+        "TensorPipeRpcTest::test_local_value_not_on_owner", "TensorPipeRpcTest::test_rref_str",
+        "TensorPipeRpcTest::test_use_rref_after_shutdown", "TensorPipeRpcTest::test_wrong_types",
+        "TensorPipeTensorPipeAgentRpcTest::test_tensorpipe_options_throw_on_timedelta_timeout",
+        "TensorPipeTensorPipeAgentRpcTest::test_mismatched_type_for_options",
+        "TensorPipeRpcTest::test_cannot_infer_backend_from_options",
+        "TensorPipeRemoteModuleTest::test_remote_module_py_pickle_not_supported",
+    ),
+    "gap: RemoteModule.init_from_module_rref": (
+        "TensorPipeThreeWorkersRemoteModuleTest::test_create_remote_module_from_module_rref",
+    ),
+    "torch's bookkeeping: num_keys() counts torch's internal key of a TCPStore or FileStore "
+    "(ours counts the keys users set), torch's C++ trampoline tester _test_python_store, "
+    "ranks as threads over torch's internal world table (MultiThreadedTestCase)": (
+        "FileStoreTest::test_set_get", "PrefixFileStoreTest::test_set_get",
+        "TCPStoreTest::test_set_get", "PrefixTCPStoreTest::test_set_get",
+        "TCPStoreTest::test_numkeys_delkeys",
+        "PythonStoreTest::test_set_get", "TestMultiThreadedWait::*",
+    ),
+    "deliberate: a host name that does not resolve fails at once, naming it (torch retries "
+    "until the timeout); rpc.shutdown() closes its FileStore, and the last user of a file "
+    "deletes it (torch leaves it)": (
+        "RendezvousTCPTest::test_dns_timeout", "FileStoreTest::test_init_pg_and_rpc_with_same_file",
+    ),
+    # not internals: what this runtime does not do yet (README, "PyTorch's own tests")
+    "gap: torch's DistributedDataParallel takes torch's C++ ProcessGroup, not an "
+    "spmd.runtime group object (group.to_torch() is), and its C++ reducer does not see "
+    "spmd.runtime's distributed-autograd contexts": (
+        "TensorPipeDdp*::*", "TestDistBackendWithSpawn::test_accumulate_gradients_no_sync*",
+    ),
+    "gap: torch's ProcessGroup object methods (pg.allreduce, pg.monitored_barrier)": (
+        "TestDistBackendWithSpawn::test_get_future",
+        "TestDistBackendWithSpawn::test_monitored_barrier_gloo_rank_0_timeout",
+    ),
+    "gap: sparse all_reduce (refused with an error naming the layout)": (
+        "TestDistBackendWithSpawn::test_sparse_all_reduce_sum",
+    ),
+    "gap: dynamic RPC membership (init_rpc without world_size)": (
+        "TensorPipeTensorPipeAgentRpcTest::test_dynamic_*",
+    ),
+}
+
+# run by `make test` (and CI): cheap, representative tests of each suite
+SAMPLE: tuple[str, ...] = (
+    "TensorPipeRpcTest::test_rref_forward_chain",
+    "TensorPipeRpcTest::test_multi_layer_nested_async_rpc",
+    "TensorPipeRpcTest::test_wait_all_with_exception",
+    "TensorPipeRpcTest::test_future_nested_callback",
+    "TensorPipeParameterServerTest::test_batch_updating_parameter_server",
+    "TensorPipeDistAutogradTest::test_backward_simple",
+    "TensorPipeDistAutogradTest::test_backward_rref",
+    "TensorPipeDistAutogradTest::test_trainer_ps",
+    "TensorPipeTensorPipeAgentDistAutogradTest::test_backward_simple_sparse",
+    "TensorPipeDistOptimizerTest::test_dist_optim",
+    "TensorPipeReinforcementLearningRpcTest::test_rl_rpc",
+    "TestDistBackendWithSpawn::test_all_reduce_sum",
+    "TestDistBackendWithSpawn::test_broadcast",
+    "TestDistBackendWithSpawn::test_all_gather",
+    "TestDistBackendWithSpawn::test_send_recv",
+    "TestDistBackendWithSpawn::test_barrier",
+)
+
+
+def _exception(key: str) -> str | None:
+    for cause, patterns in EXCEPTIONS.items():
+        if any(fnmatch.fnmatchcase(key, p) for p in patterns):
+            return cause
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    everything = os.environ.get("SPMD_TORCH_SUITES") == "all"
+    keep, drop = [], []
+    for item in items:
+        if "torch_suites" not in str(item.fspath):
+            keep.append(item)
+            continue
+        key = f"{item.cls.__name__ if item.cls else ''}::{item.name}"
+        cause = _exception(key)
+        if not everything and key not in SAMPLE:
+            drop.append(item)
+            continue
+        if cause is not None:
+            item.add_marker(pytest.mark.xfail(reason=cause, strict=False))
+        keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
