@@ -33,6 +33,7 @@ from spmd.runtime.rpc import wire
 __all__ = ["Transport"]
 
 log = logging.getLogger("spmd.runtime.rpc")
+_CONNECT_MIN = 5.0  # seconds a first connection may take, whatever the call's timeout
 _TICK = 0.05  # the I/O thread looks at its timers and new monitors at least this often
 _MAX_PENDING_HANDSHAKES = 4096
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
@@ -135,6 +136,10 @@ class Transport:
             link.lock.release()
 
     def _connect(self, link: _Link, deadline: float) -> None:
+        # A connection is set up once, on first use, and outlives the call that opens it:
+        # a call with a tiny timeout (torch's tests set 1 ms) times out itself, but the
+        # handshake gets at least _CONNECT_MIN, as torch's connect-at-init does
+        deadline = max(deadline, time.monotonic() + _CONNECT_MIN)
         peer, address = link.peer, self.addresses[link.peer]
         sock = self.zctx.socket(zmq.DEALER)
         for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0),
