@@ -183,7 +183,7 @@ class RpcAgent:
             enc = encode((func, args, kwargs), state)
         except TypeError as e:
             label = what() if callable(what) else what
-            raise TypeError(f"{label}: {e}") from e.__cause__
+            raise WrongTypeError(f"{label}: {e}") from e.__cause__
         ctx_id = grad_msg = -1
         if ctx is not None:
             ctx_id = ctx.context_id
@@ -257,7 +257,7 @@ class RpcAgent:
             try:
                 enc = encode(value, state)
             except TypeError as e:
-                error = TypeError(f"the result of the call cannot be sent back: {e}")
+                error = WrongTypeError(f"the result of the call cannot be sent back: {e}")
         if error is not None:
             kind = Kind.ERROR
             state = DumpState(self, None, False)

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from spmd.runtime.errors import WrongTypeError
 from spmd.runtime.rpc import wire
 from spmd.runtime.rpc.options import RemoteError
 
@@ -253,7 +254,8 @@ def encode(obj: Any, state: DumpState) -> Encoded:
         payload = file.getvalue()
     except Exception as e:
         state.rollback()
-        raise TypeError(f"cannot pickle {type(e).__name__}: {e}") from e
+        # a TypeError, and the RuntimeError torch raises ("Can not pickle torch.futures.Future")
+        raise WrongTypeError(f"cannot pickle {type(e).__name__}: {e}") from e
     finally:
         pickler.clear_memo()  # the memo would keep the arguments alive
         file.seek(0)

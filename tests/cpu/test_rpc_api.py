@@ -174,7 +174,8 @@ def _bad_input_rank(rank):
             call()
             out[name] = None
         except (TypeError, ValueError, RuntimeError) as e:
-            out[name] = (type(e).__name__, str(e))
+            # every class the error is (one may also be a RuntimeError, as torch's is)
+            out[name] = ([c.__name__ for c in type(e).__mro__], str(e))
     out["sent"] = rpc.rpc_sync("w0", _calls_seen)
     out["debug"] = rpc.debug_info()
     rpc.shutdown(timeout=10)
@@ -199,7 +200,7 @@ def test_bad_input_raises_before_anything_is_sent():
                 "remote lambda": ("TypeError", "cannot pickle"),
                 "again": ("RuntimeError", "already initialized")}
     for name, (kind, text) in expected.items():
-        assert out[name] is not None and out[name][0] == kind and text in out[name][1], \
+        assert out[name] is not None and kind in out[name][0] and text in out[name][1], \
             (name, out[name])
     assert out["sent"] == []  # none of the bad calls ran
     assert out["debug"]["pending_requests"] == 0 and out["debug"]["owner_rrefs"] == 0
