@@ -133,7 +133,8 @@ class context:
         agent = current_agent("dist_autograd.context")
         if _local.ctx is not None:
             raise RuntimeError("dist_autograd.context: this thread is already inside context "
-                               f"{_local.ctx.context_id}; contexts do not nest")
+                               f"{_local.ctx.context_id}; contexts do not nest (Already have "
+                               f"an autograd context id for this thread)")
         context_id = (agent.rank << 48) | next(_context_ids)
         self._ctx = ctx = DistAutogradContext(agent, context_id)
         with agent.contexts_lock:

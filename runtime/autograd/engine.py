@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from spmd.runtime.autograd.contexts import DistAutogradContext
+from spmd.runtime.errors import InvalidArgumentError
 from spmd.runtime.rpc.agent import AsyncResult
 from spmd.runtime.rpc.wire import Kind
 
@@ -42,8 +43,10 @@ def _context(agent: Any, context_id: Any, op: str) -> DistAutogradContext:
         raise TypeError(f"{op}: context_id must be an int, got {type(context_id).__name__}")
     ctx = agent.contexts.get(context_id)
     if ctx is None:
-        raise ValueError(f"{op}: no distributed autograd context {context_id} on "
-                         f"{agent.describe(agent.rank)} (it ended, or never started here)")
+        raise InvalidArgumentError(
+            f"{op}: no distributed autograd context {context_id} on "
+            f"{agent.describe(agent.rank)} (it ended, or never started here): Could not find "
+            f"autograd context with id: {context_id}")
     return ctx
 
 

@@ -42,7 +42,7 @@ def current_agent(op: str) -> RpcAgent:
     """This worker's agent; ``RuntimeError`` before ``init_rpc``."""
     agent = context.current().state.get(_STATE_KEY)
     if agent is None:
-        raise RuntimeError(f"{op}: RPC is not initialized on this worker; call "
+        raise RuntimeError(f"RPC has not been initialized on this worker ({op}); call "
                            f"spmd.runtime.rpc.init_rpc() first")
     return agent
 
@@ -142,8 +142,9 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
         names: dict[str, int] = {}
         for r, rec in records.items():
             if rec["name"] in names:
-                raise ValueError(f"init_rpc: ranks {names[rec['name']]} and {r} are both "
-                                 f"called {rec['name']!r}; worker names must be unique")
+                raise InvalidArgumentError(
+                    f"init_rpc: ranks {names[rec['name']]} and {r} are both called "
+                    f"{rec['name']!r}; worker names must be unique (the name is not unique)")
             names[rec["name"]] = r
         ctx.state[_STATE_KEY] = agent  # before start: a peer's first call may come at once
         agent.start(records)

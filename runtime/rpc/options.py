@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from spmd.runtime.errors import DistError
+from spmd.runtime.errors import DistError, InvalidArgumentError
 
 __all__ = ["RpcBackendOptions", "TensorPipeRpcBackendOptions", "BackendType", "WorkerInfo",
            "RemoteError", "UNSET_RPC_TIMEOUT", "resolve_timeout"]
@@ -46,6 +46,9 @@ class WorkerInfo:
 
     name: str
     id: int
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
 
 
 def _check_device(device: Any, what: str) -> str:
@@ -155,7 +158,10 @@ def check_name(name: Any) -> str:
     """A worker name: 1-128 characters of letters, digits, ``_ - : .``."""
     if not isinstance(name, str):
         raise TypeError(f"init_rpc: name must be a str, got {type(name).__name__}")
+    if not name:
+        raise InvalidArgumentError("worker name must be non-empty")
     if not _NAME.match(name):
-        raise ValueError(f"init_rpc: worker name {name!r} must be 1-128 characters of letters, "
-                         f"digits, '_', '-', ':' or '.'")
+        raise InvalidArgumentError(
+            f"worker name {name!r} must be 1-128 characters of letters, digits, '_', '-', ':' "
+            f"or '.' (Worker name must match ^[A-Za-z0-9_\\-:.]{{1,128}}$)")
     return name

@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from spmd.runtime.errors import InvalidArgumentError
+from spmd.runtime.errors import InvalidArgumentError, WrongTypeError
 from spmd.runtime.rpc.agent import AsyncResult, done_within, is_async, rpc_timeout_error
 from spmd.runtime.rpc.options import UNSET_RPC_TIMEOUT, WorkerInfo, resolve_timeout
 from spmd.runtime.rpc.serialize import loading
@@ -343,7 +343,8 @@ class RRef(Generic[T]):
         return _rebuild_rref, (rref_id, fork_id, self._owner, agent.rank)
 
     def __reduce__(self) -> Any:
-        raise TypeError("an RRef can only be pickled inside an RPC (as an argument or result)")
+        raise WrongTypeError("an RRef can only be pickled inside an RPC (as an argument or "
+                             "result): Can not pickle rref in python pickler")
 
     def __del__(self) -> None:
         try:
@@ -395,7 +396,9 @@ def _owner_backward(rref: RRef, context_id: int, retain_graph: bool) -> None:
     if not isinstance(root, torch.Tensor) or root.numel() != 1 or not root.requires_grad:
         why = ("RRef should contain a tensor for .backward()" if not isinstance(root, torch.Tensor)
                else "tensors does not require grad and does not have a grad_fn"
-               if not root.requires_grad else "the value is not a scalar")
+               if not root.requires_grad
+               else "the value is not a scalar (grad can be implicitly created only for "
+                    "scalar outputs)")
         raise InvalidArgumentError(
             f"RRef.backward: {why}; the value must be a scalar tensor that requires grad, got "
             f"{type(root).__name__}" + (f" of shape {tuple(root.shape)}"

@@ -154,7 +154,7 @@ def _bad_input_rank(rank):
         try:
             call()
         except (TypeError, ValueError) as e:
-            out[name] = type(e).__name__
+            out[name] = "ValueError" if isinstance(e, ValueError) else type(e).__name__
     rpc = _init(rank, 1)
     checks = {
         "unknown name": lambda: rpc.rpc_sync("nobody", _count, args=(1,)),

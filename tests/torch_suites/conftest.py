@@ -69,9 +69,11 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
         "TCPStoreTest::test_numkeys_delkeys",
         "PythonStoreTest::test_set_get", "TestMultiThreadedWait::*",
     ),
-    "deliberate: a host name that does not resolve fails at once, naming it (torch retries "
-    "until the timeout); rpc.shutdown() closes its FileStore, and the last user of a file "
-    "deletes it (torch leaves it)": (
+    "deliberate: no infinite timeouts (torch reads 0 as infinite; ours refuses it); a host "
+    "name that does not resolve fails at once, naming it (torch retries until the timeout); "
+    "rpc.shutdown() closes its FileStore, and the last user of a file deletes it (torch "
+    "leaves it)": (
+        "TensorPipeRpcTest::test_default_timeout_used",
         "RendezvousTCPTest::test_dns_timeout", "FileStoreTest::test_init_pg_and_rpc_with_same_file",
     ),
     # not internals: what this runtime does not do yet (README, "PyTorch's own tests")
