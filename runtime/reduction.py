@@ -52,7 +52,11 @@ class ReduceOp(enum.Enum):
 
     def check_dtype(self, dtype: torch.dtype, what: str) -> None:
         """Raise ``TypeError`` when this op is undefined for ``dtype``."""
-        if self in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
+        if self in _BITWISE and dtype.is_complex:
+            raise UnsupportedComplexOpError(
+                f"{what}: ReduceOp.{self.name} needs an integer or bool tensor, got {dtype}: "
+                f"{what} does not support {self.name} on complex tensors")
+        if self in _BITWISE and dtype.is_floating_point:
             raise TypeError(f"{what}: ReduceOp.{self.name} needs an integer or bool tensor, "
                             f"got {dtype}")
         if self is ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
