@@ -274,34 +274,58 @@ def decode(payload: Any, buffers: list[Any], state: LoadState) -> Any:
         loading.state = previous
 
 
+_TRACEBACK_MAX = 16384  # characters of one remote traceback kept (head and tail)
+
+
 def pack_exception(exc: BaseException) -> tuple[str, str, str, bytes | None]:
-    """(type name, message, formatted traceback, the pickled exception or None)."""
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    """(type name, message, formatted traceback, the pickled exception or None).
+
+    An exception that itself came from another worker passes on as it is: its message
+    already carries the traceback where it was raised. Wrapping it again at every hop
+    doubled the text each time (a backward error four workers deep came back as 365 kB
+    of nested tracebacks)."""
+    cls = type(exc)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if getattr(exc, "_spmd_remote", False):
+        return name, str(exc), "", _pickled(exc)
+    text = "".join(traceback.format_exception(cls, exc, exc.__traceback__))
+    if len(text) > _TRACEBACK_MAX:
+        half = _TRACEBACK_MAX // 2
+        text = f"{text[:half]}\n[... {len(text) - _TRACEBACK_MAX} characters ...]\n{text[-half:]}"
+    return name, str(exc), text, _pickled(exc)
+
+
+def _pickled(exc: BaseException) -> bytes | None:
     try:
         raw: bytes | None = pickle.dumps(exc, protocol=5)
         pickle.loads(raw)
     except Exception:
         raw = None
-    cls = type(exc)
-    return f"{cls.__module__}.{cls.__qualname__}", str(exc), text, raw
+    return raw
 
 
 def unpack_exception(info: tuple, where: str) -> BaseException:
     """The remote exception, rebuilt with its type where possible; the message carries the
-    remote traceback and ``where`` it happened."""
+    remote traceback and ``where`` it happened (once: one passed on by a worker in
+    between keeps the traceback of where it was raised)."""
     type_name, message, text, raw = info
-    full = f"{message}\n\nRemote traceback ({where}):\n{text.rstrip()}"
+    full = f"{message}\n\nRemote traceback ({where}):\n{text.rstrip()}" if text else message
     cls = None
     if raw is not None:
         try:
             cls = type(pickle.loads(raw))
         except Exception:
             cls = None
+    exc: BaseException = RemoteError(f"{type_name}: {full}") if text else RemoteError(full)
     if cls is not None:
         try:
-            exc = cls(full)
-            if exc.args and exc.args[0] == full:
-                return exc
+            rebuilt = cls(full)
+            if rebuilt.args and rebuilt.args[0] == full:
+                exc = rebuilt
         except Exception:
             pass
-    return RemoteError(f"{type_name}: {full}")
+    try:
+        exc._spmd_remote = True  # type: ignore[attr-defined]
+    except Exception:
+        pass
+    return exc

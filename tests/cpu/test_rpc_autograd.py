@@ -253,3 +253,36 @@ def test_sparse_tensors_keep_requires_grad_and_their_gradients_across_workers():
     out = spawn(_sparse_rank, nprocs=2, start_method="forkserver", timeout=60)[0]
     assert out["requires_grad"]
     assert torch.equal(out["g1"], out["want1"]) and torch.equal(out["g2"], out["want2"])
+
+
+def _boom():
+    raise ValueError("boom at the end of the chain")
+
+
+def _relay(hops):
+    from spmd.runtime import rpc
+
+    if hops == 0:
+        return _boom()
+    return rpc.rpc_sync(f"w{1 + hops % 2}", _relay, args=(hops - 1,))
+
+
+def _chain_rank(rank):
+    rpc = _init(rank, 3)
+    out = {}
+    if rank == 0:
+        try:
+            rpc.rpc_sync("w1", _relay, args=(6,))
+        except ValueError as e:
+            out = {"text": str(e)}
+    rpc.shutdown(timeout=30)
+    return out
+
+
+def test_an_error_passed_along_a_chain_keeps_one_traceback():
+    # each worker in between used to wrap the error again, its message and traceback both
+    # carrying the previous text: the size doubled per hop (365 kB after a backward four
+    # workers deep), enough to block a pipe torch's test runner reads
+    text = spawn(_chain_rank, nprocs=3, start_method="forkserver", timeout=60)[0]["text"]
+    assert "boom at the end of the chain" in text
+    assert text.count("Remote traceback") == 1 and len(text) < 8000, len(text)
