@@ -515,6 +515,8 @@ class RpcAgent:
 
 
 _ANSWERS = frozenset({Kind.RESPONSE, Kind.ERROR})
+
+
 def rpc_timeout_error(what: str | Callable[[], str], seconds: float) -> DistTimeoutError:
     """The error of a call that ran past its timeout (torch's phrase included, for code
     that matches it)."""

@@ -228,13 +228,10 @@ class Store(abc.ABC):
         overriding public methods) has them when it overrides them, or overrides ``get``
         and ``compare_set``, from which they are built; a subclass that overrides none of
         these has not, as in torch."""
-        cls = type(self)
-        if cls._multi_get is not Store._multi_get:  # one of ours (or a wrapper of one)
+        if self._overridden("_multi_get"):  # one of ours (or a wrapper of one)
             return True
-        overrides = {name for name in ("append", "multi_get", "multi_set", "get", "compare_set")
-                     if getattr(cls, name) is not getattr(Store, name)}
-        return bool(overrides & {"append", "multi_get", "multi_set"}) or \
-            {"get", "compare_set"} <= overrides
+        return any(map(self._overridden, ("append", "multi_get", "multi_set"))) or \
+            (self._overridden("get") and self._overridden("compare_set"))
 
     def close(self) -> None:
         """Release the store's resources (connections, files). Idempotent."""
@@ -267,18 +264,18 @@ class Store(abc.ABC):
     def _own(self, name: str) -> Any:
         """The subclass's override of public method ``name``; ``NotImplementedError``
         naming it when there is none."""
-        method = getattr(type(self), name)
-        if method is getattr(Store, name):
+        if not self._overridden(name):
             raise NotImplementedError(f"Not implemented: {type(self).__name__} does not "
                                       f"implement {name}(); a Store subclass overrides "
                                       f"{name}() (or _{name}())")
         return getattr(self, name)
 
+    def _overridden(self, name: str) -> bool:
+        """Whether this store's class replaces Store's method ``name``."""
+        return getattr(type(self), name) is not getattr(Store, name)
+
     def _set(self, key: str, value: bytes) -> None:
         self._own("set")(key, value)
-
-    def _overridden(self, name: str) -> bool:
-        return getattr(type(self), name) is not getattr(Store, name)
 
     def _multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
         if self._overridden("multi_get"):  # reached through a PrefixStore around this one

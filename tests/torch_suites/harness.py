@@ -12,6 +12,7 @@ is how a test that reads torch internals shows up (and is listed as an exception
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib
 import importlib.abc
@@ -70,11 +71,14 @@ def _is_test_module(name: str) -> bool:
     return _within(name, TEST_MODULES + tuple(_also)) and not _within(name, TORCH_ONLY)
 
 
+_LONGEST_FIRST = sorted(MODULES, key=len, reverse=True)
+
+
 def ours(name: str) -> str:
     """The module an import of ``name`` is pointed at."""
     if _is_test_module(name):
         return PACKAGE + name[len(_PREFIX):]
-    for theirs in sorted(MODULES, key=len, reverse=True):
+    for theirs in _LONGEST_FIRST:
         if name == theirs or name.startswith(theirs + "."):
             return MODULES[theirs] + name[len(theirs):]
     return name
@@ -212,13 +216,19 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         exec(_code(theirs.origin), module.__dict__)
 
 
+@functools.cache
+def _harness_digest() -> bytes:
+    """This file's hash, once per process: a changed rewrite invalidates the cache."""
+    with open(__file__, "rb") as f:
+        return hashlib.sha1(f.read()).digest()
+
+
 def _code(path: str):
     """The rewritten module's code, cached on disk: every test spawns fresh processes, and
     each would otherwise parse and compile thousands of lines again."""
     stat = os.stat(path)
-    with open(__file__, "rb") as f:
-        key = hashlib.sha1(f.read() + f"{path}{stat.st_mtime_ns}{stat.st_size}{sys.version}"
-                           .encode()).hexdigest()
+    key = hashlib.sha1(_harness_digest() + f"{path}{stat.st_mtime_ns}{stat.st_size}"
+                       f"{sys.version}".encode()).hexdigest()
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
                          "spmd-torch-suites", key)
     try:
