@@ -3,7 +3,7 @@
 Each worker runs torch's own engine on its part of the graph. One *pass* on a worker
 starts from some tensors and their gradients (the loss and ones on the caller; the
 tensors of one recorded send elsewhere), walks the local graph to the leaves it reaches,
-and asks ``torch.autograd.grad`` for their gradients:
+and runs torch's engine for their gradients:
 
 - a leaf that arrived in a message of this context (a "recv") sends its gradient back
   to the sender (AUTOGRAD_BACKWARD), whose pass starts from the tensors it sent;
@@ -15,6 +15,14 @@ gradients are linear, passes that reach a shared part of a graph from different 
 sum to what one pass would give; the graph is therefore kept (``retain_graph``) until
 the context ends or its tensors are dropped. A send whose tensors never reach the loss
 gets no gradient and starts no pass: unused branches cannot hang the backward.
+
+A pass runs ``torch.autograd.backward(..., inputs=leaves)`` rather than
+``torch.autograd.grad``, so each leaf's ``AccumulateGrad`` node runs with its hooks, as in
+torch's distributed engine. That is where torch's ``DistributedDataParallel`` hooks its
+C++ reducer: with ``grad`` its all-reduce never ran, and a DDP module inside a context
+got this rank's own gradients, silently. The leaves' ``.grad`` is set aside for the pass
+and put back after it (under the agent's lock, so passes on one worker do not see each
+other's), and what accumulated there becomes the pass's gradients.
 """
 
 from __future__ import annotations
@@ -110,14 +118,32 @@ def _all(futures: list[torch.futures.Future]) -> torch.futures.Future:
     return out
 
 
+def _accumulate(agent: Any, tensors: list[torch.Tensor], grads: list[torch.Tensor],
+                leaves: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """The gradients of ``leaves`` from one local backward, through their ``AccumulateGrad``
+    nodes and hooks (a DDP reducer's all-reduce among them), leaving ``.grad`` as it was."""
+    with agent.autograd_lock:
+        saved = [leaf.grad for leaf in leaves]
+        try:
+            for leaf in leaves:
+                leaf.grad = None
+            torch.autograd.backward(tensors, grads, retain_graph=True, inputs=leaves)
+            # a DDP bucket view is DDP's to overwrite next step: keep a copy
+            return [None if leaf.grad is None else
+                    leaf.grad.clone() if leaf.grad._is_view() else leaf.grad
+                    for leaf in leaves]
+        finally:
+            for leaf, grad in zip(leaves, saved):
+                leaf.grad = grad
+
+
 def _run_pass(agent: Any, ctx: DistAutogradContext, tensors: list[torch.Tensor],
               grads: list[torch.Tensor]) -> torch.futures.Future:
     pairs = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad and g is not None]
     leaves = _leaves([t for t, _ in pairs])
     outgoing: dict[int, tuple[int, dict[int, torch.Tensor]]] = {}
     if leaves:
-        results = torch.autograd.grad([t for t, _ in pairs], leaves, [g for _, g in pairs],
-                                      retain_graph=True, allow_unused=True)
+        results = _accumulate(agent, [t for t, _ in pairs], [g for _, g in pairs], leaves)
         for leaf, grad in zip(leaves, results):
             if grad is None:
                 continue

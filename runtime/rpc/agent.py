@@ -110,6 +110,7 @@ class RpcAgent:
         self.rrefs = RRefContext(self)
         self.contexts: dict[int, Any] = {}  # distributed autograd contexts (autograd owns them)
         self.contexts_lock = threading.Lock()
+        self.autograd_lock = threading.Lock()  # one local backward pass at a time
         self.shutdown_state: Any = None
         self.store: Any = None  # the store init_rpc met in, perhaps shared with the group
         self.stopped = False

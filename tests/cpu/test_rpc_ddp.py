@@ -1,9 +1,13 @@
 """The tutorial "Combining Distributed DataParallel with Distributed RPC Framework", with
 its imports pointed at spmd: an ``EmbeddingBag`` ``RemoteModule`` on a parameter server,
-a dense layer parallelized over the 2 trainers' process group, trained inside
+a dense layer data-parallel over the 2 trainers' process group (``spmd.parallelize``, or
+torch's own ``DistributedDataParallel`` as in the tutorial), trained inside
 ``dist_autograd.context()`` with a ``DistributedOptimizer`` over both. The trainers take
 their optimizer steps in turn, so the run equals one process that adds both trainers'
-embedding gradients and averages the dense ones (the data-parallel average)."""
+embedding gradients and averages the dense ones (the data-parallel average).
+
+Also torch's DDP inside a context against torch's DDP outside one: the context gets
+the same averaged gradients, dense and sparse, and ``.grad`` is left alone."""
 
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ def _embedding_weight(module) -> torch.Tensor:
     return module.module_rref.local_value().weight.detach().clone()
 
 
-def _worker(rank: int, port: int) -> dict | None:
+def _worker(rank: int, port: int, dense: str) -> dict | None:
     from spmd.runtime import autograd as dist_autograd
     from spmd.runtime import rpc
     from spmd.runtime.optim import DistributedOptimizer
@@ -61,7 +65,10 @@ def _worker(rank: int, port: int) -> dict | None:
         dist.init_process_group("gloo", rank=rank, world_size=2,
                                 init_method=f"tcp://127.0.0.1:{port}")
         torch.manual_seed(1)
-        fc = spmd.parallelize(nn.Linear(DIM, CLASSES))
+        if dense == "spmd":
+            fc = spmd.parallelize(nn.Linear(DIM, CLASSES))
+        else:  # the tutorial's own: torch's DDP, on the group spmd.runtime made
+            fc = nn.parallel.DistributedDataParallel(nn.Linear(DIM, CLASSES))
         dist.barrier()
         import time
         while "emb" not in _HELD:
@@ -113,13 +120,14 @@ def _reference(start_emb: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tenso
 
 
 @pytest.mark.timeout(120)
-def test_ddp_with_rpc_tutorial_trains_like_one_process():
+@pytest.mark.parametrize("dense", ["spmd", "torch_ddp"])
+def test_ddp_with_rpc_tutorial_trains_like_one_process(dense):
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    runs = dist.spawn(_worker, args=(port,), nprocs=4, start_method="forkserver", timeout=110)
+    runs = dist.spawn(_worker, args=(port, dense), nprocs=4, start_method="forkserver", timeout=110)
     trainers = runs[:2]
     want_fc, want_emb = _reference(trainers[0]["start"])
     for run in trainers:
@@ -127,3 +135,55 @@ def test_ddp_with_rpc_tutorial_trains_like_one_process():
             assert torch.allclose(got, want, atol=1e-5)
         assert torch.allclose(run["emb"], want_emb, atol=1e-5)
         assert "not supported for RemoteModule" in run["refused"]
+
+
+def _compare(rank: int, port: int, rpc_port: int) -> dict:
+    from spmd.runtime import autograd as dist_autograd
+    from spmd.runtime import rpc
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            init_method=f"tcp://127.0.0.1:{port}")
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+                 rpc_backend_options=rpc.RpcBackendOptions(
+                     init_method=f"tcp://127.0.0.1:{rpc_port}", rpc_timeout=30))
+    torch.manual_seed(rank)  # different inputs and, before DDP's broadcast, weights
+    dense = nn.parallel.DistributedDataParallel(nn.Linear(4, 3))
+    sparse = nn.parallel.DistributedDataParallel(nn.EmbeddingBag(10, 3, sparse=True))
+    x, idx, offsets = torch.randn(5, 4), torch.randint(0, 10, (8,)), torch.tensor([0, 3])
+    out = {}
+    for name, model, args in (("dense", dense, (x,)), ("sparse", sparse, (idx, offsets))):
+        params = list(model.module.parameters())
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [model(*args).pow(2).sum()])
+            grads = dist_autograd.get_gradients(cid)
+            out[f"{name}_context"] = [grads[p].to_dense() for p in params]
+        out[f"{name}_grad_untouched"] = all(p.grad is None for p in params)
+        model(*args).pow(2).sum().backward()
+        out[f"{name}_local"] = [p.grad.to_dense() for p in params]
+        out[f"{name}_own"] = [g.to_dense() for g in torch.autograd.grad(
+            model.module(*args).pow(2).sum(), params)]
+    rpc.shutdown()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_torch_ddp_inside_a_context_averages_as_outside():
+    import socket
+
+    with socket.socket() as s, socket.socket() as r:
+        s.bind(("127.0.0.1", 0))
+        r.bind(("127.0.0.1", 0))
+        ports = (s.getsockname()[1], r.getsockname()[1])
+    runs = dist.spawn(_compare, args=ports, nprocs=2, start_method="forkserver", timeout=110)
+    for name in ("dense", "sparse"):
+        for run in runs:
+            assert run[f"{name}_grad_untouched"]
+            for got, want in zip(run[f"{name}_context"], run[f"{name}_local"]):
+                assert torch.allclose(got, want, atol=1e-6)
+        for a, b in zip(runs[0][f"{name}_context"], runs[1][f"{name}_context"]):
+            assert torch.allclose(a, b, atol=1e-6)  # averaged: the same on both ranks
+        # and not what one rank's own data gives
+        assert not all(torch.allclose(a, b, atol=1e-6)
+                       for a, b in zip(runs[0][f"{name}_context"], runs[0][f"{name}_own"]))
