@@ -51,16 +51,26 @@ class _Monitor:
     def run(self) -> None:
         while True:
             with self.lock:
-                groups = list(self.groups)
-            if not groups:
-                with self.lock:
-                    if not self.groups:
-                        self.thread = None
-                        return
-            for group in groups:
-                group._beat()
+                if not self.groups:
+                    self.thread = None
+                    return
+            self._beat_all()
             self.wake.wait(heartbeat_interval())
             self.wake.clear()
+
+    def _beat_all(self) -> None:
+        """One beat per group, holding each only while it beats. A group owns a c10d
+        backend: the thread that drops the last reference runs the backend's C++
+        destructor, which releases the GIL, and a daemon thread that is inside it when
+        the interpreter exits is killed there, aborting the process. This thread used
+        to keep the groups of its last beat while it slept, so it could be that one."""
+        with self.lock:
+            refs = [weakref.ref(g) for g in self.groups]
+        for ref in refs:
+            group = ref()
+            if group is not None:
+                group._beat()
+            del group
 
 
 _monitor = _Monitor()

@@ -61,10 +61,11 @@ class DistAutogradContext:
             return None
         return entry[1], entry[2], entry[3]
 
-    def accumulate(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
+    def gradients(self) -> dict[torch.Tensor, torch.Tensor]:
+        """``{leaf: gradient}``, each gradient the caller's own (a DDP bucket view,
+        which DDP overwrites at its next backward, is copied)."""
         with self.lock:
-            previous = self.grads.get(tensor)
-            self.grads[tensor] = grad if previous is None else previous + grad
+            return {t: g.clone() if g._is_view() else g for t, g in self.grads.items()}
 
 
 _message_ids = itertools.count(1)

@@ -20,9 +20,9 @@ A pass runs ``torch.autograd.backward(..., inputs=leaves)`` rather than
 ``torch.autograd.grad``, so each leaf's ``AccumulateGrad`` node runs with its hooks, as in
 torch's distributed engine. That is where torch's ``DistributedDataParallel`` hooks its
 C++ reducer: with ``grad`` its all-reduce never ran, and a DDP module inside a context
-got this rank's own gradients, silently. The leaves' ``.grad`` is set aside for the pass
-and put back after it (under the agent's lock, so passes on one worker do not see each
-other's), and what accumulated there becomes the pass's gradients.
+got this rank's own gradients, silently. For the pass, the leaves' ``.grad`` holds the
+context's gradients (see ``_accumulate``) and is put back after it, under the agent's
+lock, so passes on one worker take turns.
 """
 
 from __future__ import annotations
@@ -118,23 +118,36 @@ def _all(futures: list[torch.futures.Future]) -> torch.futures.Future:
     return out
 
 
-def _accumulate(agent: Any, tensors: list[torch.Tensor], grads: list[torch.Tensor],
-                leaves: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """The gradients of ``leaves`` from one local backward, through their ``AccumulateGrad``
-    nodes and hooks (a DDP reducer's all-reduce among them), leaving ``.grad`` as it was."""
+def _accumulate(agent: Any, ctx: DistAutogradContext, tensors: list[torch.Tensor],
+                grads: list[torch.Tensor], leaves: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """One local backward from ``tensors`` to ``leaves`` through their ``AccumulateGrad``
+    nodes and hooks; returns each leaf's gradient from this pass (received leaves) or
+    its context total so far (this worker's own leaves), which it also stores.
+
+    For the pass, ``.grad`` of every leaf of the context here holds the context's total
+    (a received leaf's, None), so what accumulates there is the context's: a DDP
+    reducer that finishes a bucket in a later pass (its parameters' gradients came by
+    different sends) writes the averaged bucket into the leaves of the earlier pass too.
+    The leaves' own ``.grad`` is put back afterwards.
+    """
     with agent.autograd_lock:
-        saved = [leaf.grad for leaf in leaves]
+        with ctx.lock:
+            held = dict(ctx.grads)
+        swap = list({id(t): t for t in [*leaves, *held]}.values())
+        saved = [t.grad for t in swap]
         try:
-            for leaf in leaves:
-                leaf.grad = None
+            for t in swap:
+                t.grad = held.get(t)
             torch.autograd.backward(tensors, grads, retain_graph=True, inputs=leaves)
-            # a DDP bucket view is DDP's to overwrite next step: keep a copy
-            return [None if leaf.grad is None else
-                    leaf.grad.clone() if leaf.grad._is_view() else leaf.grad
-                    for leaf in leaves]
+            after = {id(t): t.grad for t in swap}
         finally:
-            for leaf, grad in zip(leaves, saved):
-                leaf.grad = grad
+            for t, grad in zip(swap, saved):
+                t.grad = grad
+    with ctx.lock:
+        for t in swap:
+            if ctx.received(t) is None and after[id(t)] is not None:
+                ctx.grads[t] = after[id(t)]
+    return [after[id(t)] for t in leaves]
 
 
 def _run_pass(agent: Any, ctx: DistAutogradContext, tensors: list[torch.Tensor],
@@ -143,14 +156,10 @@ def _run_pass(agent: Any, ctx: DistAutogradContext, tensors: list[torch.Tensor],
     leaves = _leaves([t for t, _ in pairs])
     outgoing: dict[int, tuple[int, dict[int, torch.Tensor]]] = {}
     if leaves:
-        results = _accumulate(agent, [t for t, _ in pairs], [g for _, g in pairs], leaves)
+        results = _accumulate(agent, ctx, [t for t, _ in pairs], [g for _, g in pairs], leaves)
         for leaf, grad in zip(leaves, results):
-            if grad is None:
-                continue
             origin = ctx.received(leaf)
-            if origin is None:
-                ctx.accumulate(leaf, grad)
-            else:
+            if grad is not None and origin is not None:
                 peer, msg_id, slot = origin
                 outgoing.setdefault(msg_id, (peer, {}))[1][slot] = grad
     futures = []
@@ -225,8 +234,7 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     """
     agent = _agent("dist_autograd.get_gradients")
     ctx = _context(agent, context_id, "dist_autograd.get_gradients")
-    with ctx.lock:
-        return dict(ctx.grads)
+    return ctx.gradients()
 
 
 def release(agent: Any, context_id: int) -> None:

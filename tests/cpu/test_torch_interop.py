@@ -30,7 +30,15 @@ def _shared(rank: int) -> dict:
     if rank in (1, 3):
         t = torch.ones(1)
         tdist.all_reduce(t, group=odd.to_torch())
+        odd.to_torch().allreduce([t]).wait()  # torch's own method: the same backend
         out["odd"] = t.item()
+        # torch's DDP on a subgroup spmd made
+        torch.manual_seed(rank)
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1),
+                                                        process_group=odd.to_torch())
+        ddp(torch.randn(4, 3) * (rank + 1)).sum().backward()
+        out["ddp"] = [p.grad.clone() for p in ddp.module.parameters()]
+        out["ddp_weight"] = ddp.module.weight.detach().clone()
     mesh = dist.Mesh((2, 2), dim_names=("dp", "tp"))
     device_mesh = mesh.to_torch()
     out["mesh"] = (device_mesh.mesh.tolist(), device_mesh.mesh_dim_names)
@@ -62,7 +70,7 @@ def test_torch_distributed_sees_our_groups():
         padded = list(range(10)) + [0, 1]  # DistributedSampler pads to a multiple of 4
         assert out["sampler"] == padded[rank::4]
         if rank in (1, 3):
-            assert out["odd"] == 2.0
+            assert out["odd"] == 4.0
         assert out["mesh"] == ([[0, 1], [2, 3]], ("dp", "tp"))
         x = torch.arange(16.0).view(4, 4)
         i, j = divmod(rank, 2)
@@ -70,6 +78,16 @@ def test_torch_distributed_sees_our_groups():
         assert out["full"]
         assert out["interleaved"] == (6.0, 6.0)
         assert out["again"] == 4
+    xs = []
+    for r in (1, 3):  # each member's batch, drawn as it drew it
+        torch.manual_seed(r)
+        torch.nn.Linear(3, 1)
+        xs.append(torch.randn(4, 3) * (r + 1))
+    want = [(xs[0].sum(0, keepdim=True) + xs[1].sum(0, keepdim=True)) / 2, torch.tensor([4.0])]
+    for r in (1, 3):  # the gradient of sum(x @ w.T + b), averaged over the pair
+        for got, expected in zip(runs[r]["ddp"], want):
+            assert torch.allclose(got, expected, atol=1e-6)
+    assert torch.equal(runs[1]["ddp_weight"], runs[3]["ddp_weight"])  # DDP's broadcast
 
 
 def _torch_first(rank: int) -> dict:
