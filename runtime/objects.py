@@ -178,8 +178,6 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: timedelta | No
     prefix = f"mb/{seq}"
     result_key = f"{prefix}/result"
     if pg.rank() == 0:
-        if seq > 1:
-            store.delete_key(f"mb/{seq - 1}/result")
         deadline = time.monotonic() + seconds
         missing = []
         for r in range(1, pg.size()):
@@ -202,6 +200,9 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: timedelta | No
                        f"within {seconds:g}s)")
             store.set(result_key, message)
             raise DistTimeoutError(message)
+        if pg._barrier_seq:  # everyone arrived here, so has read the last barrier's answer
+            store.delete_key(f"mb/{pg._barrier_seq}/result")
+        pg._barrier_seq = seq
         store.set(result_key, b"ok")
         return
     store.set(f"{prefix}/arrived/{pg.rank()}", b"1")

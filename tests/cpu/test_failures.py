@@ -185,6 +185,26 @@ def test_monitored_barrier_names_missing_ranks(wait_all):
     assert out[1][0] == "DistTimeoutError" and "did not arrive" in out[1][1]
 
 
+def _barriers_back_to_back(rank):
+    dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+    try:
+        for i in range(40):
+            dist.monitored_barrier(timeout=timedelta(seconds=2), wait_all_ranks=i % 2 == 1)
+            if i % 10 == 0:
+                dist.all_reduce(torch.ones(1))  # other collectives between barriers
+        return dist.get_rank()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_monitored_barriers_back_to_back_all_pass():
+    """Rank 0 used to delete a barrier's answer as it entered the next one, which it may
+    do before a slower rank has read it: that rank then waited for an answer that was
+    gone and timed out (torch's test_monitored_barrier_gloo found it)."""
+    assert dist.spawn(_barriers_back_to_back, nprocs=3, start_method="forkserver",
+                      timeout=60) == [0, 1, 2]
+
+
 def _raise_while_others_wait(rank, outcomes):
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     if rank == 2:
