@@ -25,6 +25,14 @@ __all__ = ["ProcessGroup", "Work"]
 
 _TIMEOUT_WORDS = ("timed out", "timeout")
 
+# torch.distributed.ProcessGroup's operations, which a group forwards to its backend
+_TORCH_METHODS = frozenset({
+    "allreduce", "allreduce_coalesced", "broadcast", "allgather", "allgather_coalesced",
+    "allgather_into_tensor_coalesced", "_allgather_base", "gather", "scatter", "reduce",
+    "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "alltoall",
+    "alltoall_base", "barrier", "monitored_barrier", "send", "recv", "recv_anysource",
+})
+
 
 class ProcessGroup:
     """A set of ranks that run collectives together.
@@ -55,6 +63,7 @@ class ProcessGroup:
         self.debug = debug
         self._store_host_rank = store_host_rank
         self._seq = 0
+        self._barrier_seq = 0  # the last monitored_barrier that passed (its answer's key)
         self._beats = 0
         self._destroyed = False
         self._poisoned = False  # a thread-rank's backend with an operation it abandoned
@@ -86,6 +95,19 @@ class ProcessGroup:
         from spmd.runtime.torch_groups import torch_group
 
         return torch_group(self)
+
+    def __getattr__(self, name: str) -> Any:
+        """torch's ``ProcessGroup`` methods (``pg.allreduce([t])``, ``pg.barrier()``,
+        ``pg.monitored_barrier(timeout)``, ...): torch's own, on this group's backend
+        (through torch's view of the group when it has one), returning torch's ``Work``.
+        They are torch's calls, so this runtime's debug-mode comparison and its errors
+        naming a dead rank do not cover them; ``spmd.runtime.all_reduce`` and the other
+        functions do."""
+        if name in _TORCH_METHODS:
+            self.require(f"ProcessGroup.{name}")
+            target = self._torch if self._torch is not None else self._backend
+            return getattr(target, name)
+        raise AttributeError(f"'ProcessGroup' object has no attribute {name!r}")
 
     def rank(self) -> int:
         """This rank's index in the group (-1 when not a member)."""

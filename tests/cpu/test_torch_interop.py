@@ -30,7 +30,7 @@ def _shared(rank: int) -> dict:
     if rank in (1, 3):
         t = torch.ones(1)
         tdist.all_reduce(t, group=odd.to_torch())
-        odd.to_torch().allreduce([t]).wait()  # torch's own method: the same backend
+        odd.allreduce([t]).wait()  # torch's ProcessGroup method, on the same backend
         out["odd"] = t.item()
         # torch's DDP on a subgroup spmd made
         torch.manual_seed(rank)
@@ -131,3 +131,30 @@ def test_thread_ranks_are_not_shared_and_say_why():
             dist.destroy_process_group()
 
     assert dist.spawn(job, nprocs=2, start_method="thread", timeout=60) == [False, False]
+
+
+def test_torch_process_group_methods_run_on_our_groups():
+    """``pg.allreduce``, ``pg.broadcast``, ``pg.monitored_barrier`` as on torch's groups,
+    also where torch.distributed does not hold the group (thread ranks)."""
+    def job(rank):
+        dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+        group = dist.new_group([0, 1])
+        t = torch.ones(2) * (rank + 1)
+        group.allreduce([t]).wait()
+        b = torch.full((1,), float(rank))
+        group.broadcast(b, 1).wait()  # torch's (tensor, root) form
+        group.monitored_barrier(timedelta(seconds=10))
+        dist.destroy_process_group(group)
+        try:
+            group.allreduce([t])
+            after = ""
+        except RuntimeError as e:
+            after = str(e)
+        dist.destroy_process_group()
+        return t.tolist(), b.item(), after
+
+    for got, b, after in dist.spawn(job, nprocs=2, start_method="thread", timeout=60):
+        assert got == [3.0, 3.0] and b == 1.0
+        assert "ProcessGroup.allreduce" in after and "destroyed" in after
+    with pytest.raises(AttributeError, match="no attribute 'allreduce_all'"):
+        dist.ProcessGroup.__getattr__(object.__new__(dist.ProcessGroup), "allreduce_all")
