@@ -369,6 +369,9 @@ class RpcAgent:
                     fn(*args)
                 except BaseException:
                     log.exception("rpc: a worker task failed")
+                # an idle thread must not keep its last task's arguments (RRefs among
+                # them) alive while it waits for the next
+                del task, fn, args
 
     def _serve(self, peer: int, kind: int, flags: int, rid: int, ctx_id: int, grad_msg: int,
                frames: tuple) -> None:
@@ -379,15 +382,23 @@ class RpcAgent:
                 return
             self.seen[key] = time.monotonic()
         ctx = None
+        pending: list = []
         try:
             if ctx_id >= 0:
                 ctx = _autograd().join_context(self, ctx_id, peer)
-            func, args, kwargs = self._load(peer, flags, frames, ctx, grad_msg)
+            func, args, kwargs = self._load(peer, flags, frames, ctx, grad_msg, pending)
         except Exception as e:
             log.warning("rpc: could not unpickle a %s request from %s: %s", Kind(kind).name,
                         self.describe(peer), e)
             self.respond(peer, rid, None, e)
             return
+        if pending:  # as torch: the call runs once the owners registered the RRefs it got
+            torch.futures.collect_all(pending).add_done_callback(
+                lambda _: self.pool.put((self._run, (peer, rid, func, args, kwargs, ctx))))
+            return
+        self._run(peer, rid, func, args, kwargs, ctx)
+
+    def _run(self, peer: int, rid: int, func: Any, args: Any, kwargs: Any, ctx: Any) -> None:
         try:
             if ctx is None:
                 result = func(*args, **kwargs)
@@ -422,9 +433,10 @@ class RpcAgent:
 
         future.add_done_callback(answer)
 
-    def _load(self, peer: int, flags: int, frames: tuple, ctx: Any, grad_msg: int) -> Any:
+    def _load(self, peer: int, flags: int, frames: tuple, ctx: Any, grad_msg: int,
+              pending: list | None = None) -> Any:
         first, rest = frames
-        state = LoadState(self, peer, ctx, grad_msg)
+        state = LoadState(self, peer, ctx, grad_msg, pending)
         if not rest:  # header and payload in one frame
             return decode(memoryview(first)[HEADER.size:], [], state)
         if not flags & FLAG_LENT:

@@ -130,6 +130,10 @@ class RRefContext:
         """A user fork from a user parent: register with the owner, then tell the parent."""
         fork_id = handle._fork_id
         self.pending_users[fork_id] = handle
+        settled: torch.futures.Future = torch.futures.Future()
+        state = loading.state
+        if state is not None and state.pending is not None:
+            state.pending.append(settled)  # the request that carried it runs once settled
         future = self._control(handle._owner, Kind.RREF_FORK, _owner_add_fork,
                                (handle._rref_id, fork_id), f"registering fork {fork_id}")
 
@@ -145,6 +149,7 @@ class RRefContext:
             if user is not None:
                 self.users[fork_id] = user
             self.send_accept(parent, fork_id)
+            settled.set_result(None)
 
         if future is None:
             registered(None)

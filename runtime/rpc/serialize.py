@@ -62,13 +62,16 @@ class DumpState:
 class LoadState:
     """What unpickling one message needs: who sent it, and its autograd context."""
 
-    __slots__ = ("agent", "peer", "ctx", "grad_msg_id")
+    __slots__ = ("agent", "peer", "ctx", "grad_msg_id", "pending")
 
-    def __init__(self, agent: Any, peer: int, ctx: Any = None, grad_msg_id: int = -1) -> None:
+    def __init__(self, agent: Any, peer: int, ctx: Any = None, grad_msg_id: int = -1,
+                 pending: list | None = None) -> None:
         self.agent = agent
         self.peer = peer
         self.ctx = ctx
         self.grad_msg_id = grad_msg_id
+        # a request's RRef forks that the owner has yet to register (futures, set then)
+        self.pending = pending
 
 
 class Encoded:
@@ -168,18 +171,36 @@ def _reduce_tensor(t: torch.Tensor, state: DumpState) -> Any:
         data = data.cpu()  # through host memory
     if data.is_conj() or data.is_neg():
         data = data.resolve_conj().resolve_neg()
-    order = None
-    if not data.is_contiguous():
+    order = strides = None
+    if not data.is_contiguous() and data.numel():
         order = _dense_order(data)
-        # a permuted dense tensor (a transpose, say) travels in its own memory order and
-        # arrives with its strides; any other layout arrives contiguous
-        data = data.permute(order) if order is not None else data.contiguous()
+        if order is not None:
+            # a permuted dense tensor (a transpose, say) travels in its own memory order
+            # and arrives with its strides
+            data = data.permute(order)
+        else:
+            span = 1 + sum((n - 1) * st for n, st in zip(data.shape, data.stride()))
+            if span * data.element_size() < _RECOPY_BYTES or span < 2 * data.numel():
+                # a view with gaps (or overlaps) travels as the memory it spans and
+                # arrives with its strides, as torch's RPC sends it
+                strides = tuple(data.stride())
+                shape = tuple(data.shape)
+                data = torch.as_strided(data, (span,), (1,), data.storage_offset())
+            else:  # most of that memory is gaps: only the values travel
+                data = data.contiguous()
+    if strides is None:
+        shape = tuple(data.shape)
     if data.numel() == 0:
         buf: Any = b""
     else:
         buf = pickle.PickleBuffer(data.reshape(-1).view(torch.uint8).numpy())
-    return _rebuild_tensor, (data.dtype, tuple(data.shape), t.requires_grad, device, slot,
-                             type(t) is _Parameter, buf, order)
+    return _rebuild_tensor, (data.dtype, shape, t.requires_grad, device, slot,
+                             type(t) is _Parameter, buf, order, strides)
+
+
+# a gapped view whose span is at least this many bytes and twice its values travels as
+# its values alone (torch's RPC clones such a view rather than send its storage)
+_RECOPY_BYTES = 8 * 1024
 
 
 def _dense_order(t: torch.Tensor) -> list[int] | None:
@@ -198,11 +219,15 @@ loading = _Loading()
 
 
 def _rebuild_tensor(dtype: torch.dtype, shape: tuple, requires_grad: bool, device: str | None,
-                    slot: int, is_param: bool, buf: Any,
-                    order: list[int] | None = None) -> torch.Tensor:
+                    slot: int, is_param: bool, buf: Any, order: list[int] | None = None,
+                    strides: tuple | None = None) -> torch.Tensor:
     count = 1
     for n in shape:
         count *= n
+    if strides is not None:  # the memory a strided view spans
+        if len(strides) != len(shape) or any(not isinstance(s, int) or s < 0 for s in strides):
+            raise ValueError(f"tensor of shape {shape} with strides {strides}: bad strides")
+        count = 1 + sum((n - 1) * st for n, st in zip(shape, strides)) if count else 0
     nbytes = count * dtype.itemsize
     if nbytes == 0:
         t = torch.empty(shape, dtype=dtype)
@@ -211,7 +236,8 @@ def _rebuild_tensor(dtype: torch.dtype, shape: tuple, requires_grad: bool, devic
         if size != nbytes:
             raise ValueError(f"tensor of shape {shape} and {dtype} needs {nbytes} bytes, the "
                              f"message carried {size}")
-        t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+        t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
+        t = t.as_strided(shape, strides) if strides is not None else t.view(shape)
     if order is not None:  # back to the sender's dimension order, strides included
         inverse = [0] * len(order)
         for position, dim in enumerate(order):
@@ -316,7 +342,9 @@ def unpack_exception(info: tuple, where: str) -> BaseException:
             cls = type(pickle.loads(raw))
         except Exception:
             cls = None
-    exc: BaseException = RemoteError(f"{type_name}: {full}") if text else RemoteError(full)
+    exc: BaseException = RemoteError(
+        f"{type_name} could not be rebuilt here. Original exception on remote side was "
+        f"{type_name}: {full}" if text else full)
     if cls is not None:
         try:
             rebuilt = cls(full)

@@ -144,6 +144,12 @@ def test_owner_deletes_a_value_only_after_every_fork_is_gone():
     assert steps["in flight"] == 0
 
 
+def _keep_confirmed(obj):
+    """Keep ``obj``; whether the RRef in it was confirmed by its owner when this ran."""
+    _keep(obj)
+    return obj["nested"][0].confirmed_by_owner()
+
+
 def _faulty_rank(rank):
     from spmd.runtime.rpc import faults
 
@@ -158,8 +164,10 @@ def _faulty_rank(rank):
         state = lambda: rpc.rpc_sync("w0", _owner_state)  # noqa: E731
         rref = rpc.remote("w0", _make_value, args=("c",))
         rref._get_future().wait()
-        rpc.rpc_sync("w2", _keep, args=({"nested": [rref]},))
-        del rref  # w2's fork is still on its way to the owner (delayed 1 s)
+        # as torch: the call runs once the owner registered the fork it carries (1 s late)
+        out["confirmed when the call ran"] = rpc.rpc_sync("w2", _keep_confirmed,
+                                                          args=({"nested": [rref]},))
+        del rref
         gc.collect()
         samples = []
         for _ in range(8):  # the owner must keep the value all along
@@ -178,6 +186,7 @@ def _faulty_rank(rank):
 
 def test_forks_survive_delayed_and_dropped_control_messages():
     out = spawn(_faulty_rank, nprocs=3, start_method="forkserver", timeout=90)[1]
+    assert out["confirmed when the call ran"] is True
     assert out["while in flight"] == [1] * 8
     assert out["w2 registered"] == (1, 1, 1)
     assert out["pending children"] == 0

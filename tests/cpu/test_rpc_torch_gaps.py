@@ -67,7 +67,8 @@ def _worker(rank: int) -> dict | None:
         out = {"async": rpc.rpc_sync("w1", _torch_async, args=(torch.ones(2),))}
         x = torch.arange(24.0).view(2, 3, 4)
         for name, t in (("transposed", x.transpose(0, 2)), ("permuted", x.permute(1, 2, 0)),
-                        ("sliced", x[:, :, ::2])):
+                        ("sliced", x[:, :, ::2]), ("narrowed", torch.rand(5, 5).narrow(1, 2, 2)),
+                        ("expanded", torch.arange(3.0).expand(4, 3))):
             back = rpc.rpc_sync("w1", _identity, args=(t,))
             out[name] = (torch.equal(back, t), tuple(back.stride()), tuple(t.stride()),
                          rpc.rpc_sync("w1", _strides, args=(t,)))
@@ -90,11 +91,10 @@ def _worker(rank: int) -> dict | None:
 def test_torch_rpc_behaviours():
     out = spawn(_worker, nprocs=2, start_method="forkserver", timeout=90)[0]
     assert torch.equal(out["async"], torch.full((2,), 2.0))
-    for name in ("transposed", "permuted"):
+    # permuted, gapped and overlapping views arrive with their strides, and come back so
+    for name in ("transposed", "permuted", "sliced", "narrowed", "expanded"):
         equal, back, sent, remote = out[name]
         assert equal and back == sent and remote == (sent, False), (name, out[name])
-    equal, back, sent, remote = out["sliced"]
-    assert equal and remote[1]  # a gapped view arrives contiguous, with its values
     assert out["method"] == 3
     assert "has no attribute 'missing'" in out["missing"]
     in_context, grad = out["in context"]
