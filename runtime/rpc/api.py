@@ -173,6 +173,11 @@ def _stop_all() -> None:  # a worker that never called shutdown() exits without 
             pass
 
 
+class BadDestinationError(TypeError, ValueError):
+    """``to`` that is no worker name, rank or WorkerInfo (a float rank, say): a
+    ``TypeError``, and the ``ValueError`` torch raises for it."""
+
+
 def _resolve(agent: RpcAgent, to: Any, op: str) -> int:
     if isinstance(to, WorkerInfo):
         known = agent.infos.get(to.id)
@@ -191,8 +196,8 @@ def _resolve(agent: RpcAgent, to: Any, op: str) -> int:
             raise InvalidArgumentError(f"{op}: no worker has rank {to}; ranks are "
                                        f"0..{agent.world_size - 1}")
         return to
-    raise TypeError(f"{op}: to must be a worker name, rank or WorkerInfo, got "
-                    f"{type(to).__name__}")
+    raise BadDestinationError(f"{op}: to must be a worker name, rank or WorkerInfo, got "
+                              f"{type(to).__name__}")
 
 
 def _check_call(func: Any, args: Any, kwargs: Any, op: str) -> tuple[tuple, dict]:

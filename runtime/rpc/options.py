@@ -160,6 +160,9 @@ def check_name(name: Any) -> str:
         raise TypeError(f"init_rpc: name must be a str, got {type(name).__name__}")
     if not name:
         raise InvalidArgumentError("worker name must be non-empty")
+    if len(name) > 128:
+        raise InvalidArgumentError(f"worker name of {len(name)} characters: it must be "
+                                   f"shorter than 128")
     if not _NAME.match(name):
         raise InvalidArgumentError(
             f"worker name {name!r} must be 1-128 characters of letters, digits, '_', '-', ':' "

@@ -137,6 +137,7 @@ def test_remote_exceptions_reraise_with_the_remote_traceback():
         assert "Remote traceback (on worker 'w1' (rank 1)" in message
         assert "in _raise_value_error" in message and "Traceback (most recent call last)" in message
     assert "_NeedsTwo" in out["custom"] and "in _raise_custom" in out["custom"]
+    assert "Original exception on remote side was" in out["custom"]  # torch's words too
     assert torch.equal(out["after"], torch.full((1,), 2.0))
 
 
@@ -149,12 +150,14 @@ def _bad_input_rank(rank):
     except RuntimeError as e:
         out["before_init"] = str(e)
     for name, call in [("bad name", lambda: rpc.init_rpc("has space", rank=0, world_size=1)),
+                       ("long name", lambda: rpc.init_rpc("a" * 129, rank=0, world_size=1)),
                        ("zero rpc_timeout", lambda: rpc.RpcBackendOptions(rpc_timeout=0)),
                        ("threads", lambda: rpc.RpcBackendOptions(num_worker_threads=0))]:
         try:
             call()
         except (TypeError, ValueError) as e:
             out[name] = "ValueError" if isinstance(e, ValueError) else type(e).__name__
+            out[name + " text"] = str(e)
     rpc = _init(rank, 1)
     checks = {
         "unknown name": lambda: rpc.rpc_sync("nobody", _count, args=(1,)),
@@ -186,11 +189,12 @@ def test_bad_input_raises_before_anything_is_sent():
     out = spawn(_bad_input_rank, nprocs=1, start_method="forkserver", timeout=60)[0]
     assert "init_rpc() first" in out["before_init"]
     assert out["bad name"] == "ValueError" and out["zero rpc_timeout"] == "ValueError"
+    assert out["long name"] == "ValueError" and "shorter than 128" in out["long name text"]
     assert out["threads"] == "ValueError"
     # a ValueError and, as torch raises there, a RuntimeError
     expected = {"unknown name": ("InvalidArgumentError", "no worker is called 'nobody'"),
                 "unknown rank": ("InvalidArgumentError", "no worker has rank 5"),
-                "bad to": ("TypeError", "to must be a worker name"),
+                "bad to": ("TypeError", "to must be a worker name"),  # and torch's ValueError
                 "not callable": ("TypeError", "func must be callable"),
                 "args type": ("TypeError", "args must be a tuple or list"),
                 "kwargs type": ("TypeError", "kwargs must be a dict"),
@@ -202,6 +206,7 @@ def test_bad_input_raises_before_anything_is_sent():
     for name, (kind, text) in expected.items():
         assert out[name] is not None and kind in out[name][0] and text in out[name][1], \
             (name, out[name])
+    assert "ValueError" in out["bad to"][0]
     assert out["sent"] == []  # none of the bad calls ran
     assert out["debug"]["pending_requests"] == 0 and out["debug"]["owner_rrefs"] == 0
 
