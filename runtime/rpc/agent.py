@@ -22,8 +22,10 @@ import itertools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable
 
 import torch
@@ -406,6 +408,10 @@ class RpcAgent:
                 with _autograd().running_in(ctx):
                     result = func(*args, **kwargs)
         except BaseException as e:
+            if not getattr(e, "_spmd_remote", False):  # raised here, not passed along
+                # as torch's agent: the callee's stderr shows it too, where it happened
+                print(f"On {self.infos.get(self.rank, self.name)}:\n{e!r}\n"
+                      f"{traceback.format_exc()}", file=sys.stderr)
             self.respond(peer, rid, None, e)
             return
         if isinstance(result, AsyncResult):

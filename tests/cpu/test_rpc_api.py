@@ -102,16 +102,36 @@ def _raise_custom():
     raise _NeedsTwo(7, "detail")
 
 
+_stderr: list = []
+
+
+def _capture_stderr():
+    import io
+    import sys
+
+    _stderr.append(sys.stderr)
+    sys.stderr = io.StringIO()
+
+
+def _captured_stderr():
+    import sys
+
+    text, sys.stderr = sys.stderr.getvalue(), _stderr.pop()
+    return text
+
+
 def _errors_rank(rank):
     from spmd.runtime.rpc import RemoteError
 
     rpc = _init(rank, 2)
     out = {}
     if rank == 0:
+        rpc.rpc_sync("w1", _capture_stderr)
         try:
             rpc.rpc_sync("w1", _raise_value_error, args=(42,))
         except ValueError as e:
             out["sync"] = str(e)
+        out["callee stderr"] = rpc.rpc_sync("w1", _captured_stderr)
         try:
             rpc.rpc_async("w1", _raise_value_error, args=(43,)).wait()
         except ValueError as e:
@@ -136,6 +156,9 @@ def test_remote_exceptions_reraise_with_the_remote_traceback():
         assert message.startswith(f"bad value {value}"), message
         assert "Remote traceback (on worker 'w1' (rank 1)" in message
         assert "in _raise_value_error" in message and "Traceback (most recent call last)" in message
+    # as torch's: the callee's stderr shows the error where it happened
+    assert "On WorkerInfo(name='w1', id=1)" in out["callee stderr"], out["callee stderr"]
+    assert "bad value 42" in out["callee stderr"]
     assert "_NeedsTwo" in out["custom"] and "in _raise_custom" in out["custom"]
     assert "Original exception on remote side was" in out["custom"]  # torch's words too
     assert torch.equal(out["after"], torch.full((1,), 2.0))
