@@ -43,7 +43,8 @@ def current_agent(op: str) -> RpcAgent:
     agent = context.current().state.get(_STATE_KEY)
     if agent is None:
         raise RuntimeError(f"RPC has not been initialized on this worker ({op}); call "
-                           f"spmd.runtime.rpc.init_rpc() first")
+                           f"spmd.runtime.rpc.init_rpc() first (Current RPC agent is not "
+                           f"set! Did you initialize the RPC framework?)")
     return agent
 
 

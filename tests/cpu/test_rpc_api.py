@@ -211,6 +211,7 @@ def _bad_input_rank(rank):
 def test_bad_input_raises_before_anything_is_sent():
     out = spawn(_bad_input_rank, nprocs=1, start_method="forkserver", timeout=60)[0]
     assert "init_rpc() first" in out["before_init"]
+    assert "Current RPC agent is not set" in out["before_init"]  # torch's words too
     assert out["bad name"] == "ValueError" and out["zero rpc_timeout"] == "ValueError"
     assert out["long name"] == "ValueError" and "shorter than 128" in out["long name text"]
     assert out["threads"] == "ValueError"
