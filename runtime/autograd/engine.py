@@ -207,18 +207,31 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
             dist_autograd.backward(cid, [loss])
     """
     agent = _agent("dist_autograd.backward")
+    if not isinstance(context_id, int) or isinstance(context_id, bool):
+        raise TypeError(f"dist_autograd.backward: context_id must be an int, got "
+                        f"{type(context_id).__name__} (incompatible function arguments)")
     ctx = _context(agent, context_id, "dist_autograd.backward")
-    if isinstance(roots, torch.Tensor) or not isinstance(roots, (list, tuple)) or not roots:
-        raise TypeError("dist_autograd.backward: roots must be a non-empty list of tensors")
+    if isinstance(roots, torch.Tensor) or not isinstance(roots, (list, tuple)):
+        raise TypeError(f"dist_autograd.backward: roots must be a list of tensors, got "
+                        f"{type(roots).__name__} (incompatible function arguments)")
+    if not roots:
+        raise InvalidArgumentError("dist_autograd.backward: roots is empty (No tensors "
+                                   "provided for gradient computation)")
     for i, root in enumerate(roots):
         if not isinstance(root, torch.Tensor):
             raise TypeError(f"dist_autograd.backward: roots[{i}] is a {type(root).__name__}, "
-                            f"not a tensor")
+                            f"not a tensor (incompatible function arguments)")
         if not root.requires_grad:
-            raise ValueError(f"dist_autograd.backward: roots[{i}] does not require grad")
+            raise InvalidArgumentError(f"dist_autograd.backward: roots[{i}] does not require "
+                                       f"grad (requires_grad not set on root {i})")
         if root.numel() != 1:
-            raise ValueError(f"dist_autograd.backward: roots[{i}] has shape "
-                             f"{tuple(root.shape)}; roots must be scalars")
+            raise InvalidArgumentError(
+                f"dist_autograd.backward: roots[{i}] has shape {tuple(root.shape)}; roots "
+                f"must be scalars (Tensor is not a scalar, all roots need to be scalar)")
+        if root.grad_fn is None:
+            raise InvalidArgumentError(
+                f"dist_autograd.backward: roots[{i}] is a leaf tensor: it does not have a "
+                f"valid gradient function to start the backward from")
     if not isinstance(retain_graph, bool):
         raise TypeError("dist_autograd.backward: retain_graph must be a bool")
     _run_pass(agent, ctx, list(roots), [torch.ones_like(r) for r in roots]).wait()

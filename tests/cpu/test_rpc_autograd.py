@@ -109,11 +109,17 @@ def _two_workers(rank):
             except ValueError as e:
                 out["remote error"] = str(e)
             for name, roots in (("not scalar", [bad]), ("no grad", [torch.ones(())]),
-                                ("not a list", bad.sum())):
+                                ("not a list", bad.sum()), ("empty", []),
+                                ("leaf", [torch.ones((), requires_grad=True)])):
                 try:
                     dist_autograd.backward(cid, roots)
                 except (TypeError, ValueError) as e:
-                    out[name] = type(e).__name__
+                    out[name] = "ValueError" if isinstance(e, ValueError) else type(e).__name__
+                    out[name + " message"] = (str(e), isinstance(e, RuntimeError))
+            try:
+                dist_autograd.backward(None, [bad.sum()])
+            except TypeError as e:
+                out["bad id"] = str(e)
         try:
             dist_autograd.get_gradients(12345)
         except ValueError as e:
@@ -154,6 +160,14 @@ def test_bad_backward_arguments_are_rejected(two_workers):
     assert two_workers["not scalar"] == "ValueError"
     assert two_workers["no grad"] == "ValueError"
     assert two_workers["not a list"] == "TypeError"
+    # and torch's words, as the RuntimeError torch raises
+    for name, words in (("not scalar", "all roots need to be scalar"),
+                        ("no grad", "requires_grad not set on"),
+                        ("empty", "No tensors provided for gradient computation"),
+                        ("leaf", "does not have a valid gradient function")):
+        message, is_runtime_error = two_workers[name + " message"]
+        assert words in message and is_runtime_error, (name, message)
+    assert "incompatible function arguments" in two_workers["bad id"]
     assert "no distributed autograd context 12345" in two_workers["unknown"]
 
 
