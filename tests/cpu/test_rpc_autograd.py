@@ -108,6 +108,7 @@ def _two_workers(rank):
                 dist_autograd.backward(cid, [bad.sum()])
             except ValueError as e:
                 out["remote error"] = str(e)
+                out["also a RuntimeError"] = isinstance(e, RuntimeError)  # as torch's
             for name, roots in (("not scalar", [bad]), ("no grad", [torch.ones(())]),
                                 ("not a list", bad.sum()), ("empty", []),
                                 ("leaf", [torch.ones((), requires_grad=True)])):
@@ -154,6 +155,7 @@ def test_an_unused_branch_does_not_hang_the_backward(two_workers):
 def test_an_error_in_a_remote_backward_surfaces_on_the_caller(two_workers):
     message = two_workers["remote error"]
     assert "bad backward on purpose" in message and "worker 'w1'" in message
+    assert two_workers["also a RuntimeError"]
 
 
 def test_bad_backward_arguments_are_rejected(two_workers):
