@@ -140,9 +140,11 @@ def _rebuild(on: str | int, device: str, rref: RRef) -> RemoteModule:
 
 
 def _refuse(name: str) -> Callable[..., Any]:
+    hint = ". Please use ``remote_parameters`` instead" if name == "parameters" else ""
+
     def method(self: RemoteModule, *args: Any, **kwargs: Any) -> Any:
-        raise ValueError(f"Method ``{name}`` not supported for RemoteModule: the module lives "
-                         f"on {self.on!r}; use remote_parameters() or get_module_rref()")
+        raise ValueError(f"Method ``{name}`` not supported for RemoteModule{hint} (the module "
+                         f"lives on {self.on!r}; use remote_parameters() or get_module_rref())")
     method.__name__ = name
     return method
 
