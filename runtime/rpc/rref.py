@@ -256,9 +256,11 @@ class RRef(Generic[T]):
             self._value_type = found
         return found
 
-    def _attributes(self) -> frozenset[str]:
+    def _attributes(self, timeout: float = UNSET_RPC_TIMEOUT) -> frozenset[str]:
         """The names the value's type defines (asked of the owner once, then kept): a
-        proxy call to a method the value lacks fails at the call, not on the owner."""
+        proxy call to a method the value lacks fails at the call, not on the owner. The
+        owner answers once the value exists, so a proxy's timeout covers that wait, as
+        torch's proxies do."""
         found = getattr(self, "_type_names", None)
         if found is None:
             if self._record is not None:
@@ -266,7 +268,7 @@ class RRef(Generic[T]):
             else:
                 from spmd.runtime.rpc import api
 
-                found = api.rpc_sync(self.owner(), _type_names, args=(self,))
+                found = api.rpc_sync(self.owner(), _type_names, args=(self,), timeout=timeout)
             self._type_names = found
         return found
 
@@ -379,7 +381,7 @@ class _Proxy:
 
         @functools.wraps(call)
         def invoke(*args: Any, **kwargs: Any) -> Any:
-            if name not in rref._attributes():  # a method the value lacks: raise now
+            if name not in rref._attributes(timeout):  # a method the value lacks: raise now
                 raise AttributeError(f"the value of {rref!r} has no attribute {name!r}")
             return call(rref.owner(), _local_invoke, args=(rref, name, args, kwargs),
                         timeout=timeout)

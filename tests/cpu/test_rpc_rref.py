@@ -217,6 +217,12 @@ def _local_value_of(rref):
     return rref.local_value().get()
 
 
+class _Slow(_Counter):
+    def __init__(self):
+        super().__init__()
+        time.sleep(2)  # the owner makes the value slowly
+
+
 def _proxy_rank(rank):
     rpc = _init(rank, 2)
     out = {}
@@ -242,6 +248,12 @@ def _proxy_rank(rank):
             pickle.dumps(rref)
         except TypeError as e:
             out["pickle"] = str(e)
+        slow = rpc.remote("w1", _Slow)
+        try:  # the proxy's timeout covers waiting for the value to exist, as torch's
+            slow.rpc_sync(timeout=0.2).add(1)
+        except TimeoutError as e:
+            out["proxy timeout"] = str(e)
+        out["after"] = slow.rpc_sync().add(1)  # without one, it waits and runs
     rpc.shutdown(timeout=30)
     return out
 
@@ -262,3 +274,4 @@ def test_proxies_run_methods_on_the_owner():
                                                                          torch.arange(3))
     assert torch.equal(out["local remote"], torch.arange(3) * 2)
     assert "only be pickled inside an RPC" in out["pickle"]
+    assert "RPC ran for more than" in out["proxy timeout"] and out["after"] == 1
