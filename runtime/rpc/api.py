@@ -229,9 +229,18 @@ def _prepare(op: str, to: Any, func: Any, args: Any, kwargs: Any,
 def _call(op: str, to: Any, func: Callable, args: Any, kwargs: Any, timeout: float,
           sync: bool, kind: Kind = Kind.CALL) -> Any:
     agent, dest, args, kwargs, seconds = _prepare(op, to, func, args, kwargs, timeout)
-    entry = agent.request(dest, kind, func, args, kwargs, timeout=seconds, sync=sync,
-                          what=lambda: f"{op} to {agent.describe(dest)} calling {_name(func)}",
-                          ctx=current_context(agent))
+    try:
+        entry = agent.request(dest, kind, func, args, kwargs, timeout=seconds, sync=sync,
+                              what=lambda: f"{op} to {agent.describe(dest)} calling "
+                                           f"{_name(func)}",
+                              ctx=current_context(agent))
+    except DistError as e:
+        if sync or agent.stopped or dest not in agent.lost:
+            raise
+        # as torch's: rpc_async to a worker known to be gone returns a failed future
+        failed: torch.futures.Future = torch.futures.Future()
+        failed.set_exception(e)
+        return failed
     return wait_sync(agent, entry) if sync else entry.future
 
 

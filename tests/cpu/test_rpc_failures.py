@@ -141,6 +141,9 @@ def _dying_rank(rank, outbox):
     out = {"in flight": _attempt(lambda: rpc.rpc_sync("w1", _slow, args=(0.5,)) and
                                  rpc.rpc_sync("w1", _die))}
     out["next call"] = _attempt(lambda: rpc.rpc_sync("w1", torch.ones, args=(1,)))
+    # as torch's: rpc_async to a worker known to be gone gives a failed future, not a raise
+    future = rpc.rpc_async("w1", torch.ones, args=(1,))
+    out["async after"] = (future.done(), _attempt(future.wait))
     out["shutdown"] = _attempt(lambda: rpc.shutdown(timeout=15))
     _report(outbox, rank, out)
     time.sleep(60)
@@ -150,7 +153,9 @@ def test_a_worker_that_dies_is_named_within_the_timeout(tmp_path):
     ctx = spawn(_dying_rank, args=(str(tmp_path),), nprocs=2, start_method="forkserver",
                 join=False, timeout=60)
     out = _answer(str(tmp_path), 0)
-    for key in ("in flight", "next call", "shutdown"):
+    done, out["async after"] = out["async after"]
+    assert done
+    for key in ("in flight", "next call", "async after", "shutdown"):
         name, message, is_timeout = out[key]
         assert name == "DistError", (key, message)
         assert "worker 'w1' (rank 1) is gone" in message, (key, message)

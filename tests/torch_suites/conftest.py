@@ -34,7 +34,7 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
     ),
     "private internals: the autograd graph's send/recv functions (_current_context, "
     "_retrieve_context), the agent object, _all_gather/_wait_all/_barrier helpers, RRef "
-    "debug counters, the RPC pickler, _get_default_group": (
+    "debug counters, the RPC pickler, _get_default_group, distributed_c10d": (
         "*DistAutogradTest::test_graph_for_*", "*DistAutogradTest::test_no_graph_with_*",
         "*DistAutogradTest::test_*complex_args*", "*DistAutogradTest::test_context_cleanup_*",
         "*DistAutogradTest::test_worker_ids_recorded", "*DistAutogradTest::test_debug_info",
@@ -52,6 +52,11 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
         "TestDistBackendWithSpawn::test_all_gather_object_subgroup",
         "TensorPipeThreeWorkersRemoteModuleTest::test_send_remote_module_over_the_wire",
         "TensorPipeRpcTest::test_rref_leak", "TensorPipeRpcTest::test_rref_timeout",
+        # the default group's store through torch's private distributed_c10d module
+        "TensorPipeDistAutogradTest::test_backward_node_failure_python_udf",
+        # which gradient buffer is stolen rather than copied: torch's engine holds every
+        # gradient until the end, so copies both; ours lets the last one be stolen
+        "TensorPipeDistAutogradTest::test_no_grad_copy",
     ),
     "an exact message or C++ repr of torch's": (
         "TensorPipeRpcTest::test_local_value_not_on_owner", "TensorPipeRpcTest::test_rref_str",
@@ -61,6 +66,12 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
         "TensorPipeRpcTest::test_cannot_infer_backend_from_options",
         "TensorPipeRemoteModuleTest::test_remote_module_py_pickle_not_supported",
         "TensorPipeDistAutogradTest::test_backward_autograd_engine_error",
+    ),
+    "torch.futures.wait_all of torch 2.13 waits for every future even after one has failed "
+    "(seen with plain torch.futures.Future objects, no RPC involved); these tests expect it "
+    "to end at the first error": (
+        "TensorPipeRpcTest::test_wait_all_exit_early_python",
+        "TensorPipeRpcTest::test_wait_all_exit_early_builtin",
     ),
     "gap: RemoteModule.init_from_module_rref": (
         "TensorPipeThreeWorkersRemoteModuleTest::test_create_remote_module_from_module_rref",
@@ -74,6 +85,7 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
         "PythonStoreTest::test_set_get", "TestMultiThreadedWait::*",
     ),
     "deliberate: no infinite timeouts (torch reads 0 as infinite; ours refuses it); "
+    "a backward with an unused send ends (torch's hangs, and its test asserts the hang); "
     "RRef.backward(-1) on a user RRef (plain autograd on the owner; torch refuses it); a host "
     "name that does not resolve fails at once, naming it (torch retries until the timeout); "
     "rpc.shutdown() closes its FileStore, and the last user of a file deletes it (torch "
@@ -82,17 +94,15 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
         # RRef.backward(-1) on a user RRef runs plain autograd on the owner; torch refuses it
         "TensorPipeRpcTest::test_user_rref_backward",
         "RendezvousTCPTest::test_dns_timeout", "FileStoreTest::test_init_pg_and_rpc_with_same_file",
+        # torch's backward hangs forever on a send whose result is unused; ours ends
+        "TensorPipeDistAutogradTest::test_backward_unused_send_function",
     ),
     # not internals: what this runtime does not do yet (README, "PyTorch's own tests")
     "gap: torch's DistributedDataParallel takes torch's C++ ProcessGroup, not an "
-    "spmd.runtime group object (group.to_torch() is), and its C++ reducer does not see "
-    "spmd.runtime's distributed-autograd contexts": (
-        "TensorPipeDdpComparisonTest::*", "TensorPipeDdpUnderDistAutogradTest::test_backward_ddp_*",
+    "spmd.runtime group object (group.to_torch() is; these tests pass new_group's or "
+    "group.WORLD's object itself)": (
+        "TensorPipeDdpUnderDistAutogradTest::test_backward_ddp_*",
         "TestDistBackendWithSpawn::test_accumulate_gradients_no_sync*",
-    ),
-    "gap: torch's ProcessGroup object methods (pg.allreduce, pg.monitored_barrier)": (
-        "TestDistBackendWithSpawn::test_get_future",
-        "TestDistBackendWithSpawn::test_monitored_barrier_gloo_rank_0_timeout",
     ),
     "gap: sparse all_reduce (refused with an error naming the layout)": (
         "TestDistBackendWithSpawn::test_sparse_all_reduce_sum",
