@@ -101,6 +101,28 @@ class RemoteModule(nn.Module):
             module_cls, tuple(args or ()), dict(kwargs or {}), self.device))
         self.module_rref.to_here()  # built (or its constructor's error raised) here, now
 
+    @classmethod
+    def init_from_module_rref(cls, remote_device: str, module_rref: RRef,
+                              _module_interface_cls: Any = None) -> "RemoteModule":
+        """A ``RemoteModule`` over an existing module RRef, as torch's: it shares the module
+        with whoever holds the RRef (every handle calls the same remote module). Calls go
+        to the RRef's owner; ``remote_device`` gives the device, as in the constructor.
+
+        Example::
+
+            other = rpc.rpc_sync("worker2", RemoteModule.init_from_module_rref,
+                                 ("worker2", remote_module.get_module_rref()))
+        """
+        _, device = _parse(remote_device)
+        if not isinstance(module_rref, RRef):
+            raise TypeError(f"RemoteModule.init_from_module_rref: module_rref must be an RRef, "
+                            f"got {type(module_rref).__name__}")
+        if _module_interface_cls is not None:
+            raise ValueError("RemoteModule.init_from_module_rref: _module_interface_cls is "
+                             "TorchScript's module interface, which this runtime does not "
+                             "compile; leave it None")
+        return _rebuild(module_rref.owner_name(), device, module_rref)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return api.rpc_sync(self.on, _forward, args=(self.module_rref, args, kwargs))
 

@@ -73,9 +73,6 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
         "TensorPipeRpcTest::test_wait_all_exit_early_python",
         "TensorPipeRpcTest::test_wait_all_exit_early_builtin",
     ),
-    "gap: RemoteModule.init_from_module_rref": (
-        "TensorPipeThreeWorkersRemoteModuleTest::test_create_remote_module_from_module_rref",
-    ),
     "torch's bookkeeping: num_keys() counts torch's internal key of a TCPStore or FileStore "
     "(ours counts the keys users set), torch's C++ trampoline tester _test_python_store, "
     "ranks as threads over torch's internal world table (MultiThreadedTestCase)": (
