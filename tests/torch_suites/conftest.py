@@ -122,6 +122,7 @@ SAMPLE: tuple[str, ...] = (
     "TensorPipeTensorPipeAgentDistAutogradTest::test_backward_simple_sparse",
     "TensorPipeDistOptimizerTest::test_dist_optim",
     "TensorPipeReinforcementLearningRpcTest::test_rl_rpc",
+    "TensorPipeDdpComparisonTest::test_ddp_comparison",
     "TestDistBackendWithSpawn::test_all_reduce_sum",
     "TestDistBackendWithSpawn::test_broadcast",
     "TestDistBackendWithSpawn::test_all_gather",
