@@ -488,6 +488,14 @@ def _owner_run_remote(func: Any, args: tuple, kwargs: dict, rref_id: tuple[int, 
         raise
     if isinstance(result, AsyncResult) or is_async(func):
         inner = result.future if isinstance(result, AsyncResult) else result
+        if not isinstance(inner, torch._C.Future):  # the RRef gets the error, not a hang
+            error = WrongTypeError(
+                f"Functions decorated with @rpc.async_function must return a "
+                f"torch.futures.Future object, but got {type(inner).__name__}: "
+                f"{getattr(func, '__qualname__', func)!r} is an async_execution function but "
+                f"returned {type(inner).__name__}, not a torch.futures.Future")
+            rec.future.set_exception(error)
+            raise error
         ack: torch.futures.Future = torch.futures.Future()
 
         def settle(done: torch.futures.Future) -> None:

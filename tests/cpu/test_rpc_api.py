@@ -120,6 +120,11 @@ def _captured_stderr():
     return text
 
 
+@functions.async_execution
+def _async_wrong():
+    return 3  # an async_execution function must return a Future
+
+
 def _errors_rank(rank):
     from spmd.runtime.rpc import RemoteError
 
@@ -194,6 +199,9 @@ def _bad_input_rank(rank):
         "zero timeout": lambda: rpc.rpc_sync("w0", _count, args=(1,), timeout=0),
         "remote lambda": lambda: rpc.remote("w0", lambda: 1),
         "again": lambda: rpc.init_rpc("w0", rank=0, world_size=1),
+        "async wrong": lambda: rpc.rpc_sync("w0", _async_wrong),
+        # remote(): the RRef gets the error (it used to wait out the timeout)
+        "async wrong remote": lambda: rpc.remote("w0", _async_wrong).to_here(timeout=10),
     }
     for name, call in checks.items():
         try:
@@ -203,6 +211,12 @@ def _bad_input_rank(rank):
             # every class the error is (one may also be a RuntimeError, as torch's is)
             out[name] = ([c.__name__ for c in type(e).__mro__], str(e))
     out["sent"] = rpc.rpc_sync("w0", _calls_seen)
+    import gc
+
+    gc.collect()  # the failed remote()'s RRef, held by its error's traceback until now
+    deadline = time.monotonic() + 5  # its deletion is a message to this worker itself
+    while rpc.debug_info()["owner_rrefs"] and time.monotonic() < deadline:
+        time.sleep(0.02)
     out["debug"] = rpc.debug_info()
     rpc.shutdown(timeout=10)
     return out
@@ -226,7 +240,9 @@ def test_bad_input_raises_before_anything_is_sent():
                 "unpicklable arg": ("TypeError", "cannot pickle"),
                 "zero timeout": ("ValueError", "no infinite timeouts"),
                 "remote lambda": ("TypeError", "cannot pickle"),
-                "again": ("RuntimeError", "already initialized")}
+                "again": ("RuntimeError", "already initialized"),
+                "async wrong": ("RuntimeError", "must return a torch.futures.Future"),
+                "async wrong remote": ("RuntimeError", "must return a torch.futures.Future")}
     for name, (kind, text) in expected.items():
         assert out[name] is not None and kind in out[name][0] and text in out[name][1], \
             (name, out[name])
