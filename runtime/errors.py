@@ -43,3 +43,31 @@ class InvalidArgumentError(ValueError, RuntimeError):
 class WrongTypeError(TypeError, RuntimeError):
     """A value of the wrong type where torch raises ``RuntimeError`` (an
     ``async_execution`` function that returned no Future)."""
+
+
+_RUNTIME_TWINS: dict[type, type] = {}
+
+
+def also_runtime_error(e: Exception, note: str = "") -> Exception:
+    """``e`` as an instance of a class that is both its own and ``RuntimeError`` (with
+    ``note`` added to its message), where torch raises a ``RuntimeError``: code written for
+    torch (``except RuntimeError``) and code that knows the type both catch it. ``e``
+    itself where that class cannot be made or built."""
+    cls = type(e)
+    if isinstance(e, RuntimeError) and not note:
+        return e
+    twin = _RUNTIME_TWINS.get(cls)
+    args = e.args
+    if note:
+        args = (f"{args[0]}{note}", *args[1:]) if args and isinstance(args[0], str) else (note,)
+    try:
+        if twin is None:
+            twin = _RUNTIME_TWINS[cls] = (cls if issubclass(cls, RuntimeError) else
+                                          type(cls.__name__, (RuntimeError, cls),
+                                               {"__module__": cls.__module__}))
+        out = twin(*args)
+    except Exception:  # an incompatible layout, or a constructor that wants other arguments
+        return e
+    out.__dict__.update(getattr(e, "__dict__", {}))
+    out.__traceback__ = e.__traceback__
+    return out

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import torch
 
 from spmd.runtime.autograd.contexts import DistAutogradContext
-from spmd.runtime.errors import InvalidArgumentError
+from spmd.runtime.errors import InvalidArgumentError, also_runtime_error
 from spmd.runtime.rpc.agent import AsyncResult
 from spmd.runtime.rpc.wire import Kind
 
@@ -239,28 +239,9 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     except RuntimeError:
         raise
     except Exception as e:  # torch's engine raises every backward failure as a RuntimeError
-        raise _as_runtime_error(e) from None
+        raise also_runtime_error(e) from None
 
 
-_RUNTIME_TWINS: dict[type, type] = {}
-
-
-def _as_runtime_error(e: Exception) -> Exception:
-    """``e`` as an instance of a class that is both its own and ``RuntimeError``, so code
-    written for torch (``except RuntimeError``) and code that knows the type both catch it;
-    ``e`` itself where that class cannot be made or built."""
-    cls = type(e)
-    twin = _RUNTIME_TWINS.get(cls)
-    try:
-        if twin is None:
-            twin = _RUNTIME_TWINS[cls] = type(cls.__name__, (RuntimeError, cls),
-                                              {"__module__": cls.__module__})
-        out = twin(*e.args)
-    except Exception:  # an incompatible layout, or a constructor that wants other arguments
-        return e
-    out.__dict__.update(getattr(e, "__dict__", {}))
-    out.__traceback__ = e.__traceback__
-    return out
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

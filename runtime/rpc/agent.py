@@ -31,7 +31,8 @@ from typing import Any, Callable
 import torch
 
 from spmd.runtime.context import RankContext, rank_context
-from spmd.runtime.errors import DistError, DistTimeoutError, WrongTypeError
+from spmd.runtime.errors import (DistError, DistTimeoutError, WrongTypeError,
+                                  also_runtime_error)
 from spmd.runtime import config
 from spmd.runtime.rpc import cma
 from spmd.runtime.rpc.faults import Faults
@@ -392,6 +393,10 @@ class RpcAgent:
         except Exception as e:
             log.warning("rpc: could not unpickle a %s request from %s: %s", Kind(kind).name,
                         self.describe(peer), e)
+            if isinstance(e, (AttributeError, ImportError)):  # a name the callee lacks
+                e = also_runtime_error(e, f" (on {self.describe(self.rank)}: the RPC pickler "
+                                          f"does not serialize function code; what a call "
+                                          f"refers to must be importable on the callee too)")
             self.respond(peer, rid, None, e)
             return
         if pending:  # as torch: the call runs once the owners registered the RRefs it got

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from spmd.runtime.errors import WrongTypeError
+from spmd.runtime.errors import _RUNTIME_TWINS, WrongTypeError, also_runtime_error
 from spmd.runtime.rpc import wire
 from spmd.runtime.rpc.options import RemoteError
 
@@ -321,7 +321,23 @@ def pack_exception(exc: BaseException) -> tuple[str, str, str, bytes | None]:
     return name, str(exc), text, _pickled(exc)
 
 
+def _twin_base(cls: type) -> type | None:
+    """The class an ``also_runtime_error`` class was made from (None for any other)."""
+    for base, twin in _RUNTIME_TWINS.items():
+        if twin is cls and base is not cls:
+            return base
+    return None
+
+
 def _pickled(exc: BaseException) -> bytes | None:
+    base = _twin_base(type(exc))
+    if base is not None:  # also a RuntimeError (errors.also_runtime_error): the caller
+        try:               # rebuilds its own type and makes it one again
+            plain = base(*exc.args)
+            plain._spmd_also_runtime = True  # type: ignore[attr-defined]
+            exc = plain
+        except Exception:
+            pass
     try:
         raw: bytes | None = pickle.dumps(exc, protocol=5)
         pickle.loads(raw)
@@ -337,9 +353,11 @@ def unpack_exception(info: tuple, where: str) -> BaseException:
     type_name, message, text, raw = info
     full = f"{message}\n\nRemote traceback ({where}):\n{text.rstrip()}" if text else message
     cls = None
+    also_runtime = False
     if raw is not None:
         try:
-            cls = type(pickle.loads(raw))
+            loaded = pickle.loads(raw)
+            cls, also_runtime = type(loaded), getattr(loaded, "_spmd_also_runtime", False)
         except Exception:
             cls = None
     exc: BaseException = RemoteError(
@@ -349,7 +367,7 @@ def unpack_exception(info: tuple, where: str) -> BaseException:
         try:
             rebuilt = cls(full)
             if rebuilt.args and rebuilt.args[0] == full:
-                exc = rebuilt
+                exc = also_runtime_error(rebuilt) if also_runtime else rebuilt
         except Exception:
             pass
     try:

@@ -125,6 +125,16 @@ def _async_wrong():
     return 3  # an async_execution function must return a Future
 
 
+def _defined_on_the_caller_only():
+    return 1
+
+
+def _forget_it():
+    import sys
+
+    delattr(sys.modules[__name__], "_defined_on_the_caller_only")
+
+
 def _errors_rank(rank):
     from spmd.runtime.rpc import RemoteError
 
@@ -149,6 +159,11 @@ def _errors_rank(rank):
             rpc.rpc_sync("w1", _raise_custom)
         except RemoteError as e:
             out["custom"] = str(e)
+        rpc.rpc_sync("w1", _forget_it)
+        try:
+            rpc.rpc_sync("w1", _defined_on_the_caller_only)
+        except AttributeError as e:  # and torch's RuntimeError
+            out["missing on callee"] = (str(e), isinstance(e, RuntimeError))
         out["after"] = rpc.rpc_sync("w1", torch.add, args=(torch.ones(1), 1))
     rpc.shutdown(timeout=30)
     return out
@@ -166,6 +181,9 @@ def test_remote_exceptions_reraise_with_the_remote_traceback():
     assert "bad value 42" in out["callee stderr"]
     assert "_NeedsTwo" in out["custom"] and "in _raise_custom" in out["custom"]
     assert "Original exception on remote side was" in out["custom"]  # torch's words too
+    message, is_runtime_error = out["missing on callee"]
+    assert "_defined_on_the_caller_only" in message and is_runtime_error
+    assert "RPC pickler does not serialize function code" in message
     assert torch.equal(out["after"], torch.full((1,), 2.0))
 
 

@@ -66,6 +66,8 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
         "TensorPipeRpcTest::test_cannot_infer_backend_from_options",
         "TensorPipeRemoteModuleTest::test_remote_module_py_pickle_not_supported",
         "TensorPipeDistAutogradTest::test_backward_autograd_engine_error",
+        # the message of torch's C++ operator schema matching (ours: Python's TypeError)
+        "TensorPipeTensorPipeAgentRpcTest::test_op_with_invalid_args",
     ),
     "torch.futures.wait_all of torch 2.13 waits for every future even after one has failed "
     "(seen with plain torch.futures.Future objects, no RPC involved); these tests expect it "
