@@ -235,9 +235,10 @@ def _call(op: str, to: Any, func: Callable, args: Any, kwargs: Any, timeout: flo
                                            f"{_name(func)}",
                               ctx=current_context(agent))
     except DistError as e:
-        if sync or agent.stopped or dest not in agent.lost:
+        if sync or agent.stopped:
             raise
-        # as torch's: rpc_async to a worker known to be gone returns a failed future
+        # as torch's: rpc_async to a worker that is gone (known, or found on connecting)
+        # returns a failed future
         failed: torch.futures.Future = torch.futures.Future()
         failed.set_exception(e)
         return failed
