@@ -22,7 +22,6 @@ import itertools
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 import traceback
@@ -414,9 +413,10 @@ class RpcAgent:
                     result = func(*args, **kwargs)
         except BaseException as e:
             if not getattr(e, "_spmd_remote", False):  # raised here, not passed along
-                # as torch's agent: the callee's stderr shows it too, where it happened
-                print(f"On {self.infos.get(self.rank, self.name)}:\n{e!r}\n"
-                      f"{traceback.format_exc()}", file=sys.stderr)
+                # as torch's agent: the callee's log shows it too, where it happened (on
+                # stderr when the program configured no logging)
+                log.warning("On %s:\n%r\n%s", self.infos.get(self.rank, self.name), e,
+                            traceback.format_exc())
             self.respond(peer, rid, None, e)
             return
         if isinstance(result, AsyncResult):

@@ -176,7 +176,8 @@ def test_remote_exceptions_reraise_with_the_remote_traceback():
         assert message.startswith(f"bad value {value}"), message
         assert "Remote traceback (on worker 'w1' (rank 1)" in message
         assert "in _raise_value_error" in message and "Traceback (most recent call last)" in message
-    # as torch's: the callee's stderr shows the error where it happened
+    # as torch's: the callee's stderr shows the error where it happened (its log's
+    # last-resort handler: the worker configured no logging)
     assert "On WorkerInfo(name='w1', id=1)" in out["callee stderr"], out["callee stderr"]
     assert "bad value 42" in out["callee stderr"]
     assert "_NeedsTwo" in out["custom"] and "in _raise_custom" in out["custom"]
