@@ -234,7 +234,8 @@ def _bad_input_rank(rank):
 
     gc.collect()  # the failed remote()'s RRef, held by its error's traceback until now
     deadline = time.monotonic() + 5  # its deletion is a message to this worker itself
-    while rpc.debug_info()["owner_rrefs"] and time.monotonic() < deadline:
+    while (rpc.debug_info()["owner_rrefs"] or rpc.debug_info()["pending_requests"]) and \
+            time.monotonic() < deadline:
         time.sleep(0.02)
     out["debug"] = rpc.debug_info()
     rpc.shutdown(timeout=10)
