@@ -64,7 +64,8 @@ def also_runtime_error(e: Exception, note: str = "") -> Exception:
         if twin is None:
             twin = _RUNTIME_TWINS[cls] = (cls if issubclass(cls, RuntimeError) else
                                           type(cls.__name__, (RuntimeError, cls),
-                                               {"__module__": cls.__module__}))
+                                               {"__module__": cls.__module__,
+                                                "_spmd_twin_of": cls}))
         out = twin(*args)
     except Exception:  # an incompatible layout, or a constructor that wants other arguments
         return e

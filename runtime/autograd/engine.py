@@ -48,7 +48,8 @@ def _agent(op: str) -> Any:
 
 def _context(agent: Any, context_id: Any, op: str) -> DistAutogradContext:
     if not isinstance(context_id, int) or isinstance(context_id, bool):
-        raise TypeError(f"{op}: context_id must be an int, got {type(context_id).__name__}")
+        raise TypeError(f"{op}: context_id must be an int, got {type(context_id).__name__} "
+                        f"(incompatible function arguments)")
     ctx = agent.contexts.get(context_id)
     if ctx is None:
         raise InvalidArgumentError(
@@ -207,9 +208,6 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
             dist_autograd.backward(cid, [loss])
     """
     agent = _agent("dist_autograd.backward")
-    if not isinstance(context_id, int) or isinstance(context_id, bool):
-        raise TypeError(f"dist_autograd.backward: context_id must be an int, got "
-                        f"{type(context_id).__name__} (incompatible function arguments)")
     ctx = _context(agent, context_id, "dist_autograd.backward")
     if isinstance(roots, torch.Tensor) or not isinstance(roots, (list, tuple)):
         raise TypeError(f"dist_autograd.backward: roots must be a list of tensors, got "
@@ -240,8 +238,6 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
         raise
     except Exception as e:  # torch's engine raises every backward failure as a RuntimeError
         raise also_runtime_error(e) from None
-
-
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

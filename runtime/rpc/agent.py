@@ -427,11 +427,7 @@ class RpcAgent:
             self.respond(peer, rid, result, None, ctx)
             return
         if not isinstance(future, torch._C.Future):
-            self.respond(peer, rid, None, WrongTypeError(
-                f"Functions decorated with @rpc.async_function must return a "
-                f"torch.futures.Future object, but got {type(future).__name__}: "
-                f"{getattr(func, '__qualname__', func)!r} is an async_execution function but "
-                f"returned {type(future).__name__}, not a torch.futures.Future"))
+            self.respond(peer, rid, None, not_a_future_error(func, future))
             return
 
         def answer(done: torch.futures.Future) -> None:
@@ -559,6 +555,15 @@ def _autograd() -> Any:
 
         _autograd_module = importlib.import_module("spmd.runtime.autograd.contexts")
     return _autograd_module
+
+
+def not_a_future_error(func: Any, value: Any) -> WrongTypeError:
+    """The error of an ``async_execution`` function that returned ``value``, no Future."""
+    return WrongTypeError(
+        f"Functions decorated with @rpc.async_function must return a torch.futures.Future "
+        f"object, but got {type(value).__name__}: {getattr(func, '__qualname__', func)!r} is "
+        f"an async_execution function but returned {type(value).__name__}, not a "
+        f"torch.futures.Future")
 
 
 def done_within(future: torch.futures.Future, timeout: float) -> bool:

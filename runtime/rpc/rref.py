@@ -27,7 +27,8 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from spmd.runtime.errors import InvalidArgumentError, WrongTypeError
-from spmd.runtime.rpc.agent import AsyncResult, done_within, is_async, rpc_timeout_error
+from spmd.runtime.rpc.agent import (AsyncResult, done_within, is_async, not_a_future_error,
+                                    rpc_timeout_error)
 from spmd.runtime.rpc.options import UNSET_RPC_TIMEOUT, WorkerInfo, resolve_timeout
 from spmd.runtime.rpc.serialize import loading
 from spmd.runtime.rpc.wire import Kind
@@ -489,11 +490,7 @@ def _owner_run_remote(func: Any, args: tuple, kwargs: dict, rref_id: tuple[int, 
     if isinstance(result, AsyncResult) or is_async(func):
         inner = result.future if isinstance(result, AsyncResult) else result
         if not isinstance(inner, torch._C.Future):  # the RRef gets the error, not a hang
-            error = WrongTypeError(
-                f"Functions decorated with @rpc.async_function must return a "
-                f"torch.futures.Future object, but got {type(inner).__name__}: "
-                f"{getattr(func, '__qualname__', func)!r} is an async_execution function but "
-                f"returned {type(inner).__name__}, not a torch.futures.Future")
+            error = not_a_future_error(func, inner)
             rec.future.set_exception(error)
             raise error
         ack: torch.futures.Future = torch.futures.Future()

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from spmd.runtime.errors import _RUNTIME_TWINS, WrongTypeError, also_runtime_error
+from spmd.runtime.errors import WrongTypeError, also_runtime_error
 from spmd.runtime.rpc import wire
 from spmd.runtime.rpc.options import RemoteError
 
@@ -179,7 +179,7 @@ def _reduce_tensor(t: torch.Tensor, state: DumpState) -> Any:
             # and arrives with its strides
             data = data.permute(order)
         else:
-            span = 1 + sum((n - 1) * st for n, st in zip(data.shape, data.stride()))
+            span = _span(data.shape, data.stride())
             if span * data.element_size() < _RECOPY_BYTES or span < 2 * data.numel():
                 # a view with gaps (or overlaps) travels as the memory it spans and
                 # arrives with its strides, as torch's RPC sends it
@@ -196,6 +196,11 @@ def _reduce_tensor(t: torch.Tensor, state: DumpState) -> Any:
         buf = pickle.PickleBuffer(data.reshape(-1).view(torch.uint8).numpy())
     return _rebuild_tensor, (data.dtype, shape, t.requires_grad, device, slot,
                              type(t) is _Parameter, buf, order, strides)
+
+
+def _span(shape: Any, strides: Any) -> int:
+    """Elements of memory a non-empty strided view spans, from its first to its last."""
+    return 1 + sum((n - 1) * st for n, st in zip(shape, strides))
 
 
 # a gapped view whose span is at least this many bytes and twice its values travels as
@@ -227,7 +232,7 @@ def _rebuild_tensor(dtype: torch.dtype, shape: tuple, requires_grad: bool, devic
     if strides is not None:  # the memory a strided view spans
         if len(strides) != len(shape) or any(not isinstance(s, int) or s < 0 for s in strides):
             raise ValueError(f"tensor of shape {shape} with strides {strides}: bad strides")
-        count = 1 + sum((n - 1) * st for n, st in zip(shape, strides)) if count else 0
+        count = _span(shape, strides) if count else 0
     nbytes = count * dtype.itemsize
     if nbytes == 0:
         t = torch.empty(shape, dtype=dtype)
@@ -321,16 +326,8 @@ def pack_exception(exc: BaseException) -> tuple[str, str, str, bytes | None]:
     return name, str(exc), text, _pickled(exc)
 
 
-def _twin_base(cls: type) -> type | None:
-    """The class an ``also_runtime_error`` class was made from (None for any other)."""
-    for base, twin in _RUNTIME_TWINS.items():
-        if twin is cls and base is not cls:
-            return base
-    return None
-
-
 def _pickled(exc: BaseException) -> bytes | None:
-    base = _twin_base(type(exc))
+    base = type(exc).__dict__.get("_spmd_twin_of")  # made by errors.also_runtime_error
     if base is not None:  # also a RuntimeError (errors.also_runtime_error): the caller
         try:               # rebuilds its own type and makes it one again
             plain = base(*exc.args)
