@@ -102,6 +102,11 @@ def _gradients(gm: fx.GraphModule, ctx: LoweringContext) -> tuple[Gradient, ...]
                                 f"{name!r}, which is not a trainable parameter input")
         k, info = trainable[name]
         val = node.meta.get("val")
+        if val is not None and val.layout is not torch.strided:
+            raise PlanningError(f"{ctx.graph_name}: the gradient of {name} is a {val.layout} "
+                                f"tensor (nn.Embedding(sparse=True), say); the graph reduces "
+                                f"dense gradients only, so the eager safety net averages this "
+                                f"step's gradients, sparse ones as sparse all-reduces")
         if val is not None and tuple(val.shape) != info.shape:
             raise PlanningError(f"{ctx.graph_name}: the gradient of {name} ({node.name}) has "
                                 f"shape {tuple(val.shape)} but the parameter has {info.shape}")

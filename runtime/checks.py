@@ -23,7 +23,7 @@ def tensor(t: Any, op: str, pg: ProcessGroup, name: str = "tensor") -> torch.Ten
     """A dense tensor on a device the group's backend can use."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if pg.backend == "gloo" and t.is_cpu and t.dtype in GLOO_DTYPES and not t.is_sparse:
+    if pg.backend == "gloo" and t.is_cpu and t.dtype in GLOO_DTYPES and t.layout is torch.strided:
         return t  # the common case in one line
     if t.layout is not torch.strided:
         raise TypeError(f"{op}: {name} is a {t.layout} tensor; only dense (strided) tensors "

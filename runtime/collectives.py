@@ -81,6 +81,8 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
                group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across the group in place; every rank gets the result."""
     pg = resolve_group(group, "all_reduce")
+    if isinstance(tensor, torch.Tensor) and tensor.is_sparse:
+        return _sparse_all_reduce(tensor, op, pg, async_op)
     checks.tensor(tensor, "all_reduce", pg)
     rop, divide = _reduction(pg, op, tensor.dtype, "all_reduce")
     seq = pg._begin("all_reduce", lambda: f"{checks.describe(tensor)}, op={ReduceOp.of(op).name}")
@@ -92,6 +94,35 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     post = _then((lambda: buf.div_(size)) if divide else None, back)
     backend = pg._backend
     return pg._launch("all_reduce", seq, lambda: backend.allreduce([W(buf)], opts), async_op, post)
+
+
+def _sparse_all_reduce(tensor: torch.Tensor, op: ReduceOp, pg: ProcessGroup,
+                       async_op: bool) -> Work | None:
+    """A sparse COO ``tensor`` summed (or averaged) in place, as torch's Gloo does it: each
+    rank's indices and values are gathered and the sum coalesced, so the result holds the
+    union of every rank's indices. Gloo only; SUM and AVG only."""
+    rop = ReduceOp.of(op)
+    if tensor.layout is not torch.sparse_coo:
+        raise TypeError(f"all_reduce: tensor is a {tensor.layout} tensor; sparse tensors must "
+                        f"be torch.sparse_coo")
+    if pg.backend != "gloo" or not tensor.is_cpu:
+        raise ValueError(f"all_reduce: a sparse tensor on {tensor.device} over "
+                         f"{pg.backend!r}: only Gloo reduces sparse tensors, on the CPU")
+    if rop not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise ValueError(f"all_reduce of a sparse tensor takes ReduceOp.SUM or AVG, not "
+                         f"{rop.name}")
+    if tensor.dtype not in checks.GLOO_DTYPES:
+        raise TypeError(f"all_reduce: Gloo cannot move {tensor.dtype} tensors")
+    seq = pg._begin("all_reduce", lambda: f"sparse {checks.describe(tensor)}, op={rop.name}")
+    if pg.join_log is not None:
+        pg.join_log[-1].update(shape=tuple(tensor.shape), dtype=tensor.dtype, reduce=op,
+                               sparse_dim=tensor.sparse_dim())
+    size = pg.size()
+    post = (lambda: tensor.div_(size)) if rop is ReduceOp.AVG else None
+    opts = _options(_dist.AllreduceOptions, ReduceOp.SUM)
+    backend = pg._backend
+    return pg._launch("all_reduce", seq, lambda: backend.allreduce([tensor], opts), async_op,
+                      post)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,

@@ -151,8 +151,13 @@ class Join:
                                "give every rank at least one batch")
         for entry in self.log:
             if entry["op"] == "all_reduce":
-                all_reduce(torch.zeros(entry["shape"], dtype=entry["dtype"]),
-                           op=entry["reduce"], group=self.group)
+                shape, sparse_dim = entry["shape"], entry.get("sparse_dim")
+                zeros = (torch.zeros(shape, dtype=entry["dtype"]) if sparse_dim is None else
+                         torch.sparse_coo_tensor(  # no entries: adds nothing to the others'
+                             torch.zeros((sparse_dim, 0), dtype=torch.long),
+                             torch.zeros((0, *shape[sparse_dim:]), dtype=entry["dtype"]),
+                             shape))
+                all_reduce(zeros, op=entry["reduce"], group=self.group)
             elif entry["op"] == "broadcast":
                 broadcast(torch.zeros(entry["shape"], dtype=entry["dtype"]), src=entry["src"],
                           group=self.group)

@@ -188,9 +188,9 @@ class ModuleState:
                     name, "read outside any compiled graph (graph break into eager code): "
                           "gathered and reduce-scattered eagerly (blocking, unbucketed)")
         for record in self.records:
-            if record.fallback_reason:
+            if record.fallback_reason:  # the cause, where the hook saw only the effect
                 for name in record.trainable:
-                    self.fallbacks.setdefault(name, record.fallback_reason)
+                    self.fallbacks[name] = record.fallback_reason
         fallbacks = [Fallback(param=n, reason=r) for n, r in self.fallbacks.items()]
         device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
         plan = plan_from_records(self.records, setup=self.setup, options=self.options,
@@ -272,7 +272,7 @@ class ModuleState:
             return grad
         if self.discovery > 0 or self.reducer.pending:
             self._queue_finish()
-        key = grad.untyped_storage().data_ptr()
+        key = grad.untyped_storage().data_ptr() if grad.layout is torch.strided else None
         if key in self.sync.reduced:
             return grad  # a planned bucket already averaged it
         part = grad.detach().clone()

@@ -58,6 +58,12 @@ class EagerReducer:
         pending, self.pending = self.pending, []
         if not pending or self.group is None or self.world_size <= 1:
             return
+        sparse = [(p, part) for p, part in pending if part.is_sparse]
+        if sparse:
+            pending = [(p, part) for p, part in pending if not part.is_sparse]
+            self._finish_sparse(sparse)
+            if not pending:
+                return
         parts = [part for _, part in pending]
         sizes = [p.numel() * p.element_size() for p in parts]
         hook = self.sync.comm_hook if self.sync is not None else None
@@ -85,3 +91,23 @@ class EagerReducer:
                 grads = [pending[i][0].grad for i in members]
                 buffers.unpack(flat, grads, accumulate=True)  # + avg(part)
                 torch._foreach_sub_(grads, [parts[i].to(g.dtype) for i, g in zip(members, grads)])
+
+    def _finish_sparse(self, pending: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+        """Sparse parts (``nn.Embedding(sparse=True)``): one sparse all-reduce each, as
+        torch's DDP does; ``.grad`` becomes ``grad - part + avg(part)``, still sparse."""
+        from spmd.runtime.collectives import ReduceOp, all_reduce
+
+        if self.sync is not None and self.sync.comm_hook is not None:
+            names = ", ".join(str(tuple(p.shape)) for p, _ in pending)
+            raise RuntimeError(f"spmd: a communication hook takes dense buckets, and "
+                               f"parameters of shape {names} have sparse gradients; "
+                               f"register no hook or make their gradients dense")
+        works = []
+        for param, part in pending:
+            avg = part.clone().coalesce()  # part itself is subtracted below
+            works.append((param, part, avg, all_reduce(avg, op=ReduceOp.AVG,
+                                                       group=self.group, async_op=True)))
+        with torch.no_grad():
+            for param, part, avg, work in works:
+                work.wait()
+                param.grad = (param.grad - part + avg).coalesce()

@@ -24,6 +24,12 @@ def base(rank: int, dtype: torch.dtype = torch.float32, n: int = 4) -> torch.Ten
     return ((torch.arange(n) % 2) + rank + 1).to(dtype)
 
 
+def sparse(rank: int) -> torch.Tensor:
+    """A (6, 2) hybrid COO tensor: row ``rank`` and row 5, values depending on the rank."""
+    values = torch.tensor([[rank + 1.0, 2.0], [3.0, rank * 10.0]])
+    return torch.sparse_coo_tensor(torch.tensor([[rank, 5]]), values, (6, 2))
+
+
 def expected_reduce(op: str, world: int, dtype: torch.dtype) -> torch.Tensor:
     stack = torch.stack([base(r, torch.int64) for r in range(world)])
     if op == "SUM":
@@ -62,6 +68,13 @@ def every_op(rank: int) -> dict:
     torch_op = base(rank)
     dist.all_reduce(torch_op, op=torch.distributed.ReduceOp.MAX)  # torch's enum works too
     out["all_reduce torch op"] = torch_op
+    out["all_reduce sparse"] = {}
+    for op in ("SUM", "AVG"):  # each rank's own indices, one shared; a hybrid tensor too
+        sp = sparse(rank)
+        work = dist.all_reduce(sp, op=getattr(dist.ReduceOp, op), async_op=op == "AVG")
+        if work is not None:
+            work.wait()
+        out["all_reduce sparse"][op] = sp
     strided = base(rank, n=8)[::2]  # a non-contiguous view is reduced in place
     dist.all_reduce(strided)
     out["all_reduce strided"] = strided
@@ -225,6 +238,16 @@ def test_all_reduce_complex_bool_torch_enum_and_strided(runs):
         assert torch.equal(r["all_reduce torch op"], expected_reduce("MAX", n, torch.float32))
         strided_want = sum(base(k, n=8)[::2] for k in range(n))
         assert torch.equal(r["all_reduce strided"], strided_want)
+
+
+def test_sparse_all_reduce_sums_every_ranks_entries(runs):
+    n = len(runs)
+    total = sum(sparse(k).to_dense() for k in range(n))
+    for r in runs:
+        got = r["all_reduce sparse"]
+        assert got["SUM"].is_sparse and got["AVG"].is_sparse
+        assert torch.equal(got["SUM"].to_dense(), total)
+        assert torch.allclose(got["AVG"].to_dense(), total / n)
 
 
 def test_async_work_and_future(runs):

@@ -18,16 +18,34 @@ from ..models import MODELS, batch
 BATCHES = {0: 5, 1: 8}  # rank -> how many batches it has
 
 
+class SparseBag(torch.nn.Module):
+    """An nn.Embedding(sparse=True): its gradient is all-reduced as a sparse tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(12, 8, sparse=True)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids).mean(1))
+
+
+FACTORIES = {**MODELS, "sparse": SparseBag}
+
+
 def _batches(name: str, rank: int) -> list:
     out = []
     for step in range(BATCHES[rank]):
-        x, y = batch(name, step=step)
+        x, y = batch("mlp" if name == "sparse" else name, step=step)
+        if name == "sparse":
+            x = (x[:, :3].abs() * 4).long() % 12
         out.append((x[rank * 6:(rank + 1) * 6], y[rank * 6:(rank + 1) * 6]))
     return out
 
 
 def _train(model, name, rank, context) -> dict:
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0 if name == "sparse" else 0.9)
     with context(model):
         for x, y in _batches(name, rank):
             F.mse_loss(model(x), y).backward()
@@ -42,13 +60,13 @@ def _job(rank: int, name: str) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
-        ours = _train(spmd.parallelize(MODELS[name]()), name, rank, lambda m: m.join())
-        theirs = _train(DistributedDataParallel(MODELS[name]()), name, rank,
+        ours = _train(spmd.parallelize(FACTORIES[name]()), name, rank, lambda m: m.join())
+        theirs = _train(DistributedDataParallel(FACTORIES[name]()), name, rank,
                         lambda m: m.join())  # torch's DDP on our group, as torch sees it
         # two models in one context: each step trains both
-        first, second = spmd.parallelize(MODELS[name]()), spmd.parallelize(MODELS[name]())
+        first, second = spmd.parallelize(FACTORIES[name]()), spmd.parallelize(FACTORIES[name]())
         opt = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.05,
-                              momentum=0.9)
+                              momentum=0 if name == "sparse" else 0.9)
         with spmd.Join([first, second]):
             for x, y in _batches(name, rank):
                 (F.mse_loss(first(x), y) + F.mse_loss(second(x), y)).backward()
@@ -61,7 +79,7 @@ def _job(rank: int, name: str) -> dict:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("name", ["mlp", "batchnorm"])
+@pytest.mark.parametrize("name", ["mlp", "batchnorm", "sparse"])
 def test_uneven_inputs_end_like_torch_ddp_join(name):
     runs = dist.spawn(_job, args=(name,), nprocs=2, start_method="forkserver", timeout=110)
     for rank, run in enumerate(runs):

@@ -318,3 +318,59 @@ def test_a_model_that_cannot_be_captured_still_trains_correctly():
         assert sorted(p for p, _ in fallbacks) == sorted(want)
         assert all("could not be captured" in reason and "injected capture failure" in reason
                    for _, reason in fallbacks)
+
+
+class _SparseBag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(12, 4, sparse=True)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids).mean(1))
+
+
+def _sparse_ids() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, 12, (8, 3), generator=g), torch.randn(8, 1, generator=g)
+
+
+def _sparse_steps(model: nn.Module, ids: torch.Tensor, y: torch.Tensor, wrapped: nn.Module,
+                  grads: list) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(3):
+        F.mse_loss(wrapped(ids), y).backward()
+        grads.append(model.emb.weight.grad.is_sparse)
+        opt.step()
+        opt.zero_grad()
+
+
+def _sparse_embedding(rank):
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = _SparseBag()
+    ids, y = _sparse_ids()
+    world = dist.get_world_size()
+    sparse: list = []
+    _sparse_steps(model, _shard(ids, rank, world), _shard(y, rank, world),
+                  spmd.parallelize(model), sparse)
+    plan = spmd.inspect(model)
+    return ({k: v.detach() for k, v in model.state_dict().items()}, sparse,
+            [(f.param, f.reason) for f in plan.fallbacks])
+
+
+def test_sparse_embedding_gradients_are_averaged_sparse_as_one_process_would():
+    """torch DDP takes nn.Embedding(sparse=True): its gradient is all-reduced as a sparse
+    tensor. The graph reduces dense buckets only, so the step goes to the eager safety
+    net, which says so in the plan and gives one process's result on the whole batch."""
+    out = dist.spawn(_sparse_embedding, nprocs=2, start_method="forkserver", timeout=100)
+    torch.manual_seed(0)
+    reference = _SparseBag()
+    ids, y = _sparse_ids()
+    _sparse_steps(reference, ids, y, reference, [])
+    for state, sparse, fallbacks in out:
+        assert sparse == [True, True, True]  # still sparse after averaging
+        for name, want in reference.state_dict().items():
+            assert torch.allclose(state[name], want, **TOL), name
+        assert any(p == "emb.weight" for p, _ in fallbacks), fallbacks
+        assert all("sparse" in reason for _, reason in fallbacks), fallbacks

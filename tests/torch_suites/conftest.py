@@ -103,9 +103,6 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
         "TensorPipeDdpUnderDistAutogradTest::test_backward_ddp_*",
         "TestDistBackendWithSpawn::test_accumulate_gradients_no_sync*",
     ),
-    "gap: sparse all_reduce (refused with an error naming the layout)": (
-        "TestDistBackendWithSpawn::test_sparse_all_reduce_sum",
-    ),
     "gap: dynamic RPC membership (init_rpc without world_size)": (
         "TensorPipeTensorPipeAgentRpcTest::test_dynamic_*",
     ),
