@@ -47,8 +47,9 @@ class NodeArgumentsError(InvalidArgumentError, AssertionError):
 
 
 def _pick(name: str, arg: int | None, query: dict[str, str], env: tuple[str, ...],
-          url: str) -> int:
-    """One of rank/world_size from the argument, the query or the environment."""
+          url: str, required: bool = True) -> int | None:
+    """One of rank/world_size from the argument, the query or the environment (None when
+    none gives it and it is not ``required``)."""
     sources = []
     if arg is not None:
         if not isinstance(arg, int) or isinstance(arg, bool):
@@ -67,11 +68,13 @@ def _pick(name: str, arg: int | None, query: dict[str, str], env: tuple[str, ...
     for var in env:
         if getenv(var):
             return _int(getenv(var), f"environment variable {var}")
+    if not required:
+        return None
     if env:
         names = " (nor " + ", ".join(env[1:]) + ")" if len(env) > 1 else ""
         raise ValueError(
             f"rendezvous {url!r}: environment variable {env[0]} is not set{names}; set it "
-            f"or pass {name}="
+            f"or pass {name}= (environment variable {env[0]} expected)"
         )
     what = "rank" if name == "rank" else "size"
     raise ValueError(f"rendezvous {url!r}: {name} is missing ({what} parameter missing); "
@@ -115,6 +118,18 @@ def rendezvous(
 
         store, rank, world = rendezvous("tcp://127.0.0.1:29500", rank=0, world_size=2)
     """
+    return _rendezvous(init_method, rank, world_size, timeout, need_world_size=True)
+
+
+def _rendezvous(
+    init_method: str,
+    rank: int | None,
+    world_size: int | None,
+    timeout: timedelta | None,
+    need_world_size: bool,
+) -> "Rendezvous":
+    """:func:`rendezvous`; with ``need_world_size`` False, ``world_size`` may stay None
+    (a dynamic RPC group: its store is made for no fixed number of participants)."""
     if not isinstance(init_method, str):
         raise TypeError(f"init_method must be a str URL, got {type(init_method).__name__}")
     if timeout is not None:
@@ -141,16 +156,20 @@ def rendezvous(
                      ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"), url)
         world_size = _pick("world_size", world_size, query,
                            ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"),
-                           url)
+                           url, need_world_size)
         host = _env("MASTER_ADDR", url)
         port = _port(_env("MASTER_PORT", url), "MASTER_PORT")
         agent_store = getenv("TORCHELASTIC_USE_AGENT_STORE") == "True"
     else:
         rank = _pick("rank", rank, query, (), url)
-        world_size = _pick("world_size", world_size, query, (), url)
-    if world_size < 1:
+        world_size = _pick("world_size", world_size, query, (), url, need_world_size)
+    assert rank is not None
+    if world_size is None:  # a dynamic group: any rank of its own
+        if rank < 0:
+            raise ValueError(f"rendezvous {url!r}: rank must be non-negative, got {rank}")
+    elif world_size < 1:
         raise ValueError(f"rendezvous {url!r}: world_size must be positive, got {world_size}")
-    if not 0 <= rank < world_size:
+    elif not 0 <= rank < world_size:
         raise ValueError(
             f"rendezvous {url!r}: rank {rank} is outside [0, {world_size}) for world_size "
             f"{world_size}"

@@ -125,8 +125,10 @@ class RpcAgent:
         self._cma_threshold = config.rpc_cma_threshold()
         self.probe = cma.Probe()
         self.pool: queue.SimpleQueue = queue.SimpleQueue()
+        self.members: Any = None  # a dynamic group's membership (rpc.membership)
         self.transport = Transport(rank=rank, host=host, token=config.rpc_auth_token(),
                                    describe=self.describe, grant_cma=self._grant_cma,
+                                   discover=self._discover,
                                    on_message=self._on_message, on_peer_lost=self._peer_lost,
                                    on_tick=self._tick, rank_ctx=rank_ctx)
         self._threads = [threading.Thread(target=self._work, name=f"spmd-rpc-{rank}-{i}",
@@ -143,21 +145,49 @@ class RpcAgent:
                 "device_maps": self.options.device_maps}
 
     def start(self, records: dict[int, dict]) -> None:
-        me = records[self.rank]
-        use_cma = config.rpc_cma_enabled() and cma.available()
         for rank, rec in records.items():
-            self.records[rank] = rec
-            self.infos[rank] = WorkerInfo(rec["name"], rank)
-            self.by_name[rec["name"]] = self.infos[rank]
-            theirs = rec.get("device_maps", {}).get(self.name)
-            if theirs:
-                self._maps_from[rank] = {v: k for k, v in theirs.items()}
-            if use_cma and rec["host"] == me["host"]:
-                address, content = rec["probe"]
-                self._cma_from[rank] = cma.can_read(rec["pid"], address, bytes.fromhex(content))
+            self.add_peer(rank, rec)
         self.transport.start({r: rec["address"] for r, rec in records.items()})
         for t in self._threads:
             t.start()
+
+    def add_peer(self, rank: int, rec: dict) -> None:
+        """Know worker ``rank`` by its published record (at start, or when it joins a
+        dynamic group)."""
+        before = self.records.get(rank)
+        if before is not None and before["address"] != rec["address"]:
+            self.transport.forget(rank)  # a new worker with a departed one's rank
+        self.records[rank] = rec
+        info = WorkerInfo(rec["name"], rank)
+        old = self.infos.get(rank)
+        if old is not None and old.name != info.name:
+            self.by_name.pop(old.name, None)
+        self.infos[rank] = info
+        self.by_name[rec["name"]] = info
+        self.lost.pop(rank, None)
+        self.closing.discard(rank)
+        theirs = rec.get("device_maps", {}).get(self.name)
+        if theirs:
+            self._maps_from[rank] = {v: k for k, v in theirs.items()}
+        if config.rpc_cma_enabled() and cma.available() and rec["host"] == cma.host_key():
+            address, content = rec["probe"]
+            self._cma_from[rank] = cma.can_read(rec["pid"], address, bytes.fromhex(content))
+        self.transport.addresses[rank] = rec["address"]
+
+    def remove_peer(self, rank: int) -> None:
+        """Forget worker ``rank``, which left a dynamic group: its connection closing is
+        expected, and its name and rank stop resolving. (The connection itself stays
+        until a worker with that rank joins: the answer to its goodbye still uses it.)"""
+        self.closing.add(rank)
+        info = self.infos.pop(rank, None)
+        if info is not None and self.by_name.get(info.name) == info:
+            del self.by_name[info.name]
+
+    def _discover(self, peer: int) -> bool:
+        """A worker connects: in a dynamic group, read the members again, since it may
+        have joined (or taken a departed worker's rank) since we last looked (the I/O
+        thread asks, once per connection; a store read)."""
+        return self.members is not None and self.members.refresh(peer)
 
     def _grant_cma(self, peer: int) -> bool:
         return self._cma_from.get(peer, False)

@@ -22,9 +22,10 @@ import torch
 from spmd.runtime import context
 from spmd.runtime.autograd.contexts import current_context
 from spmd.runtime.errors import DistError, InvalidArgumentError
-from spmd.runtime.rendezvous import rendezvous
+from spmd.runtime.rendezvous import _rendezvous
 from spmd.runtime import config
 from spmd.runtime.rpc.agent import RpcAgent, rpc_timeout_error
+from spmd.runtime.rpc.membership import Membership, claim_mode
 from spmd.runtime.rpc.options import (UNSET_RPC_TIMEOUT, BackendType, RpcBackendOptions,
                                       WorkerInfo, _positive, check_name, resolve_timeout)
 from spmd.runtime.rpc.wire import Kind
@@ -69,8 +70,10 @@ def _route_to(host: str) -> str:
 
 
 def _meet(init_method: str | None, rank: int | None, world_size: int | None,
-          timeout: float) -> tuple[Any, int, int, str, bool]:
-    """(store, rank, world size, host to route towards, whether the store is ours)."""
+          timeout: float) -> tuple[Any, int, int | None, str, bool]:
+    """(store, rank, world size, host to route towards, whether the store is ours). The
+    world size is None for a dynamic group: ``init_method`` given (or no process group)
+    and no world size from the arguments, the URL or the environment."""
     world = context.current().state.get("world")
     if init_method is None and world is not None:  # reuse the process group's store
         if rank is not None and rank != world.rank:
@@ -82,7 +85,8 @@ def _meet(init_method: str | None, rank: int | None, world_size: int | None,
         host = world.master_host or context.getenv("MASTER_ADDR") or "127.0.0.1"
         return world.store, world.rank, world.size, host, False
     url = init_method or "env://"
-    store, rank, world_size = rendezvous(url, rank, world_size, timedelta(seconds=timeout))
+    store, rank, world_size = _rendezvous(url, rank, world_size, timedelta(seconds=timeout),
+                                          need_world_size=False)
     parts = urlsplit(url)
     if parts.scheme == "tcp":
         host = parts.hostname or "127.0.0.1"
@@ -98,15 +102,24 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
              rpc_backend_options: RpcBackendOptions | None = None) -> None:
     """Start this worker's RPC agent and meet the others; returns when all have joined.
 
+    Without a world size from the argument, the ``init_method`` URL or ``WORLD_SIZE`` (and
+    with an ``init_method`` of its own, or no process group), the group is dynamic, as
+    torch's is: this worker joins at once, whoever is there, and the others may join and
+    leave later (see ``spmd.runtime.rpc.membership``). A group is static or dynamic from
+    its first worker on; mixing the two raises ``RuntimeError``.
+
     Args:
         name: this worker's unique name (letters, digits, ``_ - : .``).
         backend: ``BackendType.ZMQ`` or None (``BackendType.TENSORPIPE`` is accepted).
-        rank: this worker's id in ``[0, world_size)``; -1 reads ``RANK``.
-        world_size: the number of workers; None reads ``WORLD_SIZE`` (or the URL).
+        rank: this worker's id in ``[0, world_size)`` (any unused id >= 0 in a dynamic
+            group); -1 reads ``RANK``.
+        world_size: the number of workers; None reads ``WORLD_SIZE`` (or the URL), and
+            without either the group is dynamic.
         rpc_backend_options: timeouts, threads, ``init_method``, device maps.
 
     Raises:
-        ValueError/TypeError: bad arguments, or two workers with one name.
+        ValueError/TypeError: bad arguments, or two workers with one name or rank.
+        RuntimeError: a static worker in a dynamic group, or the other way round.
         DistTimeoutError: the others did not join within ``rpc_timeout``.
 
     Example::
@@ -132,10 +145,48 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
                            "shutdown() first")
     base, rank, world_size, host, own = _meet(options.init_method, None if rank < 0 else rank,
                                               world_size, options.rpc_timeout)
-    generation = base.add(f"rpc/generation/{rank}", 1)  # init_rpc again after shutdown
-    store = PrefixStore(f"rpc/{generation}", base)
+    try:
+        claim_mode(base, "static" if world_size is not None else "dynamic")
+    except BaseException:
+        if own:
+            base.close()
+        raise
     agent = RpcAgent(name=name, rank=rank, world_size=world_size, options=options,
                      host=config.rpc_bind_host() or _route_to(host), rank_ctx=ctx)
+    if world_size is None:
+        _join(agent, base, own, ctx)
+    else:
+        _meet_all(agent, base, own, ctx, world_size, options)
+    if not own:
+        base.retain()  # the process group's store: it stays open while either needs it
+    agent.store = base  # released when the agent stops; the last user closes it
+    _live.add(agent)
+    ctx.on_close(lambda: _stop_local(agent, 0.0))
+
+
+def _join(agent: RpcAgent, base: Any, own: bool, ctx: Any) -> None:
+    """A dynamic group: publish this worker, start, learn the members there are."""
+    members = agent.members = Membership(agent, base)
+    try:
+        members.join(agent.record())
+        ctx.state[_STATE_KEY] = agent
+        agent.start({agent.rank: agent.record()})
+        members.refresh()
+    except BaseException:
+        ctx.state.pop(_STATE_KEY, None)
+        members.withdraw()
+        agent.stop()
+        if own:
+            base.close()
+        raise
+
+
+def _meet_all(agent: RpcAgent, base: Any, own: bool, ctx: Any, world_size: int,
+              options: RpcBackendOptions) -> None:
+    """A static group: every worker publishes its record, then all start together."""
+    rank = agent.rank
+    generation = base.add(f"rpc/generation/{rank}", 1)  # init_rpc again after shutdown
+    store = PrefixStore(f"rpc/{generation}", base)
     try:
         store.set(f"worker/{rank}", json.dumps(agent.record()))
         raw = store.multi_get([f"worker/{r}" for r in range(world_size)])
@@ -158,11 +209,6 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
         if own:
             base.close()
         raise
-    if not own:
-        base.retain()  # the process group's store: it stays open while either needs it
-    agent.store = base  # released when the agent stops; the last user closes it
-    _live.add(agent)
-    ctx.on_close(lambda: _stop_local(agent, 0.0))
 
 
 @atexit.register
@@ -180,6 +226,8 @@ class BadDestinationError(TypeError, ValueError):
 
 
 def _resolve(agent: RpcAgent, to: Any, op: str) -> int:
+    if agent.members is not None and not _known(agent, to):
+        agent.members.refresh()  # a dynamic group: one that joined since we last looked
     if isinstance(to, WorkerInfo):
         known = agent.infos.get(to.id)
         if known != to:
@@ -195,10 +243,18 @@ def _resolve(agent: RpcAgent, to: Any, op: str) -> int:
     if isinstance(to, int) and not isinstance(to, bool):
         if to not in agent.infos:
             raise InvalidArgumentError(f"{op}: no worker has rank {to}; ranks are "
-                                       f"0..{agent.world_size - 1}")
+                                       f"{sorted(agent.infos)}")
         return to
     raise BadDestinationError(f"{op}: to must be a worker name, rank or WorkerInfo, got "
                               f"{type(to).__name__}")
+
+
+def _known(agent: RpcAgent, to: Any) -> bool:
+    if isinstance(to, WorkerInfo):
+        return agent.infos.get(to.id) == to
+    if isinstance(to, str):
+        return to in agent.by_name
+    return to in agent.infos
 
 
 def _check_call(func: Any, args: Any, kwargs: Any, op: str) -> tuple[tuple, dict]:
@@ -373,6 +429,8 @@ def get_all_worker_infos() -> list[WorkerInfo]:
         [w.name for w in rpc.get_all_worker_infos()]   # ['ps', 'trainer1', 'trainer2']
     """
     agent = current_agent("get_all_worker_infos")
+    if agent.members is not None:
+        agent.members.refresh()
     return [agent.infos[r] for r in sorted(agent.infos)]
 
 

@@ -207,7 +207,9 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
     """Stop this worker's RPC agent.
 
     With ``graceful`` (the default), wait until every worker has called ``shutdown`` and
-    no call, RRef message or lent buffer is left in flight anywhere, then stop. It never
+    no call, RRef message or lent buffer is left in flight anywhere, then stop. A worker
+    of a dynamic group (``init_rpc`` without ``world_size``) leaves on its own: it
+    finishes its own outstanding work, then tells the members it leaves. It never
     waits forever: after ``timeout`` seconds (default ``SPMD_RPC_SHUTDOWN_TIMEOUT``,
     1800) it raises ``DistTimeoutError`` naming the workers that did not shut down, and
     ``DistError`` at once when one of them dies. The agent is stopped either way.
@@ -224,7 +226,9 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
                                                                              "shutdown timeout")
     agent = current_agent("shutdown")
     try:
-        if graceful:
+        if agent.members is not None:  # a dynamic group: this worker leaves on its own
+            agent.members.leave(graceful, seconds)
+        elif graceful:
             _run_rounds(agent, seconds)
     finally:
         # graceful: answers still queued (the verdict of a failed shutdown too) get a moment

@@ -55,6 +55,7 @@ class Transport:
 
     def __init__(self, *, rank: int, host: str, token: bytes | None,
                  describe: Callable[[int], str], grant_cma: Callable[[int], bool],
+                 discover: Callable[[int], bool],
                  on_message: Callable[[int, bytes, list], None],
                  on_peer_lost: Callable[[int, str], None],
                  on_tick: Callable[[], float], rank_ctx: RankContext) -> None:
@@ -62,6 +63,7 @@ class Transport:
         self.token = token
         self._describe = describe
         self._grant_cma = grant_cma
+        self._discover = discover
         self._on_message = on_message
         self._on_peer_lost = on_peer_lost
         self._on_tick = on_tick
@@ -287,7 +289,8 @@ class Transport:
         if tag == b"HELLO" and len(parts) == 4 and parts[1] == wire.MAGIC \
                 and len(parts[2]) == wire.RANK.size and len(parts[3]) == wire.NONCE_BYTES:
             (peer,) = wire.RANK.unpack(parts[2])
-            if peer not in self.addresses:
+            # a dynamic group reads its members first: the rank may be a new worker's
+            if not self._discover(peer) and peer not in self.addresses:
                 log.warning("rpc: refused a connection claiming to be unknown rank %d", peer)
                 self._reply(ident, [b"NO", f"unknown rank {peer}".encode()])
                 return
@@ -322,12 +325,20 @@ class Transport:
         except Exception:
             log.exception("rpc: unreadable monitor event")
             return
+        if self._links.get(link.peer) is not link:
+            return  # a worker that left a dynamic group (its rank may be back, anew)
         if event == zmq.EVENT_DISCONNECTED and link.lost is None:
             link.lost = "its connection closed"
             self._on_peer_lost(link.peer, link.lost)
         elif event == zmq.EVENT_CONNECT_RETRIED and link.lost is None:
             link.lost = "it refused a reconnection"
             self._on_peer_lost(link.peer, link.lost)
+
+    def forget(self, peer: int) -> None:
+        """``peer`` left (a dynamic group): a later worker with its rank connects anew."""
+        self.addresses.pop(peer, None)
+        with self._links_lock:
+            self._links.pop(peer, None)
 
     # -- teardown ------------------------------------------------------------------------
 

@@ -103,9 +103,6 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
         "TensorPipeDdpUnderDistAutogradTest::test_backward_ddp_*",
         "TestDistBackendWithSpawn::test_accumulate_gradients_no_sync*",
     ),
-    "gap: dynamic RPC membership (init_rpc without world_size)": (
-        "TensorPipeTensorPipeAgentRpcTest::test_dynamic_*",
-    ),
 }
 
 # run by `make test` (and CI): cheap, representative tests of each suite
