@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import Sequence
+from typing import Any, Sequence
+
+import torch.distributed as _dist
 
 from spmd.runtime import backends, config, context, torch_groups
 from spmd.runtime.process_group import ProcessGroup
@@ -68,15 +70,29 @@ def world(op: str = "this call") -> _World:
     return state
 
 
-def resolve_group(group: ProcessGroup | None, op: str) -> ProcessGroup:
-    """The group an operation runs on (None: the default), checked usable."""
+def as_ours(group: Any, op: str) -> ProcessGroup:
+    """``group`` as this runtime's ``ProcessGroup``: None is the default group, and
+    torch's view of one of ours (``group.to_torch()``, ``dist.group.WORLD`` of torch,
+    ``DeviceMesh.get_group()`` of a mesh built from ours) is that group."""
     if group is None:
         pg = world(op).default
         assert pg is not None
-    elif isinstance(group, ProcessGroup):
-        pg = group
-    else:
-        raise TypeError(f"{op}: group must be a ProcessGroup or None, got {type(group).__name__}")
+        return pg
+    if isinstance(group, ProcessGroup):
+        return group
+    if isinstance(group, _dist.ProcessGroup):
+        ours = torch_groups.ours(group)
+        if ours is None:
+            raise TypeError(f"{op}: group is a torch.distributed ProcessGroup that "
+                            f"spmd.runtime did not make (torch's own new_group, say); pass "
+                            f"one of ours, or torch's view of one (group.to_torch())")
+        return ours
+    raise TypeError(f"{op}: group must be a ProcessGroup or None, got {type(group).__name__}")
+
+
+def resolve_group(group: ProcessGroup | None, op: str) -> ProcessGroup:
+    """The group an operation runs on (None: the default), checked usable."""
+    pg = group if type(group) is ProcessGroup else as_ours(group, op)
     pg.require(op)
     return pg
 
@@ -261,8 +277,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         if state.own_store and state.store.release():
             _leave(state)
         return
-    if not isinstance(group, ProcessGroup):
-        raise TypeError(f"destroy_process_group: expected a ProcessGroup, got {type(group)}")
+    group = as_ours(group, "destroy_process_group")
     if group is state.default:
         destroy_process_group(None)
         return
@@ -294,9 +309,7 @@ def _leave(state: _World) -> None:
 def _group_or_default(group: ProcessGroup | None, op: str) -> ProcessGroup:
     """``group``, or the default group when None; unlike ``resolve_group`` a non-member's
     handle is fine (its rank is -1)."""
-    pg = world(op).default if group is None else group
-    assert pg is not None
-    return pg
+    return as_ours(group, op)
 
 
 def get_rank(group: ProcessGroup | None = None) -> int:
@@ -327,9 +340,9 @@ def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
 
 def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
     """``global_rank``'s index in ``group``."""
-    return group.group_rank(global_rank, "global_rank")
+    return as_ours(group, "get_group_rank").group_rank(global_rank, "global_rank")
 
 
 def get_global_rank(group: ProcessGroup, group_rank: int) -> int:
     """The global rank of ``group``'s member number ``group_rank``."""
-    return group.global_rank(group_rank)
+    return as_ours(group, "get_global_rank").global_rank(group_rank)

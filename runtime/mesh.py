@@ -111,8 +111,9 @@ class Mesh:
     def from_group(cls, group: ProcessGroup, dim_name: str = "dp") -> "Mesh":
         """A 1-D mesh over an existing process group (``DeviceMesh.from_group`` in torch):
         no new group is made, so only this rank needs to call it."""
-        if not isinstance(group, ProcessGroup):
-            raise TypeError(f"Mesh.from_group takes a ProcessGroup, got {type(group).__name__}")
+        from spmd.runtime.groups import as_ours
+
+        group = as_ours(group, "Mesh.from_group")
         group.require("Mesh.from_group")
         mesh = cls.__new__(cls)
         mesh.shape = (group.size(),)

@@ -23,7 +23,7 @@ from typing import Any
 
 log = logging.getLogger("spmd.runtime")
 
-__all__ = ["share", "unshare", "unshare_all", "torch_group"]
+__all__ = ["share", "unshare", "unshare_all", "torch_group", "ours"]
 
 _PREFIX = "spmd:"  # torch's registry of group names is process-wide: ours are tagged
 _OURS: dict[Any, str] = {}  # torch ProcessGroup -> our group's name (pybind objects take no attributes)
@@ -115,6 +115,17 @@ def torch_group(group: Any) -> Any:
         raise RuntimeError(f"process group {group.name!r} is not known to torch.distributed: "
                            f"{why}")
     return pg
+
+
+def ours(pg: Any) -> Any | None:
+    """Our group that torch ProcessGroup ``pg`` is the view of (None when it is not)."""
+    name = _OURS.get(pg)
+    if name is None:
+        return None
+    from spmd.runtime import context
+
+    state = context.current().state.get("world")
+    return None if state is None else state.groups.get(name)
 
 
 def _forget(pg: Any) -> None:

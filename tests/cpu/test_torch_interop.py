@@ -39,6 +39,14 @@ def _shared(rank: int) -> dict:
         ddp(torch.randn(4, 3) * (rank + 1)).sum().backward()
         out["ddp"] = [p.grad.clone() for p in ddp.module.parameters()]
         out["ddp_weight"] = ddp.module.weight.detach().clone()
+        # torch's view of our group is taken wherever ours is
+        view = odd.to_torch()
+        t = torch.ones(1) * rank
+        dist.all_reduce(t, group=view)
+        out["view"] = (t.item(), dist.get_rank(view), dist.get_world_size(view),
+                       dist.get_process_group_ranks(view), dist.get_global_rank(view, 1),
+                       dist.Mesh.from_group(view).get_group() is odd)
+    out["torch's default"] = dist.get_rank(tdist.group.WORLD)
     mesh = dist.Mesh((2, 2), dim_names=("dp", "tp"))
     device_mesh = mesh.to_torch()
     out["mesh"] = (device_mesh.mesh.tolist(), device_mesh.mesh_dim_names)
@@ -71,6 +79,8 @@ def test_torch_distributed_sees_our_groups():
         assert out["sampler"] == padded[rank::4]
         if rank in (1, 3):
             assert out["odd"] == 4.0
+            assert out["view"] == (4.0, (rank - 1) // 2, 2, [1, 3], 3, True)
+        assert out["torch's default"] == rank
         assert out["mesh"] == ([[0, 1], [2, 3]], ("dp", "tp"))
         x = torch.arange(16.0).view(4, 4)
         i, j = divmod(rank, 2)
@@ -102,6 +112,10 @@ def _torch_first(rank: int) -> dict:
         dist.new_group([0, 1]).to_torch()
     except RuntimeError as e:
         out["error"] = str(e)
+    try:  # torch's own group is not one of ours
+        dist.all_reduce(torch.ones(1), group=tdist.group.WORLD)
+    except TypeError as e:
+        out["theirs"] = str(e)
     t = torch.ones(1)
     tdist.all_reduce(t)  # torch's own group still works
     out["sum"] = t.item()
@@ -115,6 +129,7 @@ def test_a_program_that_initialized_torch_first_keeps_its_own_groups():
     for out in dist.spawn(_torch_first, nprocs=2, start_method="forkserver", timeout=60):
         assert "not known to torch.distributed" in out["error"]
         assert "default group is not shared" in out["error"]
+        assert "a torch.distributed ProcessGroup that spmd.runtime did not make" in out["theirs"]
         assert out["sum"] == 2.0 and out["torch_still"]
 
 
