@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from spmd.lowering.collectives import build_bucket, bucket_results
 from spmd.lowering import ops
+from spmd.lowering.specs import lookup
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import collective_nodes
 from spmd.lowering.passes import Provenance
@@ -110,7 +111,7 @@ def bucketing(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
 def _number_buckets(gm: fx.GraphModule, ctx: LoweringContext) -> None:
     """Each gradient bucket's index (unique across the model's graphs, stable from step to
     step: communication hooks keep state per bucket) and which one is the graph's last."""
-    buckets = [ops.lookup(n.meta["spmd_collective"].handle) for n in collective_nodes(gm)
+    buckets = [lookup(n.meta["spmd_collective"].handle) for n in collective_nodes(gm)
                if n.target is ops.bucket_all_reduce]
     buckets = [b for b in buckets if b.sync is not None]
     base = 1000 * int("".join(c for c in ctx.graph_name if c.isdigit()) or 0)
@@ -144,7 +145,7 @@ def _bucket_shards(gm: fx.GraphModule, ctx: LoweringContext, cap: int, reason: s
                     reason=info.provenance.reason + "; the graph's only one"))
             continue
         infos = [n.meta["spmd_collective"] for n in singles]
-        specs = [ops.lookup(i.handle).shards[0] for i in infos]
+        specs = [lookup(i.handle).shards[0] for i in infos]
         total = sum(i.bytes for i in infos)
         keys = [(i.dtype, i.wire_dtype, i.mesh_dim) for i in infos]
         if fixed:

@@ -250,7 +250,7 @@ def time_forward(record: GraphRecord, repeats: int = 3) -> float | None:
     """
     if record.forward is None or record.forward_run is None:
         return record.forward_seconds
-    from spmd.lowering.ops import dry_run
+    from spmd.lowering.specs import dry_run
     try:
         values = [n.meta["val"] for n in record.forward.graph.nodes if n.op == "placeholder"]
         def make(v: Any) -> Any:

@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from spmd.lowering import ops, reduction
+from spmd.lowering.specs import CollectiveSpec
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import fill_val
 from spmd.lowering.passes import Provenance
@@ -57,8 +58,8 @@ def new_node(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = No
     return node
 
 
-def _spec(ctx: LoweringContext, step: Step, **fields: Any) -> tuple[ops.CollectiveSpec, int]:
-    spec = ops.CollectiveSpec(step=step, group=ctx.group(step.mesh_dim),
+def _spec(ctx: LoweringContext, step: Step, **fields: Any) -> tuple[CollectiveSpec, int]:
+    spec = CollectiveSpec(step=step, group=ctx.group(step.mesh_dim),
                               size=ctx.mesh.size(step.mesh_dim), **fields)
     return spec, ctx.handles.add(spec)
 

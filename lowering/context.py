@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 from spmd.lowering.cost_model import CostModel
-from spmd.lowering.ops import Handles, SyncState
+from spmd.lowering.specs import Handles, SyncState
 from spmd.lowering.options import Options
 from spmd.lowering.state import InputInfo
 

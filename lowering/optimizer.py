@@ -26,7 +26,8 @@ from spmd.kernels.layout import SUPPORTED_DTYPES
 from spmd.lowering.collectives import bucket_results
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import collective_nodes, is_wait
-from spmd.lowering.ops import Handles, _lib, lookup
+from spmd.lowering.ops import _lib
+from spmd.lowering.specs import Handles, lookup
 from spmd.lowering.shard_params import scattered_results
 from spmd.lowering.state import Boundary, OptimizerFusion, Role, needs, put
 

@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from spmd.lowering import ops
+from spmd.lowering.specs import ShardBucketSpec, ShardSpec, lookup
 from spmd.lowering.collectives import new_node, unpack_after
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.passes import Provenance
@@ -43,11 +44,11 @@ __all__ = ["shard_params", "build_gather", "build_scatter", "gathered_results",
 aten = torch.ops.aten
 
 
-def _bucket_spec(ctx: LoweringContext, kind: str, specs: list[ops.ShardSpec],
-                 wire: torch.dtype | None) -> tuple[ops.ShardBucketSpec, int]:
+def _bucket_spec(ctx: LoweringContext, kind: str, specs: list[ShardSpec],
+                 wire: torch.dtype | None) -> tuple[ShardBucketSpec, int]:
     first = specs[0]
     src, dst = (Shard(0), Replicate()) if kind == "all_gather" else (Partial("avg"), Shard(0))
-    spec = ops.ShardBucketSpec(step=Step(src=src, dst=dst, kind=kind, mesh_dim=first.mesh_dim),
+    spec = ShardBucketSpec(step=Step(src=src, dst=dst, kind=kind, mesh_dim=first.mesh_dim),
                                group=first.group, size=first.size,
                                params=tuple(s.param for s in specs), shards=tuple(specs),
                                wire_dtype=wire, sync=ctx.sync)  # sync: the profiler's hook
@@ -55,7 +56,7 @@ def _bucket_spec(ctx: LoweringContext, kind: str, specs: list[ops.ShardSpec],
 
 
 def build_gather(gm: fx.GraphModule, ctx: LoweringContext, shards: list[fx.Node],
-                 specs: list[ops.ShardSpec], provenance: Provenance,
+                 specs: list[ShardSpec], provenance: Provenance,
                  before: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     """One all-gather of ``shards`` (their specs in ``specs``), inserted before ``before``
     with its wait and unpacking; the collective and each parameter's whole tensor."""
@@ -84,7 +85,7 @@ def build_gather(gm: fx.GraphModule, ctx: LoweringContext, shards: list[fx.Node]
 
 
 def build_scatter(gm: fx.GraphModule, ctx: LoweringContext, grads: list[fx.Node],
-                  specs: list[ops.ShardSpec], provenance: Provenance
+                  specs: list[ShardSpec], provenance: Provenance
                   ) -> tuple[fx.Node, list[fx.Node]]:
     """One reduce-scatter of ``grads`` (whole gradients of the parameters ``specs``),
     inserted after the last of them with its wait and unpacking; the collective and each
@@ -189,7 +190,7 @@ def shard_params(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
                 node.replace_all_uses_with(first[handle])
                 graph.erase_node(node)
                 continue
-            spec: ops.ShardSpec = ops.lookup(handle)
+            spec: ShardSpec = lookup(handle)
             why = Provenance(params=(spec.param,), pass_name="shard_params",
                              reason=f"parameter is Shard(0) on {spec.mesh_dim!r}; used whole "
                                     f"here (all-gather in {str(spec.gather_dtype)[6:]})")
@@ -198,7 +199,7 @@ def shard_params(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
             graph.erase_node(node)
             first[handle] = whole
         elif node.target is ops.shard_reduce:
-            spec = ops.lookup(node.args[1])
+            spec = lookup(node.args[1])
             wire = spec.reduce_dtype or node.args[0].meta["val"].dtype
             extra = (f", then averaged across {spec.replicate_dim!r}"
                      if spec.replicate_size > 1 else "")

@@ -36,6 +36,7 @@ import torch.fx as fx
 from torch.fx.node import map_aggregate
 
 from spmd.lowering import ops, rules
+from spmd.lowering.specs import lookup, sending
 from spmd.lowering.annotate import PlanningError, ShardingError, graph_outputs
 from spmd.lowering.collectives import insert_redistribution
 from spmd.lowering.context import LoweringContext
@@ -96,7 +97,7 @@ class TPSpec:
                 continue
             size, group = self.sizes[dim], self.groups.get(dim)
             front = out.movedim(p.dim, 0).contiguous()
-            if group is None or size == 1 or not ops._sending():
+            if group is None or size == 1 or not sending():
                 gathered = torch.cat([front] * size)
             else:
                 from spmd.runtime.collectives import all_gather_into_tensor
@@ -115,22 +116,22 @@ _lib.define("tp_grad(Tensor grad, int handle) -> Tensor")
 def _tp_param(local: torch.Tensor, handle: int) -> torch.Tensor:
     """The whole parameter from its pieces (eager: a blocking all-gather per sharded
     dimension; planned graphs keep the pieces instead)."""
-    return ops.lookup(handle).whole(local)
+    return lookup(handle).whole(local)
 
 
 def _tp_grad(grad: torch.Tensor, handle: int) -> torch.Tensor:
     """This rank's piece of the whole parameter's gradient. Eagerly every rank of a
     tensor-parallel dimension computed the same whole gradient (they see the same batch),
     so the piece is a slice."""
-    return ops.lookup(handle).piece(grad.detach()).clone()
+    return lookup(handle).piece(grad.detach()).clone()
 
 
 def _fake_tp_param(local: torch.Tensor, handle: int) -> torch.Tensor:
-    return local.new_empty(ops.lookup(handle).shape)
+    return local.new_empty(lookup(handle).shape)
 
 
 def _fake_tp_grad(grad: torch.Tensor, handle: int) -> torch.Tensor:
-    return grad.new_empty(ops.lookup(handle).local_shape)
+    return grad.new_empty(lookup(handle).local_shape)
 
 
 for _name, _impl, _fake in (("tp_param", _tp_param, _fake_tp_param),
@@ -163,7 +164,7 @@ def _param_rule(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> rule
 
 def _grad_rule(node: fx.Node, inputs: tuple[Placement, ...], size: int, dim: str
                ) -> rules.Decision:
-    want = ops.lookup(node.args[1]).placements.get(dim, Replicate())
+    want = lookup(node.args[1]).placements.get(dim, Replicate())
     return rules.Decision(output=want, inputs=(want,),
                           reason="a parameter's gradient is placed as the parameter")
 
@@ -276,7 +277,7 @@ class _Localizer:
         want = None
         if node.target is tp_grad:  # traced as the piece already
             want = tuple(node.meta["val"].shape)
-            spec = ops.lookup(node.args[1])
+            spec = lookup(node.args[1])
             source = node.args[0]
             for dim in self.dims:
                 source = self.bring(source, dim, spec.placements.get(dim, Replicate()),

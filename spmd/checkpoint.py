@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from spmd.lowering import ops
+from spmd.lowering.specs import ShardSpec
 
 __all__ = ["get_state_dict", "set_state_dict"]
 
@@ -61,7 +61,7 @@ def _device_mesh(state: Any) -> tuple[Any, list[Any]]:
     return mesh.to_torch(), placements
 
 
-def _as_dtensor(shard: torch.Tensor, spec: ops.ShardSpec, device_mesh: Any,
+def _as_dtensor(shard: torch.Tensor, spec: ShardSpec, device_mesh: Any,
                 placements: list[Any]) -> Any:
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -105,7 +105,7 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     Every rank must call it (0-dim parameters are gathered)."""
     state = _state(model, "get_state_dict")
     device_mesh, placements = _device_mesh(state)
-    by_id: dict[int, tuple[str, ops.ShardSpec]] = {}
+    by_id: dict[int, tuple[str, ShardSpec]] = {}
     model_sd: dict[str, Any] = {}
     for name, param in model.named_parameters():
         spec = state.shards[name]
@@ -139,7 +139,7 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     return model_sd, optim_sd
 
 
-def _copy_into(target: torch.Tensor, value: Any, spec: ops.ShardSpec) -> None:
+def _copy_into(target: torch.Tensor, value: Any, spec: ShardSpec) -> None:
     from torch.distributed.tensor import DTensor
 
     with torch.no_grad():

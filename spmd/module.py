@@ -34,7 +34,7 @@ import spmd.kernels as kernels
 from spmd.lowering.capture import Capture, GraphRecord, time_forward
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import collective_nodes
-from spmd.lowering.ops import Handles, ShardSpec, SyncState
+from spmd.lowering.specs import Handles, ShardSpec, SyncState
 from spmd.lowering.options import Options
 from spmd.plan import Fallback, Plan, plan_from_records
 from spmd.reducer import EagerReducer, broadcast_coalesced

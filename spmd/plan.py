@@ -328,10 +328,10 @@ def plan_from_records(records: list, *, setup: Any, options: Options,
 
 
 def _spec_of(info: CollectiveInfo) -> Any:
-    from spmd.lowering import ops
+    from spmd.lowering.specs import lookup
 
     try:
-        return ops.lookup(info.handle)
+        return lookup(info.handle)
     except RuntimeError:
         return None
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from spmd.lowering import ops
+from spmd.lowering.specs import Handles, ShardSpec
 from spmd.lowering.placements import Sharding
 
 __all__ = ["shard_module", "shard_for", "spec_for", "placement_of", "ParameterPlacement",
@@ -87,15 +88,15 @@ def _lookup_property(name: str) -> property:
 
 
 def shard_module(module: nn.Module, specs_for: Any, sharding: Sharding,
-                 handles: ops.Handles) -> dict[str, ops.ShardSpec]:
+                 handles: Handles) -> dict[str, ShardSpec]:
     """Replace every parameter of ``module`` by its shard (see the module doc); every
     parameter name (tied ones included) -> its spec.
 
     ``specs_for(name, param) -> ShardSpec`` describes each distinct parameter;
     ``sharding`` is where every parameter lives on the mesh (or a function of its name).
     """
-    shards: dict[int, tuple[nn.Parameter, ops.ShardSpec, int]] = {}
-    by_name: dict[str, ops.ShardSpec] = {}
+    shards: dict[int, tuple[nn.Parameter, ShardSpec, int]] = {}
+    by_name: dict[str, ShardSpec] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
         local: dict[str, int] = {}
         for pname, param in list(sub._parameters.items()):
@@ -126,7 +127,7 @@ def shard_module(module: nn.Module, specs_for: Any, sharding: Sharding,
     return by_name
 
 
-def spec_for(name: str, param: torch.Tensor, setup: Any, options: Any) -> ops.ShardSpec:
+def spec_for(name: str, param: torch.Tensor, setup: Any, options: Any) -> ShardSpec:
     """How ``param`` is cut: along dim 0 over the strategy's sharding dimension, each rank
     ``ceil(rows / size)`` rows (a 0-dim parameter is one row)."""
     strategy = setup.strategy
@@ -135,7 +136,7 @@ def spec_for(name: str, param: torch.Tensor, setup: Any, options: Any) -> ops.Sh
     size = mesh.size(dim)
     rows = param.shape[0] if param.dim() else 1
     floating = param.is_floating_point()
-    return ops.ShardSpec(
+    return ShardSpec(
         param=name, shape=tuple(param.shape), dtype=param.dtype, rows=-(-rows // size),
         group=None if mesh.simulated else mesh.get_group(dim), size=size, mesh_dim=dim,
         replicate_group=(None if mesh.simulated or replicate is None
@@ -145,8 +146,8 @@ def spec_for(name: str, param: torch.Tensor, setup: Any, options: Any) -> ops.Sh
         reduce_dtype=options.reduce_dtype if floating else None)
 
 
-def shard_for(module: nn.Module, setup: Any, options: Any, handles: ops.Handles
-              ) -> dict[str, ops.ShardSpec]:
+def shard_for(module: nn.Module, setup: Any, options: Any, handles: Handles
+              ) -> dict[str, ShardSpec]:
     """Shard ``module``'s parameters for ``setup``'s strategy (in place) and make its
     state dicts whole; every parameter name -> its spec."""
     install_clip()
@@ -156,7 +157,7 @@ def shard_for(module: nn.Module, setup: Any, options: Any, handles: ops.Handles
     return shards
 
 
-def gather_full(spec: ops.ShardSpec, shard: torch.Tensor) -> torch.Tensor:
+def gather_full(spec: ShardSpec, shard: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a sharded parameter (or of a tensor laid out like it, such as
     its gradient), in the stored dtype: a blocking all-gather every rank must join."""
     src = shard.detach().contiguous()
@@ -169,7 +170,7 @@ def gather_full(spec: ops.ShardSpec, shard: torch.Tensor) -> torch.Tensor:
     return spec.whole(out).clone()
 
 
-def install_state_dict_hooks(module: nn.Module, shards: dict[str, ops.ShardSpec]) -> None:
+def install_state_dict_hooks(module: nn.Module, shards: dict[str, ShardSpec]) -> None:
     """Whole tensors in ``module.state_dict()``; whole (or already local) tensors accepted
     by ``load_state_dict``."""
 

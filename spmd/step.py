@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from spmd.lowering import ops
+from spmd.lowering.specs import Handles, SyncState
 from spmd.lowering.annotate import PlanningError
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.emit import emit
@@ -58,10 +58,10 @@ class _Bound:
     model: nn.Module
     opt: torch.optim.Optimizer | None
     setup: Setup
-    handles: ops.Handles
+    handles: Handles
     optimizer: int | None  # the optimizer's handle, when it can run from the buckets
     why_not: str  # why it cannot, otherwise
-    sync: ops.SyncState
+    sync: SyncState
 
 
 @dataclass(eq=False)
@@ -131,7 +131,7 @@ class ParallelStep:
         if self.options.sharded:
             self._check_shardable(model, opt)  # before anything is sent
         setup = prepare_model(model, self.options, self.mesh, self._where)
-        handles = ops.Handles()
+        handles = Handles()
         if self.options.sharded:
             self._shard(model, opt, setup, handles)
         trainable = {id(p) for p in model.parameters() if p.requires_grad}
@@ -142,7 +142,7 @@ class ParallelStep:
         handle = register_optimizer(opt, handles) if not why else None
         # no safety net reads what the buckets reduced: nothing to track
         self._bound = _Bound(model=model, opt=opt, setup=setup, handles=handles,
-                             optimizer=handle, why_not=why, sync=ops.SyncState(track=False))
+                             optimizer=handle, why_not=why, sync=SyncState(track=False))
         self._programs.clear()
         return self._bound
 
@@ -156,7 +156,7 @@ class ParallelStep:
                              f"state for the whole ones; create it just before the first step")
 
     def _shard(self, model: nn.Module, opt: torch.optim.Optimizer | None, setup: Any,
-               handles: ops.Handles) -> None:
+               handles: Handles) -> None:
         """``fsdp``/``hsdp``: the model's parameters become their shards (once per model),
         and the optimizer is pointed at them. It must not hold state yet: state made for
         whole parameters cannot be cut the same way silently."""

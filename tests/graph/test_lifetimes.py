@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import spmd
 from spmd.lowering.graph import collective_nodes
-from spmd.lowering.ops import lookup
+from spmd.lowering.specs import lookup
 
 from ..models import MODELS, batch
 

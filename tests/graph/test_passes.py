@@ -8,7 +8,7 @@ import torch.fx as fx
 from hypothesis import given, settings, strategies as st
 
 import spmd
-from spmd.lowering import ops
+from spmd.lowering.specs import lookup
 
 from spmd.lowering.emit import emit
 from spmd.lowering.graph import collective_nodes, dependency_graph, is_wait
@@ -71,7 +71,7 @@ def test_one_dtype_per_bucket_and_wire_dtype(ranks):
     assert sorted(buckets(planned)) == [("p0", "p2"), ("p1", "p3")]
     for node in collective_nodes(planned):
         info = node.meta["spmd_collective"]
-        spec = ops.lookup(info.handle)
+        spec = lookup(info.handle)
         assert info.wire_dtype == torch.bfloat16
         if ranks == 2:  # the backend's all-reduce on the bfloat16 buffer
             assert spec.algorithm == "native" and node.meta["val"].dtype == torch.bfloat16
