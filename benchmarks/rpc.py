@@ -1,6 +1,6 @@
 """spmd.runtime.rpc against torch.distributed.rpc (TensorPipe), measured in the same run.
 
-    python benchmarks/rpc.py [--rounds 5] [--calls 1000] [--mib 64]
+    python benchmarks/rpc.py [--rounds 5] [--calls 1000] [--mib 64] [--steps 200]
 
 Each library runs alone in its own pair of fresh worker processes (default options, 16
 worker threads), and rounds alternate the libraries (spmd, torch, torch, spmd, ...) so a
@@ -11,7 +11,12 @@ serves:
 - no-op calls per second with 16 ``rpc_async`` calls in flight (``4 x --calls`` calls);
 - a ``--mib`` MiB float32 tensor as the argument of a no-op ``rpc_sync`` (median of 7),
   and the rate in GB/s (tensor bytes / time);
-- the CPU an idle worker process uses (% of one core, over 1 s after the measurements).
+- the CPU an idle worker process uses (% of one core, over 1 s after the measurements);
+- one distributed-autograd training step (median of ``--steps``): in a
+  ``dist_autograd.context()``, a local 8-layer MLP (16 leaves), an ``rpc_sync`` through a
+  layer on rank 1, ``dist_autograd.backward`` across both and ``get_gradients``. Both
+  libraries run the same code; ours moves each leaf's ``.grad`` aside during a pass, so
+  its cost per leaf shows here.
 
 Each cell is the median over rounds. The libraries do not share processes: TensorPipe
 busy-polls (about half a core per idle process here), which also shortens the wake-ups
@@ -38,7 +43,41 @@ def _idle_cpu() -> float:
     return (time.process_time() - start) * 100
 
 
-def _measure(rpc, calls: int, mib: int) -> dict:
+_REMOTE: list = []  # rank 1's layer, made by its first call
+
+
+def _remote_forward(h):
+    import torch
+
+    if not _REMOTE:
+        torch.manual_seed(1)
+        _REMOTE.append(torch.nn.Linear(h.shape[1], 1))
+    return _REMOTE[0](h)
+
+
+def _autograd_step_ms(rpc, dist_autograd, steps: int) -> float:
+    import torch
+
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(256, 256), torch.nn.ReLU()]
+    local = torch.nn.Sequential(*layers)
+    x = torch.randn(32, 256)
+    times = []
+    for i in range(steps + 5):
+        start = time.perf_counter()
+        with dist_autograd.context() as cid:
+            loss = rpc.rpc_sync("w1", _remote_forward, args=(local(x),)).sum()
+            dist_autograd.backward(cid, [loss])
+            grads = dist_autograd.get_gradients(cid)
+        if i >= 5:  # the first steps warm up both ends
+            times.append(time.perf_counter() - start)
+    assert len(grads) == 16, len(grads)  # the local leaves' gradients
+    return statistics.median(times) * 1e3
+
+
+def _measure(rpc, dist_autograd, calls: int, mib: int, steps: int) -> dict:
     import torch
 
     for _ in range(300):
@@ -70,34 +109,37 @@ def _measure(rpc, calls: int, mib: int) -> dict:
     result["big_ms"] = statistics.median(times) * 1e3
     result["big_gbps"] = (mib << 20) / statistics.median(times) / 1e9
     result["idle_cpu"] = (_idle_cpu() + rpc.rpc_sync("w1", _idle_cpu)) / 2
+    result["autograd_ms"] = _autograd_step_ms(rpc, dist_autograd, steps)
     return result
 
 
-def _worker(kind: str, rank: int, port: int, calls: int, mib: int, out) -> None:
+def _worker(kind: str, rank: int, port: int, calls: int, mib: int, steps: int, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if kind == "spmd":
+        from spmd.runtime import autograd as dist_autograd
         from spmd.runtime import rpc
 
         rpc.init_rpc(f"w{rank}", rank=rank, world_size=2)
     else:
+        import torch.distributed.autograd as dist_autograd
         import torch.distributed.rpc as rpc
 
         rpc.init_rpc(f"w{rank}", rank=rank, world_size=2,
                      rpc_backend_options=rpc.TensorPipeRpcBackendOptions(num_worker_threads=16))
-    result = _measure(rpc, calls, mib) if rank == 0 else None
+    result = _measure(rpc, dist_autograd, calls, mib, steps) if rank == 0 else None
     rpc.shutdown()
     if rank == 0:
         out.send(result)
 
 
-def _run(kind: str, calls: int, mib: int) -> dict:
+def _run(kind: str, calls: int, mib: int, steps: int) -> dict:
     # Imported here, not at the top: the spawned workers import only the library they run.
     from spmd.runtime.launch import free_port
 
     ctx = mp.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(kind, r, port, calls, mib, send)) for r in (0, 1)]
+    procs = [ctx.Process(target=_worker, args=(kind, r, port, calls, mib, steps, send)) for r in (0, 1)]
     for p in procs:
         p.start()
     result = recv.recv()
@@ -111,11 +153,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--mib", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=200)
     a = parser.parse_args()
     runs: dict[str, list[dict]] = {"spmd": [], "torch": []}
     for i in range(a.rounds):
         for kind in (("spmd", "torch") if i % 2 == 0 else ("torch", "spmd")):
-            runs[kind].append(_run(kind, a.calls, a.mib))
+            runs[kind].append(_run(kind, a.calls, a.mib, a.steps))
     med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
     s, t = med["spmd"], med["torch"]
     rows = [
@@ -128,6 +171,8 @@ def main() -> None:
          s["big_gbps"] / t["big_gbps"]),
         ("idle worker process (% of a core)", s["idle_cpu"], t["idle_cpu"],
          t["idle_cpu"] / max(s["idle_cpu"], 0.01)),
+        ("dist autograd step, 16 local leaves + 1 remote layer (ms)", s["autograd_ms"],
+         t["autograd_ms"], t["autograd_ms"] / s["autograd_ms"]),
     ]
     print("| measure | spmd | torch (TensorPipe) | spmd advantage (x) |")
     print("|---|---:|---:|---:|")
@@ -135,8 +180,8 @@ def main() -> None:
         print(f"| {name} | {ours:,.1f} | {theirs:,.1f} | {ratio:.2f} |")
     for kind, results in runs.items():
         print(f"\n{kind} rounds: " + "; ".join(
-            f"{r['latency_us']:.0f} µs, {r['calls_per_s']:.0f}/s, {r['big_ms']:.1f} ms"
-            for r in results))
+            f"{r['latency_us']:.0f} µs, {r['calls_per_s']:.0f}/s, {r['big_ms']:.1f} ms, "
+            f"autograd {r['autograd_ms']:.2f} ms" for r in results))
 
 
 if __name__ == "__main__":
