@@ -25,6 +25,7 @@ from spmd.runtime.errors import DistError, InvalidArgumentError
 from spmd.runtime.rendezvous import _rendezvous
 from spmd.runtime import config
 from spmd.runtime.rpc.agent import RpcAgent, rpc_timeout_error
+from spmd.runtime.rpc.internal import RPCExecMode, _build_rpc_profiling_key
 from spmd.runtime.rpc.membership import Membership, claim_mode
 from spmd.runtime.rpc.options import (UNSET_RPC_TIMEOUT, BackendType, RpcBackendOptions,
                                       WorkerInfo, _positive, check_name, resolve_timeout)
@@ -285,12 +286,14 @@ def _prepare(op: str, to: Any, func: Any, args: Any, kwargs: Any,
 def _call(op: str, to: Any, func: Callable, args: Any, kwargs: Any, timeout: float,
           sync: bool, kind: Kind = Kind.CALL) -> Any:
     agent, dest, args, kwargs, seconds = _prepare(op, to, func, args, kwargs, timeout)
+    span = _profile_span(RPCExecMode.SYNC if sync else RPCExecMode.ASYNC, func, agent, dest)
     try:
         entry = agent.request(dest, kind, func, args, kwargs, timeout=seconds, sync=sync,
                               what=lambda: f"{op} to {agent.describe(dest)} calling "
                                            f"{_name(func)}",
                               ctx=current_context(agent))
     except DistError as e:
+        _end_span(span)
         if sync or agent.stopped:
             raise
         # as torch's: rpc_async to a worker that is gone (known, or found on connecting)
@@ -298,7 +301,37 @@ def _call(op: str, to: Any, func: Callable, args: Any, kwargs: Any, timeout: flo
         failed: torch.futures.Future = torch.futures.Future()
         failed.set_exception(e)
         return failed
-    return wait_sync(agent, entry) if sync else entry.future
+    except BaseException:
+        _end_span(span)
+        raise
+    if sync:
+        try:
+            return wait_sync(agent, entry)
+        finally:
+            _end_span(span)
+    return entry.future if span is None else span._call_end_callbacks_on_future(entry.future)
+
+
+def _profile_span(mode: RPCExecMode, func: Any, agent: RpcAgent, dest: int) -> Any:
+    """Under torch's legacy autograd profiler, a span named as torch names the call
+    (``rpc_async#add(w0 -> w1)``), entered; None otherwise (torch records RPCs under
+    that profiler only)."""
+    if not torch.autograd._profiler_enabled():
+        return None
+    from torch._C._profiler import ActiveProfilerType
+
+    if torch._C._autograd._profiler_type() != ActiveProfilerType.LEGACY:
+        return None
+    name = getattr(func, "__qualname__", None) or _name(func)
+    key = _build_rpc_profiling_key(mode, name, agent.name, agent.infos[dest].name)
+    span = torch.autograd.profiler.record_function(key)
+    span.__enter__()
+    return span
+
+
+def _end_span(span: Any) -> None:
+    if span is not None:
+        span.__exit__(None, None, None)
 
 
 def _name(func: Any) -> str:
@@ -378,12 +411,14 @@ def remote(to: str | int | WorkerInfo, func: Callable, args: tuple | None = None
         fork_id = rc.new_id()
         handle = RRef._make(agent, rref_id, dest, fork_id, None)
         rc.pending_users[fork_id] = handle  # alive until the owner confirms
+    span = _profile_span(RPCExecMode.REMOTE, func, agent, dest)
     try:
         entry = agent.request(
             dest, Kind.REMOTE, _owner_run_remote, (func, args, kwargs, rref_id, fork_id), {},
             timeout=seconds, sync=False, ctx=current_context(agent),
             what=lambda: f"remote to {agent.describe(dest)} calling {_name(func)}")
     except BaseException:
+        _end_span(span)
         if fork_id is None:
             rc._release(rref_id, None, unpin=True)
         else:
@@ -391,6 +426,8 @@ def remote(to: str | int | WorkerInfo, func: Callable, args: tuple | None = None
             handle._deleted = True
         raise
     handle._created = entry.future
+    if span is not None:  # ends when the owner has made the value (torch's rule)
+        handle._profiling_future = span._call_end_callbacks_on_future(entry.future)
     if fork_id is not None:
         def confirmed(done: torch.futures.Future) -> None:
             user = rc.pending_users.pop(fork_id, None)

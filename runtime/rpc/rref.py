@@ -244,18 +244,34 @@ class RRef(Generic[T]):
         return _wait(self._record.future, self._agent.timeout,
                      lambda: f"local_value() of RRef {self._rref_id}")
 
-    def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT) -> type:
-        """The type of the value (asked of the owner once, then kept), as torch's."""
-        found = getattr(self, "_value_type", None)
-        if found is None:
+    def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT,
+                  blocking: bool = True) -> "type | torch.futures.Future":
+        """The type of the value, as torch's: asked of the owner once (one RPC, even
+        when called again meanwhile), then kept. ``blocking=False`` returns a future of
+        it (the same future every time)."""
+        if not isinstance(blocking, bool):
+            raise TypeError(f"RRef._get_type: blocking must be a bool, got {blocking!r}")
+        future = getattr(self, "_type_future", None)
+        if future is None:
             if self._record is not None:
-                found = type(self.local_value())
+                future = torch.futures.Future()
+                future.set_result(type(self.local_value()))
             else:
                 from spmd.runtime.rpc import api
 
-                found = api.rpc_sync(self.owner(), _value_type, args=(self,), timeout=timeout)
-            self._value_type = found
-        return found
+                future = api.rpc_async(self.owner(), _rref_typeof_on_owner, args=(self,),
+                                       timeout=timeout)
+            self._type_future = future
+        return future.wait() if blocking else future
+
+    def _get_profiling_future(self) -> torch.futures.Future:
+        """Completes once the ``remote()`` that made this RRef is recorded in the profile
+        that was active (at once when none was)."""
+        future = getattr(self, "_profiling_future", None) or self._created
+        if future is None:
+            future = torch.futures.Future()
+            future.set_result(None)
+        return future
 
     def _attributes(self, timeout: float = UNSET_RPC_TIMEOUT) -> frozenset[str]:
         """The names the value's type defines (asked of the owner once, then kept): a
@@ -390,7 +406,7 @@ class _Proxy:
         return invoke
 
 
-def _value_type(rref: RRef) -> type:
+def _rref_typeof_on_owner(rref: RRef) -> type:  # torch's name: profiles show it
     return type(rref.local_value())
 
 

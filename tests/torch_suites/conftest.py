@@ -23,10 +23,11 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
         # each also builds a RemoteModule from a scripted module
         "TensorPipeRemoteModuleTest::test_forward_sync", "TensorPipeRemoteModuleTest::test_forward_async",
     ),
-    "torch's profiler: remote events and RPC profiling keys recorded by torch's C++ agent, "
-    "and event counts of torch's c10d dispatcher": (
-        "TensorPipe*::*profil*", "TensorPipeRpcTest::test_rref_type_*blocking",
-        "TensorPipe*::test_rref_get_type_*",
+    "torch's profiler: remote events and RPC profiling keys recorded by torch's C++ agent "
+    "(remote events enter torch's legacy profiler only through its C++ addEventList, which "
+    "has no Python binding), and event counts of torch's c10d dispatcher": (
+        "TensorPipe*::*profiler*", "TensorPipe*::test_rpc_profiling_*",
+        "TensorPipe*::test_dist_autograd_profiling", "TensorPipe*::test_disable_gil_profiling",
         "TestDistBackendWithSpawn::test_all_gather_coalesced_*",
         "TestDistBackendWithSpawn::test_all_reduce_coalesced_full_group_*",
         *(f"TestDistBackendWithSpawn::test_all_reduce_coalesced_{op}"
