@@ -92,8 +92,8 @@ class _Entry:
 class RpcAgent:
     """One worker's agent. Built by ``init_rpc``; everything else goes through the API."""
 
-    def __init__(self, *, name: str, rank: int, world_size: int, options: RpcBackendOptions,
-                 host: str, rank_ctx: RankContext) -> None:
+    def __init__(self, *, name: str, rank: int, world_size: int | None,
+                 options: RpcBackendOptions, host: str, rank_ctx: RankContext) -> None:
         from spmd.runtime.rpc.rref import RRefContext
 
         self.name, self.rank, self.world_size = name, rank, world_size
