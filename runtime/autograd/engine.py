@@ -34,7 +34,7 @@ import torch
 
 from spmd.runtime.autograd.contexts import DistAutogradContext
 from spmd.runtime.errors import InvalidArgumentError, also_runtime_error
-from spmd.runtime.rpc.agent import AsyncResult
+from spmd.runtime.rpc.futures import AsyncResult
 from spmd.runtime.rpc.wire import Kind
 
 __all__ = ["backward", "get_gradients", "release"]

@@ -35,6 +35,7 @@ from spmd.runtime.errors import (DistError, DistTimeoutError, WrongTypeError,
 from spmd.runtime import config
 from spmd.runtime.rpc import cma
 from spmd.runtime.rpc.faults import Faults
+from spmd.runtime.rpc.futures import AsyncResult, is_async, not_a_future_error
 from spmd.runtime.rpc.options import RpcBackendOptions, WorkerInfo
 from spmd.runtime.rpc.serialize import (DumpState, Encoded, LoadState, decode, encode,
                                         pack_exception, unpack_exception)
@@ -42,26 +43,10 @@ from spmd.runtime.rpc.transport import Transport
 from spmd.runtime.rpc.wire import (FLAG_LENT, HEADER, LENT_HEAD, LENT_ITEM, REQUESTS, RETRIED,
                                    UNCOUNTED, VERSION, Kind)
 
-__all__ = ["RpcAgent", "AsyncResult", "is_async", "done_within"]
+__all__ = ["RpcAgent"]
 
 log = logging.getLogger("spmd.runtime.rpc")
 _SEEN_KEEP = 600.0  # seconds a retried request's id is remembered (retries stop far sooner)
-
-
-class AsyncResult:
-    """Returned by an internal function whose answer is the value of ``future``."""
-
-    __slots__ = ("future",)
-
-    def __init__(self, future: torch.futures.Future) -> None:
-        self.future = future
-
-
-def is_async(func: Any) -> bool:
-    """Whether ``func`` was decorated with ``functions.async_execution`` (ours, or torch's
-    ``torch.distributed.rpc.functions.async_execution``, which marks it the same way)."""
-    return bool(getattr(func, "_spmd_async_execution", False)
-                or getattr(func, "_wrapped_async_rpc_function", None) is not None)
 
 
 class _Entry:
@@ -585,24 +570,6 @@ def _autograd() -> Any:
 
         _autograd_module = importlib.import_module("spmd.runtime.autograd.contexts")
     return _autograd_module
-
-
-def not_a_future_error(func: Any, value: Any) -> WrongTypeError:
-    """The error of an ``async_execution`` function that returned ``value``, no Future."""
-    return WrongTypeError(
-        f"Functions decorated with @rpc.async_function must return a torch.futures.Future "
-        f"object, but got {type(value).__name__}: {getattr(func, '__qualname__', func)!r} is "
-        f"an async_execution function but returned {type(value).__name__}, not a "
-        f"torch.futures.Future")
-
-
-def done_within(future: torch.futures.Future, timeout: float) -> bool:
-    """Whether ``future`` completes within ``timeout`` seconds (it is not waited on)."""
-    if future.done():
-        return True
-    event = threading.Event()
-    future.add_done_callback(lambda _: event.set())
-    return event.wait(timeout)
 
 
 def _set_exception(future: torch.futures.Future, error: BaseException) -> None:

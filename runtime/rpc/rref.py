@@ -27,8 +27,8 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from spmd.runtime.errors import InvalidArgumentError, WrongTypeError
-from spmd.runtime.rpc.agent import (AsyncResult, done_within, is_async, not_a_future_error,
-                                    rpc_timeout_error)
+from spmd.runtime.rpc.agent import rpc_timeout_error
+from spmd.runtime.rpc.futures import AsyncResult, done_within, is_async, not_a_future_error
 from spmd.runtime.rpc.options import UNSET_RPC_TIMEOUT, WorkerInfo, resolve_timeout
 from spmd.runtime.rpc.serialize import loading
 from spmd.runtime.rpc.wire import Kind

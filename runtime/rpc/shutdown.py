@@ -26,7 +26,8 @@ import torch
 
 from spmd.runtime.errors import DistError, DistTimeoutError
 from spmd.runtime import config
-from spmd.runtime.rpc.agent import AsyncResult, RpcAgent, done_within
+from spmd.runtime.rpc.agent import RpcAgent
+from spmd.runtime.rpc.futures import AsyncResult, done_within
 from spmd.runtime.rpc.api import _stop_local, current_agent, wait_sync
 from spmd.runtime.rpc.options import _positive
 from spmd.runtime.rpc.wire import Kind
