@@ -227,8 +227,16 @@ class BadDestinationError(TypeError, ValueError):
 
 
 def _resolve(agent: RpcAgent, to: Any, op: str) -> int:
-    if agent.members is not None and not _known(agent, to):
-        agent.members.refresh()  # a dynamic group: one that joined since we last looked
+    try:
+        return _lookup(agent, to, op)
+    except InvalidArgumentError:
+        if agent.members is None:
+            raise
+    agent.members.refresh()  # a dynamic group: one that joined since we last looked
+    return _lookup(agent, to, op)
+
+
+def _lookup(agent: RpcAgent, to: Any, op: str) -> int:
     if isinstance(to, WorkerInfo):
         known = agent.infos.get(to.id)
         if known != to:
@@ -248,14 +256,6 @@ def _resolve(agent: RpcAgent, to: Any, op: str) -> int:
         return to
     raise BadDestinationError(f"{op}: to must be a worker name, rank or WorkerInfo, got "
                               f"{type(to).__name__}")
-
-
-def _known(agent: RpcAgent, to: Any) -> bool:
-    if isinstance(to, WorkerInfo):
-        return agent.infos.get(to.id) == to
-    if isinstance(to, str):
-        return to in agent.by_name
-    return to in agent.infos
 
 
 def _check_call(func: Any, args: Any, kwargs: Any, op: str) -> tuple[tuple, dict]:

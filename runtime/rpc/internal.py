@@ -13,11 +13,10 @@ from __future__ import annotations
 import collections
 from enum import Enum
 
-__all__ = ["RPCExecMode", "PythonUDF", "RemoteException"]
+__all__ = ["RPCExecMode", "PythonUDF"]
 
-# torch's records of a Python call and of a remote error (what its pickler sends)
+# torch's record of a Python call (what its pickler sends); torch's tests import it
 PythonUDF = collections.namedtuple("PythonUDF", ["func", "args", "kwargs"])
-RemoteException = collections.namedtuple("RemoteException", ["msg", "exception_type"])
 
 
 class RPCExecMode(Enum):

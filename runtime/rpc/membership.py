@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-from spmd.runtime.errors import DistTimeoutError, InvalidArgumentError
+from spmd.runtime.errors import InvalidArgumentError
 
 __all__ = ["Membership", "claim_mode", "MixedGroupError"]
 
@@ -120,20 +120,10 @@ class Membership:
             self.agent.remove_peer(rank)
 
     def leave(self, graceful: bool, timeout: float) -> None:
-        """Leave the group: (graceful) finish this worker's outstanding work first, then
-        remove its records and tell the members it knows."""
+        """Leave the group: remove this worker's records and (graceful) tell the members
+        it knows. ``shutdown`` has finished this worker's own work first."""
         agent = self.agent
         deadline = time.monotonic() + timeout
-        if graceful:
-            agent.rrefs.sweep_users()
-            while agent.outstanding():
-                if time.monotonic() >= deadline:
-                    stuck = [e.what for e in list(agent.pending.values())][:5]
-                    raise DistTimeoutError(
-                        f"shutdown: {agent.outstanding()} operations of "
-                        f"{agent.describe(agent.rank)} did not finish within {timeout:g}s: "
-                        f"{stuck}")
-                time.sleep(0.002)
         self.withdraw()
         if not graceful:
             return

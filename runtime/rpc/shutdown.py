@@ -228,6 +228,9 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
     agent = current_agent("shutdown")
     try:
         if agent.members is not None:  # a dynamic group: this worker leaves on its own
+            if graceful:
+                agent.rrefs.sweep_users()
+                _wait_idle(agent, time.monotonic() + seconds, seconds)
             agent.members.leave(graceful, seconds)
         elif graceful:
             _run_rounds(agent, seconds)
