@@ -73,7 +73,8 @@ def world(op: str = "this call") -> _World:
 def as_ours(group: Any, op: str) -> ProcessGroup:
     """``group`` as this runtime's ``ProcessGroup``: None is the default group, and
     torch's view of one of ours (``group.to_torch()``, ``dist.group.WORLD`` of torch,
-    ``DeviceMesh.get_group()`` of a mesh built from ours) is that group."""
+    ``DeviceMesh.get_group()`` of a mesh built from ours) is that group. Unlike
+    ``resolve_group``, a non-member's handle is fine (its rank is -1)."""
     if group is None:
         pg = world(op).default
         assert pg is not None
@@ -306,27 +307,21 @@ def _leave(state: _World) -> None:
     store.close()
 
 
-def _group_or_default(group: ProcessGroup | None, op: str) -> ProcessGroup:
-    """``group``, or the default group when None; unlike ``resolve_group`` a non-member's
-    handle is fine (its rank is -1)."""
-    return as_ours(group, op)
-
-
 def get_rank(group: ProcessGroup | None = None) -> int:
     """This rank in ``group`` (the global rank for the default group; -1 if not a member)."""
-    return _group_or_default(group, "get_rank").rank()
+    return as_ours(group, "get_rank").rank()
 
 
 def get_world_size(group: ProcessGroup | None = None) -> int:
     """Ranks in ``group`` (-1 for a rank that is not a member, as in torch)."""
-    pg = _group_or_default(group, "get_world_size")
+    pg = as_ours(group, "get_world_size")
     return pg.size() if pg.is_member else -1
 
 
 def get_backend(group: ProcessGroup | None = None) -> str:
     """``group``'s backend name; ``ValueError`` for a rank that is not a member (torch's
     "Invalid process group specified")."""
-    pg = _group_or_default(group, "get_backend")
+    pg = as_ours(group, "get_backend")
     if not pg.is_member:
         raise ValueError(f"get_backend: invalid process group specified: rank "
                          f"{pg._global_rank} is not a member of {pg.name!r}")
@@ -335,7 +330,7 @@ def get_backend(group: ProcessGroup | None = None) -> str:
 
 def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
     """The global ranks of ``group``'s members, in group order."""
-    return list(_group_or_default(group, "get_process_group_ranks").ranks)
+    return list(as_ours(group, "get_process_group_ranks").ranks)
 
 
 def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
