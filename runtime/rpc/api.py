@@ -168,10 +168,11 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int = -1,
 def _join(agent: RpcAgent, base: Any, own: bool, ctx: Any) -> None:
     """A dynamic group: publish this worker, start, learn the members there are."""
     members = agent.members = Membership(agent, base)
+    record = agent.record()
     try:
-        members.join(agent.record())
+        members.join(record)
         ctx.state[_STATE_KEY] = agent
-        agent.start({agent.rank: agent.record()})
+        agent.start({agent.rank: record})
         members.refresh()
     except BaseException:
         ctx.state.pop(_STATE_KEY, None)
