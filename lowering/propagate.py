@@ -25,7 +25,7 @@ from a reduced gradient is ``Replicate()``. Passes that rewrite the graph call
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -33,7 +33,7 @@ import torch.fx as fx
 from spmd.lowering import rules
 from spmd.lowering.annotate import ShardingError
 from spmd.lowering.context import LoweringContext
-from spmd.lowering.placements import Placement, Replicate, Sharding, Varying
+from spmd.lowering.placements import Partial, Placement, Replicate, Sharding, Varying
 from spmd.lowering.redistribute import redistribution
 from spmd.lowering.state import Boundary, needs
 
@@ -106,6 +106,7 @@ def choose(node: fx.Node, dim: str, incoming: tuple[Placement, ...],
     found = (rule(node, incoming, size, dim) if getattr(rule, "wants_dim", False)  # type: ignore[call-arg]
              else rule(node, incoming, size))
     options = found if isinstance(found, list) else [found]
+    options = _reduce_shared_partials(node, args, incoming, options)
     priced = [(d, _price(d, args, incoming, dim, ctx)) for d in options]
     valid = [(d, s) for d, s in priced if s is not None]
     if not valid:
@@ -116,6 +117,32 @@ def choose(node: fx.Node, dim: str, incoming: tuple[Placement, ...],
     decision, seconds = valid[best]
     others = tuple(v for i, v in enumerate(valid) if i != best)
     return TPChoice(decision=decision, inputs=incoming, seconds=seconds, alternatives=others)
+
+
+def _reduce_shared_partials(node: fx.Node, args: list[fx.Node],
+                            incoming: tuple[Placement, ...], options: list[rules.Decision]
+                            ) -> list[rules.Decision]:
+    """The decisions that read every ``Partial`` input read by several ops as
+    ``Replicate()``: such a value is reduced once, where it is made, and every reader
+    shares that all-reduce.
+
+    Carried on partial, each branch would need its own reduction further on: the
+    gradient flowing into a norm's backward (a column-parallel layer's input gradient)
+    feeds both the weight's gradient and the input's, and the decomposed RMSNorm
+    backward needed three all-reduces per norm instead of Megatron's one. A branch never
+    ends partial (a parameter's gradient is placed as the parameter, outputs are whole),
+    so reducing at the fork costs at most what the branches would."""
+    shared = {k for k, (a, p) in enumerate(zip(args, incoming))
+              if isinstance(p, Partial) and len(a.users) > 1}
+    if not shared or getattr(rules.lookup(node.target), "wants_dim", False):
+        return options
+    whole = [d for d in options if all(isinstance(d.required(incoming)[k], Replicate)
+                                       for k in shared)]
+    names = ", ".join(sorted({args[k].name for k in shared}))
+    why = f"; {names} is read by several ops: reduced once where it is made"
+    if not whole:
+        whole = [rules.replicate_all(node, "whole inputs")]
+    return [replace(d, reason=d.reason + why) for d in whole]
 
 
 def module_of(node: fx.Node) -> str:
