@@ -216,7 +216,8 @@ class _Localizer:
         return local_shape(tuple(val.shape), spec, self.dims)
 
     def bring(self, value: fx.Node, dim: str, want: Placement, user: fx.Node,
-              choice: TPChoice | None) -> fx.Node:
+              choice: TPChoice | None, why: str = "the caller receives whole tensors"
+              ) -> fx.Node:
         """``value`` redistributed to ``want`` on ``dim`` (cached)."""
         spec = value.meta["sharding"]
         have = spec[dim]
@@ -231,8 +232,7 @@ class _Localizer:
         step = dc_replace(step, mesh_dim=dim)
         modules = tuple(dict.fromkeys(m for m in (module_of(value), module_of(user)) if m))
         reason = (f"{user.target} ({user.name}) needs {value.name} {have!r} -> {want!r} on "
-                  f"{dim!r}: " + (choice.why() if choice is not None else
-                                  "the caller receives whole tensors"))
+                  f"{dim!r}: " + (choice.why() if choice is not None else why))
         why = Provenance(params=modules or (user.name,), pass_name="tensor_parallel",
                          reason=reason)
         node = insert_redistribution(self.gm, self.ctx, value, step, why)
@@ -267,10 +267,31 @@ class _Localizer:
         for node in list(graph.nodes):
             if node.op != "call_function" or node.meta.get("spmd_tp_inserted"):
                 continue
+            if node.target is ops.bucket_reduce_scatter:
+                self.reduce_pieces(node)
+                continue
             if "spmd_collective" in node.meta or "spmd_role" in node.meta:
-                continue  # a sharded strategy's gathers and reduce-scatters: on pieces
+                continue  # a sharded strategy's gathers: of the stored pieces already
             self.localize(node)
         self.finish_outputs(infos)
+
+    def reduce_pieces(self, node: fx.Node) -> None:
+        """A sharded strategy's reduce-scatter works on each parameter's piece as stored
+        on the tensor-parallel dimensions: its gradients are brought there first. A
+        parameter replicated along "tp" whose gradient is a tensor-parallel partial sum
+        (a norm's weight in front of column-parallel layers) is all-reduced over "tp"
+        here; without it each tp rank would keep its own part of one replicated weight's
+        gradient."""
+        spec = lookup(node.args[1])
+        grads = list(node.args[0])
+        for k, (grad, param) in enumerate(zip(grads, spec.params)):
+            placed = self.ctx.strategy.tp_placement(param)
+            for dim in self.dims:
+                grad = self.bring(grad, dim, placed[dim], node, None,
+                                  f"{param}'s gradient is reduce-scattered as the parameter "
+                                  f"is stored there")
+            grads[k] = grad
+        node.args = (grads, *node.args[1:])
 
     def localize(self, node: fx.Node) -> None:
         choices: dict[str, TPChoice] = node.meta.get("spmd_tp", {})
