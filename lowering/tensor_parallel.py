@@ -13,8 +13,12 @@ every node on every tensor-parallel dimension (``meta["spmd_tp"]``):
    redistributed first (the table's collective or local step, once per value and
    placement, with a provenance that names the op, the rule's reason and the module
    that made the node);
-2. shape arguments written for the whole tensor (``view``, ``reshape``, ``expand``) are
-   rewritten for the local piece;
+2. shape arguments written for the whole tensor (``view``, ``reshape``, ``expand``, the
+   input sizes of ``slice_backward``/``select_backward``) are rewritten for the local
+   piece, and a ``view`` whose local input is laid out so that
+   it cannot be viewed as that shape (a gathered value comes back laid out along its
+   gathered dimension first; a piece's strides are not the whole tensor's) becomes a
+   ``reshape``: the same values, copied only where the layout needs it;
 3. every value gets its local ``meta["val"]``, checked against its global shape and
    placement: a rule that disagrees with the op is a planning error naming the node,
    never a wrong result.
@@ -193,8 +197,19 @@ def local_shape(global_shape: tuple[int, ...], sharding: Sharding, dims: tuple[s
     return tuple(shape)
 
 
-_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-             aten.expand.default}
+_VIEWS = {aten.view.default, aten._unsafe_view.default}
+
+
+def viewable(val: torch.Tensor, shape: Any) -> bool:
+    """Whether a tensor laid out as ``val`` (its sizes and strides) can be viewed as
+    ``shape`` without a copy."""
+    probe = torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype,
+                                device="meta")
+    try:
+        probe.view(shape)
+    except (RuntimeError, ValueError):  # eager and under a fake mode (in a compile)
+        return False
+    return True
 
 
 def _fake_like(val: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -325,8 +340,10 @@ class _Localizer:
             node.target, node.args = aten.alias.default, (node.args[0],)
         if want is None:
             want = self.expected(node)
-        if node.target in _RESHAPES:
+        if node.target in rules.SHAPE_ARG:
             node.args = (node.args[0], list(want), *node.args[2:])
+        if node.target in _VIEWS and not viewable(node.args[0].meta["val"], want):
+            node.target = aten.reshape.default
         self.check(node, want)
 
     def check(self, node: fx.Node, want: Any) -> None:

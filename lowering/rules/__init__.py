@@ -31,9 +31,16 @@ from torch.fx.node import map_aggregate
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
 
 __all__ = ["Decision", "Rule", "register", "lookup", "tensor_args", "shape", "replicate_all",
-           "registered", "FAMILIES"]
+           "registered", "FAMILIES", "SHAPE_ARG"]
 
 aten = torch.ops.aten
+
+# ops whose second argument is their output's shape, written for the whole tensor: the
+# one rewrite the compiler makes to run an op on local pieces (``tensor_parallel``), and
+# the one the verifier and the rule tests make to run it on real shards
+SHAPE_ARG = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                       aten.expand.default, aten.slice_backward.default,
+                       aten.select_backward.default})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

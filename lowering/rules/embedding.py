@@ -1,4 +1,6 @@
-"""Embedding lookups and their backward.
+"""Lookups by index and their backward: ``embedding``, and ``index_select`` along any
+dimension (``repeat_interleave`` with a tensor of counts traces to one) with its
+backward ``index_add``.
 
 A table sharded along its columns (the embedding dimension) gives each rank those
 columns of every looked-up row; indices sharded along a dimension (a replicated table)
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
-from spmd.lowering.rules import Decision, op, register, replicate_all, shape
+from spmd.lowering.rules import Decision, norm_dim, op, register, replicate_all, shape
 
 
 @register(op("embedding.default"))
@@ -55,3 +57,61 @@ def embedding_backward(node: fx.Node, inputs: tuple[Placement, ...], size: int
                                   reason="indices sharded: each rank's rows add up"))
     decisions.append(replicate_all(node, "whole gradient"))
     return decisions
+
+
+def _dim(node: fx.Node) -> int:
+    return norm_dim(int(node.args[1]), len(shape(node.args[0])))
+
+
+@register(op("index_select.default"))
+def index_select(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    """``index_select(x, dim, index)``: the selected entries of ``x`` along ``dim``. Sharded
+    along another dimension, each rank selects from its piece; with the indices sharded
+    (a whole ``x``), each rank selects its part of the result along ``dim``. Indices are
+    positions in the whole ``x``: an ``x`` sharded along ``dim`` is gathered first (the
+    key/value heads repeated by ``repeat_interleave(counts, dim=1)`` are)."""
+    px, pi = inputs
+    dim = _dim(node)
+    decisions = []
+    if isinstance(px, Partial) and isinstance(pi, Replicate):
+        decisions.append(Decision(output=px, reason="entries of a partial value are partial"))
+    if isinstance(px, Shard) and px.dim != dim:
+        decisions.append(Decision(output=px, inputs=(px, Replicate()),
+                                  reason=f"selected along {dim}, sharded along {px.dim}"))
+    if shape(node)[dim] % size == 0 and len(shape(node.args[2])) == 1:
+        decisions.append(Decision(output=Shard(dim), inputs=(Replicate(), Shard(0)),
+                                  reason="each rank its indices, the source whole"))
+    decisions.append(replicate_all(node, "indices into the whole tensor"))
+    return decisions
+
+
+@register(op("index_add.default"))
+def index_add(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    """``index_add(x, dim, index, source)``: ``x`` plus the rows of ``source`` added at
+    ``index`` along ``dim`` (``index_select``'s backward, into zeros). Linear in ``x`` and
+    ``source`` together: partial sums add up; sharded alike along another dimension, each
+    rank adds its piece; with ``source`` sharded along ``dim`` and the indices with it,
+    each rank adds its rows, and the sum over ranks (``x`` counted once) is the result."""
+    px, pi, ps = inputs
+    dim = _dim(node)
+    decisions = []
+    if isinstance(ps, Partial) and isinstance(pi, Replicate) and not isinstance(px, Shard):
+        decisions.append(Decision(output=ps, inputs=(ps, pi, ps),
+                                  reason="linear in the value and the added rows"))
+    if isinstance(ps, Shard) and ps.dim != dim and shape(node)[ps.dim] % size == 0:
+        decisions.append(Decision(output=ps, inputs=(ps, Replicate(), ps),
+                                  reason=f"added along {dim}, sharded along {ps.dim}"))
+    if len(shape(node.args[2])) == 1 and shape(node.args[2])[0] % size == 0:
+        decisions.append(Decision(output=Partial("sum"),
+                                  inputs=(Partial("sum"), Shard(0), Shard(dim)),
+                                  reason="each rank adds its rows: a partial sum"))
+    decisions.append(replicate_all(node, "rows added into the whole tensor"))
+    return decisions
+
+
+@register(op("repeat_interleave.Tensor"))
+def repeat_interleave(node: fx.Node, inputs: tuple[Placement, ...], size: int
+                      ) -> list[Decision]:
+    """The indices ``repeat_interleave(counts)`` makes for ``index_select``: each depends on
+    every count before it."""
+    return [replicate_all(node, "each index depends on every count before it")]

@@ -2,8 +2,10 @@
 (one not normalised over), every row is normalised on its own rank, with replicated
 weight and bias; the weight's and bias's gradients are then each rank's sum over its
 rows, ``Partial("sum")``. Sharded along a normalised dimension, the statistics need the
-whole row: gathered first. RMS norm decomposes into pointwise ops and a mean in aten
-graphs, or is ``_fused_rms_norm``, treated the same way here.
+whole row: gathered first. RMS norm (``F.rms_norm``, ``nn.RMSNorm``) is
+``_fused_rms_norm`` on CUDA, treated the same way here (its ``rstd`` is row-shaped like
+layer norm's statistics); on CPU it decomposes into pow, mean, rsqrt and mul in aten
+graphs, which the pointwise and reduction rules place.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ def layer_norm_backward(node: fx.Node, inputs: tuple[Placement, ...], size: int
                         ) -> list[Decision]:
     args = tensor_args(node)
     grad = args[0]
-    index = 2 if node.target is op("native_layer_norm_backward.default") else 2
-    first = len(shape(grad)) - _normalized(node, index)
+    # both take (grad_out, input, normalized_shape, ...)
+    first = len(shape(grad)) - _normalized(node, 2)
     outs = len(node.meta["val"])
     decisions = []
     ndim = len(shape(grad))

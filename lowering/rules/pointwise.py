@@ -109,6 +109,9 @@ _LINEAR_IN_FIRST = [
     "tanh_backward.default", "sigmoid_backward.default", "silu_backward.default",
     "threshold_backward.default", "native_dropout_backward.default",
     "masked_fill.Scalar", "where.self",
+    # conjugation is linear over the reals: the conjugate of a sum of parts is the sum
+    # of their conjugates (complex rotary embeddings' backward conjugates the angles)
+    "_conj.default", "conj_physical.default", "resolve_conj.default", "resolve_neg.default",
 ]
 _NONLINEAR = [
     "add.Scalar", "sub.Scalar", "rsub.Scalar", "pow.Tensor_Scalar", "pow.Tensor_Tensor",
@@ -122,6 +125,7 @@ _NONLINEAR = [
     "mul.Tensor_Scalar", "square.default", "masked_fill.Tensor", "leaky_relu.default",
     "elu.default", "hardtanh.default", "log1p.default", "expm1.default", "fill.Scalar",
     "rand_like.default", "randn_like.default", "bernoulli.p", "type_as.default",
+    "polar.default",
 ]
 # masked_fill/where are linear in their first value only when the filled value is zero;
 # they are treated as non-linear (a Partial input is reduced first)
@@ -149,6 +153,14 @@ def to_copy(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Dec
     not to an integer or boolean one (the parts would round, or clamp, each on its own)."""
     floating = node.meta["val"].is_floating_point() or node.meta["val"].is_complex()
     return broadcast_decisions(node, inputs, size, _first_partial if floating else None)
+
+
+@register(op("new_zeros.default"), op("new_ones.default"), op("new_empty.default"),
+          op("new_full.default"))
+def new(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    """A new tensor of a size written for the whole tensor (``x.new_zeros(size)``) takes
+    only its dtype and device from ``x``: whole on every rank, nothing sent."""
+    return [Decision(output=Replicate(), reason="values and size do not depend on the input")]
 
 
 @register(op("zeros_like.default"), op("ones_like.default"), op("empty_like.default"),

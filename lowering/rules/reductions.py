@@ -77,7 +77,7 @@ def _softmax_dim(node: fx.Node) -> int:
     return norm_dim(int(node.args[1]), ndim)
 
 
-@register(op("_softmax.default"), op("_log_softmax.default"),
+@register(op("_softmax.default"), op("_log_softmax.default"), op("_safe_softmax.default"),
           op("_softmax_backward_data.default"), op("_log_softmax_backward_data.default"))
 def softmax(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     dim = _softmax_dim(node)

@@ -1,5 +1,6 @@
 """Views and layout: ``view``/``reshape``, ``transpose``/``t``/``permute``, ``expand``,
-``unsqueeze``/``squeeze``, ``slice``/``select``, ``split``, ``cat``/``stack``.
+``unsqueeze``/``squeeze``, ``slice``/``select`` and their backward, ``split``,
+``cat``/``stack``, ``constant_pad_nd``, ``view_as_complex``/``view_as_real``.
 
 A sharded dimension survives a reshape when it is the outermost dimension (of size > 1)
 of the group of dimensions merged or split with it, and the dimension it becomes there
@@ -16,7 +17,7 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from spmd.lowering.placements import Partial, Placement, Shard
+from spmd.lowering.placements import Partial, Placement, Replicate, Shard
 from spmd.lowering.rules import (Decision, norm_dim, op, outputs_of, register, replicate_all,
                                  shape, tensor_args)
 
@@ -150,6 +151,73 @@ def cut(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decisio
     return [Decision(output=out, reason=f"cut along dimension {dim}, sharded along {p.dim}")]
 
 
+@register(op("slice_backward.default"), op("select_backward.default"))
+def cut_backward(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    """The gradient of a slice or a selection: zeros of the input's shape with the piece's
+    gradient written in. Linear in it (a partial gradient gives a partial result); sharded
+    along another dimension than the cut one, each rank writes its piece into its zeros
+    (``tensor_parallel`` rewrites ``input_sizes`` to the local shape, as for a view)."""
+    (p,) = inputs
+    if isinstance(p, Partial):
+        return [Decision(output=p, reason="linear in the gradient")]
+    if not isinstance(p, Shard):
+        return [Decision(output=p, reason="zeros around a whole gradient")]
+    sizes = [int(n) for n in node.args[1]]
+    dim = norm_dim(int(node.args[2]), len(sizes))
+    selects = node.target is op("select_backward.default")
+    out = p.dim + 1 if selects and p.dim >= dim else p.dim
+    if out == dim or sizes[out] % size:
+        return _whole(node, inputs, f"cut along its sharded dimension {dim}")
+    return [Decision(output=Shard(out), reason=f"cut along {dim}, sharded along {out}")]
+
+
+@register(op("slice_scatter.default"), op("select_scatter.default"))
+def scatter_into(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    """``self`` with a slice (or selection) replaced by ``src``: what a slice's gradient
+    becomes under Inductor's decompositions (zeros with the piece's gradient written in).
+    Both sharded alike along another dimension than the cut one, each rank writes its
+    piece into its own; both partial alike, the parts' results add up (a replicated
+    ``self``, zeros, becomes a partial one locally: one rank's copy, zeros elsewhere)."""
+    ps, pv = inputs
+    ndim = len(shape(node))
+    dim = norm_dim(int(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)), ndim)
+    selects = node.target is op("select_scatter.default")
+    decisions = []
+    partial = [p for p in inputs if isinstance(p, Partial)]
+    if partial and all(isinstance(p, (Partial, Replicate)) for p in inputs):
+        decisions.append(Decision(output=partial[0], inputs=(partial[0], partial[0]),
+                                  reason="linear in both: the parts' results add up"))
+    shards = [p for p in (ps,) if isinstance(p, Shard)] or (
+        [Shard(pv.dim + 1 if selects and pv.dim >= dim else pv.dim)]
+        if isinstance(pv, Shard) else [])
+    for p in shards:
+        src_dim = p.dim - 1 if selects and p.dim > dim else p.dim
+        if p.dim != dim and shape(node)[p.dim] % size == 0:
+            decisions.append(Decision(output=p, inputs=(p, Shard(src_dim)),
+                                      reason=f"cut along {dim}, sharded along {p.dim}"))
+    decisions.append(replicate_all(node, f"cut along its sharded dimension {dim}"))
+    return decisions
+
+
+@register(op("constant_pad_nd.default"))
+def pad(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    """Padding with a constant (``F.pad``; CUDA's attention pads the head dimension to a
+    multiple of 8): a shard along a dimension that is not padded stays; a partial value
+    stays partial padded with zeros (the parts' pads add up to zero)."""
+    (p,) = inputs
+    widths = [int(w) for w in node.args[1]]
+    value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    ndim = len(shape(node))
+    padded = {ndim - 1 - k // 2 for k, w in enumerate(widths) if w}
+    if isinstance(p, Partial):
+        if value == 0:
+            return [Decision(output=p, reason="padded with zeros: the parts' pads add up")]
+        return _whole(node, inputs, f"padded with {value}: each part would add it")
+    if isinstance(p, Shard) and p.dim in padded:
+        return _whole(node, inputs, f"padded along its sharded dimension {p.dim}")
+    return [Decision(output=p, reason="padded along other dimensions than the sharded one")]
+
+
 @register(op("cat.default"), op("stack.default"))
 def cat(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     """Joined along a dimension other than the one every piece is sharded along, the
@@ -173,3 +241,20 @@ def cat(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decisio
                                           reason=f"joined along {dim}, sharded along {d}"))
     decisions.append(replicate_all(node, "joined along its sharded dimension"))
     return decisions
+
+
+@register(op("view_as_complex.default"), op("view_as_real.default"))
+def complex_view(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    """Real pairs ``[..., 2]`` read as complex numbers ``[...]`` and back (LLaMA's rotary
+    embeddings): the trailing pair appears or disappears, a shard on any other dimension
+    stays where it is, and a partial sum of pairs is a partial sum of complex numbers. A
+    shard of the pair itself (a real or an imaginary part per rank) is no complex number:
+    gathered first."""
+    (p,) = inputs
+    if not isinstance(p, Shard):
+        return [Decision(output=p, reason="a view of a whole or partial value")]
+    pair = len(shape(tensor_args(node)[0])) - 1
+    if node.target is op("view_as_complex.default") and p.dim == pair:
+        return _whole(node, inputs, "the real and imaginary parts of a pair are on different "
+                                    "ranks")
+    return [Decision(output=p, reason=f"dimension {p.dim} is not the pair")]

@@ -119,6 +119,35 @@ def test_a_layout_the_op_cannot_run_on_is_an_error_naming_it():
         rules._RULES[target] = original
 
 
+class _Flattened(nn.Module):
+    """A column-parallel layer whose output's last two dimensions are merged by a view
+    (``[B, T, H] -> [B, T * H]``): the merge splits the pieces of the sharded features,
+    so the value is gathered first, and the gathered tensor comes back laid out along the
+    gathered dimension first, where the traced ``view`` cannot view it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+
+    def forward(self, x):
+        return self.fc(x).view(x.shape[0], -1)
+
+
+def test_a_view_the_local_layout_cannot_take_runs_as_a_reshape():
+    from spmd.lowering.tensor_parallel import viewable
+
+    plan = _plan(_Flattened(), torch.randn(2, 3, 4),
+                 placements={"tp": {"fc.weight": spmd.Shard(0), "fc.bias": spmd.Shard(0)}})
+    assert [(c.kind, c.phase) for c in plan.collectives] == [("all_gather", "forward")]
+    forward = plan.graphs["graph0.forward"].graph
+    merged = [n for n in forward.nodes if n.op == "call_function"
+              and tuple(n.meta["val"].shape) == (2, 24)]
+    assert [n.target for n in merged] == [torch.ops.aten.reshape.default]
+    assert not viewable(merged[0].args[0].meta["val"], [2, 24])
+    # views the layout allows stay views
+    assert torch.ops.aten.view.default in {n.target for n in forward.nodes}
+
+
 def test_megatron_preset_resolves_names():
     placed = spmd.tp.megatron(Transformer(layers=1))["tp"]
     assert placed["layers.0.q.weight"] == spmd.Shard(0)
