@@ -29,6 +29,7 @@ from spmd.lowering.context import InputInfo, LoweringContext
 from spmd.lowering.emit import emit
 from spmd.lowering.graph import copy_graph
 from spmd.lowering.pipeline import plan_graph
+from spmd.lowering.reshard import RESHARDED
 
 __all__ = ["GraphRecord", "Capture", "time_forward"]
 
@@ -146,11 +147,18 @@ class Capture:
             return alive
 
         def compile_graph(graph: fx.GraphModule, fake_inputs: list[Any],
-                          backward: bool) -> Callable[[list], Any]:
+                          saved: dict[str, Any] | None = None) -> Callable[[list], Any]:
             if inductor:
                 from torch._inductor.compile_fx import compile_fx_inner
 
-                return compile_fx_inner(_plain(graph), fake_inputs, is_backward=backward)
+                # a planned graph runs on each rank's pieces (tensor parallelism): its
+                # inputs are its placeholders' local values, not the whole-shaped ones
+                # AOTAutograd traced; a backward's saved inputs exactly as its forward
+                # returns them (Inductor compiles for, and checks, their strides)
+                placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+                local = [(saved or {}).get(n.meta.get(RESHARDED, n.name), n.meta.get("val", f))
+                         for n, f in zip(placeholders, fake_inputs)]
+                return compile_fx_inner(_plain(graph), local, is_backward=saved is not None)
             return emit(graph)
 
         del record
@@ -164,7 +172,7 @@ class Capture:
             except PlanningError as e:
                 log.warning("spmd: %s's forward left unplanned: %s", name, e)
             record.forward = fw
-            run = compile_graph(fw, fake_inputs, False)
+            run = compile_graph(fw, fake_inputs)
             record.forward_run = run
             return _instrument(run, self, record, "forward")
 
@@ -176,7 +184,11 @@ class Capture:
                 record.fallback_reason = str(e)
                 log.warning("spmd: %s left to the eager safety net: %s", name, e)
             record.backward = bw
-            run = compile_graph(bw, fake_inputs, True)
+            forward = record.forward
+            returned = {} if forward is None else {
+                v.name: v.meta["val"] for v in forward.graph.output_node().all_input_nodes
+                if isinstance(v.meta.get("val"), torch.Tensor)}
+            run = compile_graph(bw, fake_inputs, returned)
             if record.fallback_reason is None:
                 self.owner().planned(record)
             return _instrument(run, self, record, "backward")

@@ -213,7 +213,16 @@ def viewable(val: torch.Tensor, shape: Any) -> bool:
 
 
 def _fake_like(val: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    return val.new_empty(shape) if tuple(val.shape) != shape else val
+    """A value of ``shape`` laid out in ``val``'s order of dimensions (innermost first):
+    what a rank's piece of a value the forward saved looks like. Inductor compiles a
+    backward for exactly these strides and checks them when it runs."""
+    if tuple(val.shape) == shape:
+        return val
+    strides, step = [0] * len(shape), 1
+    for d in sorted(range(val.dim()), key=lambda d: (val.stride(d), -d)):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return val.new_empty_strided(shape, strides)
 
 
 class _Localizer:
