@@ -24,7 +24,8 @@ from spmd.lowering.context import LoweringContext
 from spmd.lowering.placements import Sharding, Varying
 from spmd.lowering.state import Boundary, Gradient, put
 
-__all__ = ["annotate", "PlanningError", "ShardingError", "graph_outputs", "GRADIENT_TAG"]
+__all__ = ["annotate", "PlanningError", "ShardingError", "EmptyBackwardError", "graph_outputs",
+           "GRADIENT_TAG"]
 
 GRADIENT_TAG = "spmd_gradient_of"  # set by the step tracer on each parameter's gradient
 
@@ -37,6 +38,13 @@ class ShardingError(RuntimeError):
     """Tensor parallelism cannot place an op as its rule says (the message names the op,
     its inputs' placements and the model code): there is no correct unplanned graph to
     fall back to, so this is raised to the user."""
+
+
+class EmptyBackwardError(RuntimeError):
+    """A backward graph computes no gradient for any trainable parameter although its
+    forward's output requires grad: an op on the way had no derivative where it was
+    traced, so planning it would price (and run) a step without its backward. Raised to
+    the user; no eager path would give gradients either."""
 
 
 def graph_outputs(gm: fx.GraphModule) -> list:
@@ -95,6 +103,17 @@ def _gradients(gm: fx.GraphModule, ctx: LoweringContext) -> tuple[Gradient, ...]
                                 f"for {len(ctx.inputs)} forward inputs")
         found = {name: outputs[k] for name, (k, _) in trainable.items()
                  if k < len(outputs) and isinstance(outputs[k], fx.Node)}
+        if ctx.role == "backward" and trainable and not any(
+                isinstance(o, fx.Node) for o in outputs):
+            names = ", ".join(list(trainable)[:3]) + (", ..." if len(trainable) > 3 else "")
+            raise EmptyBackwardError(
+                f"{ctx.graph_name}: the backward graph computes no gradient for any of the "
+                f"{len(trainable)} trainable parameters ({names}) although the forward's "
+                f"output requires grad: an op on the way had no derivative where it was "
+                f"traced (torch warns 'an autograd kernel was not registered'). On the meta "
+                f"device torch {torch.__version__.split('+')[0]} has none for nll_loss, which "
+                f"F.cross_entropy calls: compute the loss outside the model's forward, or "
+                f"plan on real (small) tensors")
     grads = []
     for name, node in found.items():
         if name not in trainable:

@@ -89,6 +89,12 @@ class Options:
             kwargs["compile_compute"] = os.environ["SPMD_COMPILE_COMPUTE"] not in ("0", "")
         options = cls(**kwargs)
         options.check(where)
+        from spmd.runtime import config
+
+        try:
+            config.verify_plans()  # read while planning, inside torch.compile: checked here
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
         return options
 
     def check(self, where: str) -> None:

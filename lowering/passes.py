@@ -38,6 +38,7 @@ def run_passes(gm: fx.GraphModule, ctx: LoweringContext,
     verbose = debug_plan()
     state = state_of(gm)
     state.handles = ctx.handles  # the graph keeps the specs its nodes name alive
+    state.context = ctx
     timings = state.pass_seconds
     for name, fn in passes:
         if name in skip:

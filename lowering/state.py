@@ -148,6 +148,7 @@ class GraphState:
     records: dict[type, Record] = field(default_factory=dict)
     pass_seconds: dict[str, float] = field(default_factory=dict)
     handles: Any = None  # the specs the graph's nodes refer to: alive while the graph is
+    context: Any = None  # the LoweringContext it was planned with (for Plan.verify())
 
 
 R = TypeVar("R", bound=Record)

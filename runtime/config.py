@@ -26,6 +26,10 @@ variable                   default          meaning
 ``SPMD_RPC_CMA``           ``1``            ``0``: never read large tensors straight from a
                                             same-host peer's memory (process_vm_readv)
 ``SPMD_RPC_CMA_THRESHOLD`` ``3145728``      bytes from which a tensor buffer is read that way
+``SPMD_VERIFY``            ``0``            ``1``: check every planned graph (placements,
+                                            local shapes, gradients reduced, each decision
+                                            on real shards); ``structure``: all but the
+                                            real shards. See ``spmd.lowering.verify``
 =========================  ===============  ================================================
 """
 
@@ -36,7 +40,8 @@ from datetime import timedelta
 
 __all__ = ["store_timeout", "auth_token", "store_max_message", "process_group_timeout",
            "debug_levels", "heartbeat_interval", "rpc_shutdown_timeout", "rpc_retry_interval",
-           "rpc_bind_host", "rpc_cma_enabled", "rpc_cma_threshold", "rpc_auth_token"]
+           "rpc_bind_host", "rpc_cma_enabled", "rpc_cma_threshold", "rpc_auth_token",
+           "verify_plans"]
 
 
 def _float_env(name: str, default: float) -> float:
@@ -132,3 +137,18 @@ def rpc_auth_token() -> bytes | None:
     """The shared secret (``SPMD_AUTH_TOKEN``, as for stores), UTF-8 encoded, or None."""
     token = _context_getenv("SPMD_AUTH_TOKEN") or auth_token()
     return token.encode("utf-8") if token else None
+
+
+def verify_plans() -> str | None:
+    """Whether every planned graph is verified (``SPMD_VERIFY``): None (``0``, unset),
+    ``"all"`` (``1``) or ``"structure"`` (no checks on real shards). This project's tests
+    set ``1``; a user sets it to check a new model's plan once, at the cost of planning
+    time."""
+    raw = (_context_getenv("SPMD_VERIFY") or "").strip().lower()
+    if raw in ("", "0", "off", "false", "no"):
+        return None
+    if raw in ("1", "on", "true", "yes", "all"):
+        return "all"
+    if raw == "structure":
+        return "structure"
+    raise ValueError(f"SPMD_VERIFY={raw!r}: expected 0, 1 or structure")

@@ -25,6 +25,9 @@ _EXPORTS: dict[str, str] = {
     "placement_of": "spmd.sharded",
     "Join": "spmd.join",
     "ParameterPlacement": "spmd.sharded",
+    "PlanVerificationError": "spmd.lowering.verify",
+    "ShardingError": "spmd.lowering.annotate",
+    "EmptyBackwardError": "spmd.lowering.annotate",
 }
 _SUBMODULES = ("runtime", "lowering", "kernels", "checkpoint", "tp", "hardware")
 

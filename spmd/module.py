@@ -356,10 +356,14 @@ class ModuleState:
                 if not isinstance(e, TorchDynamoException):
                     raise  # the model's own error, not a capture failure
                 inner = getattr(e, "inner_exception", None) or e.__cause__ or e
-                from spmd.lowering.annotate import ShardingError
+                from spmd.lowering.annotate import EmptyBackwardError, ShardingError
+                from spmd.lowering.verify import PlanVerificationError
 
-                if isinstance(inner, ShardingError):
-                    raise inner from None  # names the op: tensor parallelism cannot place it
+                # tensor parallelism cannot place an op, a backward lost its gradients, or
+                # the plan is wrong (a compiler bug): no eager run would be right either
+                if isinstance(inner, (ShardingError, EmptyBackwardError,
+                                      PlanVerificationError)):
+                    raise inner from None
                 first = (str(inner).strip().splitlines() or ["?"])[0][:200]
                 reason = f"the model could not be captured ({type(inner).__name__}: {first})"
                 log.warning("spmd: %s; running it eagerly, gradients averaged by the safety "

@@ -21,7 +21,8 @@ from spmd.lowering.options import Options
 from spmd.lowering.passes import Provenance
 from spmd.lowering.state import CollectiveInfo, OptimizerFusion, find
 
-__all__ = ["Plan", "Bucket", "Collective", "Fallback", "Placed", "plan_from_records"]
+__all__ = ["Plan", "Bucket", "Collective", "Fallback", "Placed", "Verification",
+           "plan_from_records"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,6 +93,28 @@ class Fallback:
 
     param: str
     reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Verification:
+    """What :meth:`Plan.verify` checked: each graph's
+    :class:`~spmd.lowering.verify.Verified` record."""
+
+    graphs: dict[str, Any]
+
+    @property
+    def decisions(self) -> int:
+        """Sharding decisions checked on real shards (each distinct one once)."""
+        return sum(v.decisions for v in self.graphs.values())
+
+    def __str__(self) -> str:
+        lines = [f"plan verified: {len(self.graphs)} graph(s), "
+                 f"{sum(v.nodes for v in self.graphs.values())} values placed, "
+                 f"{self.decisions} sharding decision(s) checked on real shards"]
+        for name, v in self.graphs.items():
+            for why in v.unchecked:
+                lines.append(f"  {name}: not checked on real shards: {why}")
+        return "\n".join(lines)
 
 
 @dataclass(eq=False)
@@ -246,6 +269,34 @@ class Plan:
 
         with open(path, "w") as f:
             json.dump(profile_record(self), f)
+
+    def verify(self, numerics: int | None = None) -> "Verification":
+        """Check every graph of the plan, re-deriving each value's placement without
+        trusting the passes (:mod:`spmd.lowering.verify`): local shapes match placements,
+        every gradient leaves reduced where its parameter lives, no partial sum reaches
+        an op that needs it whole, and each sharding decision holds on real shards of the
+        graph's own shapes. Raises ``spmd.PlanVerificationError`` naming the node, its
+        placements, the rule and the model code; returns what was checked.
+
+        Args:
+            numerics: sharding decisions at most checked on real shards per graph (None:
+                every distinct one; 0: none).
+
+        Example::
+
+            spmd.inspect(model, x, mesh=spmd.Mesh.simulated((2, 4), ("fsdp", "tp")),
+                         strategy="fsdp", placements=spmd.tp.megatron()).verify()
+        """
+        from spmd.lowering.state import state_of
+        from spmd.lowering.verify import Verified, verify
+
+        checked: dict[str, Verified] = {}
+        for name, gm in self.graphs.items():  # a forward before its backward
+            if state_of(gm).context is None:
+                continue  # left unplanned (the safety net's): nothing was decided
+            verify(gm, numerics=numerics)
+            checked[name] = find(gm, Verified)
+        return Verification(graphs=checked)
 
     def explain(self, x: Any) -> str:
         """Why a collective, a bucket or a parameter's communication exists, and its cost."""

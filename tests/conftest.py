@@ -16,6 +16,9 @@ STORE_KINDS = ["hash", "file", "tcp", "prefix"]
 # already: a rank starts in milliseconds instead of re-importing torch.
 multiprocessing.set_forkserver_preload(["torch", "spmd.runtime.collectives", "spmd.runtime.rpc"])
 os.environ.setdefault("SPMD_HEARTBEAT_INTERVAL", "0.2")
+# every graph planned in a test is verified: placements re-derived, gradients reduced,
+# each sharding decision checked on real shards (spmd.lowering.verify)
+os.environ.setdefault("SPMD_VERIFY", "1")
 
 
 def make_store(kind: str, tmp_path, timeout: float = 5.0):
