@@ -283,13 +283,20 @@ def total_norm(params: Iterable[torch.Tensor], norm_type: float) -> torch.Tensor
         return torch.tensor(0.0)
     norm_type = float(norm_type)
     infinite = math.isinf(norm_type)
-    total = torch.tensor(0.0)
+    # in the gradients' widest floating dtype, float32 at least (as torch's own, which
+    # takes each norm in its gradient's dtype): float64 gradients get a float64 norm
+    dtype = torch.float32
+    for members in grads.values():
+        for m in members:
+            if m.grad.is_floating_point():
+                dtype = torch.promote_types(dtype, m.grad.dtype)
+    total = torch.tensor(0.0, dtype=dtype)
     for (_, dims), members in sorted(grads.items(), key=lambda kv: kv[0][1]):
         gs = [m.grad.detach() for m in members]
         if infinite:
-            part = torch.stack([g.abs().max() for g in gs]).max().float()
+            part = torch.stack([g.abs().max().to(dtype) for g in gs]).max()
         else:
-            part = torch.stack([g.float().norm(norm_type) ** norm_type for g in gs]).sum()
+            part = torch.stack([g.to(dtype).norm(norm_type) ** norm_type for g in gs]).sum()
         mesh = _split_over(members[0])[0]
         if dims and not mesh.simulated:
             from spmd.runtime.collectives import ReduceOp, all_reduce
