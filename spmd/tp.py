@@ -25,21 +25,52 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
+from spmd.hf import inside, layer_kind, plan_entries
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
 from spmd.lowering.strategy import tp_dims_of
 
-__all__ = ["megatron", "Preset", "resolve_placements", "tp_dims_of", "shard_tensor_parallel",
-           "install_state_dict_hooks", "COLUMN", "ROW"]
+__all__ = ["megatron", "Preset", "Resolved", "resolve_placements", "tp_dims_of",
+           "shard_tensor_parallel", "install_state_dict_hooks", "COLUMN", "ROW"]
 
 # Megatron-LM's layer names (and the common ones of Hugging Face and torch models):
-# column-parallel layers split their output features, row-parallel their input features
+# column-parallel layers split their output features, row-parallel their input features.
+# GPT-2's fused query-key-value projection ("c_attn") is not here: q, k and v sit side by
+# side along its output, so a contiguous split would give rank 0 all of q and half of k;
+# that layout needs splitting by head groups (later work), so GPT-2's attention ("c_attn"
+# and its "c_proj", which then has no column-parallel sibling) stays replicated and only
+# its MLP is split. Naming "c_attn" in placements by hand still plans correctly (the
+# compiler gathers what the attention needs), at the cost of that traffic.
 COLUMN = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv", "q", "k",
           "v", "fc1", "linear1", "w1", "w3", "up_proj", "gate_proj", "c_fc",
           "dense_h_to_4h", "ff1", "mlp_in", "in_proj")
 ROW = ("o_proj", "out_proj", "wo", "o", "proj", "fc2", "linear2", "w2", "down_proj", "c_proj",
        "dense_4h_to_h", "ff2", "mlp_out", "dense")
 
+# (role, layer kind) -> the layer's parameters that are split; the others stay replicated.
+# nn.Linear stores its weight (out, in), transformers' Conv1D (GPT-2) (in, out).
+_SPLITS: dict[tuple[str, str], dict[str, Placement]] = {
+    ("column", "linear"): {"weight": Shard(0), "bias": Shard(0)},
+    ("column", "conv1d"): {"weight": Shard(1), "bias": Shard(0)},
+    ("row", "linear"): {"weight": Shard(1)},
+    ("row", "conv1d"): {"weight": Shard(0)},
+    ("vocabulary", "embedding"): {"weight": Shard(0)},
+    ("embedding", "embedding"): {"weight": Shard(1)},
+}
+
 Spec = Mapping[str, Mapping[str, Placement]]
+
+
+class Resolved(dict):
+    """What :func:`megatron` gives for a model: ``{dim: {parameter name: placement}}``
+    (every parameter not named stays replicated), with ``source``: each named parameter ->
+    where its placement came from, e.g. ``"LlamaConfig.base_model_tp_plan[
+    'layers.*.self_attn.q_proj'] = 'colwise'"`` or ``"name: column-parallel Linear
+    'q_proj'"``."""
+
+    def __init__(self, placed: Mapping[str, Mapping[str, Placement]], *,
+                 source: Mapping[str, str]) -> None:
+        super().__init__(placed)
+        self.source = dict(source)
 
 
 @dataclass(frozen=True)
@@ -61,17 +92,39 @@ class Preset:
 
 def megatron(model: Any = None, *, dim: str = "tp") -> Any:
     """Megatron-LM's tensor parallelism for a transformer: in each block, the query, key
-    and value projections and the MLP's first linear layer(s) column-parallel (weight and
-    bias ``Shard(0)``), the attention's output projection and the MLP's second linear
-    layer row-parallel (weight ``Shard(1)``, bias replicated). Layers are recognised by
-    the names Megatron-LM, Hugging Face and torch use (:data:`COLUMN`, :data:`ROW`); a
-    row-parallel layer is only split where a column-parallel sibling feeds it.
+    and value projections and the MLP's first linear layer(s) column-parallel, the
+    attention's output projection and the MLP's second linear layer row-parallel.
+
+    Where the layers come from, in order:
+
+    1. A Hugging Face ``transformers`` model whose config has a ``base_model_tp_plan``
+       (LLaMA, Mistral, Qwen2, ...): the model's own plan, resolved as transformers
+       resolves it (see :mod:`spmd.hf`). Inside that base model the plan wins and names
+       are not matched. ``'colwise'`` is weight and bias ``Shard(0)``, ``'rowwise'``
+       weight ``Shard(1)`` with the bias replicated; :data:`spmd.hf.STYLES` lists the
+       other styles read (those that differ from these only in where activations live,
+       which spmd's compiler decides); any other style raises ``ValueError`` naming it.
+    2. Elsewhere, by name: ``nn.Linear`` or transformers ``Conv1D`` children named one of
+       :data:`COLUMN` are column-parallel (``Linear``: weight and bias ``Shard(0)``;
+       ``Conv1D``, whose weight is (in, out): weight ``Shard(1)``, bias ``Shard(0)``),
+       and those named one of :data:`ROW` row-parallel (``Linear``: weight ``Shard(1)``;
+       ``Conv1D``: weight ``Shard(0)``; biases replicated) where a column-parallel
+       sibling feeds them. GPT-2's fused ``c_attn`` is left replicated (see
+       :data:`COLUMN`), so GPT-2 splits its MLPs.
 
     Args:
-        model: an ``nn.Module`` instance: its placements, ``{dim: {name: placement}}``;
+        model: an ``nn.Module`` instance: its placements, a :class:`Resolved`
+            ``{dim: {name: placement}}`` whose ``source`` says where each came from;
             None (or a class): a :class:`Preset` resolved against the model
             ``parallelize`` or ``inspect`` is given.
         dim: the mesh dimension to split along.
+
+    Example::
+
+        placed = spmd.tp.megatron(LlamaForCausalLM(config))
+        placed["tp"]["model.layers.0.self_attn.o_proj.weight"]  # Shard(dim=1)
+        placed.source["model.layers.0.self_attn.o_proj.weight"]
+        # "LlamaConfig.base_model_tp_plan['layers.*.self_attn.o_proj'] = 'rowwise'"
     """
     if model is None or isinstance(model, type):
         return Preset("megatron", dim)
@@ -79,25 +132,44 @@ def megatron(model: Any = None, *, dim: str = "tp") -> Any:
         raise TypeError(f"spmd.tp.megatron: expected an nn.Module (or nothing), got "
                         f"{type(model).__name__}")
     placed: dict[str, Placement] = {}
+    source: dict[str, str] = {}
+    entries, governed = plan_entries(model)
+    for entry in entries:
+        path, _, local = entry.param.rpartition(".")
+        layer = model.get_submodule(path)
+        split = _SPLITS.get((entry.role, layer_kind(layer) or ""))
+        if split is None and entry.role != "whole":
+            raise ValueError(f"spmd.tp.megatron: {entry.describe()} places {entry.param}, a "
+                             f"parameter of a {type(layer).__name__}; {entry.style!r} splits "
+                             f"nn.Linear and Conv1D layers (embedding_* styles nn.Embedding); "
+                             f"write placements by name instead")
+        if split and local in split:
+            placed[entry.param] = split[local]
+            source[entry.param] = entry.describe()
     for prefix, module in model.named_modules():
-        linears = {name: child for name, child in module.named_children()
-                   if isinstance(child, nn.Linear)}
-        columns = [n for n in linears if n in COLUMN]
-        rows = [n for n in linears if n in ROW]
+        if inside(prefix, governed):
+            continue  # a model's own plan places this part
+        layers = {name: child for name, child in module.named_children()
+                  if layer_kind(child) in ("linear", "conv1d")}
+        columns = [n for n in layers if n in COLUMN]
         if not columns:
             continue
+        rows = [n for n in layers if n in ROW]
         base = f"{prefix}." if prefix else ""
-        for name in columns:
-            placed[f"{base}{name}.weight"] = Shard(0)
-            if linears[name].bias is not None:
-                placed[f"{base}{name}.bias"] = Shard(0)
-        for name in rows:
-            placed[f"{base}{name}.weight"] = Shard(1)
+        for role, names in (("column", columns), ("row", rows)):
+            for name in names:
+                kind = layer_kind(layers[name])
+                for local, placement in _SPLITS[(role, kind)].items():
+                    if getattr(layers[name], local, None) is not None:
+                        placed[f"{base}{name}.{local}"] = placement
+                        source[f"{base}{name}.{local}"] = (
+                            f"name: {role}-parallel {type(layers[name]).__name__} {name!r}")
     if not placed:
         raise ValueError(f"spmd.tp.megatron: no column-parallel layer found in "
-                         f"{type(model).__name__} (nn.Linear children named one of "
-                         f"{', '.join(COLUMN)}); write placements by name instead")
-    return {dim: placed}
+                         f"{type(model).__name__} (nn.Linear or transformers Conv1D children "
+                         f"named one of {', '.join(COLUMN)}, or a transformers config's "
+                         f"base_model_tp_plan); write placements by name instead")
+    return Resolved({dim: placed}, source=source)
 
 
 def resolve_placements(model: nn.Module, mesh: Any, spec: Any, where: str

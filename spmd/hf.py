@@ -1,0 +1,243 @@
+"""Hugging Face ``transformers`` models as tensor parallelism reads them, without importing
+transformers: a model's own tensor-parallel plan (``config.base_model_tp_plan``) and the
+kind of each layer (GPT-2's ``Conv1D`` stores its weight transposed, (in, out)).
+
+A transformers model is recognised by what it carries, not by its class: a ``config``
+with a ``base_model_tp_plan`` attribute and a ``base_model_prefix``. ``spmd.tp.megatron``
+turns what is read here into placements.
+
+How transformers resolves a plan (``transformers/distributed/mixin.py``,
+``init_parallel_plans``, and ``parallel_utils.py``, ``_get_parameter_plan``, v5.24), and
+what is mirrored here:
+
+- the plan's keys are relative to the *base model* (``LlamaModel``: the module whose
+  ``base_model_prefix`` attribute is itself or absent); a wrapper (``LlamaForCausalLM``)
+  holds it as ``model.<base_model_prefix>``, and its plan is the base model's with that
+  prefix. Here every base model found among ``named_modules()`` is read with its own
+  path as the prefix, so a model wrapped again (a module returning ``.logits``) works too.
+- a key matches a module or parameter name whose layer numbers (``.3.``) are written
+  ``.*.``, exactly (not a glob); a parameter takes its own key, else its module's.
+- keys that match nothing are ignored, as transformers does (it only warns).
+
+Not mirrored: when transformers applies a plan itself it also splits the input embedding
+(``embedding_rowwise``, added when the plan is not empty) and the head of a causal LM
+(``_tp_plan = {"lm_head": "colwise_gather_output"}`` on the class). Neither is in the
+config's plan, and both stay replicated here, as for every model ``megatron()`` places:
+spmd's embedding rule gathers a vocabulary-split table before the lookup, so splitting it
+would save memory but no traffic.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import torch.nn as nn
+
+__all__ = ["STYLES", "PlanEntry", "inside", "is_conv1d", "layer_kind", "plan_entries"]
+
+# transformers' tensor-parallel styles (ALL_PARALLEL_STYLES in
+# transformers/distributed/tensor_parallel.py, v5.24) whose parameters are placed exactly as
+# a spmd placement places them -> the role the layer plays. A style also fixes where the
+# layer's input and output live ("_rep", "_gather_output": output gathered; "_split_input":
+# input replicated, split locally); in spmd those are the compiler's decision from the
+# placements, so styles that differ only there mean the same here. A replicated
+# parameter's gradient is always reduced over the ranks it is replicated on, which is what
+# "replicated_with_grad_allreduce" adds to "replicate".
+STYLES: dict[str, str] = {
+    "colwise": "column",
+    "colwise_rep": "column",
+    "colwise_gather_output": "column",
+    "rowwise": "row",
+    "rowwise_rep": "row",
+    "rowwise_split_input": "row",
+    "embedding_rowwise": "vocabulary",  # the table's rows (vocabulary): Shard(0)
+    "embedding_colwise": "embedding",   # the table's columns (embedding): Shard(1)
+    "replicate": "whole",
+    "replicated_with_grad_allreduce": "whole",
+}
+
+# why the other styles transformers knows (and a few older ones) have no exact placement
+_REFUSED: dict[str, str] = {
+    "packed_colwise": "a fused weight (gate and up, or q, k and v) split in interleaved "
+                      "blocks; a contiguous Shard would give one rank all of one projection",
+    "packed_rowwise": "a fused weight split in interleaved blocks along its input",
+    "sequence_parallel": "activations split along the sequence: not a parameter placement",
+    "all_reduce": "a module whose output is all-reduced, not a parameter placement",
+    "mla_kv_a_proj": "a projection whose output is split in two parts, each kept whole",
+    "moe_tp_experts": "experts split by expert, with routing",
+    "moe_identity_expert": "an expert scaled by the ranks' count",
+    "local_params": "parameters used as this rank's local tensors",
+    "local_colwise": "a column split whose output stays local, outside any layout",
+    "local_rowwise": "a row split whose output stays local, outside any layout",
+    "local": "parameters used as this rank's local tensors",
+    "gather": "a module whose output is gathered, not a parameter placement",
+    "isolated": "a module kept on one rank's group",
+    "ep_router": "expert-parallel routing",
+    "ep_dispatch_experts": "expert-parallel dispatch",
+    "grouped_gemm": "experts run as one grouped matrix product",
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanEntry:
+    """One parameter a model's own plan places.
+
+    Attributes:
+        param: its name in the model given to ``megatron()``.
+        pattern: the plan key that matched, relative to the base model.
+        style: the plan's style for it; its role is ``STYLES[style]``.
+        base: the base model's path in the given model ('' where it is the model).
+        config: the config class that holds the plan (for messages).
+    """
+
+    param: str
+    pattern: str
+    style: str
+    base: str
+    config: str
+
+    @property
+    def role(self) -> str:
+        return STYLES[self.style]
+
+    def describe(self) -> str:
+        return f"{self.config}.base_model_tp_plan[{self.pattern!r}] = {self.style!r}"
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' ``Conv1D`` (GPT-2's linear layer, weight stored
+    (in_features, out_features)). Without transformers imported, nothing can be one."""
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
+    conv1d = getattr(pytorch_utils, "Conv1D", None)
+    return conv1d is not None and isinstance(module, conv1d)
+
+
+def layer_kind(module: nn.Module) -> str | None:
+    """'linear' (``nn.Linear``, weight (out, in)), 'conv1d' (weight (in, out)),
+    'embedding' (``nn.Embedding``), or None for anything else."""
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if is_conv1d(module):
+        return "conv1d"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    return None
+
+
+def _generic(name: str) -> str:
+    # transformers' replace_layer_number_by_wildcard: ".3." and a final ".3" become ".*"
+    return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
+
+
+def _base_models(model: nn.Module) -> Iterator[tuple[str, nn.Module, Mapping[str, str]]]:
+    """(path, module, plan) of every transformers base model in ``model`` whose config
+    has a non-empty ``base_model_tp_plan``."""
+    for path, module in model.named_modules():
+        config = getattr(module, "config", None)
+        plan = getattr(config, "base_model_tp_plan", None)
+        prefix = getattr(module, "base_model_prefix", None)
+        if not plan or not isinstance(prefix, str):
+            continue
+        if prefix and getattr(module, prefix, module) is not module:
+            continue  # a wrapper (LlamaForCausalLM): its base model comes later in the walk
+        if not isinstance(plan, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
+            raise TypeError(f"spmd.tp.megatron: {type(config).__name__}.base_model_tp_plan "
+                            f"must map module name patterns to style names, got {plan!r}")
+        yield path, module, plan
+
+
+def _instance_plans(model: nn.Module) -> dict[str, Mapping[str, str]]:
+    """path -> the plan transformers keeps on a model instance (``model.tp_plan``, which
+    a user may have set), for every module that has one."""
+    plans = {}
+    for path, module in model.named_modules():
+        if getattr(module, "config", None) is None or not hasattr(module, "base_model_prefix"):
+            continue
+        plan = getattr(module, "tp_plan", None)
+        if isinstance(plan, Mapping) and plan:
+            plans[path] = plan
+    return plans
+
+
+def _within(path: str, root: str) -> bool:
+    return not root or path == root or path.startswith(root + ".")
+
+
+def inside(path: str, roots: tuple[str, ...]) -> bool:
+    """Whether module ``path`` is one of ``roots`` or below one ('' is the whole model)."""
+    return any(_within(path, root) for root in roots)
+
+
+def _check_agrees(entry: PlanEntry, instances: Mapping[str, Mapping[str, str]]) -> None:
+    """The model's own ``tp_plan`` (on the base model or a transformers model holding it)
+    must not give the entry's pattern another style than the config does."""
+    for path, plan in instances.items():
+        if not _within(entry.base, path):
+            continue
+        rel = entry.base[len(path):].lstrip(".")
+        key = f"{rel}.{entry.pattern}" if rel else entry.pattern
+        theirs = plan.get(key)
+        if theirs is not None and theirs != entry.style:
+            raise ValueError(
+                f"spmd.tp.megatron: {entry.describe()} but the model's tp_plan[{key!r}] (on "
+                f"{path or 'the model'}) is {theirs!r}; say which by writing placements by "
+                f"name instead, e.g. placements={{'tp': {{'{entry.param}': spmd.Shard(0)}}}}")
+
+
+def _refuse(entry: PlanEntry) -> None:
+    why = _REFUSED.get(entry.style, "a style spmd does not know")
+    where = f"{entry.base}." if entry.base else ""
+    raise ValueError(
+        f"spmd.tp.megatron: {entry.describe()}: style {entry.style!r} has no exact meaning in "
+        f"spmd's placements ({why}). Write placements by name instead: "
+        f"{{'tp': {{'{where}{entry.pattern}.weight': spmd.Shard(0)}}}} splits an nn.Linear "
+        f"column-parallel, Shard(1) row-parallel, and a parameter left out stays replicated "
+        f"(what a fused weight needs for now). Styles read from a plan: {', '.join(STYLES)}")
+
+
+def _style(plan: Mapping[str, str], name: str) -> tuple[str, str] | None:
+    """(pattern, style) for parameter ``name`` (relative to the base model), as
+    transformers' ``_get_parameter_plan`` finds it: its own key, else its module's."""
+    generic = _generic(name)
+    if generic in plan:
+        return generic, plan[generic]
+    module = generic.rpartition(".")[0]
+    if module in plan:
+        return module, plan[module]
+    return None
+
+
+def plan_entries(model: nn.Module) -> tuple[list[PlanEntry], tuple[str, ...]]:
+    """Every parameter of ``model`` that a transformers plan in it places, and the paths of
+    the base models whose plans govern their subtrees ('' for the whole model); nothing
+    where ``model`` holds no transformers model with a plan.
+
+    Raises ``ValueError`` naming the style and the pattern for a style with no exact
+    placement (:data:`STYLES` lists the ones read), and where the model's own ``tp_plan``
+    contradicts its config's plan.
+    """
+    entries: list[PlanEntry] = []
+    governed: list[str] = []
+    instances: dict[str, Mapping[str, str]] | None = None
+    for base, module, plan in _base_models(model):
+        if inside(base, tuple(governed)):
+            continue  # a base model inside one already read: the outer plan governs
+        governed.append(base)
+        config = type(module.config).__name__
+        for rel, _ in module.named_parameters():
+            found = _style(plan, rel)
+            if found is None:
+                continue
+            entry = PlanEntry(param=f"{base}.{rel}" if base else rel, pattern=found[0],
+                              style=found[1], base=base, config=config)
+            if entry.style not in STYLES:
+                _refuse(entry)
+            if instances is None:
+                instances = _instance_plans(model)
+            _check_agrees(entry, instances)
+            entries.append(entry)
+    return entries, tuple(governed)
