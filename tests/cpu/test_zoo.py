@@ -1,0 +1,224 @@
+"""The model zoo held in float64: every strategy composition the README offers trains every
+model family exactly as one process on the whole batch does.
+
+Each model of ``tests/zoo.py`` (our transformer, torch's ``TransformerEncoder``, our
+LLaMA-style model in each rotary and grouped-query form, Hugging Face LLaMA, GPT-2,
+Mistral and Qwen2 from tiny configs) trains a few AdamW steps with its gradients clipped,
+on real ranks over Gloo, under ``ddp``, ``fsdp``, ``hsdp``, tensor parallelism (``tp``,
+Megatron's placements from ``spmd.tp.megatron()``) and the compositions ``dp x tp``,
+``fsdp x tp``, ``hsdp x tp``. Compared against one process training on the whole batch in
+the test process: every step's output (this rank's rows) and every parameter at the end,
+whole (through ``state_dict()``), to 1e-9. In float64 the parallel arithmetic differs
+from one process only by re-associated sums (at most 1.4e-12 measured), so any larger
+difference is a bug. Every plan is also verified as it is made (``SPMD_VERIFY=1``), no
+gradient may fall back to the eager safety net, and no op may lack a sharding rule.
+
+Profiles (``SPMD_ZOO``): ``ci`` (the default) runs every model under tensor parallelism
+and every other composition on several families, chosen to cover each model, each
+composition and each of our LLaMA forms in the CI budget (26 runs, about 90 s); ``full``
+runs the whole matrix, every model under every composition (84 runs, about 5.5 minutes):
+``SPMD_ZOO=full .venv/bin/python -m pytest -s tests/cpu/test_zoo.py`` prints each run's
+largest difference and seconds, the figures of README's composition matrix.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+import spmd
+from spmd import runtime as dist
+
+from ..zoo import all_entries, entry
+
+pytest.importorskip("transformers")
+
+STEPS = 3
+ROWS = 4  # the global batch: each data-parallel rank trains on ROWS / its data size
+ATOL = 1e-9
+LR, CLIP = 1e-2, 0.5  # clipped: the gradients' norm is about 1-3 at these sizes
+
+# name -> (mesh shape, dimension names, strategy, tensor parallel)
+COMPOSITIONS = {
+    "ddp": ((2,), ("dp",), "ddp", False),
+    "fsdp": ((2,), ("fsdp",), "fsdp", False),
+    "tp": ((2,), ("tp",), "ddp", True),
+    "hsdp": ((2, 2), ("dp", "fsdp"), "hsdp", False),
+    "dp x tp": ((2, 2), ("dp", "tp"), "ddp", True),
+    "fsdp x tp": ((2, 2), ("fsdp", "tp"), "fsdp", True),
+    "hsdp x tp": ((2, 2, 2), ("dp", "fsdp", "tp"), "hsdp", True),
+}
+MODELS = [e.name for e in all_entries()]
+
+# the CI profile: every model under tp; each other composition on several families and
+# forms (each of our LLaMA forms once more, under a sharded composition)
+CI = {
+    "tp": MODELS,
+    "ddp": ["llama", "encoder"],
+    "fsdp": ["gpt2", "llama_half_expand"],
+    "hsdp": ["qwen2"],
+    "dp x tp": ["transformer", "mistral", "llama_complex_repeat_interleave"],
+    "fsdp x tp": ["llama", "gpt2", "llama_half_enable_gqa", "llama_complex_expand",
+                  "llama_half_repeat_interleave"],
+    "hsdp x tp": ["llama_complex_enable_gqa"],
+}
+
+
+def _profile() -> dict[str, list[str]]:
+    name = os.environ.get("SPMD_ZOO", "ci")
+    if name == "full":
+        return {c: MODELS for c in COMPOSITIONS}
+    if name != "ci":
+        raise ValueError(f"SPMD_ZOO={name!r}: expected ci or full")
+    return CI
+
+
+def _train(model, e, rows: slice, clip) -> tuple[list[torch.Tensor], dict]:
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    outputs = []
+    for step in range(STEPS):
+        x, y = e.make_batch(step, ROWS)
+        out = model(x[rows])
+        outputs.append(out.detach().clone())
+        e.loss_fn(out, y[rows]).backward()
+        clip(model)
+        opt.step()
+        opt.zero_grad()
+    return outputs, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _data_index(mesh, strategy) -> tuple[int, int]:
+    """This rank's index among the data-parallel ranks, and their count."""
+    index, count = 0, 1
+    for dim in strategy.data_dims:
+        size = mesh.size(dim)
+        index, count = index * size + mesh.get_group(dim).rank(), count * size
+    return index, count
+
+
+def _run(name: str, composition: str) -> dict:
+    shape, names, strategy, tp = COMPOSITIONS[composition]
+    e = entry(name)
+    mesh = spmd.Mesh(shape, dim_names=names)
+    start = time.perf_counter()
+    model = spmd.parallelize(e.model(), mesh=mesh, strategy=strategy,
+                             placements=e.placements if tp else None)
+    index, count = _data_index(mesh, model._spmd.setup.strategy)
+    per = ROWS // count
+    rows = slice(index * per, (index + 1) * per)
+    outputs, params = _train(model, e, rows, lambda m: m.clip_grad_norm_(CLIP))
+    plan = spmd.inspect(model)
+    return {"rows": (rows.start, rows.stop), "outputs": outputs, "params": params,
+            "fallbacks": [(f.param, f.reason) for f in plan.fallbacks],
+            "unruled": sorted({p.op for p in plan.placed if p.fallback}),
+            "collectives": sorted({(c.kind, c.mesh_dim) for c in plan.collectives}),
+            "seconds": time.perf_counter() - start}
+
+
+def zoo_job(rank: int, runs: list[tuple[str, str]]) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=100))
+    try:
+        return {run: _run(*run) for run in runs}
+    finally:
+        dist.destroy_process_group()
+
+
+# runs per spawned job, by world size: each job well inside the 115 s a spawn may take on
+# 2 cores (a run took 1-2 s on 2 ranks, 2-9 s on 4, about 20 s on 8, compilation included)
+CHUNK = {2: 16, 4: 6, 8: 2}
+
+
+def _jobs() -> list[tuple[int, list[tuple[str, str]]]]:
+    """(world size, its runs) for each job to spawn, a composition's runs together."""
+    by_world: dict[int, list[tuple[str, str]]] = {}
+    for composition, models in _profile().items():
+        world = math.prod(COMPOSITIONS[composition][0])
+        by_world.setdefault(world, []).extend((m, composition) for m in models)
+    return [(world, runs[i:i + CHUNK[world]]) for world, runs in sorted(by_world.items())
+            for i in range(0, len(runs), CHUNK[world])]
+
+
+JOBS = _jobs()
+CASES = [run for _, runs in JOBS for run in runs]
+_RESULTS: dict[int, object] = {}  # job index -> its ranks' results, or what it raised
+_REPORT: list[tuple[str, str, float, float]] = []  # composition, model, difference, seconds
+
+
+def _results(run: tuple[str, str]) -> list[dict]:
+    """The ranks' results of ``run``, its job spawned once for the module (every run of a
+    job shares it, and a failure: a job is not spawned again for each of its runs)."""
+    index = next(i for i, (_, runs) in enumerate(JOBS) if run in runs)
+    if index not in _RESULTS:
+        world, runs = JOBS[index]
+        try:
+            _RESULTS[index] = dist.spawn(zoo_job, args=(runs,), nprocs=world,
+                                         start_method="forkserver", timeout=115)
+        except Exception as e:
+            _RESULTS[index] = e
+    found = _RESULTS[index]
+    if isinstance(found, Exception):
+        raise found
+    return [ranks[run] for ranks in found]  # type: ignore[union-attr]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    """The largest difference from one process and the seconds of each run, printed at
+    the end (``pytest -s``): the figures README's composition matrix quotes."""
+    yield
+    if _REPORT:
+        print(f"\n{'composition':<11} {'model':<32} {'max |diff|':>10} {'seconds':>8}")
+        for composition, name, diff, seconds in sorted(_REPORT):
+            print(f"{composition:<11} {name:<32} {diff:>10.2e} {seconds:>8.2f}")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process on the whole batch, once per model."""
+    torch.set_num_threads(1)
+    cache: dict[str, tuple] = {}
+
+    def get(name: str) -> tuple:
+        if name not in cache:
+            e = entry(name)
+            cache[name] = _train(e.model(), e, slice(0, ROWS),
+                                 lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP))
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("name,composition", CASES, ids=[f"{c}-{m}" for m, c in CASES])
+def test_every_composition_trains_like_one_process(name, composition, reference):
+    runs = _results((name, composition))
+    want_outputs, want_params = reference(name)
+    worst = 0.0
+    for rank, run in enumerate(runs):
+        assert run["fallbacks"] == [], f"rank {rank}: the safety net ran: {run['fallbacks']}"
+        assert run["unruled"] == [], f"rank {rank}: ops without a rule: {run['unruled']}"
+        lo, hi = run["rows"]
+        for step, (got, want) in enumerate(zip(run["outputs"], want_outputs)):
+            diff = (got - want[lo:hi]).abs().max().item()
+            assert diff <= ATOL, f"rank {rank} step {step}: output differs by {diff:.3g}"
+            worst = max(worst, diff)
+        assert run["params"].keys() == want_params.keys()
+        for key, want in want_params.items():
+            diff = (run["params"][key] - want).abs().max().item()
+            assert diff <= ATOL, f"rank {rank}: {key} differs by {diff:.3g}"
+            worst = max(worst, diff)
+    _REPORT.append((composition, name, worst, max(r["seconds"] for r in runs)))
+    _, _, strategy, tp = COMPOSITIONS[composition]
+    collectives = set(runs[0]["collectives"])
+    assert any(d == "tp" for _, d in collectives) == tp
+    if strategy != "ddp":  # parameters stored as shards: gathered, gradients scattered
+        assert {("all_gather", "fsdp"), ("reduce_scatter", "fsdp")} <= collectives
+
+
+def test_the_ci_profile_covers_every_model_and_composition():
+    assert set(CI) == set(COMPOSITIONS)
+    assert {m for models in CI.values() for m in models} == set(MODELS)
