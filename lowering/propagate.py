@@ -37,7 +37,7 @@ from spmd.lowering.placements import Partial, Placement, Replicate, Sharding, Va
 from spmd.lowering.redistribute import redistribution
 from spmd.lowering.state import Boundary, needs
 
-__all__ = ["propagate", "derive", "TPChoice", "choose", "module_of"]
+__all__ = ["propagate", "derive", "TPChoice", "choose", "module_of", "seeded"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -134,7 +134,7 @@ def _reduce_shared_partials(node: fx.Node, args: list[fx.Node],
     so reducing at the fork costs at most what the branches would."""
     shared = {k for k, (a, p) in enumerate(zip(args, incoming))
               if isinstance(p, Partial) and len(a.users) > 1}
-    if not shared or getattr(rules.lookup(node.target), "wants_dim", False):
+    if not shared or _placing(node):
         return options
     whole = [d for d in options if all(isinstance(d.required(incoming)[k], Replicate)
                                        for k in shared)]
@@ -164,7 +164,9 @@ def _where(node: fx.Node) -> str:
     module = module_of(node)
     return f" in {module}" if module else ""
 
-def _is_random(node: fx.Node) -> bool:
+def seeded(node: fx.Node) -> bool:
+    """Whether torch tags the node's op as drawing from a random generator: each rank's
+    own value along a data dimension."""
     target = node.target
     tags = getattr(target, "tags", ())
     return torch.Tag.nondeterministic_seeded in tags
@@ -200,7 +202,7 @@ def _rule(node: fx.Node, ctx: LoweringContext) -> Sharding | tuple[Sharding, ...
     for index, dim in enumerate(strategy.mesh.dim_names):
         incoming = [s.placements[index] for s in specs]
         if dim in strategy.data_dims:
-            local = _is_random(node) or any(not p.is_replicate() for p in incoming)
+            local = seeded(node) or any(not p.is_replicate() for p in incoming)
             placed: Placement | tuple = Varying() if local else Replicate()
         elif node.target is operator.getitem and isinstance(node.args[0], fx.Node):
             source = node.args[0].meta["sharding"]

@@ -52,7 +52,7 @@ from spmd.lowering import ops, rules
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import is_collective
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard, Sharding, Varying
-from spmd.lowering.propagate import module_of
+from spmd.lowering.propagate import module_of, seeded
 from spmd.lowering.reshard import RESHARDED
 from spmd.lowering.rule_check import on_shards, random_like, run_op
 from spmd.lowering.specs import lookup
@@ -330,8 +330,7 @@ class _Verifier:
             if isinstance(p, Partial):
                 self.fail(node, f"reads {a.name} as a whole value on data dimension {dim!r}, "
                                 f"but it is {p!r} there: a partial sum, not reduced")
-        random = torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
-        local = random or any(not isinstance(p, Replicate) for p in incoming)
+        local = seeded(node) or any(not isinstance(p, Replicate) for p in incoming)
         return Varying() if local else Replicate()
 
     def decided(self, node: fx.Node, dim: str, args: list[fx.Node],

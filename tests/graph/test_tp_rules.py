@@ -435,6 +435,23 @@ def test_llama_block_ops(size, b, t, kv, group, half, seed):
 MASKS = st.sampled_from([None, "2d", "4d", "heads"])
 
 
+def _check_attention(size: int, seed: int, q, k, v, g, m, causal: bool) -> torch.Tensor:
+    """The CPU attention kernels, forward and backward, traced on these values and their
+    rule checked on real shards; the forward's output."""
+    def fn(q, k, v, g, m):
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=m)
+        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g, q, k, v, out, lse, 0.0, causal, attn_mask=m)
+        return out, lse, grads
+
+    gm, values = trace(fn, q, k, v, g, m)
+    check_graph(gm, values, size, seed, [
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default])
+    return values[next(n for n in gm.graph.nodes if n.op == "output").args[0][0]]
+
+
 @settings(max_examples=10, deadline=None)
 @given(size=SIZES, b=DIMS, nh=DIMS, seq=DIMS, kv=DIMS, e=st.sampled_from([1, 2, 4]),
        mask=MASKS, causal=st.booleans(), seed=SEEDS)
@@ -444,19 +461,9 @@ def test_attention(size, b, nh, seq, kv, e, mask, causal, seed):
     m = None if mask is None else randn(*shapes[mask])
     causal = causal and m is None
 
-    def fn(q, k, v, g, m):
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=m)
-        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            g, q, k, v, out, lse, 0.0, causal, attn_mask=m)
-        return out, lse, grads
-
     q, g = randn(b, nh, seq, e), randn(b, nh, seq, e)
     k, v = randn(b, nh, kv, e), randn(b, nh, kv, e)  # keys and values of another length
-    gm, values = trace(fn, q, k, v, g, m)
-    check_graph(gm, values, size, seed, [
-        aten._scaled_dot_product_flash_attention_for_cpu.default,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward.default])
+    _check_attention(size, seed, q, k, v, g, m, causal)
 
 
 @settings(max_examples=10, deadline=None)
@@ -473,23 +480,12 @@ def test_grouped_query_attention(size, b, kv_heads, group, seq, e, mask, causal,
     m = None if mask is None else randn(*shapes[mask])
     causal = causal and m is None
 
-    def fn(q, k, v, g, m):
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=m)
-        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            g, q, k, v, out, lse, 0.0, causal, attn_mask=m)
-        return out, lse, grads
-
     q, g = randn(b, nh, seq, e), randn(b, nh, seq, e)
     k, v = randn(b, kv_heads, seq, e), randn(b, kv_heads, seq, e)
-    gm, values = trace(fn, q, k, v, g, m)
+    got = _check_attention(size, seed, q, k, v, g, m, causal)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal,
                                           enable_gqa=True)
-    got = values[next(n for n in gm.graph.nodes if n.op == "output").args[0][0]]
     assert torch.allclose(got, want, rtol=1e-9, atol=1e-9)
-    check_graph(gm, values, size, seed, [
-        aten._scaled_dot_product_flash_attention_for_cpu.default,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward.default])
 
 
 def test_enable_gqa_traces_to_the_kernels_with_fewer_key_heads():
