@@ -50,10 +50,19 @@ class GraphRecord:
     compute: str = "emit"  # "emit" (generated Python) or "inductor"
     compute_reason: str = ""
     saved: dict = field(default_factory=dict)  # forward node name -> its Sharding
+    reason: str = ""  # why Dynamo compiled it (the plan lists every graph with this)
 
     @property
     def trainable(self) -> list[str]:
         return [i.name for i in self.inputs if i.kind == "param" and i.requires_grad]
+
+    @property
+    def structure(self) -> tuple:
+        """What the graph reads, without the sizes a new batch changes: its parameters
+        and buffers by name, and the dtype and rank of every tensor input (a graph
+        compiled for dynamic shapes also takes the sizes themselves)."""
+        return tuple((i.kind, i.name if i.kind != "data" else "", i.requires_grad,
+                      str(i.dtype), len(i.shape)) for i in self.inputs if i.tensor)
 
 
 class CaptureOwner(Protocol):
@@ -123,7 +132,8 @@ class Capture:
                 infos.append(InputInfo(kind=kind, name=name, shape=tuple(t.shape), dtype=t.dtype,
                                        requires_grad=t.requires_grad))
             else:
-                infos.append(InputInfo(kind="data", name=f"input{i}", shape=(), dtype=torch.int64))
+                infos.append(InputInfo(kind="data", name=f"input{i}", shape=(), dtype=torch.int64,
+                                       tensor=False))
         return tuple(infos)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -133,6 +143,7 @@ class Capture:
         name = f"graph{len(records)}"
         inputs = self.describe(example_inputs)
         record = GraphRecord(name=name, inputs=inputs)
+        record.reason = _reason(record, records)
         record.compute, record.compute_reason = self.choose_compute(example_inputs)
         records.append(record)
         inductor = record.compute == "inductor"
@@ -206,6 +217,20 @@ class Capture:
                             )(gm, example_inputs)
 
 
+def _reason(record: GraphRecord, earlier: list[GraphRecord]) -> str:
+    """Why Dynamo compiled ``record``, in the plan's words."""
+    data = ", ".join(str(tuple(i.shape)).replace(" ", "") for i in record.inputs
+                     if i.kind == "data" and i.tensor) or "none"
+    if not earlier:
+        return f"first call; data {data}"
+    if any(r.structure == record.structure for r in earlier):
+        dynamic = any(not i.tensor for i in record.inputs)
+        return (f"recompiled for new input sizes, {'dynamic' if dynamic else 'static'}; "
+                f"data {data}")
+    return (f"a new region or code path (a graph break, another set of trainable "
+            f"parameters, train/eval); data {data}")
+
+
 _OURS = ("sharding", "spmd_collective", "spmd_role")
 
 
@@ -267,11 +292,11 @@ def time_forward(record: GraphRecord, repeats: int = 3) -> float | None:
         values = [n.meta["val"] for n in record.forward.graph.nodes if n.op == "placeholder"]
         def make(v: Any) -> Any:
             if isinstance(v, torch.Tensor):
-                shape = [int(d) for d in v.shape]
+                shape = [_hint(d) for d in v.shape]
                 if v.dtype.is_floating_point:
                     return torch.randn(shape, dtype=v.dtype, device=v.device)
                 return torch.zeros(shape, dtype=v.dtype, device=v.device)
-            return int(v) if isinstance(v, torch.SymInt) else v
+            return _hint(v) if isinstance(v, torch.SymInt) else v
         best = float("inf")
         with torch.no_grad(), dry_run():  # a sharded forward's gathers: nothing sent
             for _ in range(repeats):
@@ -283,3 +308,16 @@ def time_forward(record: GraphRecord, repeats: int = 3) -> float | None:
     except Exception as e:  # an input the tracer constrained (e.g. valid indices): keep going
         log.debug("spmd: could not re-time %s's forward: %s", record.name, e)
         return record.forward_seconds
+
+
+def _hint(size: Any) -> int:
+    """A symbolic size's value for this trace, without the guard ``int()`` would add (a
+    guard specialises the graph to this size, and only the rank that timed it would
+    then recompile for the next one)."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    try:
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+    except ImportError:  # older torch
+        return int(size.node.hint)
+    return optimization_hint(size)

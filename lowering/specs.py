@@ -86,7 +86,11 @@ class SyncState:
     per bucket, and no buffer kept alive until the next step.
     """
 
-    enabled: bool = True
+    enabled: bool = True  # the switch no_sync() turns off
+    # the switch as the last training forward found it: whether that forward's backward
+    # averages (DDP decides at forward time too, so no_sync() around backward() alone
+    # changes nothing)
+    backward: bool = True
     track: bool = True
     profiler: Any = None  # set while a profile records this model's steps
     comm_hook: Any = None  # a torch DDP communication hook: hook(state, bucket) -> Future
@@ -95,6 +99,8 @@ class SyncState:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def begin_step(self) -> None:
+        """A training forward: decide whether its backward averages, forget the last."""
+        self.backward = self.enabled
         with self.lock:
             self.reduced.clear()
 
@@ -144,7 +150,7 @@ class CollectiveSpec:
 
     @property
     def active(self) -> bool:
-        return self.live and (self.sync is None or self.sync.enabled)
+        return self.live and (self.sync is None or self.sync.backward)
 
     def buffer(self, role: str, numel: int, dtype: torch.dtype,
                device: torch.device) -> torch.Tensor | None:

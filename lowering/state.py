@@ -37,6 +37,7 @@ class InputInfo:
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool = False
+    tensor: bool = True  # False: a symbolic size (a graph compiled for dynamic shapes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -45,8 +45,6 @@ __all__ = ["ModuleState", "parallelize_module", "DataParallel"]
 
 log = logging.getLogger("spmd")
 
-DISCOVERY_STEPS = 2  # steps with a hook on every parameter after each new graph
-
 
 class ModuleState:
     """What ``parallelize`` attached to one module: its group, options, graphs and plan."""
@@ -98,11 +96,12 @@ class ModuleState:
         self.compiled = None
         self.covered: set[str] = set()  # parameters some planned graph reduces
         self.estimates: dict[str, float] = {}  # graph -> shared backward-seconds estimate
+        self.structure_estimates: dict[tuple, float | None] = {}  # see _backward_estimate
+        self.agreed: set[str] = set()  # collective signatures every rank has planned
         self.capture_failed: str | None = None  # why the model runs eagerly, if it does
         self.profiler: Any = None
         self.measured: Any = None  # the last profiled step's Timeline
         self.measured_steps: list = []  # every profiled step's
-        self.discovery = DISCOVERY_STEPS  # steps left with a hook on every parameter
         self._hooks: dict[str, Any] = {}
         self.join: Any = None  # the spmd.Join context this model trains in, if any
         self._hook_all()
@@ -123,7 +122,15 @@ class ModuleState:
         and one for the weight per forward matmul). The forward is timed on the group's
         first rank and the figure shared, so every rank derives the same buckets; on a
         simulated cluster (``Mesh.simulated(..., hardware=)``) it is the forward graph's
-        roofline on that cluster's device instead."""
+        roofline on that cluster's device instead.
+
+        The figure is measured once per graph *structure* (which parameters and buffers,
+        the data's dtypes and ranks: not its sizes) and reused for every later graph of
+        that structure. A batch of another size recompiles on the ranks that see it, and
+        only there (the last batch of a ``DataLoader`` may be uneven): such a graph must
+        plan without waiting for ranks that are not compiling, and must plan the same
+        buckets as the graph it replaces, so it gets the same figure.
+        """
         hardware = getattr(self.setup.strategy.mesh, "hardware", None)
         if hardware is not None and record.forward is not None:
             from spmd.hardware import graph_seconds
@@ -131,36 +138,53 @@ class ModuleState:
             seconds = 2.0 * graph_seconds(record.forward, hardware.device)
             self.estimates[record.name] = seconds
             return seconds
-        if not self.communicates:
-            seconds = time_forward(record)  # nothing to agree on: no collectives run
-            if seconds is not None:
-                self.estimates[record.name] = 2.0 * seconds
-            return None if seconds is None else 2.0 * seconds
-        key = f"spmd/measure/{self.index}/{record.name}"
-        store = self.group.store
-        if self.group.rank() == 0:
-            seconds = time_forward(record)
-            store.set(key, "none" if seconds is None else repr(2.0 * seconds))
-        raw = store.get(key).decode()
-        if raw == "none":
-            return None
-        self.estimates[record.name] = float(raw)
-        return float(raw)
+        structure = record.structure
+        if structure in self.structure_estimates:
+            seconds = self.structure_estimates[structure]
+        elif not self.communicates:
+            timed = time_forward(record)  # nothing to agree on: no collectives run
+            seconds = None if timed is None else 2.0 * timed
+        else:
+            key = f"spmd/measure/{self.index}/{len(self.structure_estimates)}"
+            store = self.group.store
+            if self.group.rank() == 0:
+                timed = time_forward(record)
+                store.set(key, "none" if timed is None else repr(2.0 * timed))
+            raw = self._store_get(key, f"the timing of {record.name}")
+            seconds = None if raw == "none" else float(raw)
+        self.structure_estimates[structure] = seconds
+        if seconds is not None:
+            self.estimates[record.name] = seconds
+        return seconds
+
+    def _store_get(self, key: str, what: str) -> str:
+        try:
+            return self.group.store.get(key).decode()
+        except TimeoutError:
+            raise DistError(f"parallelize: {what} did not arrive from rank "
+                            f"{self.group.ranks[0]} within the store timeout; ranks are "
+                            f"compiling different graphs (data-dependent control flow, or "
+                            f"a rank that stopped?)") from None
 
     def planned(self, record: GraphRecord) -> None:
-        """Every rank must have planned this graph identically before it first runs."""
+        """Every rank must run identically planned collectives.
+
+        A plan whose collectives every rank has already agreed on (the same buckets of
+        the same parameters; the graph another batch size compiled on some ranks only)
+        runs at once. A new one is compared across ranks, which all compile it at the same
+        point (the first step, a newly frozen layer, a new code path): differing plans
+        raise naming the ranks, and a rank that never compiles it is reported by the
+        store's timeout.
+        """
         self.covered.update(p for c in collective_nodes(record.backward)
                             for p in c.meta["spmd_collective"].params)
-        if self.discovery <= 0:  # a new graph: watch every parameter again for a while
-            self.discovery = DISCOVERY_STEPS
-            self._hook_all()
         if not self.communicates:
             return
-        plan = plan_from_records([record], setup=self.setup, options=self.options,
-                                 fallbacks=[], frozen=[], kernel="")
-        mine = plan.fingerprint()
+        mine = collective_signature([record])
+        if mine in self.agreed:
+            return
         store = self.group.store
-        key = f"spmd/plan/{self.index}/{record.name}"
+        key = f"spmd/plan/{self.index}/{len(self.agreed)}"
         store.set(f"{key}/{self.group.rank()}", mine)
         try:
             every = [v.decode() for v in store.multi_get(
@@ -179,6 +203,7 @@ class ModuleState:
                             f"{every[0]} on rank {self.group.ranks[0]}, other plans on rank(s) "
                             f"{', '.join(map(str, differ))}); every rank must trace the same "
                             f"graph")
+        self.agreed.add(mine)
 
     def plan(self) -> Plan:
         frozen = [n for n, p in self.params.items() if not p.requires_grad]
@@ -247,6 +272,15 @@ class ModuleState:
     # -- the eager safety net ---------------------------------------------------------
 
     def _hook_all(self) -> None:
+        """A gradient hook on every trainable parameter (a layer unfrozen later gets its
+        own at the next training forward).
+
+        The hooks stay for the life of the model. A gradient can reach a parameter from
+        outside the compiled graphs at any step (a loss term switched on late, a graph
+        break on a new code path, Dynamo's recompile limit), and a hook removed after the
+        first steps would let it through unaveraged. A gradient a planned bucket reduced
+        costs one dictionary lookup (BENCHMARKS.md measures the hooks' price per step).
+        """
         if not self.communicates or self.sharded:
             return  # nothing to average: one rank, a simulated mesh, or shards (their
             # gathers' backward reduce-scatters them, in a graph or eagerly)
@@ -254,23 +288,11 @@ class ModuleState:
             if param.requires_grad and name not in self._hooks:
                 self._hooks[name] = param.register_hook(functools.partial(self._on_grad, name))
 
-    def _prune_hooks(self) -> None:
-        """After discovery, keep hooks only where gradients arrive from outside a graph.
-
-        A Python hook per parameter costs microseconds every step; a parameter whose
-        whole gradient comes from a planned graph needs none. Discovery runs for the first
-        steps after every new graph, so a parameter that eager code also uses is found
-        and keeps its hook.
-        """
-        for name in list(self._hooks):
-            if name in self.covered and name not in self.fallbacks:
-                self._hooks.pop(name).remove()
-
     def _on_grad(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         """Every parameter's summed gradient for this backward passes here once."""
-        if not self.sync.enabled:
+        if not self.sync.backward:  # the forward ran under no_sync(): accumulate locally
             return grad
-        if self.discovery > 0 or self.reducer.pending:
+        if self.reducer.pending:
             self._queue_finish()
         key = grad.untyped_storage().data_ptr() if grad.layout is torch.strided else None
         if key in self.sync.reduced:
@@ -302,10 +324,6 @@ class ModuleState:
     def _finish(self) -> None:
         self.finish_queued = False
         self.reducer.finish()
-        if self.discovery > 0:
-            self.discovery -= 1
-            if self.discovery == 0:
-                self._prune_hooks()
 
     # -- running ----------------------------------------------------------------------
 
@@ -322,6 +340,7 @@ class ModuleState:
                 self._broadcast_buffers()
         elif training:
             self.sync.begin_step()
+            self._hook_all()
             if self.profiler is not None:
                 self.profiler.begin_step()
             if self.join is not None:
@@ -369,8 +388,6 @@ class ModuleState:
                 log.warning("spmd: %s; running it eagerly, gradients averaged by the safety "
                             "net", reason)
                 self.capture_failed = reason
-                self.discovery = 1 << 30  # keep every hook: nothing is reduced in a graph
-                self._hook_all()
         reason = self.capture_failed
         if self.sharded:
             reason += ("; its parameters are gathered and their gradients reduce-scattered "
@@ -420,6 +437,26 @@ class ModuleState:
             yield
         finally:
             self.sync.enabled = previous
+
+
+def collective_signature(records: list) -> str:
+    """A hash of the collectives ``records``' graphs run, in order, without graph names
+    or the sizes of activations: what every rank must run identically. A gradient bucket's
+    size is its parameters'; an activation's (tensor parallelism) follows the batch, which
+    may differ across data-parallel ranks, and is left out."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for record in records:
+        for phase, graph in (("forward", record.forward), ("backward", record.backward)):
+            if graph is None:
+                continue
+            for node in collective_nodes(graph):
+                info = node.meta["spmd_collective"]
+                h.update(repr((phase, info.kind, info.params, str(info.dtype),
+                               str(info.wire_dtype), info.mesh_dim,
+                               sum(info.numels) if info.params else None)).encode())
+    return h.hexdigest()[:16]
 
 
 def _all_arrived(store: Any, key: str, size: int, seconds: float = 10.0) -> None:

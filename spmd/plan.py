@@ -133,6 +133,7 @@ class Plan:
     frozen: list[str] = field(default_factory=list)
     compute: dict[str, tuple[float, float]] = field(default_factory=dict)  # graph -> (fwd, bwd) s
     compute_paths: dict[str, str] = field(default_factory=dict)  # graph -> how its compute runs
+    graph_reasons: dict[str, str] = field(default_factory=dict)  # graph -> why it was compiled
     optimizer: dict[str, str] = field(default_factory=dict)  # step graph -> fused or why not
     mesh: Any = None  # the mesh planned for (``spmd.Mesh``, live or simulated)
     # parameter -> (bytes this rank stores, bytes whole, trainable); tied ones once
@@ -199,7 +200,8 @@ class Plan:
         lines.append(f"cost model: {self.cost_model.backend} α={self.cost_model.alpha * 1e6:.1f} µs "
                      f"β={self.cost_model.beta * 1e9:.3f} ns/B ({self.cost_model.source})")
         for name, path in self.compute_paths.items():
-            lines.append(f"{name} compute: {path}")
+            why = self.graph_reasons.get(name)
+            lines.append(f"{name} ({why}) compute: {path}" if why else f"{name} compute: {path}")
         for name, how in self.optimizer.items():
             lines.append(f"{name} optimizer: {how}")
         if self.buckets:
@@ -332,6 +334,8 @@ def plan_from_records(records: list, *, setup: Any, options: Options,
             plan.graphs[f"{record.name}.forward"] = record.forward
         if hasattr(record, "compute"):
             plan.compute_paths[record.name] = f"{record.compute} ({record.compute_reason})"
+        if getattr(record, "reason", ""):
+            plan.graph_reasons[record.name] = record.reason
         planned = []
         if record.forward is not None:
             planned.append(record.forward)  # sharded parameters' gathers
