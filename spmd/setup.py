@@ -142,12 +142,28 @@ def _data_group(strategy: Strategy) -> Any:
     return groups.new_group(list(mesh.ranks))
 
 
+def _check_materialized(module: nn.Module, where: str) -> None:
+    """A model that is to train must hold data: a meta-device parameter is refused here,
+    naming it, before any rank sends anything."""
+    for kind, named in (("parameter", module.named_parameters()),
+                        ("buffer", module.named_buffers())):
+        for name, t in named:
+            if t.is_meta:
+                raise ValueError(
+                    f"{where}: {kind} {name!r} is on the meta device (no data); materialize the "
+                    f"model first (model.to_empty(device='cpu') and initialize it, or build "
+                    f"it on a real device), or plan it without processes with "
+                    f"spmd.inspect(model, ..., mesh=spmd.Mesh.simulated(n))")
+
+
 def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
                   where: str) -> Setup:
     """Set ``module`` up on every rank (see the module doc); the agreed :class:`Setup`."""
     from spmd.reducer import broadcast_coalesced
 
     mesh = resolve_mesh(mesh, where)
+    if not mesh.simulated:
+        _check_materialized(module, where)
     placed: dict = {}
     if options.placements is not None:
         from spmd.tp import resolve_placements, tp_dims_of

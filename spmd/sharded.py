@@ -1,7 +1,8 @@
 """Parameters stored as shards (``strategy="fsdp"``/``"hsdp"``), the way SimpleFSDP does it.
 
-Each parameter is replaced, in every module that holds it, by its dim-0 shard (padded
-where dim 0 does not divide, as FSDP2 does): ``model.parameters()`` are the shards, so
+Each parameter comes to hold its dim-0 shard (padded where dim 0 does not divide, as
+FSDP2 does; the ``nn.Parameter`` object stays the same, so an optimizer made before
+keeps working): ``model.parameters()`` are the shards, so
 any ``torch.optim`` optimizer keeps 1/N of the state, and ``.grad`` is the gradient's
 shard. The module's class gets a property per parameter name that reads
 ``spmd.shard_gather(shard, handle)``: the whole tensor, in ``param_dtype``. So the
@@ -25,11 +26,12 @@ import torch
 import torch.nn as nn
 
 from spmd.lowering import ops
-from spmd.lowering.specs import Handles, ShardSpec
+from spmd.lowering.specs import Handles, ShardSpec, lookup
 from spmd.lowering.placements import Sharding
+from spmd.writethrough import write_through
 
-__all__ = ["shard_module", "shard_for", "spec_for", "placement_of", "ParameterPlacement",
-           "clip_grad_norm_", "total_norm", "install_clip", "gather_full"]
+__all__ = ["shard_module", "shard_for", "spec_for", "hold_piece", "placement_of",
+           "ParameterPlacement", "clip_grad_norm_", "total_norm", "install_clip", "gather_full"]
 
 _CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
@@ -81,7 +83,19 @@ def _sharded_class(cls: type, handles: dict[str, int]) -> type:
 
 def _lookup_property(name: str) -> property:
     def gathered(self: nn.Module) -> torch.Tensor:
-        return ops.shard_gather(self._parameters[name], self._spmd_shard_handles[name])
+        shard, handle = self._parameters[name], self._spmd_shard_handles[name]
+        whole = ops.shard_gather(shard, handle)
+        if torch.compiler.is_compiling():
+            return whole
+        spec: ShardSpec = lookup(handle)
+
+        def store(values: torch.Tensor, changed: torch.Tensor | None) -> None:
+            new = spec.shard_of(values)
+            if changed is not None:
+                new = torch.where(spec.shard_of(changed), new, shard)
+            shard.copy_(new)
+
+        return write_through(whole, store, spec.param, shard.dtype)
 
     gathered.__name__ = name
     return property(gathered, doc=f"{name}, gathered from its shards")
@@ -106,7 +120,7 @@ def shard_module(module: nn.Module, specs_for: Any, sharding: Sharding,
             entry = shards.get(id(param))
             if entry is None:
                 spec = specs_for(name, param)
-                shard = nn.Parameter(spec.shard_of(param), requires_grad=param.requires_grad)
+                shard = hold_piece(param, spec.shard_of(param), name)
                 entry = shards[id(param)] = (shard, spec, handles.add(spec))
                 shard._spmd_placement = ParameterPlacement(  # type: ignore[attr-defined]
                     name=name, shape=spec.shape,
@@ -125,6 +139,20 @@ def shard_module(module: nn.Module, specs_for: Any, sharding: Sharding,
             if own:
                 sub.__class__ = _sharded_class(type(sub), own)
     return by_name
+
+
+def hold_piece(param: nn.Parameter, local: torch.Tensor, name: str) -> nn.Parameter:
+    """``param`` itself, now holding ``local`` (its shard or piece): an optimizer created
+    before ``parallelize`` (or before a sharded step's first call) keeps stepping the very
+    tensors the model uses, as with ``torch.optim`` on any model."""
+    if param.grad is not None:
+        raise ValueError(f"parallelize: {name} holds a gradient for the whole parameter, "
+                         f"which cannot be cut into this rank's piece without the other "
+                         f"ranks' gradients; call zero_grad(set_to_none=True) before "
+                         f"parallelizing")
+    with torch.no_grad():
+        param.data = local.detach().clone(memory_format=torch.contiguous_format)
+    return param
 
 
 def spec_for(name: str, param: torch.Tensor, setup: Any, options: Any) -> ShardSpec:

@@ -227,13 +227,31 @@ def _property(name: str) -> property:
     from spmd.lowering.tensor_parallel import tp_param
 
     def whole(self: nn.Module) -> torch.Tensor:
-        local = self._parameters[name]
+        local = stored = self._parameters[name]
         sharded = getattr(self, "_spmd_shard_handles", None)
-        if sharded is not None and name in sharded:  # fsdp x tp: the piece from its shards
+        sharded = sharded.get(name) if sharded is not None else None
+        if sharded is not None:  # fsdp x tp: the piece from its shards
             from spmd.lowering.ops import shard_gather
 
-            local = shard_gather(local, sharded[name])
-        return tp_param(local, self._spmd_tp_handles[name])
+            local = shard_gather(local, sharded)
+        out = tp_param(local, self._spmd_tp_handles[name])
+        if torch.compiler.is_compiling():
+            return out
+        from spmd.lowering.specs import lookup
+        from spmd.writethrough import write_through
+
+        spec = lookup(self._spmd_tp_handles[name])
+
+        def store(values: torch.Tensor, changed: torch.Tensor | None) -> None:
+            new = spec.piece(values)
+            mask = None if changed is None else spec.piece(changed)
+            if sharded is not None:
+                shards = lookup(sharded)
+                new = shards.shard_of(new)
+                mask = None if mask is None else shards.shard_of(mask)
+            stored.copy_(new if mask is None else torch.where(mask, new, stored))
+
+        return write_through(out, store, spec.param, stored.dtype)
 
     whole.__name__ = name
     return property(whole, doc=f"{name}, whole (from its tensor-parallel pieces)")
@@ -261,7 +279,7 @@ def shard_tensor_parallel(module: nn.Module, strategy: Any, handles: Any) -> dic
     pieces along its dimension; :func:`install_state_dict_hooks` comes after it, so
     state dicts go shards -> pieces -> whole tensors and back."""
     from spmd.lowering.tensor_parallel import TPSpec
-    from spmd.sharded import ParameterPlacement, install_clip
+    from spmd.sharded import ParameterPlacement, hold_piece, install_clip
 
     install_clip()  # torch's clip_grad_norm_ on pieces: by the whole gradient's norm
 
@@ -283,8 +301,7 @@ def shard_tensor_parallel(module: nn.Module, strategy: Any, handles: Any) -> dic
                     continue
                 spec = TPSpec(param=name, shape=tuple(param.shape), placements=placed,
                               sizes=sizes, groups=groups)
-                piece = nn.Parameter(spec.piece(param.detach()).clone(),
-                                     requires_grad=param.requires_grad)
+                piece = hold_piece(param, spec.piece(param.detach()), name)
                 piece._spmd_placement = ParameterPlacement(  # type: ignore[attr-defined]
                     name=name, shape=spec.shape,
                     sharding=strategy.parameter_sharding(name), local_shape=spec.local_shape,
