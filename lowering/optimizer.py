@@ -16,6 +16,8 @@ dropped from the graph.
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,12 +143,20 @@ def _optimizer_step(params: list[torch.Tensor], flat: torch.Tensor, handle: int)
                 if group["amsgrad"]:
                     s["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             s["step"] += 1
-        kernels.adamw_step(
-            members, chunk, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-            [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else None,
-            step=int(states[0]["step"]), lr=group["lr"], betas=group["betas"], eps=group["eps"],
-            weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
-            maximize=group["maximize"])
+        # parameters at different step counts (a layer frozen for some steps) get their
+        # own bias correction: one kernel call per run of equal counts
+        at = 0
+        for count, run in itertools.groupby(zip(members, states), lambda m: int(m[1]["step"])):
+            run = list(run)
+            n = sum(p.numel() for p, _ in run)
+            kernels.adamw_step(
+                [p for p, _ in run], chunk[at:at + n], [s["exp_avg"] for _, s in run],
+                [s["exp_avg_sq"] for _, s in run],
+                [s["max_exp_avg_sq"] for _, s in run] if group["amsgrad"] else None,
+                step=count, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
+                maximize=group["maximize"])
+            at += n
 
 
 def _fake_optimizer_step(params: list[torch.Tensor], flat: torch.Tensor, handle: int) -> None:

@@ -170,6 +170,8 @@ def trace_step(fn: Callable[..., Any], model: nn.Module, opt: Any, args: tuple,
         for slot, t in zip(slots, data):
             call_leaves[slot] = t
         call_args, call_kwargs = pytree.tree_unflatten(call_leaves, in_spec)
+        for p in ps:  # the graph computes this step's gradients; what .grad already held
+            p.grad = None  # is added when the step is replayed (make_fx copied it as a fake)
         recorder = _local.recorder = _Recorder(list(ps), pnames)
         saved = {name: opt.__dict__[name] for name in ("step", "zero_grad")
                  if opt is not None and name in opt.__dict__}  # e.g. an LR scheduler's wrapper

@@ -26,6 +26,7 @@ trainable parameters change.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -74,6 +75,9 @@ class _Program:
     # the graph reads the gradients (to clip them, say) without clearing .grad first: what
     # .grad held before the step would be left out of what it read
     needs_clear_grads: bool
+    # zero_grad() (to None) comes before the first backward(): what .grad held before the
+    # step never reaches the optimizer
+    clears_first: bool = False
 
 
 class _Record:
@@ -83,6 +87,31 @@ class _Record:
         self.name, self.inputs, self.backward, self.forward = name, inputs, graph, None
         self.label = "step"  # forward, backward and optimizer in one graph
         self.fallback_reason: str | None = None
+
+
+RETRACE_WARNING = 8  # traces of one step function before it warns
+
+
+def _static(value: Any) -> Any:
+    """How a non-tensor argument enters the cache key: by value when hashable (numbers,
+    strings, dtypes, frozen dataclasses), else by identity (the model, the optimizer, a
+    mutable object, whose contents are read once per trace)."""
+    if isinstance(value, (nn.Module, torch.optim.Optimizer)):
+        return ("object", id(value))
+    try:
+        hash(value)
+    except TypeError:
+        return ("object", id(value))
+    return (type(value), value)
+
+
+def _held(model: nn.Module, opt: Any) -> list[torch.Tensor]:
+    """The tensors whose .grad a step's optimizer may read: the model's parameters and
+    the optimizer's."""
+    held = list(model.parameters())
+    if opt is not None:
+        held += [p for g in opt.param_groups for p in g["params"]]
+    return held
 
 
 def _fusable_calls(calls: list[tuple[str, dict]]) -> bool:
@@ -130,10 +159,23 @@ class ParallelStep:
             return bound
         if self.options.sharded:
             self._check_shardable(model, opt)  # before anything is sent
-        setup = prepare_model(model, self.options, self.mesh, self._where)
-        handles = Handles()
-        if self.options.sharded:
-            self._shard(model, opt, setup, handles)
+        shared = getattr(model, "_spmd_step_setup", None)
+        if shared is None:
+            setup = prepare_model(model, self.options, self.mesh, self._where)
+            handles = Handles()
+            if self.options.sharded:
+                self._shard(model, setup, handles)
+            model._spmd_step_setup = (self.options.strategy, self.mesh, setup, handles)
+        else:
+            # a second step function (an eval step, a backward-only step) on a model a first
+            # one set up: its parameters are already every rank's (and, sharded, this
+            # rank's shards); set up again, they would be overwritten by rank 0's
+            strategy, mesh, setup, handles = shared
+            if strategy != self.options.strategy or mesh is not self.mesh:
+                raise ValueError(
+                    f"{self._where}: the model was set up by another parallelized step with "
+                    f"strategy {strategy!r} on {'the default group' if mesh is None else mesh}; "
+                    f"every step function of one model must use the same strategy and mesh")
         trainable = {id(p) for p in model.parameters() if p.requires_grad}
         owned = {id(p) for g in opt.param_groups for p in g["params"]} if opt is not None else set()
         why = "no optimizer argument" if opt is None else why_not_fusable(opt)
@@ -155,26 +197,19 @@ class ParallelStep:
                              f"parameters at the first call, but the optimizer already holds "
                              f"state for the whole ones; create it just before the first step")
 
-    def _shard(self, model: nn.Module, opt: torch.optim.Optimizer | None, setup: Any,
-               handles: Handles) -> None:
-        """``fsdp``/``hsdp``: the model's parameters become their shards (once per model),
-        and the optimizer is pointed at them. It must not hold state yet: state made for
-        whole parameters cannot be cut the same way silently."""
+    def _shard(self, model: nn.Module, setup: Any, handles: Handles) -> None:
+        """``fsdp``/``hsdp``: the model's parameters come to hold their shards (once per
+        model). The ``nn.Parameter`` objects stay the same, so an optimizer over them, made
+        before the first call or after, steps the shards; it must not hold state yet:
+        state made for whole parameters cannot be cut the same way silently."""
         from spmd.sharded import shard_for
 
-        if getattr(model, "_spmd_step_shards", None) is not None:
-            return  # sharded by an earlier call (a new optimizer, say)
-        whole = {id(p): n for n, p in model.named_parameters()}
         model._spmd_step_shards = shard_for(model, setup, self.options, handles)
-        shard = dict(model.named_parameters())
-        if opt is not None:
-            for group in opt.param_groups:
-                group["params"] = [shard[whole[id(p)]] if id(p) in whole else p
-                                   for p in group["params"]]
 
     # -- tracing ----------------------------------------------------------------------
 
-    def _trace(self, model: nn.Module, opt: Any, args: tuple, kwargs: dict) -> _Program:
+    def _trace(self, model: nn.Module, opt: Any, args: tuple, kwargs: dict,
+               fuse: bool = True) -> _Program:
         bound = self._bound
         assert bound is not None
         try:
@@ -186,7 +221,8 @@ class ParallelStep:
                               cost_model=bound.setup.cost_model, inputs=traced.inputs,
                               role="step", graph_name=name, sync=bound.sync,
                               handles=bound.handles,
-                              optimizer=bound.optimizer if _fusable_calls(traced.calls) else None)
+                              optimizer=(bound.optimizer if fuse and _fusable_calls(traced.calls)
+                                         else None))
         try:
             gm = plan_graph(traced.gm, ctx)
         except PlanningError as e:
@@ -198,8 +234,10 @@ class ParallelStep:
         names = [c for c, _ in traced.calls]
         clears = "zero_grad" in names and (
             "backward" not in names or names.index("zero_grad") < names.index("backward"))
+        first = names.index("zero_grad") if clears else -1
+        to_none = clears and traced.calls[first][1].get("set_to_none", True)
         return _Program(run=emit(gm), traced=traced, fused=fused,
-                        needs_clear_grads=reads and not clears)
+                        needs_clear_grads=reads and not clears, clears_first=bool(to_none))
 
     # -- running ----------------------------------------------------------------------
 
@@ -209,11 +247,18 @@ class ParallelStep:
         leaves, _ = pytree.tree_flatten((args, kwargs))
         data = [x for x in leaves if isinstance(x, torch.Tensor)]
         params = list(model.parameters())
+        # the trace bakes in every non-tensor argument (a loss weight, a flag): its value
+        # is part of the key, as the shapes are
         key = (model.training, tuple((tuple(t.shape), t.dtype) for t in data),
-               tuple(p.requires_grad for p in params))
-        program = self._programs.get(key)
-        if program is None:
-            program = self._programs[key] = self._trace(model, opt, args, kwargs)
+               tuple(p.requires_grad for p in params),
+               tuple(_static(x) for x in leaves if not isinstance(x, torch.Tensor)))
+        program = self._program(key, model, opt, args, kwargs)
+        if program.fused and not program.clears_first and any(
+                p.grad is not None for p in _held(model, opt)):
+            # gradients accumulated by earlier calls (or held by a frozen layer the
+            # optimizer would still step): the buckets alone are not what opt.step() would
+            # read, so the gradients go to .grad and torch's step runs, as recorded
+            program = self._program((*key, "unfused"), model, opt, args, kwargs, fuse=False)
         if program.needs_clear_grads and any(p.grad is not None for p in params):
             raise ValueError(f"{self._where}: the step reads the gradients (to clip them, say) "
                              f"while .grad already holds gradients from before the step, which "
@@ -231,6 +276,19 @@ class ParallelStep:
         for slot, t in zip(traced.tensor_slots, tensors):
             result[slot] = t
         return pytree.tree_unflatten(result, traced.out_spec)
+
+    def _program(self, key: tuple, model: nn.Module, opt: Any, args: tuple, kwargs: dict,
+                 fuse: bool = True) -> _Program:
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = self._trace(model, opt, args, kwargs, fuse)
+            if len(self._programs) == RETRACE_WARNING:
+                warnings.warn(f"{self._where} has been traced {RETRACE_WARNING} times (each new "
+                              f"input shape, non-tensor argument value, set of trainable "
+                              f"parameters or train/eval mode traces again); pass values that "
+                              f"change every step, such as a loss weight, as tensors",
+                              stacklevel=3)
+        return program
 
     @staticmethod
     def _replay(program: _Program, opt: Any, params: list, grads: list) -> None:

@@ -1,0 +1,369 @@
+"""Training loops as users write them, on 2 process ranks against one process on the whole
+batch, in float64 (where the parallel arithmetic is exact): batch sizes that change, an
+uneven last batch, ``no_sync()`` around backward only, a gradient that reaches a
+parameter from eager code late in training, in-place init after sharding, and whole
+steps with scalar arguments, frozen layers, accumulation over calls, an optimizer made
+before sharding and a second step function on the same model."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd
+from spmd import runtime as dist
+
+WORLD = 2
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+def make(dtype: torch.dtype = torch.float64) -> Net:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Net().to(dtype)
+
+
+def data(n: int, i: int, dtype: torch.dtype = torch.float64
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + i)
+    return (torch.randn(n, 8, generator=g, dtype=dtype),
+            torch.randn(n, 4, generator=g, dtype=dtype))
+
+
+def rows(x: torch.Tensor, rank: int) -> torch.Tensor:
+    n = len(x)
+    return x[rank * n // WORLD:(rank + 1) * n // WORLD]
+
+
+def state(model: nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+# -- the loops: each is run by every rank (rank >= 0, its rows) and by one process (rank
+# -- None, the whole batch)
+
+SIZES = (12, 8, 4, 6, 2, 8)  # the whole batch per step; a DataLoader's sizes change too
+
+
+def changing_batch(rank, strategy):
+    m = make() if rank is None else spmd.parallelize(make(), strategy=strategy)
+    opt = sgd(m)
+    for i, n in enumerate(SIZES):
+        x, y = data(n, i)
+        if rank is not None:
+            x, y = rows(x, rank), rows(y, rank)
+        opt.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        opt.step()
+    graphs = None if rank is None else spmd.inspect(m).graph_reasons
+    return state(m), graphs
+
+
+def uneven_last_batch(rank, strategy):
+    """23 samples in batches of 12: the last batch is 6 rows on rank 0 and 5 on rank 1.
+    The loss is the sum over the whole batch's rows (scaled by the world size, as the
+    gradients are averaged), so every rank's rows count once, as in one process."""
+    m = make() if rank is None else spmd.parallelize(make(), strategy=strategy)
+    opt = sgd(m)
+    for i, n in enumerate((12, 11)):
+        x, y = data(n, i)
+        scale = 1.0 / (n * 4)
+        if rank is not None:
+            cut = [0, 6, n]
+            x, y = x[cut[rank]:cut[rank + 1]], y[cut[rank]:cut[rank + 1]]
+            scale *= WORLD
+        opt.zero_grad()
+        (F.mse_loss(m(x), y, reduction="sum") * scale).backward()
+        opt.step()
+    return state(m), None
+
+
+def no_sync_backward_only(rank, strategy):
+    """Two micro-batches per step; the first backward (not its forward) under no_sync(),
+    and a second loop the other way round: the forward decides, as with DDP."""
+    m = make() if rank is None else spmd.parallelize(make(), strategy=strategy)
+    opt = sgd(m)
+    for i in range(4):
+        opt.zero_grad()
+        for k in range(2):
+            x, y = data(8, 10 * i + k)
+            if rank is not None:
+                x, y = rows(x, rank), rows(y, rank)
+            if rank is None:
+                (F.mse_loss(m(x), y) / 2).backward()
+            elif i < 2 and k == 0:  # forward outside, backward inside: averaged
+                loss = F.mse_loss(m(x), y) / 2
+                with m.no_sync():
+                    loss.backward()
+            elif i >= 2 and k == 0:  # forward inside, backward outside: accumulated
+                with m.no_sync():
+                    loss = F.mse_loss(m(x), y) / 2
+                loss.backward()
+            else:
+                (F.mse_loss(m(x), y) / 2).backward()
+        opt.step()
+    return state(m), None
+
+
+def late_eager_gradient(rank, strategy):
+    """A loss term reading a parameter outside the compiled forward, from the fifth step
+    on, and different on every rank: its gradient must still be averaged."""
+    m = make() if rank is None else spmd.parallelize(make(), strategy=strategy)
+    opt = sgd(m)
+    for i in range(6):
+        x, y = data(8, i)
+        if rank is not None:
+            x, y = rows(x, rank), rows(y, rank)
+        opt.zero_grad()
+        loss = F.mse_loss(m(x), y)
+        if i >= 4:
+            weight = 1.5 if rank is None else 1.0 + rank  # the ranks' average is 1.5
+            loss = loss + 0.1 * weight * (m.fc1.weight ** 2).sum()
+        loss.backward()
+        opt.step()
+    fallbacks = None if rank is None else sorted(f.param for f in spmd.inspect(m).fallbacks)
+    return state(m), fallbacks
+
+
+def inplace_init(rank, strategy):
+    """Writes through the module attributes after parallelize, as FSDP2 allows."""
+    m = make() if rank is None else spmd.parallelize(make(), strategy=strategy)
+    with torch.no_grad():
+        m.out.weight.zero_()
+        m.fc2.weight[0].fill_(3.0)  # a view of the parameter
+        m.fc2.weight.data[1].copy_(torch.arange(16.0, dtype=torch.float64))
+        m.fc2.bias.add_(1.0)
+    torch.manual_seed(5)
+    m.fc1.reset_parameters()
+    nn.init.constant_(m.out.bias, 0.25)
+    refused = None
+    if rank is not None:
+        try:
+            m.fc1.bias.zero_()  # autograd on: torch refuses this on a leaf parameter
+        except RuntimeError as e:
+            refused = str(e)
+    x, y = data(8, 0)
+    if rank is not None:
+        x, y = rows(x, rank), rows(y, rank)
+    opt = sgd(m)
+    F.mse_loss(m(x), y).backward()
+    opt.step()
+    return state(m), refused
+
+
+def scaled_step(model, x, y, opt, weight):
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y) * weight
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def plain_step(model, x, y, opt):
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def backward_step(model, x, y):
+    loss = F.mse_loss(model(x), y) / 3
+    loss.backward()
+    return loss
+
+
+def optimizer_step(model, x, y, opt):
+    loss = F.mse_loss(model(x), y) / 3
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@torch.no_grad()
+def eval_step(model, x, y):
+    return F.mse_loss(model(x), y)
+
+
+def _step(fn, rank, strategy):
+    return fn if rank is None else spmd.parallelize(fn, strategy=strategy)
+
+
+def step_scalar_argument(rank, strategy):
+    m = make()
+    opt, step = sgd(m), _step(scaled_step, rank, strategy)
+    for i, w in enumerate((1.0, 3.0, 0.5, 3.0)):
+        x, y = data(8, i)
+        if rank is not None:
+            x, y = rows(x, rank), rows(y, rank)
+        step(m, x, y, opt, w)
+    return state(m), None
+
+
+def step_adamw_alternate_freeze(rank, strategy, dtype=torch.float64):
+    """fc1 frozen on odd steps: AdamW's step counts differ across parameters. In float32
+    the optimizer runs fused from the buckets (its kernels take no float64)."""
+    m = make(dtype)
+    opt, step = torch.optim.AdamW(m.parameters(), lr=0.05), _step(plain_step, rank, strategy)
+    for i in range(5):
+        m.fc1.requires_grad_(i % 2 == 0)
+        x, y = data(8, i, dtype)
+        if rank is not None:
+            x, y = rows(x, rank), rows(y, rank)
+        step(m, x, y, opt)
+    m.fc1.requires_grad_(True)
+    how = None if rank is None else spmd.inspect(step).optimizer
+    return state(m), how
+
+
+def step_adamw_alternate_freeze_f32(rank, strategy):
+    return step_adamw_alternate_freeze(rank, strategy, torch.float32)
+
+
+def step_accumulation_over_calls(rank, strategy):
+    """Two backward-only steps, then one with the optimizer: it steps on all three."""
+    m = make()
+    opt = sgd(m)
+    back, opt_step = _step(backward_step, rank, strategy), _step(optimizer_step, rank, strategy)
+    for i in range(2):
+        for k in range(3):
+            x, y = data(8, 10 * i + k)
+            if rank is not None:
+                x, y = rows(x, rank), rows(y, rank)
+            if k < 2:
+                back(m, x, y)
+            else:
+                opt_step(m, x, y, opt)
+    return state(m), None
+
+
+def step_optimizer_outside(rank, strategy):
+    """The optimizer made before the first call, and stepped outside the step."""
+    m = make()
+    opt, step = sgd(m), _step(backward_step, rank, strategy)
+    for i in range(3):
+        x, y = data(8, i)
+        if rank is not None:
+            x, y = rows(x, rank), rows(y, rank)
+        step(m, x, y)
+        opt.step()
+        opt.zero_grad()
+    return state(m), None
+
+
+def two_step_functions(rank, strategy):
+    m = make()
+    opt = sgd(m)
+    train, evaluate = _step(plain_step, rank, strategy), _step(eval_step, rank, strategy)
+    losses = []
+    for i in range(3):
+        x, y = data(8, i)
+        if rank is not None:
+            x, y = rows(x, rank), rows(y, rank)
+        train(m, x, y, opt)
+        losses.append(float(evaluate(m, x, y)))
+    return state(m), None
+
+
+LOOPS = {
+    "changing_batch": (changing_batch, ("ddp", "fsdp")),
+    "uneven_last_batch": (uneven_last_batch, ("ddp", "fsdp")),
+    "no_sync_backward_only": (no_sync_backward_only, ("ddp", "fsdp")),
+    "late_eager_gradient": (late_eager_gradient, ("ddp", "fsdp")),
+    "inplace_init": (inplace_init, ("fsdp",)),
+    "step_scalar_argument": (step_scalar_argument, ("ddp", "fsdp")),
+    "step_adamw_alternate_freeze": (step_adamw_alternate_freeze, ("ddp", "fsdp")),
+    "step_adamw_alternate_freeze_f32": (step_adamw_alternate_freeze_f32, ("ddp", "fsdp")),
+    "step_accumulation_over_calls": (step_accumulation_over_calls, ("ddp", "fsdp")),
+    "step_optimizer_outside": (step_optimizer_outside, ("fsdp",)),
+    "two_step_functions": (two_step_functions, ("fsdp",)),
+}
+CASES = [(name, s) for name, (_, strategies) in LOOPS.items() for s in strategies]
+
+
+def job(rank: int) -> dict:
+    torch.set_num_threads(1)
+    # a hang would show as this timeout naming the rank, not as the test's
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    out: dict = {}
+    for name, strategy in CASES:
+        out[(name, strategy)] = LOOPS[name][0](rank, strategy)
+    with torch.device("meta"):
+        meta = Net()
+    try:
+        spmd.parallelize(meta, strategy="fsdp")
+        out["meta"] = "accepted"
+    except ValueError as e:
+        out["meta"] = str(e)
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return dist.spawn(job, nprocs=WORLD, start_method="forkserver", timeout=110)
+
+
+@pytest.mark.parametrize("name,strategy", CASES, ids=[f"{n}-{s}" for n, s in CASES])
+def test_loop_equals_one_process(runs, name, strategy):
+    expected, _ = LOOPS[name][0](None, strategy)
+    exact = all(v.dtype == torch.float64 for v in expected.values())
+    tol = 1e-12 if exact else 1e-5  # float32: the fused kernels round differently
+    for rank, out in enumerate(runs):
+        got, _ = out[(name, strategy)]
+        for key, value in expected.items():
+            assert torch.allclose(got[key], value, rtol=tol, atol=tol), (rank, key)
+
+
+def test_changing_batch_sizes_compile_few_graphs(runs):
+    """Sizes 12, 8, 4, ... per step: a static graph, then one for dynamic sizes (and one
+    for the size-1 specialisation Dynamo makes), not one per size."""
+    for out in runs:
+        for strategy in ("ddp", "fsdp"):
+            _, graphs = out[("changing_batch", strategy)]
+            assert 2 <= len(graphs) <= 3, graphs
+            reasons = list(graphs.values())
+            assert reasons[0].startswith("first call; data (6,8)")
+            assert reasons[1].startswith("recompiled for new input sizes, dynamic"), reasons
+
+
+def test_late_eager_gradient_is_averaged_and_listed(runs):
+    for out in runs:
+        _, fallbacks = out[("late_eager_gradient", "ddp")]
+        assert fallbacks == ["fc1.weight"]
+
+
+def test_inplace_write_with_autograd_on_is_refused_by_name(runs):
+    for out in runs:
+        _, refused = out[("inplace_init", "fsdp")]
+        assert refused is not None and "fc1.bias" in refused and "no_grad" in refused
+
+
+def test_fused_adamw_keeps_per_parameter_step_counts(runs):
+    for out in runs:
+        for strategy in ("ddp", "fsdp"):
+            _, how = out[("step_adamw_alternate_freeze_f32", strategy)]
+            assert all(v.startswith("fused") for v in how.values()), how
+
+
+def test_meta_model_is_refused_before_anything_is_sent(runs):
+    for out in runs:
+        assert "'fc1.weight' is on the meta device" in out["meta"]
+        assert "to_empty" in out["meta"]
