@@ -211,16 +211,30 @@ class Capture:
             decompositions = select_decomp_table()
         from spmd.lowering.partition import partition
 
-        return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler,
-                            inference_compiler=forward_compiler, decompositions=decompositions,
-                            partition_fn=functools.partial(partition, reshard=self.reshard)
-                            )(gm, example_inputs)
+        compile_region = aot_autograd(
+            fw_compiler=forward_compiler, bw_compiler=backward_compiler,
+            inference_compiler=forward_compiler, decompositions=decompositions,
+            partition_fn=functools.partial(partition, reshard=self.reshard))
+        # The backward is planned (and agreed across ranks through the store) right after
+        # its forward, always. AOTAutograd would otherwise plan a graph of static shapes
+        # at its first backward and one of dynamic shapes now; ranks whose graphs differ
+        # only there (a view of the batch at another storage offset, another size) would
+        # wait for each other at different points, one in the store and one in a
+        # collective.
+        from torch._functorch import config as functorch_config
+
+        if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+            with functorch_config.patch(force_non_lazy_backward_lowering=True):
+                return compile_region(gm, example_inputs)
+        return compile_region(gm, example_inputs)
 
 
 def _reason(record: GraphRecord, earlier: list[GraphRecord]) -> str:
     """Why Dynamo compiled ``record``, in the plan's words."""
     data = ", ".join(str(tuple(i.shape)).replace(" ", "") for i in record.inputs
                      if i.kind == "data" and i.tensor) or "none"
+    if not torch.is_grad_enabled():  # Dynamo compiles in the caller's grad mode
+        return f"inference (no_grad); data {data}"
     if not earlier:
         return f"first call; data {data}"
     if any(r.structure == record.structure for r in earlier):
