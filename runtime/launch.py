@@ -145,7 +145,8 @@ class SpawnContext:
     def _timeout_error(self, pending: Sequence[int]) -> DistTimeoutError:
         ranks = ", ".join(map(str, sorted(pending)))
         return DistTimeoutError(
-            f"spawn: rank(s) {ranks} did not finish within {self._timeout:g}s; stopped"
+            f"spawn: timeout: rank(s) {ranks} did not finish within {self._timeout:g}s; "
+            f"stopped"
         )
 
     def _join_deadline(self, timeout: float | None) -> float | None:

@@ -197,7 +197,7 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: timedelta | No
             message = (f"monitored_barrier on process group {pg.name!r}: "
                        f"{'Rank' if len(missing) == 1 else 'Ranks'} {names} failed to pass "
                        f"monitoredBarrier in {seconds * 1000:g} ms (rank {names} did not arrive "
-                       f"within {seconds:g}s)")
+                       f"within the {seconds:g}s timeout)")
             store.set(result_key, message)
             raise DistTimeoutError(message)
         if pg._barrier_seq:  # everyone arrived here, so has read the last barrier's answer
@@ -211,7 +211,8 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: timedelta | No
     except DistTimeoutError:
         raise DistTimeoutError(
             f"monitored_barrier on process group {pg.name!r}: rank {pg.ranks[0]}, which "
-            f"monitors the barrier, did not answer within {seconds + 5:g}s") from None
+            f"monitors the barrier, did not answer within {seconds + 5:g}s (the barrier's "
+            f"timeout and 5s)") from None
     answer = store.get(result_key)
     if answer != b"ok":
         raise DistTimeoutError(answer.decode()) if b"did not arrive" in answer else DistError(

@@ -557,7 +557,7 @@ def rpc_timeout_error(what: str | Callable[[], str], seconds: float) -> DistTime
     that matches it)."""
     label = what() if callable(what) else what
     return DistTimeoutError(f"{label} timed out after {seconds:g}s (RPC ran for more than "
-                            f"{seconds * 1000:g} ms)")
+                            f"{seconds * 1000:g} ms, its timeout)")
 
 
 _autograd_module: Any = None

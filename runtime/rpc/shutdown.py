@@ -134,7 +134,8 @@ def _report(agent: RpcAgent, rounds: _Rounds, round_no: int, count: int,
         future = rounds.arrive(round_no, agent.rank, count)
         if not done_within(future, max(deadline - time.monotonic(), 0.0)):
             names = ", ".join(agent.describe(r) for r in rounds.missing(round_no))
-            error = DistTimeoutError(f"shutdown: {names} did not shut down within {timeout:g}s")
+            error = DistTimeoutError(f"shutdown: {names} did not shut down within the "
+                                     f"{timeout:g}s timeout")
             rounds.fail(error)
             raise error
         return future.wait()
@@ -152,8 +153,9 @@ def _report(agent: RpcAgent, rounds: _Rounds, round_no: int, count: int,
         if not isinstance(e, DistTimeoutError):
             raise
         raise DistTimeoutError(
-            f"shutdown: the coordinator, {leader}, did not answer within {timeout:g}s: it has "
-            f"not called shutdown(), or it waits for a worker that has not") from None
+            f"shutdown: the coordinator, {leader}, did not answer within the {timeout:g}s "
+            f"timeout: it has not called shutdown(), or it waits for a worker that has not"
+            ) from None
 
 
 def _wait_idle(agent: RpcAgent, deadline: float, timeout: float) -> None:
@@ -161,8 +163,8 @@ def _wait_idle(agent: RpcAgent, deadline: float, timeout: float) -> None:
         if time.monotonic() >= deadline:
             stuck = [e.what for e in list(agent.pending.values())][:5]
             raise DistTimeoutError(f"shutdown: {agent.outstanding()} operations of "
-                                   f"{agent.describe(agent.rank)} did not finish within "
-                                   f"{timeout:g}s: {stuck}")
+                                   f"{agent.describe(agent.rank)} did not finish within the "
+                                   f"{timeout:g}s timeout: {stuck}")
         time.sleep(0.002)
 
 

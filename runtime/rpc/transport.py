@@ -130,7 +130,8 @@ class Transport:
         if link.lost:
             raise DistError(f"{self._describe(peer)} is gone ({link.lost})")
         if not link.lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
-            raise DistTimeoutError(f"connecting to {self._describe(peer)} timed out")
+            raise DistTimeoutError(f"connecting to {self._describe(peer)}: timeout (another "
+                                   f"thread was still connecting)")
         try:
             if link.sock is None:
                 self._connect(link, deadline)

@@ -174,46 +174,24 @@ class Store(abc.ABC):
 
     # -- queues (torch's ``queue_push``/``queue_pop``/``queue_len``) --------------------
     #
-    # A queue ``q`` is two counters (``q/head``, ``q/tail``) and one key per item
-    # (``q/<index>``), built on the store's atomic ``add`` and ``compare_set``, so every
-    # store has it and producers and consumers may be in any processes.
+    # Our stores keep queues beside the keys, as torch's TCPStore and HashStore do:
+    # ``check`` and ``wait`` count a queue that holds items as an existing key; ``get``,
+    # ``delete_key`` and ``num_keys`` do not see queues.
 
     def queue_push(self, key: str, value: Value) -> None:
         """Append ``value`` to the queue ``key``."""
-        data = _value(value)
-        index = self._add(f"{_key(key)}/tail", 1) - 1
-        self._set(f"{key}/{index}", data)
+        self._queue_push(_key(key), _value(value))
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         """Remove and return the queue's first item. ``block``: wait up to the store's
         timeout for one (``DistTimeoutError``); else ``QueueEmptyError`` at once."""
-        _key(key)
-        deadline = time.monotonic() + self._timeout
-        delay = 0.001
-        while True:
-            head = self._add(f"{key}/head", 0)
-            if head < self._add(f"{key}/tail", 0):
-                # claim index ``head``; another consumer may have claimed it first
-                won = self._compare_set(f"{key}/head", str(head).encode(),
-                                        str(head + 1).encode())
-                if won == str(head + 1).encode():
-                    item = f"{key}/{head}"
-                    value = self._multi_get([item], max(deadline - time.monotonic(), 0.001))[0]
-                    self._delete_key(item)
-                    return value
-                continue
-            if not block:
-                raise QueueEmptyError(f"queue_pop: queue {key!r} is empty")
-            if time.monotonic() >= deadline:
-                raise StoreTimeoutError(f"queue_pop: queue {key!r} stayed empty for "
-                                       f"{self._timeout:g}s")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+        if not isinstance(block, bool):
+            raise TypeError(f"queue_pop block must be a bool, got {type(block).__name__}")
+        return self._queue_pop(_key(key), self._timeout if block else None)
 
     def queue_len(self, key: str) -> int:
         """How many items the queue ``key`` holds now."""
-        _key(key)
-        return self._add(f"{key}/tail", 0) - self._add(f"{key}/head", 0)
+        return self._queue_len(_key(key))
 
     def clone(self) -> "Store":
         """Another handle on the same store, for another thread or component (torch's
@@ -296,7 +274,7 @@ class Store(abc.ABC):
         deadline = time.monotonic() + timeout
         while not self._check(keys):
             if time.monotonic() >= deadline:
-                raise StoreTimeoutError(f"{type(self).__name__}: Timeout: keys {keys} not "
+                raise StoreTimeoutError(f"{type(self).__name__}: timeout: keys {keys} not "
                                         f"set within {timeout:g} s")
             time.sleep(0.005)
 
@@ -315,6 +293,42 @@ class Store(abc.ABC):
             return
         for key, value in zip(keys, values):
             self._set(key, value)
+
+    # A store written in Python gets queues built on its ``add`` and ``compare_set``: a
+    # queue ``q`` is two counters (``q/head``, ``q/tail``) and one key per item
+    # (``q/<index>``), so producers and consumers may be in any processes (torch's Python
+    # stores have no queues at all). Ours override these three.
+
+    def _queue_push(self, key: str, value: bytes) -> None:
+        index = self._add(f"{key}/tail", 1) - 1
+        self._set(f"{key}/{index}", value)
+
+    def _queue_pop(self, key: str, timeout: float | None) -> bytes:
+        """``timeout``: seconds to wait for an item; None: do not wait."""
+        deadline = time.monotonic() + (timeout or 0.0)
+        delay = 0.001
+        while True:
+            head = self._add(f"{key}/head", 0)
+            if head < self._add(f"{key}/tail", 0):
+                # claim index ``head``; another consumer may have claimed it first
+                won = self._compare_set(f"{key}/head", str(head).encode(),
+                                        str(head + 1).encode())
+                if won == str(head + 1).encode():
+                    item = f"{key}/{head}"
+                    value = self._multi_get([item], max(deadline - time.monotonic(), 0.001))[0]
+                    self._delete_key(item)
+                    return value
+                continue
+            if timeout is None:
+                raise QueueEmptyError(f"queue_pop: queue {key!r} is empty")
+            if time.monotonic() >= deadline:
+                raise StoreTimeoutError(f"queue_pop: timeout: queue {key!r} stayed empty for "
+                                        f"{timeout:g}s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _queue_len(self, key: str) -> int:
+        return self._add(f"{key}/tail", 0) - self._add(f"{key}/head", 0)
 
     def _append(self, key: str, value: bytes) -> None:
         if self._overridden("append"):

@@ -19,7 +19,7 @@ import time
 import weakref
 from datetime import timedelta
 
-from spmd.runtime.errors import DistStoreError, StoreTimeoutError
+from spmd.runtime.errors import DistStoreError, QueueEmptyError, StoreTimeoutError
 from spmd.runtime.store.base import Store, compare_set_result, describe_missing, parse_counter
 
 __all__ = ["FileStore"]
@@ -27,6 +27,7 @@ __all__ = ["FileStore"]
 _MAGIC = b"SPMDFS01"
 _HEADER = struct.Struct("<8sQ")  # magic, generation
 _RECORD = struct.Struct("<BBII")  # op, namespace, key length, value length
+_ITEM = struct.Struct("<I")  # a queue is one internal record: its items, each length-prefixed
 _SET, _DELETE = 1, 2
 _USER, _INTERNAL = 0, 1
 _COMPACT_MIN_BYTES = 4 << 20  # never compact a log smaller than this
@@ -71,6 +72,11 @@ class _Log:
 def _record(op: int, ns: int, key: str, value: bytes = b"") -> bytes:
     k = key.encode("utf-8")
     return _RECORD.pack(op, ns, len(k), len(value)) + k + value
+
+
+def _queue(key: str) -> str:
+    """The internal record that holds queue ``key``'s items (absent when it has none)."""
+    return f"queue/{key}"
 
 
 class FileStore(Store):
@@ -153,7 +159,7 @@ class FileStore(Store):
                     raise DistStoreError(f"FileStore {op}: flock({self._path!r}) failed: {e}")
             if time.monotonic() >= deadline:
                 raise StoreTimeoutError(
-                    f"FileStore {op}: could not lock {self._path!r} within "
+                    f"FileStore {op}: timeout: could not lock {self._path!r} within "
                     f"{self._timeout:g}s (another process holds it)"
                 )
             time.sleep(delay)
@@ -247,17 +253,20 @@ class FileStore(Store):
     # -- Store ------------------------------------------------------------------------
 
     def _poll(self, keys: list[str], timeout: float, op: str) -> list[bytes]:
+        """The values of ``keys`` once all are set (``get``), or nothing once each is set
+        or has queued items (``wait``)."""
         deadline = time.monotonic() + timeout
         delay = 0.0005
         while True:
             with self._locked(exclusive=False, op=op):
                 data = self._log.data
-                missing = [k for k in keys if k not in data]
+                queues = {} if op == "get" else self._log.internal
+                missing = [k for k in keys if k not in data and _queue(k) not in queues]
                 if not missing:
-                    return [data[k] for k in keys]
+                    return [data[k] for k in keys] if op == "get" else []
             if time.monotonic() >= deadline:
                 raise StoreTimeoutError(
-                    f"FileStore({self._path!r}).{op}: Timeout: keys "
+                    f"FileStore({self._path!r}).{op}: timeout: keys "
                     f"{describe_missing(missing)} were not set within {timeout:g}s"
                 )
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
@@ -297,7 +306,8 @@ class FileStore(Store):
 
     def _check(self, keys: list[str]) -> bool:
         with self._locked(exclusive=False, op="check"):
-            return all(k in self._log.data for k in keys)
+            log = self._log
+            return all(k in log.data or _queue(k) in log.internal for k in keys)
 
     def _delete_key(self, key: str) -> bool:
         with self._locked(exclusive=True, op="delete_key"):
@@ -309,6 +319,47 @@ class FileStore(Store):
     def _num_keys(self) -> int:
         with self._locked(exclusive=False, op="num_keys"):
             return len(self._log.data)
+
+    def _queue_push(self, key: str, value: bytes) -> None:
+        name = _queue(key)
+        with self._locked(exclusive=True, op="queue_push"):
+            items = self._log.internal.get(name, b"") + _ITEM.pack(len(value)) + value
+            self._append_record(_record(_SET, _INTERNAL, name, items))
+
+    def _queue_pop(self, key: str, timeout: float | None) -> bytes:
+        name = _queue(key)
+        deadline = time.monotonic() + (timeout or 0.0)
+        delay = 0.0005
+        while True:
+            with self._locked(exclusive=False, op="queue_pop"):
+                ready = name in self._log.internal
+            if ready:
+                with self._locked(exclusive=True, op="queue_pop"):
+                    items = self._log.internal.get(name)
+                    if items:  # unless another consumer took the last item meanwhile
+                        (n,) = _ITEM.unpack_from(items)
+                        rest = items[_ITEM.size + n:]
+                        self._append_record(_record(_SET, _INTERNAL, name, rest) if rest
+                                            else _record(_DELETE, _INTERNAL, name))
+                        return bytes(items[_ITEM.size:_ITEM.size + n])
+                continue
+            if timeout is None:
+                raise QueueEmptyError(f"FileStore({self._path!r}).queue_pop: queue {key!r} "
+                                      f"is empty")
+            if time.monotonic() >= deadline:
+                raise StoreTimeoutError(f"FileStore({self._path!r}).queue_pop: timeout: queue "
+                                        f"{key!r} stayed empty for {timeout:g}s")
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, _POLL_MAX)
+
+    def _queue_len(self, key: str) -> int:
+        with self._locked(exclusive=False, op="queue_len"):
+            items = self._log.internal.get(_queue(key), b"")
+        count, pos = 0, 0
+        while pos < len(items):
+            pos += _ITEM.size + _ITEM.unpack_from(items, pos)[0]
+            count += 1
+        return count
 
     # -- lifetime ---------------------------------------------------------------------
 

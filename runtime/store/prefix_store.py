@@ -93,3 +93,12 @@ class PrefixStore(Store):
 
     def _append(self, key: str, value: bytes) -> None:
         self._store._append(self._k(key), value)
+
+    def _queue_push(self, key: str, value: bytes) -> None:
+        self._store._queue_push(self._k(key), value)
+
+    def _queue_pop(self, key: str, timeout: float | None) -> bytes:
+        return self._store._queue_pop(self._k(key), timeout)
+
+    def _queue_len(self, key: str) -> int:
+        return self._store._queue_len(self._k(key))

@@ -13,9 +13,9 @@ The token never crosses the wire and both sides prove they hold it. Nothing the 
 sends is interpreted as a command before ACCEPT.
 
 Then every request is one frame. Every request gets exactly one response frame, except
-SET, MULTI_SET and APPEND, which get none (as in PyTorch's store, a set costs no round
-trip; frames of one connection are applied in order, so the client's next request sees
-its own writes):
+SET, MULTI_SET, APPEND and QUEUE_PUSH, which get none (as in PyTorch's store, a set costs
+no round trip; frames of one connection are applied in order, so the client's next request
+sees its own writes):
 
     header  <B q I   command (or status), an integer argument, payload length
     payload          a sequence of byte strings, each <I length + bytes
@@ -56,18 +56,25 @@ APPEND = 10  # key, value
 JOIN = 11  #                  -> int = participants joined so far
 WAIT_WORKERS = 12  # count    -> int = joined     (blocks; int = timeout ms)
 PING = 13  #                  -> ok
-NO_REPLY = frozenset({SET, MULTI_SET, APPEND})
+# Queues live beside the keys (torch's queue_push/queue_pop/queue_len): a queue with items
+# counts as an existing key for CHECK and WAIT, as in PyTorch's TCPStore.
+QUEUE_PUSH = 14  # key, value
+QUEUE_POP = 15  # key          -> value          (blocks; int = timeout ms; -1: do not wait)
+QUEUE_LEN = 16  # key          -> int
+NO_REPLY = frozenset({SET, MULTI_SET, APPEND, QUEUE_PUSH})
 
 COMMAND_NAMES = {
     SET: "set", GET: "get", ADD: "add", COMPARE_SET: "compare_set", WAIT: "wait",
     CHECK: "check", DELETE: "delete_key", NUM_KEYS: "num_keys", MULTI_SET: "multi_set",
     APPEND: "append", JOIN: "join", WAIT_WORKERS: "wait_for_workers", PING: "ping",
+    QUEUE_PUSH: "queue_push", QUEUE_POP: "queue_pop", QUEUE_LEN: "queue_len",
 }
 
 # Response status.
 OK = 0
 TIMEOUT = 1  # payload: the keys still missing
 ERROR = 2  # payload: one message
+EMPTY = 3  # a QUEUE_POP that may not block found the queue empty
 
 
 def frame(code: int, number: int, parts: list[bytes] | tuple[bytes, ...] = ()) -> list[bytes]:

@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import Sequence
 
 from spmd.runtime import config
-from spmd.runtime.errors import DistStoreError, StoreTimeoutError
+from spmd.runtime.errors import DistStoreError, QueueEmptyError, StoreTimeoutError
 from spmd.runtime.store import protocol as P
 from spmd.runtime.store.base import Store, describe_missing
 from spmd.runtime.store.tcp_server import StoreServer
@@ -28,6 +28,32 @@ __all__ = ["TCPStore"]
 
 _GRACE = 10.0  # extra seconds a client waits for the server to answer a timed-out wait
 _ACCEPT = struct.Struct("<B32s")
+_TIMEVAL = struct.Struct("@ll")
+
+# Forks of this process so far: a client compares it instead of calling os.getpid() on
+# every request (a system call each, with no pid cache in glibc).
+_forks = 0
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def _limit(sock: socket.socket, seconds: float) -> None:
+    """Give up a blocking send or receive after ``seconds``, in the kernel.
+
+    Requests run on a blocking socket whose limit is SO_RCVTIMEO/SO_SNDTIMEO: a Python
+    socket with a timeout polls before every send and receive, and setting the timeout
+    is one more system call. An expired limit raises BlockingIOError."""
+    whole = int(seconds)
+    micro = max(int((seconds - whole) * 1e6), 0 if whole else 1)  # 0 s: no limit at all
+    tv = _TIMEVAL.pack(whole, micro)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 def _token_bytes(token: str | bytes | None) -> bytes | None:
@@ -197,7 +223,7 @@ class TCPStore(Store):
         self._local = threading.local()
         self._socks: list[socket.socket] = []
         self._socks_lock = threading.Lock()
-        self._pid = os.getpid()
+        self._forks = _forks
         self._closed = False
         self._addrs: list | None = None
         self._server: StoreServer | None = None
@@ -265,11 +291,11 @@ class TCPStore(Store):
 
     def _connection(self) -> socket.socket:
         """This thread's live socket, (re)connecting when there is none."""
-        if self._pid != os.getpid():  # forked: the parent's sockets are not ours to use
+        if self._forks != _forks:  # forked: the parent's sockets are not ours to use
             with self._socks_lock:
                 for sock in self._socks:
                     sock.close()  # closes our copy only; the parent's stays open
-                self._socks, self._pid = [], os.getpid()
+                self._socks, self._forks = [], _forks
                 self._local = threading.local()
         if self._closed:
             raise DistStoreError(f"{self._where()}: the store is closed")
@@ -300,6 +326,9 @@ class TCPStore(Store):
                 except BaseException:
                     sock.close()
                     raise
+                sock.settimeout(None)
+                _limit(sock, self._timeout)
+                self._local.limit = self._timeout
                 self._local.sock = sock
                 with self._socks_lock:
                     self._socks.append(sock)
@@ -307,7 +336,7 @@ class TCPStore(Store):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise StoreTimeoutError(
-                    f"{self._where()}: could not connect within {self._timeout:g}s "
+                    f"{self._where()}: timeout: could not connect within {self._timeout:g}s "
                     f"(last error: {last})"
                 )
             time.sleep(min(left, delay * (1 + random.random() * 0.25)))
@@ -320,7 +349,7 @@ class TCPStore(Store):
             magic, flags, max_message, nonce = P.HELLO.unpack(_recv_exact(sock, P.HELLO.size))
         except socket.timeout:
             raise StoreTimeoutError(
-                f"{where}: no greeting from the server within {self._timeout:g}s; is "
+                f"{where}: timeout: no greeting from the server within {self._timeout:g}s; is "
                 f"something other than an spmd TCPStore listening there?"
             ) from None
         except (OSError, ConnectionError) as e:
@@ -351,7 +380,8 @@ class TCPStore(Store):
             sock.sendall(hello)
             status, proof = _ACCEPT.unpack(_recv_exact(sock, _ACCEPT.size))
         except socket.timeout:
-            raise StoreTimeoutError(f"{where}: the server did not answer the greeting") from None
+            raise StoreTimeoutError(f"{where}: timeout: the server did not answer the "
+                                    f"greeting") from None
         except (OSError, ConnectionError) as e:
             raise _Transient(f"{where}: connection lost during the greeting: {e}") from e
         if status != P.ACCEPT_OK:
@@ -396,17 +426,20 @@ class TCPStore(Store):
                 f"{self._max_message}-byte limit (SPMD_STORE_MAX_MESSAGE on the master)"
             )
         limit = self._timeout if wait is None else wait + _GRACE
-        sock.settimeout(limit)
+        local = self._local
+        if local.limit != limit:
+            _limit(sock, limit)
+            local.limit = limit
         try:
             _sendall(sock, bufs)
             if cmd in P.NO_REPLY:
                 return P.OK, 0, b""
             status, result, length = P.HEADER.unpack(_recv_exact(sock, P.HEADER.size))
             payload = _recv_exact(sock, length) if length else b""
-        except socket.timeout:
+        except (socket.timeout, BlockingIOError):
             self._disconnect()
             raise StoreTimeoutError(
-                f"{self._where()}: {op} got no answer from the server within {limit:g}s"
+                f"{self._where()}: {op}: timeout: no answer from the server within {limit:g}s"
             ) from None
         except (OSError, ConnectionError) as e:
             self._disconnect()
@@ -427,7 +460,7 @@ class TCPStore(Store):
         if status == P.TIMEOUT:
             missing = [k.decode("utf-8", "replace") for k in P.split(payload)]
             raise StoreTimeoutError(
-                f"{self._where()}: {op}: Timeout: timed out after {wait:g}s waiting for keys "
+                f"{self._where()}: {op}: timeout: timed out after {wait:g}s waiting for keys "
                 f"{describe_missing(missing or keys)}"
             )
         message = P.split(payload)[0].decode("utf-8", "replace") if payload else "?"
@@ -440,8 +473,8 @@ class TCPStore(Store):
         )
         if status != P.OK:
             raise StoreTimeoutError(
-                f"{self._where()}: only {joined} of {world_size} participants joined "
-                f"within {self._timeout:g}s"
+                f"{self._where()}: timeout: only {joined} of {world_size} participants "
+                f"joined within {self._timeout:g}s"
             )
 
     # -- Store ------------------------------------------------------------------------
@@ -481,6 +514,26 @@ class TCPStore(Store):
 
     def _append(self, key: str, value: bytes) -> None:
         self._call(P.APPEND, 0, (key.encode(), value), "append")
+
+    def _queue_push(self, key: str, value: bytes) -> None:
+        self._call(P.QUEUE_PUSH, 0, (key.encode(), value), "queue_push")
+
+    def _queue_pop(self, key: str, timeout: float | None) -> bytes:
+        number = -1 if timeout is None else int(timeout * 1000)
+        status, _, payload = self._request(P.QUEUE_POP, number, (key.encode(),), "queue_pop",
+                                           (key,), timeout)
+        if status == P.OK:
+            return P.split(payload)[0]
+        if status == P.EMPTY:
+            raise QueueEmptyError(f"{self._where()}: queue_pop: queue {key!r} is empty")
+        if status == P.TIMEOUT:
+            raise StoreTimeoutError(f"{self._where()}: queue_pop: timeout: queue {key!r} "
+                                    f"stayed empty for {timeout:g}s")
+        message = P.split(payload)[0].decode("utf-8", "replace") if payload else "?"
+        raise DistStoreError(f"{self._where()}: {message}")
+
+    def _queue_len(self, key: str) -> int:
+        return self._call(P.QUEUE_LEN, 0, (key.encode(),), "queue_len")[0]
 
     def wait_closed(self, timeout: float) -> bool:
         """Wait (at most ``timeout`` seconds) until the server closes this thread's

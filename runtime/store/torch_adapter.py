@@ -106,7 +106,8 @@ class TorchStore(Store):
         except Exception as e:  # torch raises DistStoreError / RuntimeError subclasses
             text = str(e)
             if "timeout" in text.lower() or "timed out" in text.lower():
-                raise StoreTimeoutError(f"torch store {op}: {text}") from e
+                said = text if "timeout" in text else f"timeout: {text}"
+                raise StoreTimeoutError(f"torch store {op}: {said}") from e
             raise DistStoreError(f"torch store {op}: {text}") from e
 
     def _set(self, key: str, value: bytes) -> None:

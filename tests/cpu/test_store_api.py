@@ -203,6 +203,31 @@ def test_queues_push_pop_len(store):
     assert isinstance(caught.value, TimeoutError)
 
 
+def test_a_queue_with_items_counts_as_a_key_for_check_and_wait(store):
+    """torch's TCPStore and HashStore: ``check`` and ``wait`` see a queue while it holds
+    items; ``get``, ``delete_key`` and ``num_keys`` see only keys (torch's test_queues)."""
+    assert not store.check(["jobs"])
+    store.queue_push("jobs", b"1")
+    store.queue_push("jobs", b"2")
+    assert store.check(["jobs"]) and store.queue_len("jobs") == 2
+    store.wait(["jobs"], timedelta(seconds=1))
+    store.set("other", b"x")
+    assert store.check(["jobs", "other"])
+    assert not store.delete_key("jobs") and store.queue_len("jobs") == 2
+    assert store.queue_pop("jobs") == b"1" and store.queue_pop("jobs") == b"2"
+    assert not store.check(["jobs"]) and store.queue_len("jobs") == 0
+    with pytest.raises(DistTimeoutError):
+        store.wait(["jobs"], timedelta(seconds=0.2))
+    # a wait parked on a key wakes when another thread pushes to that queue
+    threading.Timer(0.2, lambda: store.queue_push("late", b"v")).start()
+    store.wait(["late"], timedelta(seconds=5))
+    assert store.queue_pop("late", block=False) == b"v"
+    # a queue and a key of the same name are apart, as in torch
+    store.queue_push("both", b"queued")
+    store.set("both", b"value")
+    assert store.get("both") == b"value" and store.queue_pop("both") == b"queued"
+
+
 def test_store_timeouts_are_store_errors(store):
     from spmd.runtime import DistStoreError, DistTimeoutError
 
@@ -210,6 +235,16 @@ def test_store_timeouts_are_store_errors(store):
     with pytest.raises(DistStoreError) as caught:
         store.get("never-set")
     assert isinstance(caught.value, DistTimeoutError)
+
+
+def test_every_store_timeout_says_timeout(store):
+    """torch's tests match a store's timeouts on "timeout" (lower case)."""
+    store.set_timeout(timedelta(seconds=0.2))
+    for call in (lambda: store.get("never-set"), lambda: store.multi_get(["a", "never-set"]),
+                 lambda: store.wait(["never-set"]), lambda: store.queue_pop("empty"),
+                 lambda: store.wait(["never-set"], timedelta(seconds=0.1))):
+        with pytest.raises(DistTimeoutError, match="timeout"):
+            call()
 
 
 def test_clone_is_another_handle_on_the_same_store(store):

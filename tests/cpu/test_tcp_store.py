@@ -442,3 +442,38 @@ def test_multi_tenant_masters_share_one_server_until_the_last_closes():
     second.close()
     with pytest.raises(Exception):  # now it is gone
         TCPStore("127.0.0.1", port, timeout=__import__("datetime").timedelta(seconds=0.5))
+
+
+def _queue_story(store) -> list:
+    """What a program sees of a queue through check, wait, queue_len, delete_key and
+    num_keys, as plain values to compare between two stores."""
+    def outcome(fn):
+        try:
+            return ("ok", fn())
+        except Exception as e:  # which error (torch's store errors are one class) and
+            # whether it says "timeout", which torch's tests match
+            return ("raised", type(e).__name__ == "QueueEmptyError", "timeout" in str(e))
+
+    keys = store.num_keys()
+    seen = [store.check(["q"]), store.queue_len("q")]
+    store.queue_push("q", b"1")
+    store.queue_push("q", b"2")
+    seen += [store.check(["q"]), store.queue_len("q"), store.num_keys() - keys,
+             outcome(lambda: store.wait(["q"], timedelta(seconds=2))),
+             store.delete_key("q"), store.queue_len("q"),
+             store.queue_pop("q"), store.check(["q"]), store.queue_pop("q"), store.check(["q"]),
+             outcome(lambda: store.wait(["q"], timedelta(seconds=0.2))),
+             outcome(lambda: store.queue_pop("q", block=False))]
+    store.set("k", b"v")
+    store.queue_push("k", b"item")
+    seen += [store.get("k"), store.queue_len("k"), store.check(["k"])]
+    return seen
+
+
+def test_queue_is_seen_by_check_and_wait_as_in_torch_tcpstore(master):
+    import torch.distributed as tdist
+
+    theirs = tdist.TCPStore("127.0.0.1", 0, 1, True, timeout=T, wait_for_workers=False)
+    expected = _queue_story(theirs)
+    assert expected[2] is True  # this torch's TCPStore does count a queue for check
+    assert _queue_story(master) == expected
