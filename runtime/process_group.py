@@ -226,7 +226,7 @@ class ProcessGroup:
             raise DistTimeoutError(
                 f"{call.split('(')[0]} on process group {self.name!r} (collective {seq}, debug "
                 f"mode): rank {', '.join(map(str, missing))} never called collective {seq} "
-                f"within {self.timeout.total_seconds():g}s") from None
+                f"within the group's {self.timeout.total_seconds():g}s timeout") from None
         if seq > 2:
             store.delete_key(f"fp/{seq - 2}/{me}")  # everyone has read it by now
         if len(set(calls)) > 1:
@@ -246,6 +246,7 @@ class ProcessGroup:
         except Exception as e:  # refused before any byte moved: no rank to blame
             where = f"{op} on process group {self.name!r}"
             raise DistError(f"{where}: the backend refused the call: {e}") from e
+        _hold(inner)
         if async_op or self._threaded:
             work = Work(self, inner, op, seq, post, peers, result)
             if async_op:
@@ -275,9 +276,39 @@ class ProcessGroup:
         detail = f": {why}" if why else ""
         if timed_out:
             return DistTimeoutError(
-                f"{where} timed out after {self.timeout.total_seconds():g}s{detail} "
-                f"[backend: {text}]")
+                f"{where} timed out after {self.timeout.total_seconds():g}s (the group's "
+                f"timeout){detail} [backend: {text}]")
         return DistError(f"{where} failed{detail} [backend: {text}]")
+
+
+_held: list[Any] = []  # backend works not yet seen complete (see _hold)
+_finished: list[Any] = []  # those seen complete by the latest operation: the next drops them
+_held_lock = threading.Lock()
+
+
+def _hold(inner: Any) -> None:
+    """Keep the backend work ``inner`` referenced until two later operations have started
+    after it completed.
+
+    Destroying a Gloo work releases its tensors' Python objects, which takes the GIL. When
+    the backend's worker thread holds the last reference, it does that just after the
+    work completes; if the program is exiting by then (the last collective before exit
+    returned, or an ``async_op`` one nobody waited for finished), that thread waits for
+    the GIL across the start of interpreter shutdown, is stopped inside the work's C++
+    destructor, and the process aborts: "terminate called without an active exception".
+    Held here, the last reference is Python's: dropped by a Python thread, or at exit when
+    c10d no longer calls back into Python. Not by the very next operation: that one may
+    start while the backend's thread is still letting go of the work it just completed.
+    The cost: the tensors of the latest two operations stay referenced a little longer.
+    """
+    global _finished
+    with _held_lock:
+        running, finished = [], []
+        for work in _held:
+            (finished if work.is_completed() else running).append(work)
+        running.append(inner)
+        _held[:] = running
+        _finished = finished  # the works seen complete last time go now
 
 
 _graveyard: list[Any] = []

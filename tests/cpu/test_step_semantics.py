@@ -4,6 +4,7 @@ ranks and on thread ranks (which trace their steps at the same time)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from datetime import timedelta
@@ -42,7 +43,27 @@ def plain_step(model, x, y, opt):
     return loss
 
 
-def job(rank: int) -> dict:
+def _complaints(caught: list) -> list[str]:
+    """The warnings of torch's LR scheduler about the order of ``step()`` calls."""
+    return [str(w.message) for w in caught if "lr_scheduler" in str(w.message)
+            or "optimizer.step()" in str(w.message)]
+
+
+@contextlib.contextmanager
+def _recording(alone: bool):
+    """The warnings raised in the block, recorded in a rank that is a process of its own;
+    thread ranks leave them to ``runs``: ``warnings.catch_warnings`` swaps process-wide
+    state, so two thread ranks inside one each record the other's warnings, and the one
+    leaving last restores the other's recorder for good."""
+    if not alone:
+        yield []
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+
+
+def job(rank: int, alone: bool) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     world = dist.get_world_size()
@@ -55,8 +76,7 @@ def job(rank: int) -> dict:
             opt = make(model.parameters())
             scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
             lrs = []
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
+            with _recording(alone) as caught:
                 for i in range(STEPS):
                     x, y = batch("mlp", step=i)
                     rows = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
@@ -66,8 +86,7 @@ def job(rank: int) -> dict:
             plan = spmd.inspect(step)
             out[(fn.__name__, opt_name)] = (
                 {k: v.clone() for k, v in model.state_dict().items()}, lrs,
-                [str(w.message) for w in caught if "lr_scheduler" in str(w.message)
-                 or "optimizer.step()" in str(w.message)], plan.optimizer["step0"])
+                _complaints(caught), plan.optimizer["step0"])
     dist.destroy_process_group()
     return out
 
@@ -86,14 +105,23 @@ def reference(fn, opt_name) -> tuple[dict, list]:
 
 @pytest.fixture(scope="module", params=["forkserver", "thread"])
 def runs(request):
-    return dist.spawn(job, nprocs=2, start_method=request.param, timeout=110)
+    """Each rank's results, and the scheduler's complaints that thread ranks made (they
+    are recorded around the whole run, see ``_recording``)."""
+    threads = request.param == "thread"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = dist.spawn(job, args=(not threads,), nprocs=2, start_method=request.param,
+                         timeout=110)
+    return out, _complaints(caught) if threads else []
 
 
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("fn", [clipped_step, plain_step], ids=lambda f: f.__name__)
 def test_parameters_and_learning_rates_equal_one_process(runs, fn, opt_name):
     state, lrs = reference(fn, opt_name)
-    for r in runs:
+    ranks, thread_complaints = runs
+    assert thread_complaints == []
+    for r in ranks:
         got, got_lrs, complaints, how = r[(fn.__name__, opt_name)]
         assert got_lrs == lrs and complaints == []
         for k, v in state.items():
