@@ -97,6 +97,7 @@ class Capture:
         self.reshard = reshard  # sharded parameters: save shards, gather again in backward
         self._owner = weakref.ref(owner)
         self.profiler: Any = None  # a spmd.profiling.Profiler while one records
+        self.forward_runs = 0  # compiled forward graphs run (the owner sees Dynamo skip them)
 
     def owner(self) -> CaptureOwner:
         owner = self._owner()
@@ -270,7 +271,11 @@ def _instrument(run: Callable[[list], Any], capture: "Capture", record: GraphRec
     owner = weakref.ref(record)
     timed = [phase != "forward" or record.forward_seconds is not None]
 
+    forward = phase == "forward"
+
     def call(args: list) -> Any:
+        if forward:
+            capture.forward_runs += 1
         profiler = capture.profiler
         if profiler is None and timed[0]:
             return run(args)

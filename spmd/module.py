@@ -99,6 +99,7 @@ class ModuleState:
         self.structure_estimates: dict[tuple, float | None] = {}  # see _backward_estimate
         self.agreed: set[str] = set()  # collective signatures every rank has planned
         self.capture_failed: str | None = None  # why the model runs eagerly, if it does
+        self.eager_forward: str | None = None  # why the last forward ran no graph, if it did
         self.profiler: Any = None
         self.measured: Any = None  # the last profiled step's Timeline
         self.measured_steps: list = []  # every profiled step's
@@ -298,7 +299,8 @@ class ModuleState:
         if key in self.sync.reduced:
             return grad  # a planned bucket already averaged it
         part = grad.detach().clone()
-        reason = "received its gradient outside any compiled graph (graph break or eager code)"
+        reason = self.eager_forward or ("received its gradient outside any compiled graph "
+                                        "(graph break or eager code)")
         if any(name in s.params for s, _ in self.sync.reduced.values()):
             reason = "received gradient from a compiled graph and also from eager code"
             part = part - self._reduced_part(name).to(part.dtype)
@@ -368,7 +370,20 @@ class ModuleState:
         with every gradient left to the safety net (the plan says why)."""
         if self.capture_failed is None:
             try:
-                return self.compiled(*args, **kwargs)
+                runs = self.capture.forward_runs
+                out = self.compiled(*args, **kwargs)
+                # no compiled graph ran: Dynamo ran the forward eagerly (its recompile limit
+                # was hit, or it skipped the frame); the safety net averages the gradients
+                self.eager_forward = None if self.capture.forward_runs != runs else (
+                    "its forward ran without a compiled graph (Dynamo's recompile limit, "
+                    "torch._dynamo.config.recompile_limit, was hit, or Dynamo skipped the "
+                    "frame): " + ("gathered and reduce-scattered eagerly" if self.sharded
+                                  else "averaged by the eager safety net"))
+                if self.eager_forward and self.sharded and torch.is_grad_enabled():
+                    for name, param in self.params.items():
+                        if param.requires_grad:
+                            self.fallbacks.setdefault(name, self.eager_forward)
+                return out
             except Exception as e:
                 from torch._dynamo.exc import TorchDynamoException
 
@@ -378,10 +393,11 @@ class ModuleState:
                 from spmd.lowering.annotate import EmptyBackwardError, ShardingError
                 from spmd.lowering.verify import PlanVerificationError
 
-                # tensor parallelism cannot place an op, a backward lost its gradients, or
-                # the plan is wrong (a compiler bug): no eager run would be right either
+                # tensor parallelism cannot place an op, a backward lost its gradients,
+                # the plan is wrong (a compiler bug), or the ranks disagree (they traced
+                # different graphs): no eager run would be right either
                 if isinstance(inner, (ShardingError, EmptyBackwardError,
-                                      PlanVerificationError)):
+                                      PlanVerificationError, DistError)):
                     raise inner from None
                 first = (str(inner).strip().splitlines() or ["?"])[0][:200]
                 reason = f"the model could not be captured ({type(inner).__name__}: {first})"

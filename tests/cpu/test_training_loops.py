@@ -7,6 +7,7 @@ before sharding and a second step function on the same model."""
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 
 import pytest
@@ -92,6 +93,54 @@ def uneven_last_batch(rank, strategy):
         (F.mse_loss(m(x), y, reduction="sum") * scale).backward()
         opt.step()
     return state(m), None
+
+
+def join_uneven(rank, strategy):
+    """Under model.join(): rank 0 has three batches (the last one short), rank 1 two. The
+    joined rank adds zeros and the sum is divided by 2 (DDP's divide_by_initial_world_size),
+    so one process's loss is half the sum of the ranks' mean losses."""
+    m = make() if rank is None else spmd.parallelize(make(), strategy=strategy)
+    opt = sgd(m)
+    shares = {0: [(0, 6), (0, 6), (0, 5)], 1: [(6, 12), (6, 12)]}
+    context = m.join() if rank is not None else contextlib.nullcontext()
+    with context:
+        for i in range(len(shares[0]) if rank is None else len(shares[rank])):
+            x, y = data(12, i)
+            opt.zero_grad()
+            if rank is None:
+                loss = sum(F.mse_loss(m(x[a:b]), y[a:b]) for r, batches in shares.items()
+                           if i < len(batches) for a, b in [batches[i]]) / WORLD
+            else:
+                a, b = shares[rank][i]
+                loss = F.mse_loss(m(x[a:b]), y[a:b])
+            loss.backward()
+            opt.step()
+    return state(m), None
+
+
+class Tagged(Net):
+    """A forward taking a string: Dynamo guards on its value, so ten values hit its
+    recompile limit (8) and the forward runs eagerly from then on."""
+
+    def forward(self, x: torch.Tensor, tag: str) -> torch.Tensor:
+        return super().forward(x) * float(tag)
+
+
+def recompile_limit(rank, strategy):
+    m = Tagged().double()
+    m.load_state_dict(make().state_dict())
+    if rank is not None:
+        m = spmd.parallelize(m, strategy=strategy)
+    opt = sgd(m)
+    for i in range(11):
+        x, y = data(8, i)
+        if rank is not None:
+            x, y = rows(x, rank), rows(y, rank)
+        opt.zero_grad()
+        F.mse_loss(m(x, f"{1.0 + 0.05 * i}"), y).backward()
+        opt.step()
+    reasons = None if rank is None else sorted({f.reason for f in spmd.inspect(m).fallbacks})
+    return state(m), reasons
 
 
 def no_sync_backward_only(rank, strategy):
@@ -285,6 +334,8 @@ def two_step_functions(rank, strategy):
 LOOPS = {
     "changing_batch": (changing_batch, ("ddp", "fsdp")),
     "uneven_last_batch": (uneven_last_batch, ("ddp", "fsdp")),
+    "join_uneven": (join_uneven, ("ddp",)),
+    "recompile_limit": (recompile_limit, ("ddp", "fsdp")),
     "no_sync_backward_only": (no_sync_backward_only, ("ddp", "fsdp")),
     "late_eager_gradient": (late_eager_gradient, ("ddp", "fsdp")),
     "inplace_init": (inplace_init, ("fsdp",)),
@@ -348,6 +399,13 @@ def test_late_eager_gradient_is_averaged_and_listed(runs):
     for out in runs:
         _, fallbacks = out[("late_eager_gradient", "ddp")]
         assert fallbacks == ["fc1.weight"]
+
+
+def test_forward_past_the_recompile_limit_is_listed(runs):
+    for out in runs:
+        for strategy in ("ddp", "fsdp"):
+            _, reasons = out[("recompile_limit", strategy)]
+            assert len(reasons) == 1 and "recompile limit" in reasons[0], reasons
 
 
 def test_inplace_write_with_autograd_on_is_refused_by_name(runs):
