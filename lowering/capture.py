@@ -74,8 +74,13 @@ class CaptureOwner(Protocol):
         """The lowering context of a record's forward or backward graph."""
 
     def planned(self, record: GraphRecord) -> None:
-        """Called with each record whose backward graph was planned, before its first
-        run (the frontend compares plan fingerprints across ranks there)."""
+        """Called with each record whose backward graph was planned, at its first run
+        (the frontend compares plan signatures across ranks there: at run time, where
+        every rank is at the same point of the program, whenever each compiled it)."""
+
+    def forward_compiled(self, record: GraphRecord) -> None:
+        """Called with each record whose forward was compiled (the frontend times it
+        there for the backward's planning, without waiting for anyone)."""
 
 
 class Capture:
@@ -175,7 +180,8 @@ class Capture:
 
         del record
 
-        def forward_compiler(fw: fx.GraphModule, fake_inputs: list[Any]) -> Callable[..., Any]:
+        def forward_compiler(fw: fx.GraphModule, fake_inputs: list[Any],
+                             training: bool = True) -> Callable[..., Any]:
             record = this_record()
             try:
                 fw = plan_graph(fw, self.owner().context(record, "forward"))
@@ -186,6 +192,8 @@ class Capture:
             record.forward = fw
             run = compile_graph(fw, fake_inputs)
             record.forward_run = run
+            if training:  # its backward will be planned
+                self.owner().forward_compiled(record)
             return _instrument(run, self, record, "forward")
 
         def backward_compiler(bw: fx.GraphModule, fake_inputs: list[Any]) -> Callable[..., Any]:
@@ -201,9 +209,11 @@ class Capture:
                 v.name: v.meta["val"] for v in forward.graph.output_node().all_input_nodes
                 if isinstance(v.meta.get("val"), torch.Tensor)}
             run = compile_graph(bw, fake_inputs, returned)
-            if record.fallback_reason is None:
-                self.owner().planned(record)
-            return _instrument(run, self, record, "backward")
+            # resolved at the call: the compiled function outlives the module in Dynamo's
+            # caches, and must not keep its state alive
+            first = None if record.fallback_reason is not None else (
+                lambda alive: self.owner().planned(alive))
+            return _instrument(run, self, record, "backward", first)
 
         decompositions = None
         if inductor:  # Inductor lowers only graphs decomposed with its own table
@@ -212,22 +222,18 @@ class Capture:
             decompositions = select_decomp_table()
         from spmd.lowering.partition import partition
 
-        compile_region = aot_autograd(
-            fw_compiler=forward_compiler, bw_compiler=backward_compiler,
-            inference_compiler=forward_compiler, decompositions=decompositions,
-            partition_fn=functools.partial(partition, reshard=self.reshard))
-        # The backward is planned (and agreed across ranks through the store) right after
-        # its forward, always. AOTAutograd would otherwise plan a graph of static shapes
-        # at its first backward and one of dynamic shapes now; ranks whose graphs differ
-        # only there (a view of the batch at another storage offset, another size) would
-        # wait for each other at different points, one in the store and one in a
-        # collective.
-        from torch._functorch import config as functorch_config
-
-        if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
-            with functorch_config.patch(force_non_lazy_backward_lowering=True):
-                return compile_region(gm, example_inputs)
-        return compile_region(gm, example_inputs)
+        # AOTAutograd plans a static graph's backward at its first backward call and a
+        # dynamic one's now, inside Dynamo's compile: ranks whose graphs differ only there
+        # (a view of the batch at another storage offset, another size) reach the
+        # backward's planning at different points of the program. So nothing the backward's
+        # planning does waits for another rank: the estimate it needs is published by the
+        # first rank as the forward compiles, and plans are compared at their first run.
+        return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler,
+                            inference_compiler=functools.partial(forward_compiler,
+                                                                 training=False),
+                            decompositions=decompositions,
+                            partition_fn=functools.partial(partition, reshard=self.reshard)
+                            )(gm, example_inputs)
 
 
 def _reason(record: GraphRecord, earlier: list[GraphRecord]) -> str:
@@ -260,9 +266,11 @@ def _plain(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _instrument(run: Callable[[list], Any], capture: "Capture", record: GraphRecord,
-                phase: str) -> Callable[[list], Any]:
-    """``run``, plus: the first forward call is timed, and while a profiler is attached
-    to the capture every call records its start and end.
+                phase: str, first: Callable[[GraphRecord], None] | None = None
+                ) -> Callable[[list], Any]:
+    """``run``, plus: the first forward call is timed, ``first(record)`` runs before the
+    first call, and while a profiler is attached to the capture every call records its
+    start and end.
 
     The record is held weakly: Dynamo keeps compiled regions past the module's life, and
     the record's graphs name the specs (groups, work in flight) the module owns.
@@ -272,10 +280,16 @@ def _instrument(run: Callable[[list], Any], capture: "Capture", record: GraphRec
     timed = [phase != "forward" or record.forward_seconds is not None]
 
     forward = phase == "forward"
+    pending = [first]
 
     def call(args: list) -> Any:
         if forward:
             capture.forward_runs += 1
+        if pending[0] is not None:
+            alive = owner()
+            if alive is not None:
+                pending[0](alive)
+            pending[0] = None
         profiler = capture.profiler
         if profiler is None and timed[0]:
             return run(args)
@@ -306,6 +320,8 @@ def time_forward(record: GraphRecord, repeats: int = 3) -> float | None:
     """
     if record.forward is None or record.forward_run is None:
         return record.forward_seconds
+    from torch.utils._python_dispatch import _disable_current_modes
+
     from spmd.lowering.specs import dry_run
     try:
         values = [n.meta["val"] for n in record.forward.graph.nodes if n.op == "placeholder"]
@@ -317,7 +333,9 @@ def time_forward(record: GraphRecord, repeats: int = 3) -> float | None:
                 return torch.zeros(shape, dtype=v.dtype, device=v.device)
             return _hint(v) if isinstance(v, torch.SymInt) else v
         best = float("inf")
-        with torch.no_grad(), dry_run():  # a sharded forward's gathers: nothing sent
+        # real tensors, also while Dynamo's fake mode is on (the backward is planned as its
+        # forward compiles); a sharded forward's gathers send nothing
+        with torch.no_grad(), dry_run(), _disable_current_modes():
             for _ in range(repeats):
                 args = [make(v) for v in values]
                 start = time.perf_counter()

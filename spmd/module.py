@@ -98,6 +98,7 @@ class ModuleState:
         self.estimates: dict[str, float] = {}  # graph -> shared backward-seconds estimate
         self.structure_estimates: dict[tuple, float | None] = {}  # see _backward_estimate
         self.agreed: set[str] = set()  # collective signatures every rank has planned
+        self.sequence: dict[tuple, int] = {}  # new structures in forward-compile order
         self.capture_failed: str | None = None  # why the model runs eagerly, if it does
         self.eager_forward: str | None = None  # why the last forward ran no graph, if it did
         self.profiler: Any = None
@@ -126,7 +127,8 @@ class ModuleState:
         roofline on that cluster's device instead.
 
         The figure is measured once per graph *structure* (which parameters and buffers,
-        the data's dtypes and ranks: not its sizes) and reused for every later graph of
+        the data's dtypes and ranks: not its sizes), published by the first rank as that
+        forward compiles (:meth:`forward_compiled`), and reused for every later graph of
         that structure. A batch of another size recompiles on the ranks that see it, and
         only there (the last batch of a ``DataLoader`` may be uneven): such a graph must
         plan without waiting for ranks that are not compiling, and must plan the same
@@ -145,18 +147,47 @@ class ModuleState:
         elif not self.communicates:
             timed = time_forward(record)  # nothing to agree on: no collectives run
             seconds = None if timed is None else 2.0 * timed
-        else:
-            key = f"spmd/measure/{self.index}/{len(self.structure_estimates)}"
-            store = self.group.store
-            if self.group.rank() == 0:
-                timed = time_forward(record)
-                store.set(key, "none" if timed is None else repr(2.0 * timed))
-            raw = self._store_get(key, f"the timing of {record.name}")
-            seconds = None if raw == "none" else float(raw)
+        elif self._threaded:
+            # thread ranks share one process's cores (a measurement says little) and
+            # Dynamo's compile lock (a rank waiting for the first rank's figure inside a
+            # compile would keep it from compiling): every rank plans without one
+            seconds = None
+        elif structure not in self.sequence:
+            seconds = None  # its forward compiled in no training graph: nothing published
+        else:  # the first rank published it as the forward compiled (forward_compiled)
+            key = f"spmd/measure/{self.index}/{self.sequence[structure]}"
+            digest, raw = self._store_get(key, f"the timing of {record.name}").split()
+            # another structure there: the ranks traced different graphs, which comparing
+            # the plans (planned) reports by name; any figure will do until then
+            seconds = None if raw == "none" or digest != _digest(structure) else float(raw)
         self.structure_estimates[structure] = seconds
         if seconds is not None:
             self.estimates[record.name] = seconds
         return seconds
+
+    @property
+    def _threaded(self) -> bool:
+        return bool(getattr(self.group, "_threaded", False))
+
+    def forward_compiled(self, record: GraphRecord) -> None:
+        """On the group's first rank, time a new structure's forward and publish twice
+        that as its backward estimate, before anything waits for it: the other ranks
+        read it when they plan the backward, which AOTAutograd may do right now (dynamic
+        shapes) or at the first backward (static ones), on each rank independently."""
+        if (not self.communicates or self._threaded
+                or getattr(self.setup.strategy.mesh, "hardware", None) is not None):
+            return
+        structure = record.structure
+        if structure in self.sequence:
+            return
+        # every rank numbers the new structures in the order its forwards compile them,
+        # which is the program's order on all of them
+        self.sequence[structure] = at = len(self.sequence)
+        if self.group.rank() == 0:
+            timed = time_forward(record)
+            self.group.store.set(f"spmd/measure/{self.index}/{at}",
+                                 f"{_digest(structure)} "
+                                 f"{'none' if timed is None else repr(2.0 * timed)}")
 
     def _store_get(self, key: str, what: str) -> str:
         try:
@@ -170,12 +201,13 @@ class ModuleState:
     def planned(self, record: GraphRecord) -> None:
         """Every rank must run identically planned collectives.
 
-        A plan whose collectives every rank has already agreed on (the same buckets of
-        the same parameters; the graph another batch size compiled on some ranks only)
-        runs at once. A new one is compared across ranks, which all compile it at the same
-        point (the first step, a newly frozen layer, a new code path): differing plans
-        raise naming the ranks, and a rank that never compiles it is reported by the
-        store's timeout.
+        Called at the first run of the record's backward, where every rank is at the same
+        point of the program however its graphs were compiled. A plan whose collectives
+        every rank has already agreed on (the same buckets of the same parameters; the
+        graph another batch size compiled on some ranks only) runs at once. A new one is
+        compared across ranks, which all reach it at the same step (the first, a newly
+        frozen layer, a new code path): differing plans raise naming the ranks, and a
+        rank that never runs it is reported by the store's timeout.
         """
         self.covered.update(p for c in collective_nodes(record.backward)
                             for p in c.meta["spmd_collective"].params)
@@ -453,6 +485,12 @@ class ModuleState:
             yield
         finally:
             self.sync.enabled = previous
+
+
+def _digest(structure: tuple) -> str:
+    import hashlib
+
+    return hashlib.sha256(repr(structure).encode()).hexdigest()[:16]
 
 
 def collective_signature(records: list) -> str:

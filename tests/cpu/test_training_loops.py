@@ -216,6 +216,42 @@ def inplace_init(rank, strategy):
     return state(m), refused
 
 
+def _writes(m: nn.Module) -> None:
+    with torch.no_grad():
+        m.out.weight.zero_()
+        m.fc2.weight[0].fill_(3.0)
+        m.fc2.weight.data[1].copy_(torch.arange(16.0, dtype=torch.float64))
+        m.fc1.weight[:, 2] = 0.5  # across every rank's rows
+    torch.manual_seed(5)
+    m.fc2.reset_parameters()
+
+
+def inplace_init_mixed_precision(rank, strategy):
+    """Gathered in bfloat16, stored in float64: only the elements a write changes are
+    stored, the rest keep every bit."""
+    m = make() if rank is None else spmd.parallelize(make(), strategy=strategy,
+                                                      param_dtype=torch.bfloat16)
+    with torch.no_grad():
+        m.out.weight[1].fill_(0.5)
+        m.fc1.bias.zero_()
+    return state(m), None
+
+
+def inplace_init_tensor_parallel(rank, strategy):
+    """Pieces of a tensor-parallel model (fc1 split by rows, fc2 by columns; and, under
+    fsdp, sharded along the other dimension), written through the attributes."""
+    if rank is None:
+        m = make()
+    else:
+        names = ("fsdp", "tp") if strategy == "fsdp" else ("tp",)
+        mesh = spmd.Mesh((1, WORLD) if strategy == "fsdp" else (WORLD,), dim_names=names)
+        m = spmd.parallelize(make(), mesh=mesh, strategy=strategy, placements={
+            "tp": {"fc1.weight": spmd.Shard(0), "fc1.bias": spmd.Shard(0),
+                   "fc2.weight": spmd.Shard(1)}})
+    _writes(m)
+    return state(m), None
+
+
 def scaled_step(model, x, y, opt, weight):
     opt.zero_grad()
     loss = F.mse_loss(model(x), y) * weight
@@ -339,6 +375,8 @@ LOOPS = {
     "no_sync_backward_only": (no_sync_backward_only, ("ddp", "fsdp")),
     "late_eager_gradient": (late_eager_gradient, ("ddp", "fsdp")),
     "inplace_init": (inplace_init, ("fsdp",)),
+    "inplace_init_mixed_precision": (inplace_init_mixed_precision, ("fsdp",)),
+    "inplace_init_tensor_parallel": (inplace_init_tensor_parallel, ("ddp", "fsdp")),
     "step_scalar_argument": (step_scalar_argument, ("ddp", "fsdp")),
     "step_adamw_alternate_freeze": (step_adamw_alternate_freeze, ("ddp", "fsdp")),
     "step_adamw_alternate_freeze_f32": (step_adamw_alternate_freeze_f32, ("ddp", "fsdp")),
