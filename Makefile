@@ -34,6 +34,7 @@ torch-suites: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/ddp.py
+	$(PY) benchmarks/batch_sizes.py
 	$(PY) benchmarks/fsdp.py
 	$(PY) benchmarks/tp.py
 	$(PY) benchmarks/compressed.py

@@ -1,0 +1,127 @@
+"""Changing batch sizes: step time of ``spmd.parallelize`` against torch DDP on a loop whose
+batch size changes (a ``DataLoader`` with ``drop_last=False``: full batches, then a short
+last one, uneven across ranks), after the recompiles; how many graphs each rank compiled;
+and the price of the eager safety net's gradient hooks, which stay on every parameter.
+
+    python benchmarks/batch_sizes.py [--steps 24] [--rounds 5] [--cases encoder,small]
+
+Two local ranks, one thread each, Gloo over loopback. Per-rank rows cycle 8, 8, 8, then
+5 on rank 0 and 4 on rank 1 (and, for the ``sizes`` pattern, 8, 6, 4, 2). Variants:
+
+- ``spmd``: ``spmd.parallelize`` with its defaults;
+- ``spmd, hooks removed``: the same with the safety net's per-parameter hooks removed
+  after compiling (unsafe: measures what the hooks cost, nothing else);
+- ``torch DDP``: ``DistributedDataParallel`` with its defaults.
+
+Variants alternate in rounds; round 0 compiles and is not counted. Prints a markdown
+table: median ms/step, the ratio to torch DDP with its spread over rounds, and graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from datetime import timedelta
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ddp import CASES as DDP_CASES  # noqa: E402
+from ddp import _fresh, time_rounds  # noqa: E402
+
+CASES = {"encoder": DDP_CASES["encoder"], "small": DDP_CASES["small"]}
+PATTERNS = {"last": [8, 8, 8, None], "sizes": [8, 6, 4, 2]}  # None: 5 and 4 rows
+VARIANTS = ("spmd", "spmd, hooks removed", "torch DDP")
+
+
+def _batches(case, pattern: list, steps: int, rank: int, world: int) -> list:
+    out = []
+    for step in range(steps):
+        rows = pattern[step % len(pattern)]
+        rows = (5 if rank == 0 else 4) if rows is None else rows
+        x, y = case.data(torch.Generator().manual_seed(step), world)
+        out.append((x[:rows], y[:rows]))
+    return out
+
+
+def rank_main(rank: int, steps: int, rounds: int, names: list[str]) -> dict | None:
+    import torch.distributed as tdist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import spmd
+    from spmd import runtime as dist
+
+    torch.set_num_threads(1)
+    port = int(os.environ["MASTER_PORT"]) + 1
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                             world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    world = dist.get_world_size()
+    results = {}
+    for name in names:
+        case = CASES[name]
+        for pattern_name, pattern in PATTERNS.items():
+            models = {"spmd": spmd.parallelize(_fresh(case)),
+                      "spmd, hooks removed": spmd.parallelize(_fresh(case)),
+                      "torch DDP": DistributedDataParallel(_fresh(case))}
+            opts = {v: case.optimizer(list(m.parameters())) for v, m in models.items()}
+            batches = _batches(case, pattern, steps, rank, world)
+            # compile every size first, then take the hooks off the measuring variant
+            time_rounds({"spmd, hooks removed": models["spmd, hooks removed"]}, opts,
+                        batches[:len(pattern)], case.loss, 0, tdist.barrier)
+            state = models["spmd, hooks removed"]._spmd
+            for hook in state._hooks.values():
+                hook.remove()
+            state._hooks.clear()
+            state._hook_all = lambda: None
+            times = time_rounds(models, opts, batches, case.loss, rounds, tdist.barrier)
+            graphs = {v: [r.reason for r in m._spmd.records] for v, m in models.items()
+                      if v.startswith("spmd")}
+            every = [None] * world
+            dist.all_gather_object(every, len(graphs["spmd"]))
+            results[(name, pattern_name)] = {"times": times, "graphs": every,
+                                             "reasons": graphs["spmd"],
+                                             "hooks": len(models["spmd"]._spmd._hooks)}
+    tdist.destroy_process_group()
+    dist.destroy_process_group()
+    return results if rank == 0 else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cases", default=",".join(CASES))
+    args = parser.parse_args()
+    names = [n.strip() for n in args.cases.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    from spmd.runtime import spawn
+
+    results = spawn(rank_main, args=(args.steps, args.rounds, names), nprocs=2,
+                    timeout=6000)[0]
+    print("| case | batch sizes | variant | ms/step | vs torch DDP (x faster) | spread | "
+          "graphs per rank |")
+    print("|---|---|---|---:|---:|---|---|")
+    for (name, pattern), res in results.items():
+        times = res["times"]
+        ddp = statistics.median(times["torch DDP"])
+        for variant, samples in times.items():
+            t = statistics.median(samples)
+            ratios = [d / s for d, s in zip(times["torch DDP"], samples)]
+            spread = f"{min(ratios):.2f}–{max(ratios):.2f}" if variant != "torch DDP" else ""
+            graphs = "/".join(map(str, res["graphs"])) if variant == "spmd" else ""
+            print(f"| {CASES[name].label} | {pattern} | {variant} | {t * 1e3:.2f} | "
+                  f"{ddp / t:.2f} | {spread} | {graphs} |")
+    for (name, pattern), res in results.items():
+        print(f"\n{CASES[name].label}, {pattern}: {res['hooks']} hooks; graphs on rank 0:")
+        for reason in res["reasons"]:
+            print(f"  - {reason}")
+
+
+if __name__ == "__main__":
+    main()
