@@ -31,11 +31,12 @@ import torch
 import torch.nn as nn
 
 import spmd.kernels as kernels
-from spmd.lowering.capture import Capture, GraphRecord, time_forward
+from spmd.lowering.capture import Capture, GraphRecord
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import collective_nodes
 from spmd.lowering.specs import Handles, ShardSpec, SyncState
 from spmd.lowering.options import Options
+from spmd.agreement import Agreement
 from spmd.plan import Fallback, Plan, plan_from_records
 from spmd.reducer import EagerReducer, broadcast_coalesced
 from spmd.runtime.errors import DistError
@@ -96,9 +97,7 @@ class ModuleState:
         self.compiled = None
         self.covered: set[str] = set()  # parameters some planned graph reduces
         self.estimates: dict[str, float] = {}  # graph -> shared backward-seconds estimate
-        self.structure_estimates: dict[tuple, float | None] = {}  # see _backward_estimate
-        self.agreed: set[str] = set()  # collective signatures every rank has planned
-        self.sequence: dict[tuple, int] = {}  # new structures in forward-compile order
+        self.agreement = Agreement(setup)  # estimates and plans shared across ranks
         self.capture_failed: str | None = None  # why the model runs eagerly, if it does
         self.eager_forward: str | None = None  # why the last forward ran no graph, if it did
         self.profiler: Any = None
@@ -126,13 +125,8 @@ class ModuleState:
         simulated cluster (``Mesh.simulated(..., hardware=)``) it is the forward graph's
         roofline on that cluster's device instead.
 
-        The figure is measured once per graph *structure* (which parameters and buffers,
-        the data's dtypes and ranks: not its sizes), published by the first rank as that
-        forward compiles (:meth:`forward_compiled`), and reused for every later graph of
-        that structure. A batch of another size recompiles on the ranks that see it, and
-        only there (the last batch of a ``DataLoader`` may be uneven): such a graph must
-        plan without waiting for ranks that are not compiling, and must plan the same
-        buckets as the graph it replaces, so it gets the same figure.
+        How the figure is shared without anyone waiting inside a compile:
+        :class:`spmd.agreement.Agreement`.
         """
         hardware = getattr(self.setup.strategy.mesh, "hardware", None)
         if hardware is not None and record.forward is not None:
@@ -141,102 +135,21 @@ class ModuleState:
             seconds = 2.0 * graph_seconds(record.forward, hardware.device)
             self.estimates[record.name] = seconds
             return seconds
-        structure = record.structure
-        if structure in self.structure_estimates:
-            seconds = self.structure_estimates[structure]
-        elif not self.communicates:
-            timed = time_forward(record)  # nothing to agree on: no collectives run
-            seconds = None if timed is None else 2.0 * timed
-        elif self._threaded:
-            # thread ranks share one process's cores (a measurement says little) and
-            # Dynamo's compile lock (a rank waiting for the first rank's figure inside a
-            # compile would keep it from compiling): every rank plans without one
-            seconds = None
-        elif structure not in self.sequence:
-            seconds = None  # its forward compiled in no training graph: nothing published
-        else:  # the first rank published it as the forward compiled (forward_compiled)
-            key = f"spmd/measure/{self.index}/{self.sequence[structure]}"
-            digest, raw = self._store_get(key, f"the timing of {record.name}").split()
-            # another structure there: the ranks traced different graphs, which comparing
-            # the plans (planned) reports by name; any figure will do until then
-            seconds = None if raw == "none" or digest != _digest(structure) else float(raw)
-        self.structure_estimates[structure] = seconds
+        seconds = self.agreement.backward_estimate(record)
         if seconds is not None:
             self.estimates[record.name] = seconds
         return seconds
 
-    @property
-    def _threaded(self) -> bool:
-        return bool(getattr(self.group, "_threaded", False))
-
     def forward_compiled(self, record: GraphRecord) -> None:
-        """On the group's first rank, time a new structure's forward and publish twice
-        that as its backward estimate, before anything waits for it: the other ranks
-        read it when they plan the backward, which AOTAutograd may do right now (dynamic
-        shapes) or at the first backward (static ones), on each rank independently."""
-        if (not self.communicates or self._threaded
-                or getattr(self.setup.strategy.mesh, "hardware", None) is not None):
-            return
-        structure = record.structure
-        if structure in self.sequence:
-            return
-        # every rank numbers the new structures in the order its forwards compile them,
-        # which is the program's order on all of them
-        self.sequence[structure] = at = len(self.sequence)
-        if self.group.rank() == 0:
-            timed = time_forward(record)
-            self.group.store.set(f"spmd/measure/{self.index}/{at}",
-                                 f"{_digest(structure)} "
-                                 f"{'none' if timed is None else repr(2.0 * timed)}")
-
-    def _store_get(self, key: str, what: str) -> str:
-        try:
-            return self.group.store.get(key).decode()
-        except TimeoutError:
-            raise DistError(f"parallelize: {what} did not arrive from rank "
-                            f"{self.group.ranks[0]} within the store timeout; ranks are "
-                            f"compiling different graphs (data-dependent control flow, or "
-                            f"a rank that stopped?)") from None
+        if getattr(self.setup.strategy.mesh, "hardware", None) is None:
+            self.agreement.forward_compiled(record)  # the first rank times it
 
     def planned(self, record: GraphRecord) -> None:
-        """Every rank must run identically planned collectives.
-
-        Called at the first run of the record's backward, where every rank is at the same
-        point of the program however its graphs were compiled. A plan whose collectives
-        every rank has already agreed on (the same buckets of the same parameters; the
-        graph another batch size compiled on some ranks only) runs at once. A new one is
-        compared across ranks, which all reach it at the same step (the first, a newly
-        frozen layer, a new code path): differing plans raise naming the ranks, and a
-        rank that never runs it is reported by the store's timeout.
-        """
+        """Called at the first run of the record's backward: its parameters are covered
+        by a graph, and every rank must run identically planned collectives."""
         self.covered.update(p for c in collective_nodes(record.backward)
                             for p in c.meta["spmd_collective"].params)
-        if not self.communicates:
-            return
-        mine = collective_signature([record])
-        if mine in self.agreed:
-            return
-        store = self.group.store
-        key = f"spmd/plan/{self.index}/{len(self.agreed)}"
-        store.set(f"{key}/{self.group.rank()}", mine)
-        try:
-            every = [v.decode() for v in store.multi_get(
-                [f"{key}/{r}" for r in range(self.group.size())])]
-        except TimeoutError:
-            raise DistError(f"parallelize: not every rank planned {record.name} within the store "
-                            f"timeout; ranks are running different graphs (data-dependent "
-                            f"control flow?)") from None
-        differ = [self.group.ranks[r] for r, h in enumerate(every) if h != every[0]]
-        if differ:
-            # every rank has read every plan before any raises (the first rank's store
-            # server goes down with it, which would turn the others' error into a lost
-            # connection)
-            _all_arrived(store, f"{key}/read", self.group.size())
-            raise DistError(f"parallelize: ranks planned {record.name} differently (plan "
-                            f"{every[0]} on rank {self.group.ranks[0]}, other plans on rank(s) "
-                            f"{', '.join(map(str, differ))}); every rank must trace the same "
-                            f"graph")
-        self.agreed.add(mine)
+        self.agreement.agree(record)
 
     def plan(self) -> Plan:
         frozen = [n for n, p in self.params.items() if not p.requires_grad]
@@ -485,49 +398,6 @@ class ModuleState:
             yield
         finally:
             self.sync.enabled = previous
-
-
-def _digest(structure: tuple) -> str:
-    import hashlib
-
-    return hashlib.sha256(repr(structure).encode()).hexdigest()[:16]
-
-
-def collective_signature(records: list) -> str:
-    """A hash of the collectives ``records``' graphs run, in order, without graph names
-    or the sizes of activations: what every rank must run identically. A gradient bucket's
-    size is its parameters'; an activation's (tensor parallelism) follows the batch, which
-    may differ across data-parallel ranks, and is left out."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for record in records:
-        for phase, graph in (("forward", record.forward), ("backward", record.backward)):
-            if graph is None:
-                continue
-            for node in collective_nodes(graph):
-                info = node.meta["spmd_collective"]
-                h.update(repr((phase, info.kind, info.params, str(info.dtype),
-                               str(info.wire_dtype), info.mesh_dim,
-                               sum(info.numels) if info.params else None)).encode())
-    return h.hexdigest()[:16]
-
-
-def _all_arrived(store: Any, key: str, size: int, seconds: float = 10.0) -> None:
-    """Count this rank in at ``key`` and wait (at most ``seconds``) until ``size`` have.
-    Best effort: the caller raises what it knows either way (a rank whose store server
-    went down first has already read what it needs)."""
-    import time
-
-    deadline = time.monotonic() + seconds
-    try:
-        count = store.add(key, 1)
-        while count < size and time.monotonic() < deadline:
-            time.sleep(0.01)
-            count = store.add(key, 0)
-        time.sleep(0.05)  # the server's last replies reach the others before it may go
-    except Exception:
-        return
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

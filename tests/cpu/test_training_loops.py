@@ -48,6 +48,13 @@ def rows(x: torch.Tensor, rank: int) -> torch.Tensor:
     return x[rank * n // WORLD:(rank + 1) * n // WORLD]
 
 
+def batch(n: int, i: int, rank: int | None, dtype: torch.dtype = torch.float64
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``i``'s batch of ``n`` rows: this rank's rows, or all of them (rank None)."""
+    x, y = data(n, i, dtype)
+    return (x, y) if rank is None else (rows(x, rank), rows(y, rank))
+
+
 def state(model: nn.Module) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -66,9 +73,7 @@ def changing_batch(rank, strategy):
     m = make() if rank is None else spmd.parallelize(make(), strategy=strategy)
     opt = sgd(m)
     for i, n in enumerate(SIZES):
-        x, y = data(n, i)
-        if rank is not None:
-            x, y = rows(x, rank), rows(y, rank)
+        x, y = batch(n, i, rank)
         opt.zero_grad()
         F.mse_loss(m(x), y).backward()
         opt.step()
@@ -133,9 +138,7 @@ def recompile_limit(rank, strategy):
         m = spmd.parallelize(m, strategy=strategy)
     opt = sgd(m)
     for i in range(11):
-        x, y = data(8, i)
-        if rank is not None:
-            x, y = rows(x, rank), rows(y, rank)
+        x, y = batch(8, i, rank)
         opt.zero_grad()
         F.mse_loss(m(x, f"{1.0 + 0.05 * i}"), y).backward()
         opt.step()
@@ -151,9 +154,7 @@ def no_sync_backward_only(rank, strategy):
     for i in range(4):
         opt.zero_grad()
         for k in range(2):
-            x, y = data(8, 10 * i + k)
-            if rank is not None:
-                x, y = rows(x, rank), rows(y, rank)
+            x, y = batch(8, 10 * i + k, rank)
             if rank is None:
                 (F.mse_loss(m(x), y) / 2).backward()
             elif i < 2 and k == 0:  # forward outside, backward inside: averaged
@@ -176,9 +177,7 @@ def late_eager_gradient(rank, strategy):
     m = make() if rank is None else spmd.parallelize(make(), strategy=strategy)
     opt = sgd(m)
     for i in range(6):
-        x, y = data(8, i)
-        if rank is not None:
-            x, y = rows(x, rank), rows(y, rank)
+        x, y = batch(8, i, rank)
         opt.zero_grad()
         loss = F.mse_loss(m(x), y)
         if i >= 4:
@@ -207,9 +206,7 @@ def inplace_init(rank, strategy):
             m.fc1.bias.zero_()  # autograd on: torch refuses this on a leaf parameter
         except RuntimeError as e:
             refused = str(e)
-    x, y = data(8, 0)
-    if rank is not None:
-        x, y = rows(x, rank), rows(y, rank)
+    x, y = batch(8, 0, rank)
     opt = sgd(m)
     F.mse_loss(m(x), y).backward()
     opt.step()
@@ -295,9 +292,7 @@ def step_scalar_argument(rank, strategy):
     m = make()
     opt, step = sgd(m), _step(scaled_step, rank, strategy)
     for i, w in enumerate((1.0, 3.0, 0.5, 3.0)):
-        x, y = data(8, i)
-        if rank is not None:
-            x, y = rows(x, rank), rows(y, rank)
+        x, y = batch(8, i, rank)
         step(m, x, y, opt, w)
     return state(m), None
 
@@ -309,9 +304,7 @@ def step_adamw_alternate_freeze(rank, strategy, dtype=torch.float64):
     opt, step = torch.optim.AdamW(m.parameters(), lr=0.05), _step(plain_step, rank, strategy)
     for i in range(5):
         m.fc1.requires_grad_(i % 2 == 0)
-        x, y = data(8, i, dtype)
-        if rank is not None:
-            x, y = rows(x, rank), rows(y, rank)
+        x, y = batch(8, i, rank, dtype)
         step(m, x, y, opt)
     m.fc1.requires_grad_(True)
     how = None if rank is None else spmd.inspect(step).optimizer
@@ -329,9 +322,7 @@ def step_accumulation_over_calls(rank, strategy):
     back, opt_step = _step(backward_step, rank, strategy), _step(optimizer_step, rank, strategy)
     for i in range(2):
         for k in range(3):
-            x, y = data(8, 10 * i + k)
-            if rank is not None:
-                x, y = rows(x, rank), rows(y, rank)
+            x, y = batch(8, 10 * i + k, rank)
             if k < 2:
                 back(m, x, y)
             else:
@@ -344,9 +335,7 @@ def step_optimizer_outside(rank, strategy):
     m = make()
     opt, step = sgd(m), _step(backward_step, rank, strategy)
     for i in range(3):
-        x, y = data(8, i)
-        if rank is not None:
-            x, y = rows(x, rank), rows(y, rank)
+        x, y = batch(8, i, rank)
         step(m, x, y)
         opt.step()
         opt.zero_grad()
@@ -359,9 +348,7 @@ def two_step_functions(rank, strategy):
     train, evaluate = _step(plain_step, rank, strategy), _step(eval_step, rank, strategy)
     losses = []
     for i in range(3):
-        x, y = data(8, i)
-        if rank is not None:
-            x, y = rows(x, rank), rows(y, rank)
+        x, y = batch(8, i, rank)
         train(m, x, y, opt)
         losses.append(float(evaluate(m, x, y)))
     return state(m), None

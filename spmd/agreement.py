@@ -1,0 +1,162 @@
+"""What the ranks of a parallelized module share while they compile: the backward-time
+estimate that sizes gradient buckets, and the plans themselves.
+
+Two facts shape it. A batch of another size recompiles only on the ranks that see it (the
+uneven last batch of a ``DataLoader``); such a graph must plan without waiting for ranks
+that are not compiling, and must plan the buckets the graph it replaces had. And
+AOTAutograd plans a static graph's backward at its first backward but a dynamic one's
+inside Dynamo's compile, so ranks whose graphs differ only there (a view of the batch at
+another storage offset) reach the backward's planning at different points of the
+program; thread ranks also share Dynamo's compile lock. So nothing waits inside a compile
+for a rank that might not be compiling:
+
+- the estimate is kept per graph *structure* (parameters and buffers by name, the data's
+  dtypes and ranks: not its sizes); the group's first rank times each new structure's
+  forward as it compiles and publishes twice that under the structure's place in the
+  forward-compile order, which every rank numbers alike; the others read it when they plan
+  the backward (the first rank never waits, so neither do they for long);
+- plans are compared by a signature of their collectives (no graph names, no activation
+  sizes) at the first run of their backward, where every rank is at the same point: a
+  signature every rank already agreed on runs at once, a new one is compared, and
+  differing plans raise naming the ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+from spmd.lowering.capture import GraphRecord, time_forward
+from spmd.lowering.graph import collective_nodes
+from spmd.runtime.errors import DistError
+
+__all__ = ["Agreement", "collective_signature"]
+
+
+class Agreement:
+    """The shared estimates and agreed plans of one parallelized module (see the module
+    doc); ``setup`` is its :class:`spmd.setup.Setup`."""
+
+    def __init__(self, setup: Any) -> None:
+        self.group = setup.group
+        self.index = setup.index  # the how-many-th parallelized model: its store keys
+        self.communicates = setup.communicates
+        # thread ranks share one process's cores (a measurement says little) and Dynamo's
+        # compile lock (a rank waiting inside a compile would keep the first rank from
+        # compiling what it waits for): every rank plans without a measured figure
+        self.threaded = bool(getattr(self.group, "_threaded", False))
+        self.estimates: dict[tuple, float | None] = {}  # structure -> backward seconds
+        self.sequence: dict[tuple, int] = {}  # new structures in forward-compile order
+        self.agreed: set[str] = set()  # collective signatures every rank has planned
+
+    def forward_compiled(self, record: GraphRecord) -> None:
+        """A training forward compiled: number a new structure, and on the first rank
+        time it and publish the figure, before anything waits for it."""
+        if not self.communicates or self.threaded:
+            return
+        structure = record.structure
+        if structure in self.sequence:
+            return
+        self.sequence[structure] = at = len(self.sequence)
+        if self.group.rank() == 0:
+            timed = time_forward(record)
+            self.group.store.set(f"spmd/measure/{self.index}/{at}",
+                                 f"{_digest(structure)} "
+                                 f"{'none' if timed is None else repr(2.0 * timed)}")
+
+    def backward_estimate(self, record: GraphRecord) -> float | None:
+        """Seconds of ``record``'s backward compute, the same on every rank (None: plan
+        without a figure)."""
+        structure = record.structure
+        if structure in self.estimates:
+            return self.estimates[structure]
+        if not self.communicates:
+            timed = time_forward(record)  # nothing to agree on: no collectives run
+            seconds = None if timed is None else 2.0 * timed
+        elif self.threaded or structure not in self.sequence:
+            seconds = None  # (not in sequence: compiled in no training forward)
+        else:
+            key = f"spmd/measure/{self.index}/{self.sequence[structure]}"
+            digest, raw = self._get(key, f"the timing of {record.name}").split()
+            # another structure there: the ranks traced different graphs, which comparing
+            # the plans reports by name; any figure will do until then
+            seconds = None if raw == "none" or digest != _digest(structure) else float(raw)
+        self.estimates[structure] = seconds
+        return seconds
+
+    def agree(self, record: GraphRecord) -> None:
+        """Every rank must run identically planned collectives; called at the first run of
+        ``record``'s backward."""
+        if not self.communicates:
+            return
+        mine = collective_signature([record])
+        if mine in self.agreed:
+            return
+        store, group = self.group.store, self.group
+        key = f"spmd/plan/{self.index}/{len(self.agreed)}"
+        store.set(f"{key}/{group.rank()}", mine)
+        try:
+            every = [v.decode() for v in store.multi_get(
+                [f"{key}/{r}" for r in range(group.size())])]
+        except TimeoutError:
+            raise DistError(f"parallelize: not every rank planned {record.name} within the store "
+                            f"timeout; ranks are running different graphs (data-dependent "
+                            f"control flow?)") from None
+        differ = [group.ranks[r] for r, h in enumerate(every) if h != every[0]]
+        if differ:
+            # every rank has read every plan before any raises (the first rank's store
+            # server goes down with it, which would turn the others' error into a lost
+            # connection)
+            _all_arrived(store, f"{key}/read", group.size())
+            raise DistError(f"parallelize: ranks planned {record.name} differently (plan "
+                            f"{every[0]} on rank {group.ranks[0]}, other plans on rank(s) "
+                            f"{', '.join(map(str, differ))}); every rank must trace the same "
+                            f"graph")
+        self.agreed.add(mine)
+
+    def _get(self, key: str, what: str) -> str:
+        try:
+            return self.group.store.get(key).decode()
+        except TimeoutError:
+            raise DistError(f"parallelize: {what} did not arrive from rank "
+                            f"{self.group.ranks[0]} within the store timeout; ranks are "
+                            f"compiling different graphs (data-dependent control flow, or "
+                            f"a rank that stopped?)") from None
+
+
+def collective_signature(records: list) -> str:
+    """A hash of the collectives ``records``' graphs run, in order, without graph names
+    or the sizes of activations: what every rank must run identically. A gradient bucket's
+    size is its parameters'; an activation's (tensor parallelism) follows the batch, which
+    may differ across data-parallel ranks, and is left out."""
+    h = hashlib.sha256()
+    for record in records:
+        for phase, graph in (("forward", record.forward), ("backward", record.backward)):
+            if graph is None:
+                continue
+            for node in collective_nodes(graph):
+                info = node.meta["spmd_collective"]
+                h.update(repr((phase, info.kind, info.params, str(info.dtype),
+                               str(info.wire_dtype), info.mesh_dim,
+                               sum(info.numels) if info.params else None)).encode())
+    return h.hexdigest()[:16]
+
+
+def _digest(structure: tuple) -> str:
+    return hashlib.sha256(repr(structure).encode()).hexdigest()[:16]
+
+
+def _all_arrived(store: Any, key: str, size: int, seconds: float = 10.0) -> None:
+    """Count this rank in at ``key`` and wait (at most ``seconds``) until ``size`` have.
+    Best effort: the caller raises what it knows either way (a rank whose store server
+    went down first has already read what it needs)."""
+    deadline = time.monotonic() + seconds
+    try:
+        count = store.add(key, 1)
+        while count < size and time.monotonic() < deadline:
+            time.sleep(0.01)
+            count = store.add(key, 0)
+        time.sleep(0.05)  # the server's last replies reach the others before it may go
+    except Exception:
+        return
