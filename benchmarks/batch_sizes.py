@@ -23,13 +23,12 @@ import argparse
 import os
 import statistics
 import sys
-from datetime import timedelta
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ddp import CASES as DDP_CASES  # noqa: E402
-from ddp import _fresh, time_rounds  # noqa: E402
+from ddp import _fresh, init_groups, time_rounds  # noqa: E402
 
 CASES = {"encoder": DDP_CASES["encoder"], "small": DDP_CASES["small"]}
 PATTERNS = {"last": [8, 8, 8, None], "sizes": [8, 6, 4, 2]}  # None: 5 and 4 rows
@@ -53,12 +52,7 @@ def rank_main(rank: int, steps: int, rounds: int, names: list[str]) -> dict | No
     import spmd
     from spmd import runtime as dist
 
-    torch.set_num_threads(1)
-    port = int(os.environ["MASTER_PORT"]) + 1
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                             world_size=int(os.environ["WORLD_SIZE"]))
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    world = dist.get_world_size()
+    world = init_groups(rank)
     results = {}
     for name in names:
         case = CASES[name]

@@ -158,6 +158,22 @@ def time_rounds(models: dict, opts: dict, batches: list, loss: Callable, rounds:
     return times
 
 
+def init_groups(rank: int) -> int:
+    """One compute thread; torch's Gloo group and ours, over the same ranks; the world
+    size. torch DDP runs on a group of torch's own (initialized first: after ours, torch
+    would share our group), as DDP users run it."""
+    import torch.distributed as tdist
+
+    from spmd import runtime as dist
+
+    torch.set_num_threads(1)
+    port = int(os.environ["MASTER_PORT"]) + 1
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                             world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    return dist.get_world_size()
+
+
 def rank_main(rank: int, steps: int, rounds: int, names: list[str]) -> dict | None:
     import torch.distributed as tdist
     from torch.nn.parallel import DistributedDataParallel
@@ -165,14 +181,7 @@ def rank_main(rank: int, steps: int, rounds: int, names: list[str]) -> dict | No
     import spmd
     from spmd import runtime as dist
 
-    torch.set_num_threads(1)
-    # torch DDP on a Gloo group of torch's own (initialized first: after ours, torch would
-    # share our group), as DDP users run it
-    port = int(os.environ["MASTER_PORT"]) + 1
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                             world_size=int(os.environ["WORLD_SIZE"]))
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    world = dist.get_world_size()
+    world = init_groups(rank)
     make = {
         "spmd": lambda c: spmd.parallelize(_fresh(c)),
         "spmd, bucketing off": lambda c: spmd.parallelize(_fresh(c), bucket_cap_mb=0),

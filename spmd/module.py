@@ -33,7 +33,6 @@ import torch.nn as nn
 import spmd.kernels as kernels
 from spmd.lowering.capture import Capture, GraphRecord
 from spmd.lowering.context import LoweringContext
-from spmd.lowering.graph import collective_nodes
 from spmd.lowering.specs import Handles, ShardSpec, SyncState
 from spmd.lowering.options import Options
 from spmd.agreement import Agreement
@@ -95,7 +94,6 @@ class ModuleState:
         self.accumulated = False  # gradients were accumulated under no_sync()
         self.finish_queued = False
         self.compiled = None
-        self.covered: set[str] = set()  # parameters some planned graph reduces
         self.estimates: dict[str, float] = {}  # graph -> shared backward-seconds estimate
         self.agreement = Agreement(setup)  # estimates and plans shared across ranks
         self.capture_failed: str | None = None  # why the model runs eagerly, if it does
@@ -145,10 +143,8 @@ class ModuleState:
             self.agreement.forward_compiled(record)  # the first rank times it
 
     def planned(self, record: GraphRecord) -> None:
-        """Called at the first run of the record's backward: its parameters are covered
-        by a graph, and every rank must run identically planned collectives."""
-        self.covered.update(p for c in collective_nodes(record.backward)
-                            for p in c.meta["spmd_collective"].params)
+        """Called at the first run of the record's backward: every rank must run
+        identically planned collectives."""
         self.agreement.agree(record)
 
     def plan(self) -> Plan:
