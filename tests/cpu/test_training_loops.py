@@ -18,6 +18,8 @@ import torch.nn.functional as F
 import spmd
 from spmd import runtime as dist
 
+from ..models import MODELS
+
 WORLD = 2
 
 
@@ -69,8 +71,8 @@ def sgd(model: nn.Module) -> torch.optim.Optimizer:
 SIZES = (12, 8, 4, 6, 2, 8)  # the whole batch per step; a DataLoader's sizes change too
 
 
-def changing_batch(rank, strategy):
-    m = make() if rank is None else spmd.parallelize(make(), strategy=strategy)
+def changing_batch(rank, strategy, build=make):
+    m = build() if rank is None else spmd.parallelize(build(), strategy=strategy)
     opt = sgd(m)
     for i, n in enumerate(SIZES):
         x, y = batch(n, i, rank)
@@ -79,6 +81,12 @@ def changing_batch(rank, strategy):
         opt.step()
     graphs = None if rank is None else spmd.inspect(m).graph_reasons
     return state(m), graphs
+
+
+def changing_batch_encoder(rank, strategy):
+    """The same loop on another family: torch's transformer encoder (attention, layer
+    norms, a sequence built from each row)."""
+    return changing_batch(rank, strategy, lambda: MODELS["encoder"]().double())
 
 
 def uneven_last_batch(rank, strategy):
@@ -356,6 +364,7 @@ def two_step_functions(rank, strategy):
 
 LOOPS = {
     "changing_batch": (changing_batch, ("ddp", "fsdp")),
+    "changing_batch_encoder": (changing_batch_encoder, ("ddp", "fsdp")),
     "uneven_last_batch": (uneven_last_batch, ("ddp", "fsdp")),
     "join_uneven": (join_uneven, ("ddp",)),
     "recompile_limit": (recompile_limit, ("ddp", "fsdp")),
