@@ -66,10 +66,10 @@ def rank_main(rank: int, steps: int, rounds: int, names: list[str]) -> dict | No
             time_rounds({"spmd, hooks removed": models["spmd, hooks removed"]}, opts,
                         batches[:len(pattern)], case.loss, 0, tdist.barrier)
             state = models["spmd, hooks removed"]._spmd
-            for hook in state._hooks.values():
+            for hook in state.net.hooks.values():
                 hook.remove()
-            state._hooks.clear()
-            state._hook_all = lambda: None
+            state.net.hooks.clear()
+            state.net.hook_all = lambda: None
             times = time_rounds(models, opts, batches, case.loss, rounds, tdist.barrier)
             graphs = {v: [r.reason for r in m._spmd.records] for v, m in models.items()
                       if v.startswith("spmd")}
@@ -77,7 +77,7 @@ def rank_main(rank: int, steps: int, rounds: int, names: list[str]) -> dict | No
             dist.all_gather_object(every, len(graphs["spmd"]))
             results[(name, pattern_name)] = {"times": times, "graphs": every,
                                              "reasons": graphs["spmd"],
-                                             "hooks": len(models["spmd"]._spmd._hooks)}
+                                             "hooks": len(models["spmd"]._spmd.net.hooks)}
     tdist.destroy_process_group()
     dist.destroy_process_group()
     return results if rank == 0 else None

@@ -34,7 +34,7 @@ from spmd.lowering.passes import Provenance
 from spmd.lowering.propagate import derive
 from spmd.lowering.redistribute import Step
 from spmd.lowering.shard_params import (build_gather, build_scatter, gathered_results,
-                                        scattered_results)
+                                        scattered_results, strategy_note)
 from spmd.lowering.state import Buckets, put
 
 __all__ = ["bucketing", "plan_buckets", "gather_cap"]
@@ -168,7 +168,8 @@ def _bucket_shards(gm: fx.GraphModule, ctx: LoweringContext, cap: int, reason: s
             order = ("first used in this order" if kind == "all_gather"
                      else "gradients ready in this order")
             why = Provenance(params=params, pass_name="bucketing",
-                             reason=f"{len(params)} parameter(s) {order}, one dtype; {why_cap}")
+                             reason=f"{len(params)} parameter(s) {order}, one dtype; {why_cap}"
+                                    + strategy_note(specs[members[0]], kind))
             member_specs = [specs[i] for i in members]
             if kind == "all_gather":
                 _, results = build_gather(gm, ctx, [n.args[0][0] for n in nodes],

@@ -52,6 +52,7 @@ class LoweringContext:
     backward_seconds: float | None = None
     saved: Mapping[str, "Sharding"] = field(default_factory=dict)
     optimizer: int | None = None
+    compute: str = "emit"  # how the planned graph runs: "emit" or "inductor"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -64,12 +65,7 @@ class LoweringContext:
     def cost_model_along(self, dim: str) -> CostModel:
         """The cost model of collectives along mesh dimension ``dim``: the hardware
         model's link for it on a simulated cluster, else this model at its size."""
-        from dataclasses import replace
-
-        hardware = getattr(self.mesh, "hardware", None)
-        if hardware is not None:
-            return hardware.cost_model(self.mesh, dim)
-        return replace(self.cost_model, world_size=self.mesh.size(dim))
+        return self.mesh.cost_model(dim, self.cost_model)
 
     def group(self, dim: str) -> Any:
         """The process group along mesh dimension ``dim``; None on a simulated mesh."""

@@ -19,6 +19,11 @@ so the graphs stay ordinary fx graphs for make_fx, Dynamo and Inductor.
 
 ``handle`` names a :class:`~spmd.lowering.specs.CollectiveSpec` (``spmd.lowering.specs``:
 group, scale, wire dtype, the owner's sync switch, the work in flight).
+
+This is the one ``spmd`` op library: every op is made by :func:`define` (schema,
+implementation, fake kernel, and the backward where autograd needs one), here or where
+its implementation lives (``optimizer_step``, ``gradient_of``); :data:`FAKES` and
+:data:`IMPLEMENTATIONS` list them all for the emitter and the cost views.
 """
 
 from __future__ import annotations
@@ -31,13 +36,14 @@ import torch
 from spmd.lowering import redistribute as table
 from spmd.lowering import reduction
 from spmd.lowering.flat import pack_planned
-from spmd.lowering.specs import (CollectiveSpec, ShardBucketSpec, ShardSpec, sending,
+from spmd.lowering.specs import (CollectiveSpec, ShardBucketSpec, ShardSpec, TPSpec, sending,
                                  lookup)
 from spmd.runtime import collectives
 
 __all__ = ["bucket_all_reduce", "wait", "wait_cast", "all_gather", "reduce_scatter",
            "all_to_all", "local_redistribute", "shard_gather", "shard_reduce",
-           "bucket_all_gather", "unpack_gathered", "bucket_reduce_scatter"]
+           "bucket_all_gather", "unpack_gathered", "bucket_reduce_scatter", "tp_param",
+           "tp_grad", "define"]
 
 
 def _dim0(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -53,18 +59,28 @@ def _split_front(x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
 
 
 _lib = torch.library.Library("spmd", "DEF")
-_lib.define("bucket_all_reduce(Tensor[] grads, int handle) -> Tensor")
-_lib.define("wait(Tensor(a) tensor, int handle) -> Tensor(a)")
-_lib.define("wait_cast(Tensor tensor, int handle) -> Tensor")
-_lib.define("all_gather(Tensor x, int handle) -> Tensor")
-_lib.define("reduce_scatter(Tensor x, int handle) -> Tensor")
-_lib.define("all_to_all(Tensor x, int handle) -> Tensor")
-_lib.define("local_redistribute(Tensor x, int handle) -> Tensor")
-_lib.define("shard_gather(Tensor shard, int handle) -> Tensor")
-_lib.define("shard_reduce(Tensor grad, int handle) -> Tensor")
-_lib.define("bucket_all_gather(Tensor[] shards, int handle) -> Tensor")
-_lib.define("unpack_gathered(Tensor flat, int handle) -> Tensor[]")
-_lib.define("bucket_reduce_scatter(Tensor[] grads, int handle) -> Tensor")
+FAKES: dict[Any, Any] = {}  # op -> its fake (meta) kernel
+IMPLEMENTATIONS: dict[Any, Any] = {}  # op -> its Python implementation (the emitter calls it)
+
+
+def define(schema: str, impl: Any, fake: Any, backward: Any = None) -> Any:
+    """Define ``spmd::<schema>`` with its implementation, fake kernel and (optionally) a
+    backward ``backward(handle_or_args, grad) -> grads``; the op's overload. The one way
+    an ``spmd`` op is made."""
+    name = schema.split("(", 1)[0]
+    _lib.define(schema)
+    _lib.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"spmd::{name}", fake, lib=_lib)
+    op = getattr(torch.ops.spmd, name).default
+    if backward is not None:
+        torch.library.register_autograd(f"spmd::{name}", backward,
+                                        setup_context=_keep_handle, lib=_lib)
+    FAKES[op], IMPLEMENTATIONS[op] = fake, impl
+    return op
+
+
+def _keep_handle(ctx: Any, inputs: tuple, output: Any) -> None:
+    ctx.handle = inputs[1]
 
 
 def _bucket_all_reduce(grads: list[torch.Tensor], handle: int) -> torch.Tensor:
@@ -157,28 +173,32 @@ def _local_redistribute(x: torch.Tensor, handle: int) -> torch.Tensor:
 
 def _shard_gather(shard: torch.Tensor, handle: int) -> torch.Tensor:
     """The whole parameter from every rank's shard, in ``param_dtype``: one blocking
-    all-gather (the eager form; compiled graphs bucket and overlap it instead)."""
+    all-gather (the eager form; compiled graphs bucket and overlap it instead). A
+    persistent spec (zero1/zero2) gathers only when the shard changed since the last."""
     s: ShardSpec = lookup(handle)
     s.eager = True  # planned graphs run bucket_all_gather instead: this read is eager
-    src = shard.detach().to(s.gather_dtype).contiguous()
-    if not s.live:  # a simulated mesh: every rank is taken to hold this shard
-        return s.whole(torch.cat([src] * s.size)).clone()
-    from spmd.runtime.collectives import all_gather_into_tensor
-
-    out = src.new_empty((s.size * s.rows, *src.shape[1:]))
-    all_gather_into_tensor(out, src, group=s.group)
-    return s.whole(out)
+    if not s.persistent:
+        return s.gather(shard, s.gather_dtype)
+    held = s.held_whole(shard)
+    if held is None:
+        held = s.hold(shard, s.gather(shard, s.gather_dtype).clone())
+    return held.detach()  # a new tensor over the held one: autograd's record is its own
 
 
 def _shard_reduce(grad: torch.Tensor, handle: int) -> torch.Tensor:
     """This rank's shard of the gradient averaged over every rank's batch: one blocking
-    reduce-scatter in ``reduce_dtype`` (and an all-reduce across replicas for hybrid
-    sharding), returned in the parameter's dtype."""
+    reduce-scatter in ``reduce_dtype`` (zero1: an all-reduce of the whole, this rank's rows
+    kept; hybrid sharding: then an all-reduce across replicas), in the parameter's
+    dtype."""
     s: ShardSpec = lookup(handle)
     wire = s.reduce_dtype or grad.dtype
     padded = s.padded(grad.detach(), wire)
     if not s.live:
         out = padded[:s.rows].clone()
+    elif s.all_reduce:
+        whole = padded.mul(1.0 / s.size)
+        collectives.all_reduce(whole, group=s.group)
+        out = whole[s.rank() * s.rows:(s.rank() + 1) * s.rows].clone()
     else:
         from spmd.runtime.collectives import reduce_scatter_tensor
 
@@ -192,18 +212,29 @@ def _shard_reduce(grad: torch.Tensor, handle: int) -> torch.Tensor:
 
 def _bucket_all_gather(shards: list[torch.Tensor], handle: int) -> torch.Tensor:
     """Start one all-gather of a bucket of shards: each rank's shards packed into one flat
-    buffer (cast to ``param_dtype`` on the way); the result is ``size`` such buffers."""
+    buffer (cast to ``param_dtype`` on the way); the result is ``size`` such buffers. A
+    persistent bucket (zero1/zero2) returns the last result while no shard changed: the
+    parameters are gathered once per optimizer step."""
     s: ShardBucketSpec = lookup(handle)
+    held = s.held_result(shards)
+    if held is not None:
+        return held
     dtype = s.shards[0].gather_dtype
     flat = pack_planned(shards, 1.0, dtype)
     if not s.live:
-        return flat.repeat(s.size)
+        held = s.hold(shards, flat.repeat(s.size))
+        return held.clone() if s.copy_held and s.shards[0].persistent else held
     from spmd.runtime.collectives import all_gather_into_tensor
 
     out = flat.new_empty(s.size * flat.numel())
     issued = time.perf_counter()
+    if s.copy_held and s.shards[0].persistent:  # the held buffer never leaves: a copy does
+        held = s.hold(shards, torch.empty_like(out))
+        work = all_gather_into_tensor(held, flat, group=s.group, async_op=True)
+        s.started(out, _CopyOnWait(work, held, out), issued)
+        return out
     s.started(out, all_gather_into_tensor(out, flat, group=s.group, async_op=True), issued)
-    return out
+    return s.hold(shards, out)
 
 
 def _unpack_gathered(flat: torch.Tensor, handle: int) -> list[torch.Tensor]:
@@ -223,7 +254,8 @@ def _unpack_gathered(flat: torch.Tensor, handle: int) -> list[torch.Tensor]:
 def _bucket_reduce_scatter(grads: list[torch.Tensor], handle: int) -> torch.Tensor:
     """Start one reduce-scatter of a bucket of gradients: each laid out so rank r's rows
     of every parameter are contiguous (``(size, total)``), padded, pre-divided by the
-    number of ranks and cast to the wire dtype in the same copy."""
+    number of ranks and cast to the wire dtype in the same copy. zero1 all-reduces the
+    whole grid instead and keeps this rank's row when waited on."""
     s: ShardBucketSpec = lookup(handle)
     wire = s.wire_dtype or grads[0].dtype
     if not s.live:  # every rank is taken to hold these gradients: the average is them
@@ -237,13 +269,59 @@ def _bucket_reduce_scatter(grads: list[torch.Tensor], handle: int) -> torch.Tens
             shard.padded(g, g.dtype).view(s.size, shard.rows, -1))
         offset += n
     grid.mul_(1.0 / s.size)
-    from spmd.runtime.collectives import reduce_scatter_tensor
-
     out = grid.new_empty(s.total)
     issued = time.perf_counter()
+    if s.shards[0].all_reduce:
+        work = collectives.all_reduce(grid, group=s.group, async_op=True)
+        s.started(out, _CopyOnWait(work, grid[s.shards[0].rank()], out), issued)
+        return out
+    from spmd.runtime.collectives import reduce_scatter_tensor
+
     s.started(out, reduce_scatter_tensor(out, grid.view(-1), group=s.group, async_op=True),
               issued)
     return out
+
+
+class _CopyOnWait:
+    """A collective into ``src`` whose wait copies ``src`` into ``out`` (the tensor the
+    graph holds) and drops ``src``: zero1's reduce-scatter by all-reduce keeps this
+    rank's row of the grid, a held gather hands out a copy."""
+
+    def __init__(self, work: Any, src: torch.Tensor, out: torch.Tensor) -> None:
+        self.work, self.src, self.out = work, src, out
+
+    def wait(self) -> bool:
+        self.work.wait()
+        if self.src is not None:
+            self.out.copy_(self.src)
+            self.src = None
+        return True
+
+    def get_future(self) -> Any:
+        raise RuntimeError("no future: the copy is made at the wait")
+
+
+def _tp_param(local: torch.Tensor, handle: int) -> torch.Tensor:
+    """The whole parameter from its tensor-parallel pieces (eager: a blocking all-gather
+    per sharded dimension; planned graphs keep the pieces instead)."""
+    return lookup(handle).whole(local)
+
+
+def _tp_grad(grad: torch.Tensor, handle: int) -> torch.Tensor:
+    """This rank's piece of the whole parameter's gradient. Eagerly every rank of a
+    tensor-parallel dimension computed the same whole gradient (they see the same batch),
+    so the piece is a slice."""
+    return lookup(handle).piece(grad.detach()).clone()
+
+
+def _fake_tp_param(local: torch.Tensor, handle: int) -> torch.Tensor:
+    s: TPSpec = lookup(handle)
+    return local.new_empty(s.shape)
+
+
+def _fake_tp_grad(grad: torch.Tensor, handle: int) -> torch.Tensor:
+    s: TPSpec = lookup(handle)
+    return grad.new_empty(s.local_shape)
 
 
 def _fake_shard_gather(shard: torch.Tensor, handle: int) -> torch.Tensor:
@@ -312,57 +390,45 @@ def _fake_local_redistribute(x: torch.Tensor, handle: int) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-_KERNELS = {  # op name -> (Python implementation, fake kernel)
-    "bucket_all_reduce": (_bucket_all_reduce, _fake_bucket_all_reduce),
-    "wait": (_wait, _fake_wait),
-    "wait_cast": (_wait_cast, _fake_wait_cast),
-    "all_gather": (_all_gather, _fake_all_gather),
-    "reduce_scatter": (_reduce_scatter, _fake_reduce_scatter),
-    "all_to_all": (_all_to_all, _fake_all_to_all),
-    "local_redistribute": (_local_redistribute, _fake_local_redistribute),
-    "shard_gather": (_shard_gather, _fake_shard_gather),
-    "shard_reduce": (_shard_reduce, _fake_shard_reduce),
-    "bucket_all_gather": (_bucket_all_gather, _fake_bucket_all_gather),
-    "unpack_gathered": (_unpack_gathered, _fake_unpack_gathered),
-    "bucket_reduce_scatter": (_bucket_reduce_scatter, _fake_bucket_reduce_scatter),
-}
-for _name, (_impl, _fake) in _KERNELS.items():
-    _lib.impl(_name, _impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"spmd::{_name}", _fake, lib=_lib)
-
-bucket_all_reduce = torch.ops.spmd.bucket_all_reduce.default
-wait = torch.ops.spmd.wait.default
-wait_cast = torch.ops.spmd.wait_cast.default
-all_gather = torch.ops.spmd.all_gather.default
-reduce_scatter = torch.ops.spmd.reduce_scatter.default
-all_to_all = torch.ops.spmd.all_to_all.default
-local_redistribute = torch.ops.spmd.local_redistribute.default
-shard_gather = torch.ops.spmd.shard_gather.default
-shard_reduce = torch.ops.spmd.shard_reduce.default
-bucket_all_gather = torch.ops.spmd.bucket_all_gather.default
-unpack_gathered = torch.ops.spmd.unpack_gathered.default
-bucket_reduce_scatter = torch.ops.spmd.bucket_reduce_scatter.default
-
-
-def _gather_context(ctx: Any, inputs: tuple, output: Any) -> None:
-    ctx.handle = inputs[1]
-
-
 def _gather_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    # a sharded parameter's gradient leaves its gather as the reduce-scatter of its
+    # gradient: autograd (eager) and AOTAutograd (compiled) both see the pair
     return shard_reduce(grad, ctx.handle), None
 
 
-# a sharded parameter's gradient leaves its gather as the reduce-scatter of its gradient:
-# autograd (eager) and AOTAutograd (compiled) both see the pair
-torch.library.register_autograd("spmd::shard_gather", _gather_backward,
-                                setup_context=_gather_context, lib=_lib)
+def _param_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return tp_grad(grad, ctx.handle), None
+
+
+bucket_all_reduce = define("bucket_all_reduce(Tensor[] grads, int handle) -> Tensor",
+                           _bucket_all_reduce, _fake_bucket_all_reduce)
+wait = define("wait(Tensor(a) tensor, int handle) -> Tensor(a)", _wait, _fake_wait)
+wait_cast = define("wait_cast(Tensor tensor, int handle) -> Tensor", _wait_cast,
+                   _fake_wait_cast)
+all_gather = define("all_gather(Tensor x, int handle) -> Tensor", _all_gather,
+                    _fake_all_gather)
+reduce_scatter = define("reduce_scatter(Tensor x, int handle) -> Tensor", _reduce_scatter,
+                        _fake_reduce_scatter)
+all_to_all = define("all_to_all(Tensor x, int handle) -> Tensor", _all_to_all,
+                    _fake_all_to_all)
+local_redistribute = define("local_redistribute(Tensor x, int handle) -> Tensor",
+                            _local_redistribute, _fake_local_redistribute)
+shard_reduce = define("shard_reduce(Tensor grad, int handle) -> Tensor", _shard_reduce,
+                      _fake_shard_reduce)
+shard_gather = define("shard_gather(Tensor shard, int handle) -> Tensor", _shard_gather,
+                      _fake_shard_gather, backward=_gather_backward)
+bucket_all_gather = define("bucket_all_gather(Tensor[] shards, int handle) -> Tensor",
+                           _bucket_all_gather, _fake_bucket_all_gather)
+unpack_gathered = define("unpack_gathered(Tensor flat, int handle) -> Tensor[]",
+                         _unpack_gathered, _fake_unpack_gathered)
+bucket_reduce_scatter = define("bucket_reduce_scatter(Tensor[] grads, int handle) -> Tensor",
+                               _bucket_reduce_scatter, _fake_bucket_reduce_scatter)
+tp_grad = define("tp_grad(Tensor grad, int handle) -> Tensor", _tp_grad, _fake_tp_grad)
+tp_param = define("tp_param(Tensor local, int handle) -> Tensor", _tp_param, _fake_tp_param,
+                  backward=_param_backward)
 
 COLLECTIVE_OPS = {"all_reduce": bucket_all_reduce, "all_gather": all_gather,
                   "reduce_scatter": reduce_scatter, "all_to_all": all_to_all}
 # the bucketed parameter collectives of sharded strategies
 SHARD_OPS = {"all_gather": bucket_all_gather, "reduce_scatter": bucket_reduce_scatter}
 WAIT_OPS = (wait, wait_cast)
-_OPS = {getattr(torch.ops.spmd, name).default: kernels for name, kernels in _KERNELS.items()}
-FAKES = {op: fake for op, (_, fake) in _OPS.items()}
-# the Python implementations, for the emitter (one call instead of the dispatcher's)
-IMPLEMENTATIONS = {op: impl for op, (impl, _) in _OPS.items()}

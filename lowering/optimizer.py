@@ -28,7 +28,7 @@ from spmd.kernels.layout import SUPPORTED_DTYPES
 from spmd.lowering.collectives import bucket_results
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import collective_nodes, is_wait
-from spmd.lowering.ops import _lib
+from spmd.lowering import ops
 from spmd.lowering.specs import Handles, lookup
 from spmd.lowering.shard_params import scattered_results
 from spmd.lowering.state import Boundary, OptimizerFusion, Role, needs, put
@@ -96,9 +96,6 @@ def register_optimizer(optimizer: torch.optim.Optimizer, handles: Handles) -> in
     return handles.add(OptimizerSpec(optimizer=optimizer, kind=kind))
 
 
-_lib.define("optimizer_step(Tensor(a!)[] params, Tensor flat, int handle) -> ()")
-
-
 def _group_runs(owner: dict[int, dict], params: list[torch.Tensor]):
     """Consecutive runs of ``params`` that share a param group: (group, start, members)."""
     run: list[torch.Tensor] = []
@@ -163,9 +160,8 @@ def _fake_optimizer_step(params: list[torch.Tensor], flat: torch.Tensor, handle:
     return None
 
 
-_lib.impl("optimizer_step", _optimizer_step, "CompositeExplicitAutograd")
-torch.library.register_fake("spmd::optimizer_step", _fake_optimizer_step, lib=_lib)
-optimizer_step = torch.ops.spmd.optimizer_step.default
+optimizer_step = ops.define("optimizer_step(Tensor(a!)[] params, Tensor flat, int handle) -> ()",
+                            _optimizer_step, _fake_optimizer_step)
 
 
 _BUCKET_KINDS = ("all_reduce", "reduce_scatter")  # what leaves a gradient's bucket

@@ -10,9 +10,7 @@ import torch
 
 from spmd.runtime.compressed import FLOAT8_DTYPES as _FP8
 
-__all__ = ["Options", "STRATEGIES"]
-
-STRATEGIES = ("ddp", "fsdp", "hsdp")  # spmd.lowering.strategy implements them
+__all__ = ["Options"]
 _WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, *_FP8)
 
 
@@ -25,6 +23,9 @@ class Options:
             gradients averaged. ``"fsdp"``: parameters, gradients (and so optimizer
             state) stored as dim-0 shards, gathered where used. ``"hsdp"``: ``fsdp``
             within the ``"fsdp"`` mesh dimension, replicated across ``"dp"``.
+            ``"zero2"``: gradients and optimizer state as shards, parameters gathered
+            once per optimizer step and kept whole; ``"zero1"``: the same with each
+            gradient all-reduced whole (DeepSpeed's ZeRO stages 2 and 1).
         reshard_after_forward: (sharded strategies) free the gathered parameters after
             the forward and gather them again in backward (True, ZeRO-3), or keep the
             forward's copies for backward (False: less communication, more memory).
@@ -100,6 +101,8 @@ class Options:
     def check(self, where: str) -> None:
         if not isinstance(self.strategy, str):
             raise TypeError(f"{where}: strategy must be a str, got {type(self.strategy).__name__}")
+        from spmd.lowering.strategy import STRATEGIES
+
         if self.strategy not in STRATEGIES:
             raise ValueError(f"{where}: strategy {self.strategy!r} is not supported; expected one "
                              f"of {', '.join(STRATEGIES)}")
@@ -150,22 +153,41 @@ class Options:
             if not self.param_dtype.is_floating_point:
                 raise ValueError(f"{where}: param_dtype must be a floating dtype, got "
                                  f"{self.param_dtype}")
-            if self.strategy == "ddp":
+            if not self.sharded:
                 raise ValueError(f"{where}: param_dtype applies to the sharded strategies "
-                                 f"('fsdp', 'hsdp'), which gather parameters in it; with "
+                                 f"('fsdp', 'hsdp', 'zero1', 'zero2'), which gather "
+                                 f"parameters in it; with "
                                  f"'ddp', convert the model (model.to(dtype)) instead")
         if self.placements is not None:
             from spmd.lowering.strategy import tp_dims_of
 
             if not tp_dims_of(self.placements):
                 raise ValueError(f"{where}: placements names no mesh dimension")
-        if not self.reshard_after_forward and self.strategy == "ddp":
+        if not self.reshard_after_forward and self.gathered != "each use":
             raise ValueError(f"{where}: reshard_after_forward=False applies to the sharded "
-                             f"strategies ('fsdp', 'hsdp'); 'ddp' never reshards")
+                             f"strategies that gather parameters at each use ('fsdp', 'hsdp'); "
+                             f"{self.strategy!r} " + ("never reshards" if not self.sharded
+                                                      else "keeps them whole between steps"))
 
     @property
     def sharded(self) -> bool:
-        return self.strategy in ("fsdp", "hsdp")
+        """Parameters are stored as shards (fsdp, hsdp, zero1, zero2)."""
+        from spmd.lowering.strategy import KINDS
+
+        return KINDS[self.strategy].shards
+
+    @property
+    def gathered(self) -> str:
+        """When shards are gathered (``StrategyKind.gathered``)."""
+        from spmd.lowering.strategy import KINDS
+
+        return KINDS[self.strategy].gathered
+
+    @property
+    def reshards(self) -> bool:
+        """Gathered parameters are freed after the forward and gathered again in
+        backward."""
+        return self.gathered == "each use" and self.reshard_after_forward
 
     @property
     def bucket_cap_bytes(self) -> int | None:

@@ -39,9 +39,19 @@ from spmd.lowering.redistribute import Step
 from spmd.lowering.state import Boundary, CollectiveInfo, Gradient, Role, needs, put
 
 __all__ = ["shard_params", "build_gather", "build_scatter", "gathered_results",
-           "scattered_results"]
+           "scattered_results", "strategy_note"]
 
 aten = torch.ops.aten
+
+
+def strategy_note(spec: ShardSpec, kind: str) -> str:
+    """What the strategy changes about a parameter's collective, for its provenance:
+    zero1/zero2's gathers are kept, zero1's reduce-scatter is an all-reduce."""
+    if kind == "all_gather" and spec.persistent:
+        return "; kept whole until the shards change (gathered once per optimizer step)"
+    if kind == "reduce_scatter" and spec.all_reduce:
+        return "; sent as an all-reduce of the whole gradient, own rows kept (zero1)"
+    return ""
 
 
 def _bucket_spec(ctx: LoweringContext, kind: str, specs: list[ShardSpec],
@@ -51,7 +61,8 @@ def _bucket_spec(ctx: LoweringContext, kind: str, specs: list[ShardSpec],
     spec = ShardBucketSpec(step=Step(src=src, dst=dst, kind=kind, mesh_dim=first.mesh_dim),
                                group=first.group, size=first.size,
                                params=tuple(s.param for s in specs), shards=tuple(specs),
-                               wire_dtype=wire, sync=ctx.sync)  # sync: the profiler's hook
+                               wire_dtype=wire, sync=ctx.sync,  # sync: the profiler's hook
+                               copy_held=ctx.compute == "inductor")
     return spec, ctx.handles.add(spec)
 
 
@@ -109,7 +120,8 @@ def build_scatter(gm: fx.GraphModule, ctx: LoweringContext, grads: list[fx.Node]
         kind="reduce_scatter", mesh_dim=spec.step.mesh_dim, src=spec.step.src,
         dst=spec.step.dst, params=spec.params, numels=tuple(s.local_numel for s in specs),
         dtype=dtype, wire_dtype=wire, bytes=spec.size * spec.total * wire.itemsize,
-        handle=handle, provenance=provenance)
+        handle=handle, provenance=provenance,
+        sent_as="all_reduce" if specs[0].all_reduce else "")
     unpack = Role(kind="unpack", collective=coll.name)
     anchor = coll
     with graph.inserting_after(anchor):
@@ -193,7 +205,8 @@ def shard_params(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
             spec: ShardSpec = lookup(handle)
             why = Provenance(params=(spec.param,), pass_name="shard_params",
                              reason=f"parameter is Shard(0) on {spec.mesh_dim!r}; used whole "
-                                    f"here (all-gather in {str(spec.gather_dtype)[6:]})")
+                                    f"here (all-gather in {str(spec.gather_dtype)[6:]})"
+                                    + strategy_note(spec, "all_gather"))
             _, (whole,) = build_gather(gm, ctx, [node.args[0]], [spec], why, before=node)
             node.replace_all_uses_with(whole)
             graph.erase_node(node)
@@ -206,7 +219,8 @@ def shard_params(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
             why = Provenance(params=(spec.param,), pass_name="shard_params",
                              reason=f"gradient is Partial('avg') on {spec.mesh_dim!r}; the "
                                     f"parameter's shard needs its rows (reduce-scatter in "
-                                    f"{str(wire)[6:]}{extra})")
+                                    f"{str(wire)[6:]}{extra})"
+                                    + strategy_note(spec, "reduce_scatter"))
             _, (shard,) = build_scatter(gm, ctx, [node.args[0]], [spec], why)
             node.replace_all_uses_with(shard)
             if node.name in grad_of:

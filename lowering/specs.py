@@ -25,8 +25,8 @@ import torch
 from spmd.lowering import redistribute as table
 from spmd.runtime import collectives
 
-__all__ = ["CollectiveSpec", "ShardSpec", "ShardBucketSpec", "SyncState", "Handles", "lookup",
-           "dry_run", "sending"]
+__all__ = ["CollectiveSpec", "ShardSpec", "ShardBucketSpec", "TPSpec", "SyncState", "Handles",
+           "lookup", "dry_run", "sending", "gather_rows"]
 
 _IDS = itertools.count(1)
 _DRY = threading.local()
@@ -48,6 +48,18 @@ def dry_run() -> Iterator[None]:
 def sending() -> bool:
     """False inside :func:`dry_run`: collectives then move nothing."""
     return not getattr(_DRY, "on", False)
+
+
+def gather_rows(src: torch.Tensor, size: int, group: Any) -> torch.Tensor:
+    """Every rank's ``src`` stacked along dim 0 (``size * len(src)`` rows): one blocking
+    all-gather over ``group``, or on a simulated mesh (None, or inside :func:`dry_run`)
+    this rank's ``src`` repeated. The one "whole tensor from the pieces" of eager code."""
+    src = src.detach().contiguous()
+    if group is None or size == 1 or not sending():
+        return torch.cat([src] * size)
+    out = src.new_empty((src.shape[0] * size, *src.shape[1:]))
+    collectives.all_gather_into_tensor(out, src, group=group)
+    return out
 
 
 _LIVE: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
@@ -220,6 +232,10 @@ class ShardSpec:
         replicate_group, replicate_size, replicate_dim: hybrid sharding's other dimension.
         param_dtype: the dtype it is gathered and computed in (None: ``dtype``).
         reduce_dtype: the dtype its gradient is reduced in (None: the gradient's).
+        persistent: the gathered whole is kept until the shard changes (``zero1``,
+            ``zero2``: gathered once per optimizer step, not at every use).
+        all_reduce: the gradient is all-reduced whole and this rank keeps its rows
+            (``zero1``) rather than reduce-scattered.
     """
 
     param: str
@@ -234,7 +250,10 @@ class ShardSpec:
     replicate_dim: str = ""
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    persistent: bool = False
+    all_reduce: bool = False
     eager: bool = False  # gathered outside any planned graph at least once
+    held: Any = field(default=None, repr=False)  # persistent: (key, whole) last gathered
 
     @property
     def live(self) -> bool:
@@ -277,6 +296,24 @@ class ShardSpec:
         """The parameter's tensor from the ``size * rows`` gathered rows (padding cut)."""
         return padded[:self.rows_global].view(self.shape)
 
+    def gather(self, shard: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole tensor from every rank's ``shard`` (of this parameter, or laid out
+        like it, such as its gradient), in ``dtype`` (default: ``shard``'s): a blocking
+        all-gather every rank must join."""
+        src = shard.detach() if dtype is None else shard.detach().to(dtype)
+        return self.whole(gather_rows(src, self.size, self.group if self.live else None))
+
+    def held_whole(self, shard: torch.Tensor) -> torch.Tensor | None:
+        """A persistent spec's last gathered whole, if ``shard`` has not changed since."""
+        if self.held is None:
+            return None
+        key, whole = self.held
+        return whole if key == _version_key(shard) else None
+
+    def hold(self, shard: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        self.held = (_version_key(shard), whole)
+        return whole
+
     def padded(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``grad`` (the whole tensor's) as ``size * rows`` rows of ``dtype``, zero padded."""
         rows = grad.reshape(self.rows_global, *self.shape[1:])
@@ -295,10 +332,29 @@ class ShardBucketSpec(CollectiveSpec):
     :func:`shard_reduce`). ``shards`` are the parameters' specs, in bucket order."""
 
     shards: tuple[ShardSpec, ...] = ()
+    held: Any = field(default=None, repr=False)  # persistent gathers: (key, result)
+    # a persistent gather in a graph Inductor compiles hands out copies of what it holds
+    # (Inductor may reuse a returned buffer's memory once the graph is done reading it)
+    copy_held: bool = False
 
     @property
     def total(self) -> int:
         return sum(s.local_numel for s in self.shards)
+
+    def held_result(self, shards: list[torch.Tensor]) -> torch.Tensor | None:
+        """A persistent gather's last result, while none of ``shards`` changed since (every
+        rank steps the same parameters, so every rank agrees on whether to gather)."""
+        if self.held is None or not self.shards[0].persistent:
+            return None
+        key, result = self.held
+        if key != tuple(_version_key(t) for t in shards):
+            return None
+        return result.clone() if self.copy_held else result
+
+    def hold(self, shards: list[torch.Tensor], result: torch.Tensor) -> torch.Tensor:
+        if self.shards[0].persistent:
+            self.held = (tuple(_version_key(t) for t in shards), result)
+        return result
 
     def finish(self, buffer: torch.Tensor) -> None:
         """Wait for the collective; a reduce-scatter of hybrid sharding then averages the
@@ -309,6 +365,54 @@ class ShardBucketSpec(CollectiveSpec):
                 and first.replicate_size > 1 and sending()):
             collectives.all_reduce(buffer, group=first.replicate_group)
             buffer.mul_(1.0 / first.replicate_size)
+
+
+def _version_key(t: torch.Tensor) -> tuple[int, int]:
+    """What changes when a tensor is written (in place or through ``.data``)."""
+    return (t.untyped_storage().data_ptr(), t._version)
+
+
+@dataclass(eq=False, kw_only=True)
+class TPSpec:
+    """One tensor-parallel parameter: its whole shape, its placement per tensor-parallel
+    dimension, and the groups along them (None: a simulated mesh)."""
+
+    param: str
+    shape: tuple[int, ...]
+    placements: dict[str, Any]
+    sizes: dict[str, int]
+    groups: dict[str, Any] = field(default_factory=dict)
+
+    def rank(self, dim: str) -> int:
+        group = self.groups.get(dim)
+        return 0 if group is None else group.rank()
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        shape = list(self.shape)
+        for dim, p in self.placements.items():
+            if p.is_shard():
+                shape[p.dim] //= self.sizes[dim]
+        return tuple(shape)
+
+    def piece(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a whole tensor laid out like the parameter (a view)."""
+        out = full
+        for dim, p in self.placements.items():
+            if p.is_shard():
+                out = out.chunk(self.sizes[dim], dim=p.dim)[self.rank(dim)]
+        return out
+
+    def whole(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole tensor from every rank's piece: a blocking all-gather along each
+        sharded dimension (on a simulated mesh, this piece repeated)."""
+        out = local.detach()
+        for dim, p in self.placements.items():
+            if p.is_shard():
+                front = gather_rows(out.movedim(p.dim, 0), self.sizes[dim],
+                                    self.groups.get(dim))
+                out = front.movedim(0, p.dim)
+        return out.contiguous()
 
 
 def _alone(t: torch.Tensor) -> bool:

@@ -117,6 +117,8 @@ class CollectiveInfo:
             all-gather's output, a reduce-scatter's or all-to-all's input.
         handle: the runtime spec's handle (group, scale, pending work).
         provenance: which pass inserted it and why.
+        sent_as: the collective that runs when it is not ``kind`` (zero1's reduce-scatter
+            is an all-reduce of the same buffer); priced as that.
     """
 
     kind: str
@@ -130,6 +132,7 @@ class CollectiveInfo:
     bytes: int
     handle: int
     provenance: Provenance
+    sent_as: str = ""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -18,6 +18,16 @@ the collectives, the buckets) is derived by the passes.
   mesh; without those names, its first dimension replicates and its second shards). The
   batch is split along both; gradients are reduce-scattered along ``"fsdp"`` and the
   shards averaged along ``"dp"``.
+- ``zero2`` (DeepSpeed's ZeRO stage 2): stored as ``fsdp`` stores (so gradients and
+  optimizer state are shards), but the gathered parameters are kept whole until the
+  shards change: one all-gather per optimizer step, in the first forward after it.
+- ``zero1`` (ZeRO stage 1): as ``zero2``, but each gradient is all-reduced whole and
+  every rank keeps its own rows (what ``ZeroRedundancyOptimizer`` over DDP moves).
+
+Each strategy is one row of :data:`KINDS`: whether it stores shards, when they are
+gathered, how gradients leave the data dimension. The parameter layer
+(``spmd.layout``) turns those into one record per parameter; nothing else branches on
+the strategy's name.
 
 Tensor parallelism composes with each: ``placements`` name, per mesh dimension, where
 parameters live (``Shard(d)`` or ``Replicate()``); those dimensions (``tp_dims``) are
@@ -38,9 +48,44 @@ from spmd.lowering.state import InputInfo
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard, Sharding
 from spmd.runtime.mesh import Mesh
 
-__all__ = ["Strategy", "resolve_strategy", "STRATEGIES", "tp_dims_of"]
+__all__ = ["Strategy", "StrategyKind", "KINDS", "resolve_strategy", "STRATEGIES", "tp_dims_of",
+           "dims_to_flatten"]
 
-STRATEGIES = ("ddp", "fsdp", "hsdp")
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StrategyKind:
+    """What a strategy does with parameters along its data dimension(s).
+
+    Attributes:
+        shards: parameters (so gradients and optimizer state) are stored as shards.
+        gathered: when shards are gathered whole: ``"each use"`` (in every forward and
+            again in backward, ZeRO-3), ``"per step"`` (kept until they change) or
+            ``"never"``.
+        reduced: how a gradient leaves: ``"all-reduce"``, ``"reduce-scatter"`` or
+            ``"all-reduce, own rows kept"``.
+        hybrid: shards along one dimension, replicas along another (``hsdp``).
+        preferred: the data dimension's names, in order of preference.
+    """
+
+    shards: bool
+    gathered: str
+    reduced: str
+    hybrid: bool = False
+    preferred: tuple[str, ...] = ("dp",)
+
+
+KINDS: dict[str, StrategyKind] = {
+    "ddp": StrategyKind(shards=False, gathered="never", reduced="all-reduce"),
+    "fsdp": StrategyKind(shards=True, gathered="each use", reduced="reduce-scatter",
+                         preferred=("fsdp", "dp")),
+    "hsdp": StrategyKind(shards=True, gathered="each use", reduced="reduce-scatter",
+                         hybrid=True),
+    "zero1": StrategyKind(shards=True, gathered="per step", reduced="all-reduce, own rows kept",
+                          preferred=("dp", "fsdp")),
+    "zero2": StrategyKind(shards=True, gathered="per step", reduced="reduce-scatter",
+                          preferred=("dp", "fsdp")),
+}
+STRATEGIES = tuple(KINDS)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,6 +123,18 @@ class Strategy:
         the user named none)."""
         own = self.placements.get(param, {})
         return {dim: own.get(dim, Replicate()) for dim in self.tp_dims}
+
+    @property
+    def kind(self) -> StrategyKind:
+        return KINDS[self.name]
+
+    @property
+    def gathered(self) -> str:
+        return self.kind.gathered
+
+    @property
+    def reduced(self) -> str:
+        return self.kind.reduced
 
     @property
     def tensor_parallel(self) -> bool:
@@ -166,6 +223,22 @@ def tp_dims_of(spec: object) -> tuple[str, ...]:
     return tuple(spec)
 
 
+def dims_to_flatten(name: str, mesh: Mesh, tp_dims: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """2-D fsdp: the dimensions a sharding strategy shards over at once, to be flattened
+    into one (``Mesh.flatten``): every dimension tensor parallelism leaves, when more than
+    one of them has several ranks and each is named a data dimension (``"dp"`` and
+    ``"fsdp"``, as ``hsdp`` names them; ``hsdp`` replicates along ``"dp"`` instead). ()
+    when there is nothing to flatten."""
+    kind = KINDS.get(name)
+    if kind is None or not kind.shards or kind.hybrid:
+        return ()
+    rest = tuple(d for d in mesh.dim_names if d not in tp_dims)
+    several = [d for d in rest if mesh.size(d) > 1]
+    if len(several) > 1 and all(d in ("dp", "fsdp") for d in several):
+        return rest
+    return ()
+
+
 def _pick(mesh: Mesh, names: tuple[str, ...]) -> str | None:
     return next((n for n in names if n in mesh.dim_names), None)
 
@@ -196,7 +269,8 @@ def resolve_strategy(name: str, mesh: Mesh, where: str, tp_dims: tuple[str, ...]
         return Strategy(name=name, mesh=mesh, data_dim=base.data_dim, data_dims=base.data_dims,
                         shard_dim=base.shard_dim, replicate_dim=base.replicate_dim,
                         tp_dims=tuple(tp_dims), placements=dict(placements or {}))
-    if name == "hsdp":
+    kind = KINDS[name]
+    if kind.hybrid:
         if mesh.ndim != 2:
             raise ValueError(f"{where}: strategy 'hsdp' needs a 2-D mesh (replicate x shard, "
                              f"e.g. Mesh((2, 4), dim_names=('dp', 'fsdp'))); got {mesh}")
@@ -207,7 +281,7 @@ def resolve_strategy(name: str, mesh: Mesh, where: str, tp_dims: tuple[str, ...]
             replicate, shard = mesh.dim_names
         return Strategy(name=name, mesh=mesh, data_dim=shard, data_dims=(replicate, shard),
                         shard_dim=shard, replicate_dim=replicate)
-    preferred = ("dp",) if name == "ddp" else ("fsdp", "dp")
+    preferred = kind.preferred
     data_dim = _pick(mesh, preferred)
     if data_dim is None:
         if mesh.ndim != 1:
@@ -222,4 +296,4 @@ def resolve_strategy(name: str, mesh: Mesh, where: str, tp_dims: tuple[str, ...]
                 f"{name!r}, which places everything on {data_dim!r}; its {size} ranks would "
                 f"repeat the same work. Pass a mesh without it (or of size 1 there)")
     return Strategy(name=name, mesh=mesh, data_dim=data_dim,
-                    shard_dim=data_dim if name == "fsdp" else None)
+                    shard_dim=data_dim if kind.shards else None)

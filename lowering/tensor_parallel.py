@@ -31,7 +31,6 @@ sees whole tensors, as on one process.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from dataclasses import replace as dc_replace
 from typing import Any
 
@@ -40,7 +39,8 @@ import torch.fx as fx
 from torch.fx.node import map_aggregate
 
 from spmd.lowering import ops, rules
-from spmd.lowering.specs import lookup, sending
+from spmd.lowering.ops import tp_grad, tp_param
+from spmd.lowering.specs import lookup
 from spmd.lowering.annotate import PlanningError, ShardingError, graph_outputs
 from spmd.lowering.collectives import insert_redistribution
 from spmd.lowering.context import LoweringContext
@@ -52,129 +52,10 @@ from spmd.lowering.redistribute import redistribution
 from spmd.lowering.reshard import RESHARDED
 from spmd.lowering.state import Boundary, find, put
 
-__all__ = ["TPSpec", "tp_param", "tp_grad", "tensor_parallel", "local_shape", "module_of",
-           "USER_OUTPUTS"]
+__all__ = ["tensor_parallel", "local_shape", "module_of", "USER_OUTPUTS"]
 
 aten = torch.ops.aten
 USER_OUTPUTS = "spmd_user_outputs"  # gm.meta: how many forward outputs the caller receives
-
-
-@dataclass(eq=False, kw_only=True)
-class TPSpec:
-    """One tensor-parallel parameter: its whole shape, its placement per tensor-parallel
-    dimension, and the groups along them (None: a simulated mesh).
-
-    ``coords`` is this rank's index along each dimension: the piece it stores."""
-
-    param: str
-    shape: tuple[int, ...]
-    placements: dict[str, Placement]
-    sizes: dict[str, int]
-    groups: dict[str, Any] = field(default_factory=dict)
-
-    def rank(self, dim: str) -> int:
-        group = self.groups.get(dim)
-        return 0 if group is None else group.rank()
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        shape = list(self.shape)
-        for dim, p in self.placements.items():
-            if isinstance(p, Shard):
-                shape[p.dim] //= self.sizes[dim]
-        return tuple(shape)
-
-    def piece(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of a whole tensor laid out like the parameter."""
-        out = full
-        for dim, p in self.placements.items():
-            if isinstance(p, Shard):
-                out = out.chunk(self.sizes[dim], dim=p.dim)[self.rank(dim)]
-        return out
-
-    def whole(self, local: torch.Tensor) -> torch.Tensor:
-        """The whole tensor from every rank's piece: an all-gather along each sharded
-        dimension (blocking; on a simulated mesh, this piece repeated)."""
-        out = local.detach()
-        for dim, p in self.placements.items():
-            if not isinstance(p, Shard):
-                continue
-            size, group = self.sizes[dim], self.groups.get(dim)
-            front = out.movedim(p.dim, 0).contiguous()
-            if group is None or size == 1 or not sending():
-                gathered = torch.cat([front] * size)
-            else:
-                from spmd.runtime.collectives import all_gather_into_tensor
-
-                gathered = front.new_empty((front.shape[0] * size, *front.shape[1:]))
-                all_gather_into_tensor(gathered, front, group=group)
-            out = gathered.movedim(0, p.dim)
-        return out.contiguous()
-
-
-_lib = torch.library.Library("spmd", "FRAGMENT")
-_lib.define("tp_param(Tensor local, int handle) -> Tensor")
-_lib.define("tp_grad(Tensor grad, int handle) -> Tensor")
-
-
-def _tp_param(local: torch.Tensor, handle: int) -> torch.Tensor:
-    """The whole parameter from its pieces (eager: a blocking all-gather per sharded
-    dimension; planned graphs keep the pieces instead)."""
-    return lookup(handle).whole(local)
-
-
-def _tp_grad(grad: torch.Tensor, handle: int) -> torch.Tensor:
-    """This rank's piece of the whole parameter's gradient. Eagerly every rank of a
-    tensor-parallel dimension computed the same whole gradient (they see the same batch),
-    so the piece is a slice."""
-    return lookup(handle).piece(grad.detach()).clone()
-
-
-def _fake_tp_param(local: torch.Tensor, handle: int) -> torch.Tensor:
-    return local.new_empty(lookup(handle).shape)
-
-
-def _fake_tp_grad(grad: torch.Tensor, handle: int) -> torch.Tensor:
-    return grad.new_empty(lookup(handle).local_shape)
-
-
-for _name, _impl, _fake in (("tp_param", _tp_param, _fake_tp_param),
-                            ("tp_grad", _tp_grad, _fake_tp_grad)):
-    _lib.impl(_name, _impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"spmd::{_name}", _fake, lib=_lib)
-
-tp_param = torch.ops.spmd.tp_param.default
-tp_grad = torch.ops.spmd.tp_grad.default
-ops.FAKES[tp_param], ops.FAKES[tp_grad] = _fake_tp_param, _fake_tp_grad
-ops.IMPLEMENTATIONS[tp_param], ops.IMPLEMENTATIONS[tp_grad] = _tp_param, _tp_grad
-
-
-def _param_context(ctx: Any, inputs: tuple, output: Any) -> None:
-    ctx.handle = inputs[1]
-
-
-def _param_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-    return tp_grad(grad, ctx.handle), None
-
-
-torch.library.register_autograd("spmd::tp_param", _param_backward,
-                                setup_context=_param_context, lib=_lib)
-
-
-@rules.register(tp_param)
-def _param_rule(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> rules.Decision:
-    return rules.Decision(output=inputs[0], reason="the parameter's stored pieces")
-
-
-def _grad_rule(node: fx.Node, inputs: tuple[Placement, ...], size: int, dim: str
-               ) -> rules.Decision:
-    want = lookup(node.args[1]).placements.get(dim, Replicate())
-    return rules.Decision(output=want, inputs=(want,),
-                          reason="a parameter's gradient is placed as the parameter")
-
-
-_grad_rule.wants_dim = True  # type: ignore[attr-defined]
-rules.register(tp_grad)(_grad_rule)
 
 
 # -- the pass ---------------------------------------------------------------------------

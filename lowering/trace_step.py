@@ -34,7 +34,7 @@ import torch.utils._pytree as pytree
 
 from spmd.lowering.annotate import GRADIENT_TAG, PlanningError
 from spmd.lowering.context import InputInfo
-from spmd.lowering.ops import _lib
+from spmd.lowering import ops
 
 __all__ = ["TracedStep", "trace_step"]
 
@@ -43,10 +43,8 @@ _local = threading.local()  # the recorder of the thread that traces, if any
 _ORIGINAL_BACKWARD = torch.Tensor.backward
 _ORIGINAL_GRAD = torch.autograd.grad
 
-_lib.define("gradient_of(Tensor(a) grad, str param) -> Tensor(a)")
-_lib.impl("gradient_of", lambda grad, param: grad, "CompositeExplicitAutograd")
-torch.library.register_fake("spmd::gradient_of", lambda grad, param: grad, lib=_lib)
-_gradient_of = torch.ops.spmd.gradient_of.default
+_gradient_of = ops.define("gradient_of(Tensor(a) grad, str param) -> Tensor(a)",
+                         lambda grad, param: grad, lambda grad, param: grad)
 
 
 def _backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:

@@ -144,6 +144,43 @@ class Mesh:
 
     # -- geometry ---------------------------------------------------------------------
 
+    def flatten(self, dims: Sequence[str], name: str | None = None) -> "Mesh":
+        """This mesh with the adjacent dimensions ``dims`` merged into one, named ``name``
+        (default: joined by ``_``, as torch's ``DeviceMesh._flatten``), the same ranks in
+        the same order: a rank's index along the merged dimension is its row-major index
+        over ``dims``. The other dimensions keep their groups; the merged one gets a group
+        per slice, which every rank of this mesh must make (call it on every rank)."""
+        dims = tuple(dims)
+        index = [self._dim(d) for d in dims]
+        if len(dims) < 2 or index != list(range(index[0], index[0] + len(dims))):
+            raise ValueError(f"Mesh.flatten: {dims} must be two or more adjacent dimensions of "
+                             f"{self}, in order")
+        name = name or "_".join(self.dim_names[i] for i in index)
+        first, last = index[0], index[-1] + 1
+        if name in self.dim_names[:first] + self.dim_names[last:]:
+            raise ValueError(f"Mesh.flatten: {self} already has a dimension {name!r}")
+        shape = self.shape[:first] + (math.prod(self.shape[first:last]),) + self.shape[last:]
+        names = self.dim_names[:first] + (name,) + self.dim_names[last:]
+        mesh = Mesh.__new__(Mesh)
+        mesh.shape, mesh.dim_names, mesh.simulated = shape, names, self.simulated
+        mesh.hardware, mesh.ranks = self.hardware, list(self.ranks)
+        mesh._groups, mesh._coordinate = {}, None
+        if self.simulated or self._coordinate is None:
+            return mesh
+        mesh._coordinate = mesh.coordinate_of(world("Mesh.flatten").rank)
+        for d in range(mesh.ndim):
+            if d < first:
+                mesh._groups[d] = self._groups[d]
+            elif d > first:
+                mesh._groups[d] = self._groups[d + last - first - 1]
+        state = world("Mesh.flatten")
+        state.meshes += 1
+        members = mesh._slice(mesh._coordinate, first)
+        mesh._groups[first] = new_group(
+            members, group_name=f"mesh{state.meshes}/{name}/"
+                                f"{mesh._slice_index(mesh._coordinate, first)}")
+        return mesh
+
     @property
     def ndim(self) -> int:
         return len(self.shape)
@@ -156,6 +193,17 @@ class Mesh:
         if not isinstance(dim, int) or not -self.ndim <= dim < self.ndim:
             raise ValueError(f"Mesh dimension {dim!r} is out of range for {self.ndim} dimensions")
         return dim % self.ndim
+
+    def cost_model(self, dim: str, measured: Any) -> Any:
+        """The collective cost model (``spmd.lowering.cost_model.CostModel``) along mesh
+        dimension ``dim``: on a simulated cluster the hardware model's link for it, else
+        ``measured`` (this machine's, default or calibrated) at the dimension's size. The
+        one place the planner asks what a collective costs."""
+        if self.hardware is not None:
+            return self.hardware.cost_model(self, dim)
+        from dataclasses import replace
+
+        return replace(measured, world_size=self.size(dim))
 
     def size(self, dim: int | str | None = None) -> int:
         """Ranks along ``dim``, or in the whole mesh."""

@@ -66,9 +66,7 @@ def _as_dtensor(shard: torch.Tensor, spec: ShardSpec, device_mesh: Any,
     from torch.distributed.tensor import DTensor, Replicate
 
     if not spec.shape:  # a 0-dim parameter: one row, rank 0's; every rank gets the value
-        from spmd.sharded import gather_full
-
-        return DTensor.from_local(gather_full(spec, shard), device_mesh,
+        return DTensor.from_local(spec.gather(shard).clone(), device_mesh,
                                   [Replicate()] * len(placements), run_check=False)
     local = shard.detach()[:spec.valid_rows()]
     stride = torch.empty(spec.shape, device="meta").stride()

@@ -97,7 +97,7 @@ class Join:
             return
         from spmd.runtime.collectives import all_reduce
 
-        flags = torch.tensor([1.0, float(state.sync.enabled), float(state.accumulated
+        flags = torch.tensor([1.0, float(state.sync.enabled), float(state.net.accumulated
                                                                      and state.sync.enabled)])
         self.group.join_log = None
         all_reduce(flags, group=self.group)

@@ -194,7 +194,7 @@ def memory_view(plan: Any, optimizer: str | None = "adamw") -> MemoryView:
     state = OPTIMIZER_STATES[optimizer] * trainable
     persistent = params + trainable + state + plan.buffer_bytes
     peak = persistent + transient
-    hardware = getattr(plan.mesh, "hardware", None)
+    hardware = plan.mesh.hardware if plan.mesh is not None else None
     capacity = "" if hardware is None else hardware.check_fits(peak, "device memory")
     return MemoryView(world_size=plan.world_size, params=params, grads=trainable,
                       optimizer_state=state, optimizer=optimizer, buffers=plan.buffer_bytes,

@@ -21,7 +21,6 @@ One training step:
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import types
@@ -38,6 +37,7 @@ from spmd.lowering.options import Options
 from spmd.agreement import Agreement
 from spmd.plan import Fallback, Plan, plan_from_records
 from spmd.reducer import EagerReducer, broadcast_coalesced
+from spmd.safety_net import SafetyNet
 from spmd.runtime.errors import DistError
 from spmd.setup import Setup
 
@@ -60,39 +60,30 @@ class ModuleState:
         self.index = setup.index  # the how-many-th parallelized model of this rank
         self.sync = SyncState(comm_hook=options.comm_hook, comm_state=options.comm_state)
         self.handles = Handles()  # the specs this model's graphs refer to
-        # fsdp/hsdp: every parameter becomes its shard; ddp: none does
-        # tensor parallelism: parameters placed Shard(d) become this rank's pieces (which
-        # a sharded strategy then shards along its dimension)
-        self.tp_specs: dict[str, Any] = {}
-        if setup.strategy.tensor_parallel:
-            from spmd.tp import shard_tensor_parallel
+        # one record per parameter: fsdp/hsdp/zero store shards, tensor parallelism pieces
+        # (then shards of those), ddp the whole tensors
+        from spmd.layout import place_module
 
-            self.tp_specs = shard_tensor_parallel(module, setup.strategy, self.handles)
-        self.shards: dict[str, ShardSpec] = {}
+        self.layout = place_module(module, setup, options, self.handles)
+        self.shards: dict[str, ShardSpec] = self.layout.shards
         self.sharded = setup.strategy.shards_parameters
-        if self.sharded:
-            from spmd.sharded import shard_for
-
-            self.shards = shard_for(module, setup, options, self.handles)
-        if self.tp_specs:
-            from spmd.tp import install_state_dict_hooks
-
-            install_state_dict_hooks(module, self.tp_specs)
         self.params = dict(module.named_parameters())
         self.buffers = dict(module.named_buffers())
         names = {id(p): ("param", n) for n, p in self.params.items()}
         names.update({id(b): ("buffer", n) for n, b in self.buffers.items()})
         self.records: list[GraphRecord] = []  # one per captured region
         self.capture = Capture(names, self, options.compile_compute,
-                               reshard=self.sharded and options.reshard_after_forward)
-        self.reducer = EagerReducer(self.group, self.world_size,
-                                    options.bucket_cap_bytes or cost_model.bucket_bytes(
-                                        sum(p.numel() * p.element_size()
-                                            for p in self.params.values()), None),
-                                    options.reduce_dtype, self.sync)
+                               reshard=options.reshards)
         self.fallbacks: dict[str, str] = {}
-        self.accumulated = False  # gradients were accumulated under no_sync()
-        self.finish_queued = False
+        # gradients no planned graph averaged (ddp): hooks on every trainable parameter
+        self.net = SafetyNet(
+            self.params, self.sync, self.fallbacks,
+            EagerReducer(self.group, self.world_size,
+                         options.bucket_cap_bytes or cost_model.bucket_bytes(
+                             sum(p.numel() * p.element_size() for p in self.params.values()),
+                             None),
+                         options.reduce_dtype, self.sync),
+            active=self.communicates and not self.sharded)
         self.compiled = None
         self.estimates: dict[str, float] = {}  # graph -> shared backward-seconds estimate
         self.agreement = Agreement(setup)  # estimates and plans shared across ranks
@@ -103,7 +94,7 @@ class ModuleState:
         self.measured_steps: list = []  # every profiled step's
         self._hooks: dict[str, Any] = {}
         self.join: Any = None  # the spmd.Join context this model trains in, if any
-        self._hook_all()
+        self.net.hook_all()
 
     # -- planning ---------------------------------------------------------------------
 
@@ -112,7 +103,7 @@ class ModuleState:
         return LoweringContext(
             strategy=self.setup.strategy, options=self.options, cost_model=self.cost_model,
             inputs=record.inputs, role=role, graph_name=record.name, sync=self.sync,
-            handles=self.handles,
+            handles=self.handles, compute=record.compute,
             backward_seconds=self._backward_estimate(record) if backward else None,
             saved=record.saved if backward else {})
 
@@ -126,7 +117,7 @@ class ModuleState:
         How the figure is shared without anyone waiting inside a compile:
         :class:`spmd.agreement.Agreement`.
         """
-        hardware = getattr(self.setup.strategy.mesh, "hardware", None)
+        hardware = self.setup.strategy.mesh.hardware
         if hardware is not None and record.forward is not None:
             from spmd.hardware import graph_seconds
 
@@ -139,7 +130,7 @@ class ModuleState:
         return seconds
 
     def forward_compiled(self, record: GraphRecord) -> None:
-        if getattr(self.setup.strategy.mesh, "hardware", None) is None:
+        if self.setup.strategy.mesh.hardware is None:
             self.agreement.forward_compiled(record)  # the first rank times it
 
     def planned(self, record: GraphRecord) -> None:
@@ -163,7 +154,7 @@ class ModuleState:
         plan = plan_from_records(self.records, setup=self.setup, options=self.options,
                                  fallbacks=fallbacks, frozen=frozen,
                                  kernel=kernels.implementation(device))
-        hardware = getattr(self.setup.strategy.mesh, "hardware", None)
+        hardware = self.setup.strategy.mesh.hardware
         for record in self.records:
             if hardware is not None and record.forward is not None:
                 from spmd.hardware import graph_seconds  # the cluster's roofline
@@ -185,8 +176,7 @@ class ModuleState:
                 continue
             seen.add(id(param))
             local = param.numel() * param.element_size()
-            spec = self.tp_specs.get(name) or self.shards.get(name)
-            whole = local if spec is None else math.prod(spec.shape) * param.element_size()
+            whole = self.layout.whole_numel(name, param) * param.element_size()
             plan.parameters[name] = (local, whole, param.requires_grad)
         plan.buffer_bytes = sum(b.numel() * b.element_size() for b in self.buffers.values())
         for record in self.records[:1]:  # token ids: the first integer data input
@@ -211,63 +201,6 @@ class ModuleState:
         if profiler.done:
             self.profiler = self.sync.profiler = self.capture.profiler = None
 
-    # -- the eager safety net ---------------------------------------------------------
-
-    def _hook_all(self) -> None:
-        """A gradient hook on every trainable parameter (a layer unfrozen later gets its
-        own at the next training forward).
-
-        The hooks stay for the life of the model. A gradient can reach a parameter from
-        outside the compiled graphs at any step (a loss term switched on late, a graph
-        break on a new code path, Dynamo's recompile limit), and a hook removed after the
-        first steps would let it through unaveraged. A gradient a planned bucket reduced
-        costs one dictionary lookup (BENCHMARKS.md measures the hooks' price per step).
-        """
-        if not self.communicates or self.sharded:
-            return  # nothing to average: one rank, a simulated mesh, or shards (their
-            # gathers' backward reduce-scatters them, in a graph or eagerly)
-        for name, param in self.params.items():
-            if param.requires_grad and name not in self._hooks:
-                self._hooks[name] = param.register_hook(functools.partial(self._on_grad, name))
-
-    def _on_grad(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """Every parameter's summed gradient for this backward passes here once."""
-        if not self.sync.backward:  # the forward ran under no_sync(): accumulate locally
-            return grad
-        if self.reducer.pending:
-            self._queue_finish()
-        key = grad.untyped_storage().data_ptr() if grad.layout is torch.strided else None
-        if key in self.sync.reduced:
-            return grad  # a planned bucket already averaged it
-        part = grad.detach().clone()
-        reason = self.eager_forward or ("received its gradient outside any compiled graph "
-                                        "(graph break or eager code)")
-        if any(name in s.params for s, _ in self.sync.reduced.values()):
-            reason = "received gradient from a compiled graph and also from eager code"
-            part = part - self._reduced_part(name).to(part.dtype)
-        self.fallbacks.setdefault(name, reason)
-        self.reducer.add(self.params[name], part)
-        self._queue_finish()
-        return grad
-
-    def _reduced_part(self, name: str) -> torch.Tensor:
-        for spec, flat in self.sync.reduced.values():
-            if name in spec.params:
-                at = spec.params.index(name)
-                start = sum(self.params[p].numel() for p in spec.params[:at])
-                n = self.params[name].numel()
-                return flat[start:start + n].view(self.params[name].shape)
-        raise KeyError(name)
-
-    def _queue_finish(self) -> None:
-        if not self.finish_queued:
-            self.finish_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-
-    def _finish(self) -> None:
-        self.finish_queued = False
-        self.reducer.finish()
-
     # -- running ----------------------------------------------------------------------
 
     def forward(self, module: nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:
@@ -283,24 +216,25 @@ class ModuleState:
                 self._broadcast_buffers()
         elif training:
             self.sync.begin_step()
-            self._hook_all()
+            self.net.hook_all()
             if self.profiler is not None:
                 self.profiler.begin_step()
             if self.join is not None:
                 self.join.notify(self)
             if self.options.broadcast_buffers and self.buffers and self.communicates:
                 broadcast_coalesced(self.buffers.values(), self._buffer_source(), self.group)
-            if self.sync.enabled and self.accumulated:
-                self._reduce_accumulated()
+            if self.sync.enabled and self.net.accumulated:
+                self.net.reduce_accumulated()
             elif not self.sync.enabled:
-                self.accumulated = True
+                self.net.accumulated = True
         if self.compiled is None:
             self.compiled = _compile(module, original, self.capture)
         out = self._run(module, original, args, kwargs)
-        if training and self.reducer.pending:
+        self.net.eager_forward = self.eager_forward
+        if training and self.net.reducer.pending:
             # gradients accumulated under no_sync() wait in the reducer: make sure this
             # backward ends by averaging them, even if no parameter hook remains
-            _on_first_gradient(out, self._queue_finish)
+            _on_first_gradient(out, self.net.queue_finish)
         if training and self.profiler is not None:
             engine = torch.autograd.Variable._execution_engine
             _on_first_gradient(out, lambda: engine.queue_callback(self._end_profiled_step))
@@ -376,15 +310,6 @@ class ModuleState:
             group = strategy.mesh.get_group(dim)
             if group.size() > 1:
                 broadcast_coalesced(self.buffers.values(), group.ranks[0], group)
-
-    def _reduce_accumulated(self) -> None:
-        """Gradients summed locally under no_sync() join this step's averaging."""
-        self.accumulated = False
-        for param in self.params.values():
-            if param.grad is not None:
-                self.reducer.add(param, param.grad.detach().clone())
-        # averaged with the rest of this step's eager parts when backward ends (the first
-        # gradient hook queues it): .grad += avg(part) - part, as for eager code
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -496,7 +421,7 @@ class DataParallel:
         gradients, whose local norm is not the norm: this sums the ranks' parts first
         (torch's function on ``model.parameters()`` is rerouted to do the same). Every
         rank must call it."""
-        from spmd.sharded import clip_grad_norm_
+        from spmd.clip import clip_grad_norm_
 
         return clip_grad_norm_(self.parameters(), max_norm, norm_type)  # type: ignore
 

@@ -9,7 +9,7 @@ a table; ``str(plan)`` is the summary.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -229,7 +229,7 @@ class Plan:
             lines += [f"  {f.param}: {f.reason}" for f in self.fallbacks]
         if self.frozen:
             lines.append(f"frozen (no gradient, never reduced): {', '.join(self.frozen)}")
-        if getattr(self.mesh, "hardware", None) is not None and self.compute:
+        if self.mesh is not None and self.mesh.hardware is not None and self.compute:
             from spmd.hardware import throughput
 
             lines.append(throughput(self))
@@ -352,12 +352,10 @@ def plan_from_records(records: list, *, setup: Any, options: Options,
                      else getattr(record, "label", "backward"))
             for node in collective_nodes(graph):
                 info: CollectiveInfo = node.meta["spmd_collective"]
-                hardware = getattr(mesh, "hardware", None)
-                model = (hardware.cost_model(mesh, info.mesh_dim) if hardware is not None
-                         else replace(setup.cost_model, world_size=mesh.size(info.mesh_dim)))
+                model = mesh.cost_model(info.mesh_dim, setup.cost_model)
                 spec = _spec_of(info)
                 algorithm = getattr(spec, "algorithm", "native")
-                seconds = model.seconds(info.kind, info.bytes,
+                seconds = model.seconds(info.sent_as or info.kind, info.bytes,
                                         "fp32" if algorithm == "fp32" else None)
                 name, ranks = group_name, group_ranks
                 if info.mesh_dim in setup.strategy.tp_dims and not mesh.simulated:

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from spmd.lowering.cost_model import CostModel, overlap_share
 from spmd.lowering.options import Options
-from spmd.lowering.strategy import Strategy, resolve_strategy
+from spmd.lowering.strategy import Strategy, dims_to_flatten, resolve_strategy
 from spmd.runtime import context
 from spmd.runtime.mesh import Mesh
 
@@ -165,10 +165,19 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
     if not mesh.simulated:
         _check_materialized(module, where)
     placed: dict = {}
+    dims: tuple[str, ...] = ()
     if options.placements is not None:
         from spmd.tp import resolve_placements, tp_dims_of
 
         dims = tp_dims_of(options.placements)
+    flat = dims_to_flatten(options.strategy, mesh, dims)
+    if flat:  # 2-D fsdp: sharded over every data dimension at once
+        try:
+            mesh = mesh.flatten(flat)
+        except ValueError as e:
+            raise ValueError(f"{where}: strategy {options.strategy!r} shards parameters over "
+                             f"{flat} at once, which must be adjacent: {e}") from None
+    if options.placements is not None:
         placed = resolve_placements(module, mesh, options.placements, where)
         strategy = resolve_strategy(options.strategy, mesh, where, dims, placed)
     else:
@@ -179,9 +188,8 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
     live = group is not None and world_size > 1
     if live:
         check_same_model(module, group, where)
-    hardware = getattr(mesh, "hardware", None)
-    if hardware is not None:  # a simulated cluster: its links, not this machine
-        cost_model = hardware.cost_model(mesh, strategy.data_dim or mesh.dim_names[0])
+    if mesh.hardware is not None:  # a simulated cluster: its links, not this machine
+        cost_model = mesh.cost_model(strategy.data_dim or mesh.dim_names[0], None)
     else:
         cost_model = cost_model_for(group, world_size, backend, options)
     index = _next_index()

@@ -163,8 +163,7 @@ class ParallelStep:
         if shared is None:
             setup = prepare_model(model, self.options, self.mesh, self._where)
             handles = Handles()
-            if self.options.sharded:
-                self._shard(model, setup, handles)
+            self._place(model, setup, handles)
             model._spmd_step_setup = (self.options.strategy, self.mesh, setup, handles)
         else:
             # a second step function (an eval step, a backward-only step) on a model a first
@@ -197,14 +196,14 @@ class ParallelStep:
                              f"parameters at the first call, but the optimizer already holds "
                              f"state for the whole ones; create it just before the first step")
 
-    def _shard(self, model: nn.Module, setup: Any, handles: Handles) -> None:
-        """``fsdp``/``hsdp``: the model's parameters come to hold their shards (once per
-        model). The ``nn.Parameter`` objects stay the same, so an optimizer over them, made
+    def _place(self, model: nn.Module, setup: Any, handles: Handles) -> None:
+        """The model's parameters come to hold what the strategy stores (once per model):
+        sharded strategies, their shards. The ``nn.Parameter`` objects stay the same, so an optimizer over them, made
         before the first call or after, steps the shards; it must not hold state yet:
         state made for whole parameters cannot be cut the same way silently."""
-        from spmd.sharded import shard_for
+        from spmd.layout import place_module
 
-        model._spmd_step_shards = shard_for(model, setup, self.options, handles)
+        model._spmd_step_shards = place_module(model, setup, self.options, handles).shards
 
     # -- tracing ----------------------------------------------------------------------
 

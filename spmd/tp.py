@@ -22,15 +22,14 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import torch
 import torch.nn as nn
 
 from spmd.hf import inside, layer_kind, plan_entries
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
 from spmd.lowering.strategy import tp_dims_of
 
-__all__ = ["megatron", "Preset", "Resolved", "resolve_placements", "tp_dims_of",
-           "shard_tensor_parallel", "install_state_dict_hooks", "COLUMN", "ROW"]
+__all__ = ["megatron", "Preset", "Resolved", "resolve_placements", "tp_dims_of", "COLUMN",
+           "ROW"]
 
 # Megatron-LM's layer names (and the common ones of Hugging Face and torch models):
 # column-parallel layers split their output features, row-parallel their input features.
@@ -221,120 +220,3 @@ def resolve_placements(model: nn.Module, mesh: Any, spec: Any, where: str
                                      f"{placement!r} on {dim!r} by two patterns")
                 out.setdefault(name, {})[dim] = placement
     return out
-
-
-def _property(name: str) -> property:
-    from spmd.lowering.tensor_parallel import tp_param
-
-    def whole(self: nn.Module) -> torch.Tensor:
-        local = stored = self._parameters[name]
-        sharded = getattr(self, "_spmd_shard_handles", None)
-        sharded = sharded.get(name) if sharded is not None else None
-        if sharded is not None:  # fsdp x tp: the piece from its shards
-            from spmd.lowering.ops import shard_gather
-
-            local = shard_gather(local, sharded)
-        out = tp_param(local, self._spmd_tp_handles[name])
-        if torch.compiler.is_compiling():
-            return out
-        from spmd.lowering.specs import lookup
-        from spmd.writethrough import write_through
-
-        spec = lookup(self._spmd_tp_handles[name])
-
-        def store(values: torch.Tensor, changed: torch.Tensor | None) -> None:
-            new = spec.piece(values)
-            mask = None if changed is None else spec.piece(changed)
-            if sharded is not None:
-                shards = lookup(sharded)
-                new = shards.shard_of(new)
-                mask = None if mask is None else shards.shard_of(mask)
-            stored.copy_(new if mask is None else torch.where(mask, new, stored))
-
-        return write_through(out, store, spec.param, stored.dtype)
-
-    whole.__name__ = name
-    return property(whole, doc=f"{name}, whole (from its tensor-parallel pieces)")
-
-
-_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
-
-
-def _tp_class(cls: type, names: tuple[str, ...]) -> type:
-    key = (cls, names)
-    sub = _CLASSES.get(key)
-    if sub is None:
-        props = {n: _property(n) for n in names}
-        sub = type(f"TensorParallel{cls.__name__}", (cls,), {**props,
-                                                            "__module__": cls.__module__})
-        _CLASSES[key] = sub
-    return sub
-
-
-def shard_tensor_parallel(module: nn.Module, strategy: Any, handles: Any) -> dict[str, Any]:
-    """Store every parameter with a ``Shard`` placement as this rank's piece (in place;
-    every rank of each tensor-parallel dimension must already hold the same whole
-    parameters); every such parameter name (tied ones included) -> its
-    :class:`~spmd.lowering.tensor_parallel.TPSpec`. A sharded strategy then shards the
-    pieces along its dimension; :func:`install_state_dict_hooks` comes after it, so
-    state dicts go shards -> pieces -> whole tensors and back."""
-    from spmd.lowering.tensor_parallel import TPSpec
-    from spmd.sharded import ParameterPlacement, hold_piece, install_clip
-
-    install_clip()  # torch's clip_grad_norm_ on pieces: by the whole gradient's norm
-
-    mesh = strategy.mesh
-    groups = {d: None if mesh.simulated else mesh.get_group(d) for d in strategy.tp_dims}
-    sizes = {d: mesh.size(d) for d in strategy.tp_dims}
-    done: dict[int, tuple[nn.Parameter, Any, int]] = {}
-    specs: dict[str, Any] = {}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        local: dict[str, int] = {}
-        for pname, param in list(sub._parameters.items()):
-            if param is None:
-                continue
-            name = f"{prefix}.{pname}" if prefix else pname
-            placed = strategy.tp_placement(name)
-            entry = done.get(id(param))
-            if entry is None:
-                if not any(isinstance(p, Shard) for p in placed.values()):
-                    continue
-                spec = TPSpec(param=name, shape=tuple(param.shape), placements=placed,
-                              sizes=sizes, groups=groups)
-                piece = hold_piece(param, spec.piece(param.detach()), name)
-                piece._spmd_placement = ParameterPlacement(  # type: ignore[attr-defined]
-                    name=name, shape=spec.shape,
-                    sharding=strategy.parameter_sharding(name), local_shape=spec.local_shape,
-                    rows=spec.local_shape[0] if spec.local_shape else 1, padding=0)
-                entry = done[id(param)] = (piece, spec, handles.add(spec))
-            piece, spec, handle = entry
-            sub._parameters[pname] = piece
-            local[pname] = handle
-            specs[name] = spec
-        if local:
-            sub._spmd_tp_handles = local
-            sub.__class__ = _tp_class(type(sub), tuple(sorted(local)))
-    _load_hook(module, specs)
-    return specs
-
-
-def install_state_dict_hooks(module: nn.Module, specs: dict[str, Any]) -> None:
-    """Whole tensors in ``state_dict()`` (every rank of the tensor-parallel groups must
-    call it); registered after any sharded strategy's hook, which gives the pieces."""
-
-    def to_whole(mod: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
-        for name, spec in specs.items():
-            key = prefix + name
-            if isinstance(state.get(key), torch.Tensor):
-                state[key] = spec.whole(state[key])
-
-    module._register_state_dict_hook(to_whole)
-
-
-def _load_hook(module: nn.Module, specs: dict[str, Any]) -> None:
-    """Whole tensors or this rank's pieces accepted by ``load_state_dict`` (before any
-    sharded strategy's hook, which takes pieces)."""
-    from spmd.sharded import install_load_hook
-
-    install_load_hook(module, specs, lambda spec, value: spec.piece(value).clone(),
-                      "a tensor-parallel parameter", "piece")

@@ -152,9 +152,10 @@ def is_shard(p: Placement) -> bool:
 
 
 FAMILIES = ("pointwise", "matmul", "views", "reductions", "norms", "embedding", "dropout",
-            "losses", "attention")
+            "losses", "attention", "parameters")
 
 from spmd.lowering.rules import (attention, dropout, embedding, losses, matmul,  # noqa: E402
-                                 norms, pointwise, reductions, views)
+                                 norms, parameters, pointwise, reductions, views)
 
-del attention, dropout, embedding, losses, matmul, norms, pointwise, reductions, views
+del attention, dropout, embedding, losses, matmul, norms, parameters, pointwise, reductions
+del views

@@ -65,7 +65,7 @@ def tp_job(rank: int) -> tuple:
 
 def _whole_grads(model) -> dict:
     """Each parameter's whole gradient (pieces gathered as state_dict gathers them)."""
-    specs = model._spmd.tp_specs
+    specs = model._spmd.layout.pieces
     found = {}
     for name, p in model.named_parameters():
         spec = specs.get(name)

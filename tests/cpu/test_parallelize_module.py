@@ -176,7 +176,7 @@ def test_decorated_class_plan_and_provenance(runs):
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        ({"strategy": "zero2"}, ValueError, "strategy 'zero2' is not supported"),
+        ({"strategy": "zero3"}, ValueError, "strategy 'zero3' is not supported"),
         ({"strategy": "fsdp", "param_dtype": torch.int8}, ValueError,
          "param_dtype must be a floating dtype"),
         ({"strategy": "fsdp", "param_dtype": "bf16"}, TypeError,

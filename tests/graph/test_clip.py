@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from spmd.sharded import clip_grad_norm_, total_norm
+from spmd.clip import clip_grad_norm_, total_norm
 
 
 def _params(dtype: torch.dtype) -> list[torch.nn.Parameter]:

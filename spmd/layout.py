@@ -1,0 +1,351 @@
+"""The parameter-placement layer: one record per parameter, one walk, one class swap.
+
+Every strategy only says where each parameter is **stored** and where it is **computed**,
+one placement per mesh dimension (:class:`ParameterPlacement`):
+
+============  ==============================  ===============================  ==========
+strategy      stored                          computed                         gathered
+============  ==============================  ===============================  ==========
+ddp           ``Replicate`` everywhere        ``Replicate``                    never
+fsdp, hsdp    ``Shard(0)`` on the shard dim   ``Replicate`` there              each use
+zero1, zero2  ``Shard(0)`` on the data dim    ``Replicate`` there              per step
+tp pieces     ``Shard(d)`` on a model dim     ``Shard(d)`` there (kept)        never
+============  ==============================  ===============================  ==========
+
+(fsdp x tp is both rows at once.) :func:`place_module` walks the module once: each
+distinct parameter comes to hold its stored value (the ``nn.Parameter`` object stays the
+same, so an optimizer made before keeps stepping it), its class gets one property per
+parameter that reads the computed value, and one state-dict hook pair moves whole tensors
+in and out. The property is the eager op pair ``spmd::shard_gather`` (data dimensions:
+``Shard -> Replicate``, its gradient the reduce-scatter back) and ``spmd::tp_param``
+(model dimensions: the pieces, whole in eager code); in a planned graph the passes lower
+them: bucketed, prefetched gathers and reduce-scatters along data dimensions, pieces kept
+along model dimensions. :func:`placement_of` reads the record of any parameter of a
+parallelized model.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from spmd.lowering import ops
+from spmd.lowering.placements import Replicate, Sharding
+from spmd.lowering.specs import Handles, ShardSpec, TPSpec, lookup
+from spmd.writethrough import write_through
+
+__all__ = ["ParameterPlacement", "Layout", "placement_of", "place_module", "hold_piece"]
+
+_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParameterPlacement:
+    """Where one parameter of a parallelized model lives.
+
+    Attributes:
+        name: its name in the model.
+        shape: the whole (global) tensor's shape.
+        sharding: where it is stored: its placement on every mesh dimension (the same as
+            :attr:`stored`).
+        computed: where the model's code computes with it (``Replicate`` along data
+            dimensions; a tensor-parallel piece stays ``Shard(d)``).
+        local_shape: the tensor this rank stores (dim 0 padded to ``rows`` on a data
+            dimension).
+        rows: rows of dim 0 per rank; ``padding``: rows of zeros this rank's shard ends
+            with (those beyond the whole tensor).
+        gathered: when the stored shards are gathered for compute: ``"each use"``
+            (fsdp, hsdp), ``"per step"`` (zero1, zero2: kept whole until the shard
+            changes, i.e. after the optimizer step) or ``"never"``.
+        reduced: how its gradient leaves the data dimensions: ``"all-reduce"`` (ddp),
+            ``"reduce-scatter"`` (fsdp, hsdp, zero2), ``"all-reduce, own rows kept"``
+            (zero1) or ``"none"`` (no data dimension of more than one rank).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    sharding: Sharding
+    computed: Sharding
+    local_shape: tuple[int, ...]
+    rows: int
+    padding: int
+    gathered: str = "never"
+    reduced: str = "none"
+
+    @property
+    def stored(self) -> Sharding:
+        return self.sharding
+
+
+def placement_of(param: torch.Tensor) -> ParameterPlacement:
+    """The record of a parameter of a parallelized model (``model.parameters()``, or the
+    attribute eager code reads, ``model.fc.weight``): global shape, stored and computed
+    placements; ``ValueError`` for any other tensor."""
+    found = getattr(param, "_spmd_placement", None) if isinstance(param, torch.Tensor) else None
+    if found is None:
+        raise ValueError("spmd.placement_of: this tensor is not a sharded parameter, "
+                         "tensor-parallel piece or replicated parameter of a model passed to "
+                         "spmd.parallelize")
+    return found
+
+
+@dataclass(eq=False)
+class Layout:
+    """What :func:`place_module` did to a module: every parameter name (tied ones
+    included) -> its record, and the runtime specs of those stored split (``shards``:
+    along the data dimensions, ``pieces``: along the model dimensions)."""
+
+    records: dict[str, ParameterPlacement]
+    shards: dict[str, ShardSpec]
+    pieces: dict[str, TPSpec]
+
+    def whole_numel(self, name: str, param: torch.Tensor) -> int:
+        spec = self.pieces.get(name) or self.shards.get(name)
+        return param.numel() if spec is None else _numel(spec.shape)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def hold_piece(param: nn.Parameter, local: torch.Tensor, name: str) -> nn.Parameter:
+    """``param`` itself, now holding ``local`` (its shard or piece): an optimizer created
+    before ``parallelize`` (or before a sharded step's first call) keeps stepping the very
+    tensors the model uses, as with ``torch.optim`` on any model."""
+    if param.grad is not None:
+        raise ValueError(f"parallelize: {name} holds a gradient for the whole parameter, "
+                         f"which cannot be cut into this rank's piece without the other "
+                         f"ranks' gradients; call zero_grad(set_to_none=True) before "
+                         f"parallelizing")
+    with torch.no_grad():
+        param.data = local.detach().clone(memory_format=torch.contiguous_format)
+    return param
+
+
+# -- one record per parameter -----------------------------------------------------------
+
+
+def _shard_spec(name: str, shape: tuple[int, ...], param: torch.Tensor, setup: Any,
+                options: Any) -> ShardSpec:
+    """How a parameter (or its tensor-parallel piece, of ``shape``) is cut along the
+    strategy's sharding dimension: dim 0, each rank ``ceil(rows / size)`` rows (a 0-dim
+    parameter is one row)."""
+    strategy = setup.strategy
+    mesh = strategy.mesh
+    dim, replicate = strategy.shard_dim, strategy.replicate_dim
+    size = mesh.size(dim)
+    rows = shape[0] if shape else 1
+    floating = param.is_floating_point()
+    return ShardSpec(
+        param=name, shape=shape, dtype=param.dtype, rows=-(-rows // size),
+        group=None if mesh.simulated else mesh.get_group(dim), size=size, mesh_dim=dim,
+        replicate_group=(None if mesh.simulated or replicate is None
+                         else mesh.get_group(replicate)),
+        replicate_size=mesh.size(replicate) if replicate else 1, replicate_dim=replicate or "",
+        param_dtype=options.param_dtype if floating else None,
+        reduce_dtype=options.reduce_dtype if floating else None,
+        persistent=strategy.gathered == "per step",
+        all_reduce=strategy.reduced == "all-reduce, own rows kept")
+
+
+def _record(name: str, shape: tuple[int, ...], strategy: Any, shard: ShardSpec | None,
+            piece: TPSpec | None) -> ParameterPlacement:
+    stored = strategy.parameter_sharding(name)
+    computed = stored
+    for dim in strategy.data_dims:
+        computed = computed.with_placement(dim, Replicate())
+    local = shard.local_shape if shard is not None else (
+        piece.local_shape if piece is not None else shape)
+    return ParameterPlacement(
+        name=name, shape=shape, sharding=stored, computed=computed, local_shape=local,
+        rows=local[0] if local else 1,
+        padding=0 if shard is None else shard.rows - shard.valid_rows(),
+        gathered=strategy.gathered if shard is not None else "never",
+        reduced=strategy.reduced if strategy.data_size > 1 else "none")
+
+
+def place_module(module: nn.Module, setup: Any, options: Any, handles: Handles) -> Layout:
+    """Store every parameter of ``module`` where ``setup``'s strategy says (in place),
+    give its class the properties that compute with them, and make its state dicts whole;
+    the :class:`Layout`. Every rank of each dimension must hold the same whole
+    parameters (``prepare_model`` checks and broadcasts)."""
+    from spmd.clip import install_clip
+
+    strategy = setup.strategy
+    if strategy.shards_parameters or strategy.tensor_parallel:
+        install_clip()  # torch's clip_grad_norm_ on parts: by the whole gradient's norm
+    done: dict[int, tuple[ShardSpec | None, TPSpec | None, tuple[int, int]]] = {}
+    layout = Layout(records={}, shards={}, pieces={})
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        local: dict[str, tuple[int, int]] = {}
+        for pname, param in list(sub._parameters.items()):
+            if param is None:
+                continue
+            name = f"{prefix}.{pname}" if prefix else pname
+            entry = done.get(id(param))
+            if entry is None:
+                entry = done[id(param)] = _place(name, param, setup, options, handles)
+            shard, piece, handle_pair = entry
+            layout.records[name] = param._spmd_placement  # type: ignore[attr-defined]
+            if shard is not None:
+                layout.shards[name] = shard
+            if piece is not None:
+                layout.pieces[name] = piece
+            if shard is not None or piece is not None:
+                local[pname] = handle_pair
+        if local:
+            sub._spmd_handles = local
+            sub.__class__ = _placed_class(type(sub), tuple(sorted(local)))
+    if layout.shards or layout.pieces:
+        _install_state_dict_hooks(module, layout)
+    return layout
+
+
+_NONE = 0  # "no spec" in a module's handle pair
+
+
+def _place(name: str, param: nn.Parameter, setup: Any, options: Any, handles: Handles
+           ) -> tuple[ShardSpec | None, TPSpec | None, tuple[int, int]]:
+    """Store one distinct parameter as its record says; its specs and handle pair."""
+    strategy = setup.strategy
+    mesh = strategy.mesh
+    shape = tuple(param.shape)
+    placed = strategy.tp_placement(name)
+    piece = shard = None
+    value = param.detach()
+    if any(p.is_shard() for p in placed.values()):
+        piece = TPSpec(param=name, shape=shape, placements=placed,
+                       sizes={d: mesh.size(d) for d in strategy.tp_dims},
+                       groups={d: None if mesh.simulated else mesh.get_group(d)
+                               for d in strategy.tp_dims})
+        value = piece.piece(value)
+    if strategy.shards_parameters:
+        shard = _shard_spec(name, tuple(value.shape), param, setup, options)
+        value = shard.shard_of(value)
+    if piece is not None or shard is not None:
+        hold_piece(param, value, name)
+    param._spmd_placement = _record(name, shape, strategy, shard, piece)  # type: ignore[attr-defined]
+    pair = (handles.add(shard) if shard is not None else _NONE,
+            handles.add(piece) if piece is not None else _NONE)
+    return shard, piece, pair
+
+
+# -- one class swap ---------------------------------------------------------------------
+
+
+def _placed_class(cls: type, names: tuple[str, ...]) -> type:
+    """``cls`` with a property per placed parameter name. The handles differ per module,
+    so the property reads them from the instance's table."""
+    key = (cls, names)
+    sub = _CLASSES.get(key)
+    if sub is None:
+        props = {n: _computed_property(n) for n in names}
+        sub = type(f"Placed{cls.__name__}", (cls,), {**props, "__module__": cls.__module__})
+        _CLASSES[key] = sub
+    return sub
+
+
+def _computed_property(name: str) -> property:
+    def computed(self: nn.Module) -> torch.Tensor:
+        stored = self._parameters[name]
+        shard_handle, piece_handle = self._spmd_handles[name]
+        value = stored
+        if shard_handle:
+            value = ops.shard_gather(value, shard_handle)
+        if piece_handle:
+            value = ops.tp_param(value, piece_handle)
+        if torch.compiler.is_compiling():
+            return value
+        shard = lookup(shard_handle) if shard_handle else None
+        piece = lookup(piece_handle) if piece_handle else None
+
+        def store(values: torch.Tensor, changed: torch.Tensor | None) -> None:
+            new, mask = values, changed
+            for spec, cut in ((piece, "piece"), (shard, "shard_of")):
+                if spec is not None:
+                    new = getattr(spec, cut)(new)
+                    mask = None if mask is None else getattr(spec, cut)(mask)
+            stored.copy_(new if mask is None else torch.where(mask, new, stored))
+
+        out = write_through(value, store, (shard or piece).param, stored.dtype)
+        record = getattr(stored, "_spmd_placement", None)  # (absent on a substitute)
+        if record is not None and out is not value:
+            out._spmd_placement = record  # placement_of(model.fc.weight)
+        return out
+
+    def guarded(self: nn.Module) -> torch.Tensor:
+        try:
+            return computed(self)
+        except AttributeError as e:
+            # raised from a property, Python would call nn.Module.__getattr__ instead and
+            # hand out the stored shard as if it were the parameter: never
+            raise RuntimeError(f"reading {type(self).__name__}.{name}: {e}") from e
+
+    guarded.__name__ = name
+    return property(guarded, doc=f"{name}, where it is computed (from what this rank stores)")
+
+
+# -- one state-dict hook pair -----------------------------------------------------------
+
+
+def _install_state_dict_hooks(module: nn.Module, layout: Layout) -> None:
+    """Whole tensors in ``module.state_dict()`` (gathered: every rank must call it, as with
+    torch's full state dicts); ``load_state_dict`` takes the whole tensor, the
+    tensor-parallel piece or the stored shard, and keeps this rank's part."""
+    names = sorted(set(layout.shards) | set(layout.pieces))
+    weak = weakref.ref(module)
+
+    def entries(state: dict, prefix: str) -> Any:
+        """(name, key, value, shard spec, piece spec) of each placed tensor in ``state``."""
+        for name in names:
+            value = state.get(prefix + name)
+            if isinstance(value, torch.Tensor):
+                yield (name, prefix + name, value, layout.shards.get(name),
+                       layout.pieces.get(name))
+
+    def to_whole(mod: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
+        done: dict[int, torch.Tensor] = {}
+        for name, key, value, shard, piece in entries(state, prefix):
+            ident = id(shard or piece)
+            whole = done.get(ident)
+            if whole is None:
+                whole = value
+                if shard is not None:
+                    whole = shard.gather(whole)
+                if piece is not None:
+                    whole = piece.whole(whole)
+                done[ident] = whole
+            state[key] = whole
+
+    def to_stored(state: dict, prefix: str, *args: Any) -> None:
+        if weak() is None:
+            return
+        for name, key, value, shard, piece in list(entries(state, prefix)):
+            record = layout.records[name]
+            shape = tuple(value.shape)
+            if shape == record.local_shape:
+                continue  # this rank's stored part as it is
+            if shape == record.shape and piece is not None:
+                value = piece.piece(value).clone()
+            elif shape == record.shape or (piece is not None and shape == piece.local_shape):
+                pass
+            else:
+                forms = [f"the whole tensor {record.shape}"]
+                if piece is not None and shard is not None:
+                    forms.append(f"this rank's piece {piece.local_shape}")
+                forms.append(f"this rank's stored part {record.local_shape}")
+                raise ValueError(f"load_state_dict: {key} has shape {shape}; a parameter "
+                                 f"placed {record.sharding} takes " + " or ".join(forms))
+            if shard is not None:
+                value = shard.shard_of(value.to(shard.dtype))
+            state[key] = value
+
+    module._register_state_dict_hook(to_whole)
+    module._register_load_state_dict_pre_hook(to_stored)
