@@ -3,7 +3,7 @@
 forward and/or the backward, freeze and unfreeze a layer, a scalar loss weight, an eval
 pass, a loss term reading a parameter outside the compiled forward, two optimizers, a
 learning-rate schedule, whole-step functions with accumulation over calls), runs each on
-2 process ranks under ``ddp`` or ``fsdp``, and compares the parameters with one process
+2 process ranks under ``ddp``, ``fsdp``, ``zero1`` or ``zero2``, and compares the parameters with one process
 training on the whole batch.
 
 ``SPMD_FUZZ=ci`` (the default) runs five fixed loops that make every move, then two
@@ -86,7 +86,7 @@ def moves(path: str) -> st.SearchStrategy:
 @st.composite
 def loops(draw: st.DrawFn) -> Loop:
     path = draw(st.sampled_from(["module", "step"]))
-    return Loop(path=path, strategy=draw(st.sampled_from(["ddp", "fsdp"])),
+    return Loop(path=path, strategy=draw(st.sampled_from(["ddp", "fsdp", "zero1", "zero2"])),
                 optimizer=draw(st.sampled_from(["sgd", "momentum", "adamw"])),
                 two_optimizers=path == "module" and draw(st.booleans()),
                 schedule=draw(st.booleans()),
@@ -283,6 +283,17 @@ SEEDS = [
                                                                False, True))),
 ]
 
+
+# zero1/zero2: parameters kept whole between steps through every move (a layer frozen and
+# unfrozen, a parameter read outside the compiled forward, no_sync, whole steps)
+SEEDS += [
+    Loop("module", "zero2", "momentum", True, True, (
+        Move(12, 2, "both", True, 1.0, True, True), Move(6, 1, "none", False, 2.0, True, False),
+        Move(11, 2, "backward", False, 0.5, False, True))),
+    Loop("step", "zero1", "adamw", False, True, (
+        _M, Move(11, 2, "none", True, 2.0, False, True), Move(4, 1, "none", False, 1.0, False,
+                                                              False))),
+]
 
 # found by the fuzzer: rank 1's batch is a view at another storage offset, so its graph
 # has dynamic shapes and AOTAutograd planned its backward at once, while rank 0 planned

@@ -5,8 +5,9 @@ Each model of ``tests/zoo.py`` (our transformer, torch's ``TransformerEncoder``,
 LLaMA-style model in each rotary and grouped-query form, Hugging Face LLaMA, GPT-2,
 Mistral and Qwen2 from tiny configs) trains a few AdamW steps with its gradients clipped,
 on real ranks over Gloo, under ``ddp``, ``fsdp``, ``hsdp``, tensor parallelism (``tp``,
-Megatron's placements from ``spmd.tp.megatron()``) and the compositions ``dp x tp``,
-``fsdp x tp``, ``hsdp x tp``. Compared against one process training on the whole batch in
+Megatron's placements from ``spmd.tp.megatron()``), ``zero1``, ``zero2``, 2-D ``fsdp``
+(sharded over ``dp`` and ``fsdp`` at once) and the compositions ``dp x tp``,
+``fsdp x tp``, ``hsdp x tp``, ``zero2 x tp``, 2-D ``fsdp x tp``. Compared against one process training on the whole batch in
 the test process: every step's output (this rank's rows) and every parameter at the end,
 whole (through ``state_dict()``), to 1e-9. In float64 the parallel arithmetic differs
 from one process only by re-associated sums (at most 1.4e-12 measured), so any larger
@@ -15,8 +16,9 @@ gradient may fall back to the eager safety net, and no op may lack a sharding ru
 
 Profiles (``SPMD_ZOO``): ``ci`` (the default) runs every model under tensor parallelism
 and every other composition on several families, chosen to cover each model, each
-composition and each of our LLaMA forms in the CI budget (26 runs, about 90 s); ``full``
-runs the whole matrix, every model under every composition (84 runs, about 5.5 minutes):
+composition and each of our LLaMA forms in the CI budget (31 runs, about 2 minutes);
+``full`` runs the whole matrix, every model under every composition (144 runs, about 11
+minutes):
 ``SPMD_ZOO=full .venv/bin/python -m pytest -s tests/cpu/test_zoo.py`` prints each run's
 largest difference and seconds, the figures of README's composition matrix.
 """
@@ -52,6 +54,11 @@ COMPOSITIONS = {
     "dp x tp": ((2, 2), ("dp", "tp"), "ddp", True),
     "fsdp x tp": ((2, 2), ("fsdp", "tp"), "fsdp", True),
     "hsdp x tp": ((2, 2, 2), ("dp", "fsdp", "tp"), "hsdp", True),
+    "zero1": ((2,), ("dp",), "zero1", False),
+    "zero2": ((2,), ("dp",), "zero2", False),
+    "zero2 x tp": ((2, 2), ("dp", "tp"), "zero2", True),
+    "2-D fsdp": ((2, 2), ("dp", "fsdp"), "fsdp", False),
+    "2-D fsdp x tp": ((2, 2, 2), ("dp", "fsdp", "tp"), "fsdp", True),
 }
 MODELS = [e.name for e in all_entries()]
 
@@ -66,6 +73,11 @@ CI = {
     "fsdp x tp": ["llama", "gpt2", "llama_half_enable_gqa", "llama_complex_expand",
                   "llama_half_repeat_interleave"],
     "hsdp x tp": ["llama_complex_enable_gqa"],
+    "zero1": ["llama"],
+    "zero2": ["gpt2"],
+    "zero2 x tp": ["mistral"],
+    "2-D fsdp": ["encoder"],
+    "2-D fsdp x tp": ["llama"],
 }
 
 
@@ -108,7 +120,8 @@ def _run(name: str, composition: str) -> dict:
     start = time.perf_counter()
     model = spmd.parallelize(e.model(), mesh=mesh, strategy=strategy,
                              placements=e.placements if tp else None)
-    index, count = _data_index(mesh, model._spmd.setup.strategy)
+    planned = model._spmd.setup.strategy  # (2-D fsdp: on the mesh with "dp_fsdp")
+    index, count = _data_index(planned.mesh, planned)
     per = ROWS // count
     rows = slice(index * per, (index + 1) * per)
     outputs, params = _train(model, e, rows, lambda m: m.clip_grad_norm_(CLIP))
@@ -216,7 +229,10 @@ def test_every_composition_trains_like_one_process(name, composition, reference)
     collectives = set(runs[0]["collectives"])
     assert any(d == "tp" for _, d in collectives) == tp
     if strategy != "ddp":  # parameters stored as shards: gathered, gradients scattered
-        assert {("all_gather", "fsdp"), ("reduce_scatter", "fsdp")} <= collectives
+        shape, names = COMPOSITIONS[composition][:2]
+        data = ("dp_fsdp" if composition.startswith("2-D") else
+                "fsdp" if "fsdp" in names else "dp")
+        assert {("all_gather", data), ("reduce_scatter", data)} <= collectives
 
 
 def test_the_ci_profile_covers_every_model_and_composition():

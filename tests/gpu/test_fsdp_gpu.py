@@ -1,5 +1,5 @@
 """Parameter sharding on a GPU (skipped without CUDA): module mode through Inductor (the
-shard ops inside CUDA graphs Inductor compiles) and whole-step mode (AdamW's Triton
+shard ops inside CUDA graphs Inductor compiles; fsdp, zero1, zero2) and whole-step mode (AdamW's Triton
 kernel on the shards), each against plain torch; and an NCCL group that torch sees.
 
 One GPU allows one NCCL rank, so the mesh has one rank: every parameter is its own
@@ -56,6 +56,26 @@ def test_fsdp_whole_step_on_cuda_runs_adamw_on_the_shards():
         train_step(model, x, y, opt)
     plan = spmd.inspect(train_step)
     assert list(plan.optimizer.values())[0].startswith("fused")
+    assert_same(model, reference(data, "adamw"))
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_zero_module_on_cuda_through_inductor_trains_like_torch(strategy):
+    """Gathered parameters kept between steps inside graphs Inductor compiled (handed out
+    as copies, so Inductor's buffer reuse cannot touch what is kept): two half-batch
+    backward passes per step, the second forward reading the kept gather, equal torch's
+    one pass over the whole batch."""
+    data = batches()
+    model = spmd.parallelize(make_model(), bucket_cap_mb=0.05, mesh=spmd.Mesh.simulated(1),
+                             strategy=strategy)
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    for x, y in data:
+        for half in (slice(0, 8), slice(8, 16)):
+            (F.mse_loss(model(x[half]), y[half]) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    plan = spmd.inspect(model)
+    assert all(path.startswith("inductor") for path in plan.compute_paths.values())
     assert_same(model, reference(data, "adamw"))
 
 
