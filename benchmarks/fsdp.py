@@ -126,10 +126,16 @@ def _persistent_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 
 
 def _peak_bytes(prof, start_ns: int, end_ns: int) -> int:
-    """The most bytes alive between ``start_ns`` and ``end_ns`` (``time.time_ns()``, the
-    profiler's clock): allocation events in time order, each free matched by pointer to
-    an allocation this profile saw (a free of older memory, whose size the allocator's
-    reporter may remember from an earlier profile, is skipped)."""
+    """The most bytes alive between ``start_ns`` and ``end_ns`` (:func:`memory_between`)."""
+    return memory_between(prof, start_ns, end_ns)[0]
+
+
+def memory_between(prof, start_ns: int, end_ns: int) -> tuple[int, int]:
+    """(the most bytes alive between ``start_ns`` and ``end_ns``, the bytes alive at
+    ``end_ns``), on ``time.time_ns()``, the profiler's clock: allocation events in time
+    order, each free matched by pointer to an allocation this profile saw (a free of
+    older memory, whose size the allocator's reporter may remember from an earlier
+    profile, is skipped)."""
     from torch._C._profiler import _EventType
 
     events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
@@ -152,7 +158,7 @@ def _peak_bytes(prof, start_ns: int, end_ns: int) -> int:
             alive -= live.pop(ptr)
         if node.start_time_ns >= start_ns:
             peak = max(peak, alive)
-    return peak
+    return peak, alive
 
 
 def rank_main(rank: int, steps: int, rounds: int, width: int, layers: int) -> dict | None:
@@ -300,9 +306,12 @@ def report(world: int, res: dict, steps: int, rounds: int, width: int, layers: i
           f"(FSDP2's weights moved up to {res['moved']:.2e} from their initial values)")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nprocs", default="2,4", help="comma-separated world sizes")
+def cli(doc: str, rank_main, report, nprocs: str) -> None:
+    """Parse this model's options (world sizes, steps, rounds, layers, width), run
+    ``rank_main`` on each world size and print ``report`` of rank 0's result; shared by
+    the benchmarks of this model (``zero.py``)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--nprocs", default=nprocs, help="comma-separated world sizes")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layers", type=int, default=8)
@@ -320,6 +329,10 @@ def main() -> None:
         res = spawn(rank_main, args=(args.steps, args.rounds, args.width, args.layers),
                     nprocs=world, start_method="forkserver", timeout=6000)[0]
         report(world, res, args.steps, args.rounds, args.width, args.layers)
+
+
+def main() -> None:
+    cli(__doc__, rank_main, report, "2,4")
 
 
 if __name__ == "__main__":
