@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/ddp.py
 	$(PY) benchmarks/batch_sizes.py
 	$(PY) benchmarks/fsdp.py
+	$(PY) benchmarks/zero.py
 	$(PY) benchmarks/tp.py
 	$(PY) benchmarks/compressed.py
 	$(PY) benchmarks/hardware.py
