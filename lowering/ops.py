@@ -194,11 +194,11 @@ def _shard_reduce(grad: torch.Tensor, handle: int) -> torch.Tensor:
     wire = s.reduce_dtype or grad.dtype
     padded = s.padded(grad.detach(), wire)
     if not s.live:
-        out = padded[:s.rows].clone()
+        out = s.rank_part(padded, 0).clone()
     elif s.all_reduce:
         whole = padded.mul(1.0 / s.size)
         collectives.all_reduce(whole, group=s.group)
-        out = whole[s.rank() * s.rows:(s.rank() + 1) * s.rows].clone()
+        out = s.rank_part(whole, s.rank()).clone()
     else:
         from spmd.runtime.collectives import reduce_scatter_tensor
 
@@ -245,8 +245,7 @@ def _unpack_gathered(flat: torch.Tensor, handle: int) -> list[torch.Tensor]:
     out, offset = [], 0
     for shard in s.shards:
         n = shard.local_numel
-        rows = grid[:, offset:offset + n].reshape(s.size * shard.rows, *shard.shape[1:])
-        out.append(shard.whole(rows))
+        out.append(shard.whole(grid[:, offset:offset + n]))
         offset += n
     return out
 
@@ -259,14 +258,14 @@ def _bucket_reduce_scatter(grads: list[torch.Tensor], handle: int) -> torch.Tens
     s: ShardBucketSpec = lookup(handle)
     wire = s.wire_dtype or grads[0].dtype
     if not s.live:  # every rank is taken to hold these gradients: the average is them
-        pieces = [sh.padded(g, wire)[:sh.rows].reshape(-1) for sh, g in zip(s.shards, grads)]
+        pieces = [sh.rank_part(sh.padded(g, wire), 0).reshape(-1)
+                  for sh, g in zip(s.shards, grads)]
         return torch.cat(pieces)
     grid = torch.empty((s.size, s.total), dtype=wire, device=grads[0].device)
     offset = 0
     for shard, g in zip(s.shards, grads):
         n = shard.local_numel
-        grid[:, offset:offset + n].view(s.size, shard.rows, -1).copy_(
-            shard.padded(g, g.dtype).view(s.size, shard.rows, -1))
+        grid[:, offset:offset + n].copy_(shard.padded(g, g.dtype).reshape(s.size, n))
         offset += n
     grid.mul_(1.0 / s.size)
     out = grid.new_empty(s.total)

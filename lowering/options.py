@@ -59,6 +59,9 @@ class Options:
         placements: tensor parallelism: ``{mesh dimension: {parameter name pattern:
             Shard(d) | Replicate()}}``, or a preset (``spmd.tp.megatron()``); see
             ``spmd.tp``.
+        shard_placement_fn: (sharded strategies) ``fn(param) -> Shard(d) | None``, the
+            dimension each parameter is sharded along (FSDP2's name and meaning), or
+            ``spmd.shard_evenly``.
     """
 
     strategy: str = "ddp"
@@ -74,6 +77,7 @@ class Options:
     sync_batchnorm: bool = False
     comm_hook: Any = field(default=None, compare=False)
     comm_state: Any = field(default=None, compare=False)
+    shard_placement_fn: Any = field(default=None, compare=False)
 
     @classmethod
     def from_kwargs(cls, where: str, **kwargs: Any) -> "Options":
@@ -158,6 +162,14 @@ class Options:
                                  f"('fsdp', 'hsdp', 'zero1', 'zero2'), which gather "
                                  f"parameters in it; with "
                                  f"'ddp', convert the model (model.to(dtype)) instead")
+        if self.shard_placement_fn is not None:
+            if not callable(self.shard_placement_fn):
+                raise TypeError(f"{where}: shard_placement_fn must be a callable "
+                                f"fn(param) -> spmd.Shard(d) | None, got "
+                                f"{type(self.shard_placement_fn).__name__}")
+            if not self.sharded:
+                raise ValueError(f"{where}: shard_placement_fn applies to the sharded "
+                                 f"strategies; {self.strategy!r} stores whole parameters")
         if self.placements is not None:
             from spmd.lowering.strategy import tp_dims_of
 

@@ -57,7 +57,8 @@ def strategy_note(spec: ShardSpec, kind: str) -> str:
 def _bucket_spec(ctx: LoweringContext, kind: str, specs: list[ShardSpec],
                  wire: torch.dtype | None) -> tuple[ShardBucketSpec, int]:
     first = specs[0]
-    src, dst = (Shard(0), Replicate()) if kind == "all_gather" else (Partial("avg"), Shard(0))
+    placed = Shard(first.dim)  # (one dimension per bucket)
+    src, dst = (placed, Replicate()) if kind == "all_gather" else (Partial("avg"), placed)
     spec = ShardBucketSpec(step=Step(src=src, dst=dst, kind=kind, mesh_dim=first.mesh_dim),
                                group=first.group, size=first.size,
                                params=tuple(s.param for s in specs), shards=tuple(specs),
@@ -204,7 +205,7 @@ def shard_params(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
                 continue
             spec: ShardSpec = lookup(handle)
             why = Provenance(params=(spec.param,), pass_name="shard_params",
-                             reason=f"parameter is Shard(0) on {spec.mesh_dim!r}; used whole "
+                             reason=f"parameter is Shard({spec.dim}) on {spec.mesh_dim!r}; used whole "
                                     f"here (all-gather in {str(spec.gather_dtype)[6:]})"
                                     + strategy_note(spec, "all_gather"))
             _, (whole,) = build_gather(gm, ctx, [node.args[0]], [spec], why, before=node)

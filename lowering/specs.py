@@ -213,11 +213,13 @@ class CollectiveSpec:
 
 @dataclass(eq=False, kw_only=True)
 class ShardSpec:
-    """One parameter stored as its dim-0 shard (``strategy="fsdp"``/``"hsdp"``).
+    """One parameter stored as its shard (``strategy="fsdp"``, ``"hsdp"``, ``"zero1"``,
+    ``"zero2"``).
 
-    The global tensor of shape ``shape`` is cut along dim 0 into ``size`` pieces of
-    ``rows`` rows each, the last ones padded with zeros where dim 0 does not divide (as
-    FSDP2 does); a 0-dim parameter is one row. Each rank stores its piece, shape
+    The global tensor of shape ``shape`` is cut along ``dim`` (0 unless
+    ``shard_placement_fn`` chose another) into ``size`` pieces of ``rows`` rows each, the
+    last ones padded with zeros where dim 0 does not divide (as FSDP2 does; another
+    dimension is chosen only where it divides); a 0-dim parameter is one row. Each rank stores its piece, shape
     :attr:`local_shape`. The parameter's uses read :func:`shard_gather` of the shard (the
     whole tensor, in ``param_dtype``); its gradient leaves through :func:`shard_reduce`
     (the average over the ranks' batches, reduce-scattered in ``reduce_dtype``, and with
@@ -226,7 +228,8 @@ class ShardSpec:
     Attributes:
         param: the parameter's name in the model.
         shape: its global shape; ``dtype``: the dtype it is stored and stepped in.
-        rows: rows of dim 0 per rank (padded).
+        rows: rows of the sharded dimension per rank (padded).
+        dim: the sharded dimension.
         group, size: the process group the shards are spread over (None: a simulated
             mesh) and its size; ``mesh_dim`` its name.
         replicate_group, replicate_size, replicate_dim: hybrid sharding's other dimension.
@@ -252,6 +255,7 @@ class ShardSpec:
     reduce_dtype: torch.dtype | None = None
     persistent: bool = False
     all_reduce: bool = False
+    dim: int = 0
     eager: bool = False  # gathered outside any planned graph at least once
     held: Any = field(default=None, repr=False)  # persistent: (key, whole) last gathered
 
@@ -261,12 +265,14 @@ class ShardSpec:
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        return (self.rows, *self.shape[1:])
+        if not self.shape:
+            return (self.rows,)
+        return (*self.shape[:self.dim], self.rows, *self.shape[self.dim + 1:])
 
     @property
     def rows_global(self) -> int:
-        """Rows of dim 0 of the whole tensor (1 for a 0-dim parameter)."""
-        return self.shape[0] if self.shape else 1
+        """Rows of the sharded dimension of the whole tensor (1 for a 0-dim parameter)."""
+        return self.shape[self.dim] if self.shape else 1
 
     @property
     def gather_dtype(self) -> torch.dtype:
@@ -285,16 +291,25 @@ class ShardSpec:
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's padded piece of the whole tensor ``full`` (a new tensor)."""
-        flat = full.detach().reshape(self.rows_global, *self.shape[1:])
+        front = full.detach().reshape(self.shape or (1,)).movedim(self.dim, 0)
         start = self.rank() * self.rows
-        piece = flat[start:start + self.rows]
-        out = flat.new_zeros(self.local_shape)
+        piece = front[start:start + self.rows]
+        out = front.new_zeros((self.rows, *front.shape[1:]))
         out[:piece.shape[0]] = piece
-        return out
+        return out.movedim(0, self.dim).contiguous() if self.dim else out
 
-    def whole(self, padded: torch.Tensor) -> torch.Tensor:
-        """The parameter's tensor from the ``size * rows`` gathered rows (padding cut)."""
-        return padded[:self.rows_global].view(self.shape)
+    def whole(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The parameter's tensor from every rank's shard laid end to end, rank by rank
+        (``size * local_numel`` elements; the padding cut)."""
+        if self.dim == 0:
+            rows = gathered.reshape(self.size * self.rows, *self.local_shape[1:])
+            return rows[:self.rows_global].view(self.shape)
+        stacked = gathered.reshape(self.size, *self.local_shape)  # (no padding off dim 0)
+        return stacked.movedim(0, self.dim).reshape(self.shape)
+
+    def rank_part(self, laid_out: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s shard out of a tensor laid out as :meth:`padded` lays one."""
+        return laid_out.reshape(self.size, -1)[rank].view(self.local_shape)
 
     def gather(self, shard: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole tensor from every rank's ``shard`` (of this parameter, or laid out
@@ -315,7 +330,12 @@ class ShardSpec:
         return whole
 
     def padded(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``grad`` (the whole tensor's) as ``size * rows`` rows of ``dtype``, zero padded."""
+        """``grad`` (the whole tensor's) in ``dtype`` laid out rank by rank: rank r's shard
+        is the r-th of ``size`` equal contiguous parts (zero padded), as a reduce-scatter
+        takes it."""
+        if self.dim:
+            parts = grad.reshape(self.shape).to(dtype).chunk(self.size, dim=self.dim)
+            return torch.stack(parts)
         rows = grad.reshape(self.rows_global, *self.shape[1:])
         total = self.size * self.rows
         if total == self.rows_global:

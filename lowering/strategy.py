@@ -102,6 +102,8 @@ class Strategy:
         replicate_dim: ``hsdp``'s dimension across which shards are replicated.
         tp_dims: the tensor-parallel dimensions (named in ``placements``).
         placements: parameter name -> its placement on each tensor-parallel dimension.
+        shard_dims: parameter name -> the dimension it is sharded along, where not 0
+            (``shard_placement_fn``).
     """
 
     name: str
@@ -113,6 +115,7 @@ class Strategy:
     tp_dims: tuple[str, ...] = ()
     placements: Mapping[str, Mapping[str, Placement]] = field(default_factory=dict,
                                                              compare=False)
+    shard_dims: Mapping[str, int] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not self.data_dims and self.data_dim is not None:
@@ -164,7 +167,7 @@ class Strategy:
         sharded strategies) and its placement on each tensor-parallel dimension."""
         placed: dict[str, Placement] = {}
         if self.shard_dim is not None:
-            placed[self.shard_dim] = Shard(0)
+            placed[self.shard_dim] = Shard(self.shard_dims.get(param, 0) if param else 0)
         if param is not None:
             placed.update(self.tp_placement(param))
         return Sharding.on(self.mesh, placed)

@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "Partial": "spmd.lowering.placements",
     "Options": "spmd.lowering.options",
     "placement_of": "spmd.layout",
+    "shard_evenly": "spmd.layout",
     "Join": "spmd.join",
     "ParameterPlacement": "spmd.layout",
     "PlanVerificationError": "spmd.lowering.verify",

@@ -55,7 +55,7 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
                 reduce_dtype: Any = None, broadcast_buffers: bool = True,
                 compile_compute: bool | None = None, calibrate: bool = False,
                 placements: Any = None, comm_hook: Any = None, comm_state: Any = None,
-                sync_batchnorm: bool = False) -> Any:
+                sync_batchnorm: bool = False, shard_placement_fn: Any = None) -> Any:
     """Data parallelism and parameter sharding, planned by a compiler: capture, bucket,
     overlap, run.
 
@@ -74,7 +74,10 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
             or only) dimension, so its gradient and optimizer state are too; the
             compiler gathers parameters (bucketed, one bucket ahead) where they are used
             and reduce-scatters their gradients. ``"hsdp"``: ``fsdp`` along ``"fsdp"``,
-            replicated along ``"dp"`` of a 2-D mesh.
+            replicated along ``"dp"`` of a 2-D mesh; ``"fsdp"`` on a mesh of ``"dp"``
+            and ``"fsdp"`` shards over both at once (2-D). ``"zero2"``/``"zero1"``
+            (DeepSpeed's ZeRO stages): stored as ``fsdp`` stores, gathered once per
+            optimizer step and kept whole; ``zero1`` all-reduces gradients whole.
         reshard_after_forward: (``fsdp``/``hsdp``) free gathered parameters after the
             forward and gather them again in backward (True), or keep them (False).
         param_dtype: (``fsdp``/``hsdp``) gather and compute in this dtype (mixed
@@ -104,6 +107,11 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
             patterns over parameter names; unnamed parameters are replicated there), or a
             preset such as ``spmd.tp.megatron()``. Those dimensions are not data
             dimensions: ``strategy`` runs along the others.
+        shard_placement_fn: (sharded strategies) FSDP2's ``shard_placement_fn``:
+            ``fn(param) -> spmd.Shard(d) | None`` chooses the dimension each parameter is
+            sharded along (None: dim 0, padded where it does not divide); another
+            dimension must divide evenly. ``spmd.shard_evenly`` chooses, per parameter,
+            dim 0 where it divides, else the first dimension that does (no padding).
 
     Returns:
         The parallelized module, class or step function; with ``obj`` omitted, a decorator.
@@ -120,7 +128,8 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         param_dtype=param_dtype, bucket_cap_mb=bucket_cap_mb, overlap=overlap,
         reduce_dtype=reduce_dtype, broadcast_buffers=broadcast_buffers,
         compile_compute=compile_compute, calibrate=calibrate, placements=placements,
-        comm_hook=comm_hook, comm_state=comm_state, sync_batchnorm=sync_batchnorm)
+        comm_hook=comm_hook, comm_state=comm_state, sync_batchnorm=sync_batchnorm,
+        shard_placement_fn=shard_placement_fn)
     if mesh is not None:
         if not isinstance(mesh, Mesh):
             raise TypeError(f"parallelize: mesh must be an spmd.Mesh or None, got "

@@ -68,10 +68,18 @@ def _as_dtensor(shard: torch.Tensor, spec: ShardSpec, device_mesh: Any,
     if not spec.shape:  # a 0-dim parameter: one row, rank 0's; every rank gets the value
         return DTensor.from_local(spec.gather(shard).clone(), device_mesh,
                                   [Replicate()] * len(placements), run_check=False)
-    local = shard.detach()[:spec.valid_rows()]
+    local = shard.detach().narrow(spec.dim, 0, spec.valid_rows())
     stride = torch.empty(spec.shape, device="meta").stride()
     return DTensor.from_local(local, device_mesh, placements, run_check=False,
                               shape=torch.Size(spec.shape), stride=stride)
+
+
+def _along(placements: list[Any], spec: ShardSpec) -> list[Any]:
+    """The mesh's placements with the sharding dimension's ``Shard`` along the dimension
+    this parameter is cut along."""
+    from torch.distributed.tensor import Shard
+
+    return [Shard(spec.dim) if p.is_shard() else p for p in placements]
 
 
 def _init_state(optimizer: torch.optim.Optimizer) -> None:
@@ -108,7 +116,7 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     for name, param in model.named_parameters():
         spec = state.shards[name]
         by_id[id(param)] = (name, spec)
-        model_sd[name] = _as_dtensor(param, spec, device_mesh, placements)
+        model_sd[name] = _as_dtensor(param, spec, device_mesh, _along(placements, spec))
     for name, buf in model.named_buffers():
         model_sd[name] = buf.detach()
     optim_sd: dict[str, Any] = {}
@@ -127,7 +135,8 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
                 values = {}
                 for key, value in optimizer.state.get(p, {}).items():
                     if isinstance(value, torch.Tensor) and tuple(value.shape) == spec.local_shape:
-                        values[key] = _as_dtensor(value, spec, device_mesh, placements)
+                        values[key] = _as_dtensor(value, spec, device_mesh,
+                                                  _along(placements, spec))
                     else:
                         values[key] = value
                 entries[name] = values
@@ -145,8 +154,8 @@ def _copy_into(target: torch.Tensor, value: Any, spec: ShardSpec) -> None:
             local = value.to_local()
             rows = spec.valid_rows()
             if local.data_ptr() != target.data_ptr():
-                target[:rows].copy_(local)
-            target[rows:].zero_()
+                target.narrow(spec.dim, 0, rows).copy_(local)
+            target.narrow(spec.dim, rows, spec.rows - rows).zero_()
             return
         whole = value.full_tensor() if isinstance(value, DTensor) else value
         target.copy_(spec.shard_of(whole.to(target.dtype)))

@@ -34,11 +34,12 @@ import torch
 import torch.nn as nn
 
 from spmd.lowering import ops
-from spmd.lowering.placements import Replicate, Sharding
+from spmd.lowering.placements import Replicate, Shard, Sharding
 from spmd.lowering.specs import Handles, ShardSpec, TPSpec, lookup
 from spmd.writethrough import write_through
 
-__all__ = ["ParameterPlacement", "Layout", "placement_of", "place_module", "hold_piece"]
+__all__ = ["ParameterPlacement", "Layout", "placement_of", "place_module", "hold_piece",
+           "shard_evenly", "shard_dims_for"]
 
 _CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
@@ -54,10 +55,11 @@ class ParameterPlacement:
             :attr:`stored`).
         computed: where the model's code computes with it (``Replicate`` along data
             dimensions; a tensor-parallel piece stays ``Shard(d)``).
-        local_shape: the tensor this rank stores (dim 0 padded to ``rows`` on a data
-            dimension).
-        rows: rows of dim 0 per rank; ``padding``: rows of zeros this rank's shard ends
-            with (those beyond the whole tensor).
+        local_shape: the tensor this rank stores (on a data dimension, the sharded
+            dimension padded to ``rows``).
+        rows: rows of the sharded dimension per rank (dim 0 unless
+            ``shard_placement_fn`` chose another); ``padding``: rows of zeros this rank's
+            shard ends with (those beyond the whole tensor).
         gathered: when the stored shards are gathered for compute: ``"each use"``
             (fsdp, hsdp), ``"per step"`` (zero1, zero2: kept whole until the shard
             changes, i.e. after the optimizer step) or ``"never"``.
@@ -132,20 +134,79 @@ def hold_piece(param: nn.Parameter, local: torch.Tensor, name: str) -> nn.Parame
 # -- one record per parameter -----------------------------------------------------------
 
 
+def shard_evenly(param: torch.Tensor, size: int | None = None,
+                 avoid: tuple[int, ...] = ()) -> Shard | None:
+    """A ``shard_placement_fn`` that never pads where it need not: ``None`` (dim 0) where
+    ``size`` divides dim 0 or divides no dimension, else ``Shard(d)`` for the first
+    dimension it divides, other than those in ``avoid``. ``parallelize`` passes the
+    sharding dimension's size, each parameter's tensor-parallel piece and the dimensions
+    tensor parallelism splits it along."""
+    shape = tuple(param.shape)
+    if size is None:
+        raise TypeError("spmd.shard_evenly: pass it as parallelize(..., shard_placement_fn="
+                        "spmd.shard_evenly), which gives it the number of ranks")
+    if not shape or shape[0] % size == 0:
+        return None
+    return next((Shard(d) for d in range(1, len(shape))
+                 if shape[d] % size == 0 and d not in avoid), None)
+
+
+def shard_dims_for(module: nn.Module, strategy: Any, fn: Any, where: str) -> dict[str, int]:
+    """Every parameter name -> the dimension ``fn`` (``shard_placement_fn``) shards it
+    along, where not 0; ``ValueError`` naming a parameter whose choice cannot be kept
+    (out of range, split by tensor parallelism already, or not dividing evenly)."""
+    size = strategy.mesh.size(strategy.shard_dim)
+    dims: dict[str, int] = {}
+    chosen: dict[int, int] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) not in chosen:
+            placed = strategy.tp_placement(name)
+            shape = list(param.shape)
+            split = set()
+            for dim, p in placed.items():
+                if p.is_shard():
+                    shape[p.dim] //= strategy.mesh.size(dim)
+                    split.add(p.dim)
+            piece = torch.empty(shape, dtype=param.dtype, device="meta")
+            got = fn(piece, size, tuple(split)) if fn is shard_evenly else fn(param)
+            if got is not None and not isinstance(got, Shard):
+                raise TypeError(f"{where}: shard_placement_fn returned {got!r} for {name}; "
+                                f"expected spmd.Shard(d) or None")
+            d = 0 if got is None else (got.dim + len(shape) if got.dim < 0 else got.dim)
+            if got is not None and not 0 <= d < max(len(shape), 1):
+                raise ValueError(f"{where}: shard_placement_fn placed {name} (shape "
+                                 f"{tuple(param.shape)}) {got!r}, out of range")
+            if d and d in split:
+                raise ValueError(f"{where}: shard_placement_fn shards {name} along dimension "
+                                 f"{d}, which tensor parallelism already splits; choose "
+                                 f"another")
+            if d and shape[d] % size:
+                raise ValueError(f"{where}: shard_placement_fn shards {name} (shape "
+                                 f"{tuple(shape)} on this rank) along dimension {d} "
+                                 f"({shape[d]}), which {size} ranks do not divide; only dim 0 "
+                                 f"is padded")
+            chosen[id(param)] = d
+        if chosen[id(param)]:
+            dims[name] = chosen[id(param)]
+    return dims
+
+
 def _shard_spec(name: str, shape: tuple[int, ...], param: torch.Tensor, setup: Any,
                 options: Any) -> ShardSpec:
     """How a parameter (or its tensor-parallel piece, of ``shape``) is cut along the
-    strategy's sharding dimension: dim 0, each rank ``ceil(rows / size)`` rows (a 0-dim
-    parameter is one row)."""
+    strategy's sharding dimension: along dim 0 (or the dimension ``shard_placement_fn``
+    chose), each rank ``ceil(rows / size)`` rows (a 0-dim parameter is one row)."""
     strategy = setup.strategy
     mesh = strategy.mesh
-    dim, replicate = strategy.shard_dim, strategy.replicate_dim
-    size = mesh.size(dim)
-    rows = shape[0] if shape else 1
+    mesh_dim, replicate = strategy.shard_dim, strategy.replicate_dim
+    size = mesh.size(mesh_dim)
+    dim = strategy.shard_dims.get(name, 0)
+    rows = shape[dim] if shape else 1
     floating = param.is_floating_point()
     return ShardSpec(
-        param=name, shape=shape, dtype=param.dtype, rows=-(-rows // size),
-        group=None if mesh.simulated else mesh.get_group(dim), size=size, mesh_dim=dim,
+        param=name, shape=shape, dtype=param.dtype, rows=-(-rows // size), dim=dim,
+        group=None if mesh.simulated else mesh.get_group(mesh_dim), size=size,
+        mesh_dim=mesh_dim,
         replicate_group=(None if mesh.simulated or replicate is None
                          else mesh.get_group(replicate)),
         replicate_size=mesh.size(replicate) if replicate else 1, replicate_dim=replicate or "",
@@ -165,7 +226,7 @@ def _record(name: str, shape: tuple[int, ...], strategy: Any, shard: ShardSpec |
         piece.local_shape if piece is not None else shape)
     return ParameterPlacement(
         name=name, shape=shape, sharding=stored, computed=computed, local_shape=local,
-        rows=local[0] if local else 1,
+        rows=shard.rows if shard is not None else (local[0] if local else 1),
         padding=0 if shard is None else shard.rows - shard.valid_rows(),
         gathered=strategy.gathered if shard is not None else "never",
         reduced=strategy.reduced if strategy.data_size > 1 else "none")

@@ -92,7 +92,6 @@ class ModuleState:
         self.profiler: Any = None
         self.measured: Any = None  # the last profiled step's Timeline
         self.measured_steps: list = []  # every profiled step's
-        self._hooks: dict[str, Any] = {}
         self.join: Any = None  # the spmd.Join context this model trains in, if any
         self.net.hook_all()
 
@@ -185,6 +184,7 @@ class ModuleState:
             if ids:
                 plan.tokens_per_step = math.prod(ids[0].shape)
         plan.sharded = sorted(self.shards)
+        plan.shard_dims = {n: s.dim for n, s in sorted(self.shards.items()) if s.dim}
         return plan
 
     # -- profiling --------------------------------------------------------------------

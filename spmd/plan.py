@@ -140,6 +140,7 @@ class Plan:
     parameters: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
     buffer_bytes: int = 0
     sharded: list[str] = field(default_factory=list)  # parameters stored as shards
+    shard_dims: dict[str, int] = field(default_factory=dict)  # those not cut along dim 0
     # tensor parallelism: parameter -> its placement per tensor-parallel dimension, and
     # every op's decision where some input was not replicated
     tp_placements: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -196,7 +197,10 @@ class Plan:
                 lines.append(f"  replicated for want of a sharding rule: {', '.join(missing)}")
         if self.sharded:
             lines.append(f"parameters stored as dim-0 shards: {len(self.sharded)} (every "
-                         f"parameter; 0-dim ones as one row)")
+                         f"parameter; 0-dim ones as one row)" + (
+                             "; along another dimension (shard_placement_fn): " + ", ".join(
+                                 f"{n} Shard({d})" for n, d in self.shard_dims.items())
+                             if self.shard_dims else ""))
         lines.append(f"cost model: {self.cost_model.backend} α={self.cost_model.alpha * 1e6:.1f} µs "
                      f"β={self.cost_model.beta * 1e9:.3f} ns/B ({self.cost_model.source})")
         for name, path in self.compute_paths.items():

@@ -182,6 +182,13 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
         strategy = resolve_strategy(options.strategy, mesh, where, dims, placed)
     else:
         strategy = resolve_strategy(options.strategy, mesh, where)
+    if options.shard_placement_fn is not None and strategy.shards_parameters:
+        from dataclasses import replace as with_fields
+
+        from spmd.layout import shard_dims_for
+
+        strategy = with_fields(strategy, shard_dims=shard_dims_for(
+            module, strategy, options.shard_placement_fn, where))
     group = None if mesh.simulated else _data_group(strategy)
     world_size = strategy.data_size
     backend = "gloo" if group is None else group.backend
