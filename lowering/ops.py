@@ -36,8 +36,8 @@ import torch
 from spmd.lowering import redistribute as table
 from spmd.lowering import reduction
 from spmd.lowering.flat import pack_planned
-from spmd.lowering.specs import (CollectiveSpec, ShardBucketSpec, ShardSpec, TPSpec, sending,
-                                 lookup)
+from spmd.lowering.specs import (CollectiveSpec, ShardBucketSpec, ShardSpec, TPSpec,
+                                 gather_rows, lookup, sending)
 from spmd.runtime import collectives
 
 __all__ = ["bucket_all_reduce", "wait", "wait_cast", "all_gather", "reduce_scatter",
@@ -179,10 +179,13 @@ def _shard_gather(shard: torch.Tensor, handle: int) -> torch.Tensor:
     s.eager = True  # planned graphs run bucket_all_gather instead: this read is eager
     if not s.persistent:
         return s.gather(shard, s.gather_dtype)
-    held = s.held_whole(shard)
-    if held is None:
-        held = s.hold(shard, s.gather(shard, s.gather_dtype).clone())
-    return held.detach()  # a new tensor over the held one: autograd's record is its own
+    columns = s.held_columns(shard)
+    if columns is None:  # gathered, and kept where any graph finds it until it changes
+        src = shard.detach().to(s.gather_dtype)
+        flat = gather_rows(src, s.size, s.group if s.live else None).reshape(-1)
+        s.keep(shard, flat, s.local_numel, 0)
+        columns = flat.view(s.size, s.local_numel)
+    return s.whole(columns).detach()  # a new tensor: autograd's record is its own
 
 
 def _shard_reduce(grad: torch.Tensor, handle: int) -> torch.Tensor:

@@ -257,7 +257,13 @@ class ShardSpec:
     all_reduce: bool = False
     dim: int = 0
     eager: bool = False  # gathered outside any planned graph at least once
-    held: Any = field(default=None, repr=False)  # persistent: (key, whole) last gathered
+    # persistent: where this parameter's last gather lies, (version key, flat, total,
+    # offset): columns [offset, offset + local_numel) of ``flat`` viewed (size, total)
+    # hold every rank's shard. Whichever graph (or eager read) gathered it, every other
+    # reads it from there until the shard changes: one kept copy, and a decision every
+    # rank makes alike (it depends on the parameters' versions only, not on which
+    # graphs a rank compiled)
+    held: Any = field(default=None, repr=False)
 
     @property
     def live(self) -> bool:
@@ -318,16 +324,23 @@ class ShardSpec:
         src = shard.detach() if dtype is None else shard.detach().to(dtype)
         return self.whole(gather_rows(src, self.size, self.group if self.live else None))
 
-    def held_whole(self, shard: torch.Tensor) -> torch.Tensor | None:
-        """A persistent spec's last gathered whole, if ``shard`` has not changed since."""
+    def held_columns(self, shard: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's shard as last gathered, ``(size, local_numel)``, if ``shard`` has
+        not changed since (a persistent spec); else None."""
         if self.held is None:
             return None
-        key, whole = self.held
-        return whole if key == _version_key(shard) else None
+        key, flat, total, offset = self.held
+        if key != _version_key(shard):
+            return None
+        return flat.view(self.size, total)[:, offset:offset + self.local_numel]
 
-    def hold(self, shard: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-        self.held = (_version_key(shard), whole)
-        return whole
+    def keep(self, shard: torch.Tensor, flat: torch.Tensor, total: int, offset: int) -> None:
+        """Remember that ``flat`` (``(size, total)``, columns from ``offset``) holds this
+        parameter's gather of ``shard`` as it is now. Not inside :func:`dry_run`: what a
+        timing run "gathers" there is this rank's shard repeated, never to be read as the
+        parameter."""
+        if sending():
+            self.held = (_version_key(shard), flat, total, offset)
 
     def padded(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``grad`` (the whole tensor's) in ``dtype`` laid out rank by rank: rank r's shard
@@ -352,29 +365,50 @@ class ShardBucketSpec(CollectiveSpec):
     :func:`shard_reduce`). ``shards`` are the parameters' specs, in bucket order."""
 
     shards: tuple[ShardSpec, ...] = ()
-    held: Any = field(default=None, repr=False)  # persistent gathers: (key, result)
     # a persistent gather in a graph Inductor compiles hands out copies of what it holds
     # (Inductor may reuse a returned buffer's memory once the graph is done reading it)
     copy_held: bool = False
+    last: Any = field(default=None, repr=False)  # persistent: this bucket's last result
 
     @property
     def total(self) -> int:
         return sum(s.local_numel for s in self.shards)
 
     def held_result(self, shards: list[torch.Tensor]) -> torch.Tensor | None:
-        """A persistent gather's last result, while none of ``shards`` changed since (every
-        rank steps the same parameters, so every rank agrees on whether to gather)."""
-        if self.held is None or not self.shards[0].persistent:
+        """A persistent gather's result without communicating, when none of ``shards``
+        changed since it was last gathered, by any graph (every rank steps the same
+        parameters and gathers each after a step, so every rank decides alike): this
+        bucket's own last result, or one laid out from where each parameter lies."""
+        if not self.shards[0].persistent:
             return None
-        key, result = self.held
-        if key != tuple(_version_key(t) for t in shards):
+        columns = [spec.held_columns(t) for spec, t in zip(self.shards, shards)]
+        if any(c is None for c in columns):
             return None
-        return result.clone() if self.copy_held else result
+        offsets = self._offsets()
+        if self.last is not None and all(
+                spec.held[1] is self.last and spec.held[3] == offset
+                for spec, offset in zip(self.shards, offsets)):
+            return self.last.clone() if self.copy_held else self.last
+        out = columns[0].new_empty(self.size * self.total)
+        grid = out.view(self.size, self.total)
+        for c, offset in zip(columns, offsets):
+            grid[:, offset:offset + c.shape[1]].copy_(c)
+        return out
 
     def hold(self, shards: list[torch.Tensor], result: torch.Tensor) -> torch.Tensor:
-        if self.shards[0].persistent:
-            self.held = (tuple(_version_key(t) for t in shards), result)
+        """Remember ``result`` (being gathered) as where each of ``shards`` lies now."""
+        if self.shards[0].persistent and sending():  # (see ShardSpec.keep)
+            for spec, t, offset in zip(self.shards, shards, self._offsets()):
+                spec.keep(t, result, self.total, offset)
+            self.last = result
         return result
+
+    def _offsets(self) -> list[int]:
+        offsets, at = [], 0
+        for spec in self.shards:
+            offsets.append(at)
+            at += spec.local_numel
+        return offsets
 
     def finish(self, buffer: torch.Tensor) -> None:
         """Wait for the collective; a reduce-scatter of hybrid sharding then averages the

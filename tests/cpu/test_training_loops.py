@@ -363,7 +363,7 @@ def two_step_functions(rank, strategy):
 
 
 LOOPS = {
-    "changing_batch": (changing_batch, ("ddp", "fsdp")),
+    "changing_batch": (changing_batch, ("ddp", "fsdp", "zero2")),
     "changing_batch_encoder": (changing_batch_encoder, ("ddp", "fsdp")),
     "uneven_last_batch": (uneven_last_batch, ("ddp", "fsdp")),
     "join_uneven": (join_uneven, ("ddp",)),
@@ -376,9 +376,9 @@ LOOPS = {
     "step_scalar_argument": (step_scalar_argument, ("ddp", "fsdp")),
     "step_adamw_alternate_freeze": (step_adamw_alternate_freeze, ("ddp", "fsdp")),
     "step_adamw_alternate_freeze_f32": (step_adamw_alternate_freeze_f32, ("ddp", "fsdp")),
-    "step_accumulation_over_calls": (step_accumulation_over_calls, ("ddp", "fsdp")),
+    "step_accumulation_over_calls": (step_accumulation_over_calls, ("ddp", "fsdp", "zero2")),
     "step_optimizer_outside": (step_optimizer_outside, ("fsdp",)),
-    "two_step_functions": (two_step_functions, ("fsdp",)),
+    "two_step_functions": (two_step_functions, ("fsdp", "zero1")),
 }
 CASES = [(name, s) for name, (_, strategies) in LOOPS.items() for s in strategies]
 
@@ -421,7 +421,7 @@ def test_changing_batch_sizes_compile_few_graphs(runs):
     """Sizes 12, 8, 4, ... per step: a static graph, then one for dynamic sizes (and one
     for the size-1 specialisation Dynamo makes), not one per size."""
     for out in runs:
-        for strategy in ("ddp", "fsdp"):
+        for strategy in ("ddp", "fsdp", "zero2"):
             _, graphs = out[("changing_batch", strategy)]
             assert 2 <= len(graphs) <= 3, graphs
             reasons = list(graphs.values())
