@@ -70,7 +70,7 @@ def main() -> None:
                                  mesh=spmd.Mesh.simulated(1), strategy=strategy)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-        def step() -> None:
+        def step(model=model, opt=opt) -> None:
             F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
             opt.step()
             opt.zero_grad()
@@ -88,7 +88,7 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         peak = torch.cuda.max_memory_allocated()
         measured = statistics.median(times)
-        del model, opt
+        del model, opt, step
         torch.cuda.empty_cache()
         plan = spmd.inspect(bench._fresh(args.width, args.layers).cuda(), x,
                             mesh=spmd.Mesh.simulated(1, hardware=preset), strategy=strategy,

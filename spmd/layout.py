@@ -26,6 +26,7 @@ parallelized model.
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -107,14 +108,7 @@ class Layout:
 
     def whole_numel(self, name: str, param: torch.Tensor) -> int:
         spec = self.pieces.get(name) or self.shards.get(name)
-        return param.numel() if spec is None else _numel(spec.shape)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+        return param.numel() if spec is None else math.prod(spec.shape)
 
 
 def hold_piece(param: nn.Parameter, local: torch.Tensor, name: str) -> nn.Parameter:

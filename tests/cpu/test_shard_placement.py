@@ -17,7 +17,7 @@ import torch.nn as nn
 import spmd
 from spmd import runtime as dist
 
-from .test_zero import Net, batch, make, train
+from .test_zero import Net, assert_trained_like_one_process, batch, make, train
 
 WORLD = 2
 
@@ -68,11 +68,7 @@ def runs():
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
 def test_trains_like_one_process(runs, strategy):
-    want = train(make(), None)
-    for rank, out in enumerate(runs):
-        for key, value in want.items():
-            assert torch.allclose(out[strategy][key], value, rtol=1e-12, atol=1e-12), \
-                (rank, key)
+    assert_trained_like_one_process(runs, strategy)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero2"])

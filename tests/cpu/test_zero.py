@@ -67,6 +67,15 @@ def train(model: nn.Module, rank: int | None, steps: int = 3, accumulate: int = 
     return state(model)
 
 
+def assert_trained_like_one_process(runs: list[dict], key: str) -> None:
+    """Every rank's ``runs[rank][key]`` state dict is one process's after :func:`train`."""
+    want = train(make(), None)
+    for rank, out in enumerate(runs):
+        for name, value in want.items():
+            assert torch.allclose(out[key][name], value, rtol=1e-12, atol=1e-12), \
+                (rank, name)
+
+
 class _Counter:
     """Counts the all-gathers this process starts (the real ones run underneath)."""
 
@@ -163,11 +172,7 @@ def runs():
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_trains_like_one_process(runs, strategy):
-    want = train(make(), None)
-    for rank, out in enumerate(runs):
-        for key, value in want.items():
-            assert torch.allclose(out[strategy][key], value, rtol=1e-12, atol=1e-12), \
-                (rank, key)
+    assert_trained_like_one_process(runs, strategy)
 
 
 def test_whole_step_trains_like_one_process(runs):
