@@ -134,7 +134,7 @@ class Options:
                 raise ValueError(f"{where}: reduce_dtype must be a floating dtype, got "
                                  f"{self.reduce_dtype}")
 
-        if self.reduce_dtype in _FP8 and self.strategy != "ddp":
+        if self.reduce_dtype in _FP8 and self.sharded:
             raise ValueError(f"{where}: reduce_dtype={self.reduce_dtype} applies to 'ddp' "
                              f"(all-reduces added in float32 by spmd); sharded strategies "
                              f"reduce-scatter in the backend, which cannot add float8")
@@ -142,7 +142,7 @@ class Options:
             from spmd.lowering.reduction import check_hook
 
             check_hook(self.comm_hook, where)
-            if self.strategy != "ddp":
+            if self.sharded:
                 raise ValueError(f"{where}: comm_hook reduces all-reduce buckets ('ddp'); "
                                  f"strategy {self.strategy!r} reduce-scatters its gradients")
             if self.reduce_dtype is not None:

@@ -261,7 +261,7 @@ def resolve_strategy(name: str, mesh: Mesh, where: str, tp_dims: tuple[str, ...]
                              f"{mesh} does not have")
     if tp_dims:
         if all(d in tp_dims for d in mesh.dim_names):  # tensor parallelism alone: no data dimension
-            if name != "ddp":
+            if KINDS[name].shards:
                 raise ValueError(f"{where}: strategy {name!r} shards parameters along a data "
                                  f"dimension, but every dimension of mesh {mesh} is "
                                  f"tensor-parallel; add one, e.g. Mesh((2, 2), dim_names="
