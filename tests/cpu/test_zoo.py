@@ -77,7 +77,7 @@ CI = {
     "zero2": ["gpt2"],
     "zero2 x tp": ["mistral"],
     "2-D fsdp": ["encoder"],
-    "2-D fsdp x tp": ["llama"],
+    "2-D fsdp x tp": ["llama_complex_enable_gqa"],
 }
 
 
