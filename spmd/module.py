@@ -22,20 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import types
 from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
 
-import spmd.kernels as kernels
 from spmd.lowering.capture import Capture, GraphRecord
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.specs import Handles, ShardSpec, SyncState
 from spmd.lowering.options import Options
 from spmd.agreement import Agreement
-from spmd.plan import Fallback, Plan, plan_from_records
+from spmd.plan import Fallback, Plan, module_plan
 from spmd.reducer import EagerReducer, broadcast_coalesced
 from spmd.safety_net import SafetyNet
 from spmd.runtime.errors import DistError
@@ -148,44 +146,11 @@ class ModuleState:
             if record.fallback_reason:  # the cause, where the hook saw only the effect
                 for name in record.trainable:
                     self.fallbacks[name] = record.fallback_reason
-        fallbacks = [Fallback(param=n, reason=r) for n, r in self.fallbacks.items()]
-        device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
-        plan = plan_from_records(self.records, setup=self.setup, options=self.options,
-                                 fallbacks=fallbacks, frozen=frozen,
-                                 kernel=kernels.implementation(device))
-        hardware = self.setup.strategy.mesh.hardware
-        for record in self.records:
-            if hardware is not None and record.forward is not None:
-                from spmd.hardware import graph_seconds  # the cluster's roofline
-
-                forward = graph_seconds(record.forward, hardware.device)
-                backward = (graph_seconds(record.backward, hardware.device)
-                            if record.backward is not None else 2.0 * forward)
-                plan.compute[record.name] = (forward, backward)
-                continue
-            backward = self.estimates.get(record.name)
-            if backward is None and record.forward_seconds is not None:
-                backward = 2.0 * record.forward_seconds
-            plan.compute[record.name] = ((backward or 0.0) / 2.0, backward or 0.0)
-        plan.measured = self.measured
-        plan.measured_steps = list(self.measured_steps)
-        seen: set[int] = set()
-        for name, param in self.params.items():  # named_parameters(): tied ones once
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            local = param.numel() * param.element_size()
-            whole = self.layout.whole_numel(name, param) * param.element_size()
-            plan.parameters[name] = (local, whole, param.requires_grad)
-        plan.buffer_bytes = sum(b.numel() * b.element_size() for b in self.buffers.values())
-        for record in self.records[:1]:  # token ids: the first integer data input
-            ids = [i for i in record.inputs if i.kind == "data" and i.shape
-                   and not i.dtype.is_floating_point and i.dtype != torch.bool]
-            if ids:
-                plan.tokens_per_step = math.prod(ids[0].shape)
-        plan.sharded = sorted(self.shards)
-        plan.shard_dims = {n: s.dim for n, s in sorted(self.shards.items()) if s.dim}
-        return plan
+        return module_plan(
+            self.records, setup=self.setup, options=self.options, layout=self.layout,
+            params=self.params, buffers=self.buffers, estimates=self.estimates,
+            fallbacks=[Fallback(param=n, reason=r) for n, r in self.fallbacks.items()],
+            frozen=frozen, measured=self.measured, measured_steps=self.measured_steps)
 
     # -- profiling --------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ a table; ``str(plan)`` is the summary.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ from spmd.lowering.passes import Provenance
 from spmd.lowering.state import CollectiveInfo, OptimizerFusion, find
 
 __all__ = ["Plan", "Bucket", "Collective", "Fallback", "Placed", "Verification",
-           "plan_from_records"]
+           "plan_from_records", "module_plan"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -318,6 +319,55 @@ class Plan:
     def __repr__(self) -> str:
         return (f"Plan({self.strategy}, world_size={self.world_size}, buckets={len(self.buckets)}, "
                 f"collectives={len(self.collectives)}, fallbacks={len(self.fallbacks)})")
+
+
+def module_plan(records: list, *, setup: Any, options: Options, layout: Any,
+                params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                estimates: dict[str, float], fallbacks: list[Fallback], frozen: list[str],
+                measured: Any = None, measured_steps: list | None = None) -> Plan:
+    """The plan of a parallelized module: :func:`plan_from_records` of its graphs, with
+    each graph's compute (the cluster's roofline on a simulated cluster, else the
+    measured backward estimate), every parameter's bytes stored and whole
+    (``layout``: the module's :class:`spmd.layout.Layout`), the tokens a step takes, and
+    the profiled timelines."""
+    import spmd.kernels as kernels
+
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+    plan = plan_from_records(records, setup=setup, options=options, fallbacks=fallbacks,
+                             frozen=frozen, kernel=kernels.implementation(device))
+    hardware = setup.strategy.mesh.hardware
+    for record in records:
+        if hardware is not None and record.forward is not None:
+            from spmd.hardware import graph_seconds  # the cluster's roofline
+
+            forward = graph_seconds(record.forward, hardware.device)
+            backward = (graph_seconds(record.backward, hardware.device)
+                        if record.backward is not None else 2.0 * forward)
+            plan.compute[record.name] = (forward, backward)
+            continue
+        backward = estimates.get(record.name)
+        if backward is None and record.forward_seconds is not None:
+            backward = 2.0 * record.forward_seconds
+        plan.compute[record.name] = ((backward or 0.0) / 2.0, backward or 0.0)
+    plan.measured = measured
+    plan.measured_steps = list(measured_steps or [])
+    seen: set[int] = set()
+    for name, param in params.items():  # named_parameters(): tied ones once
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        local = param.numel() * param.element_size()
+        whole = layout.whole_numel(name, param) * param.element_size()
+        plan.parameters[name] = (local, whole, param.requires_grad)
+    plan.buffer_bytes = sum(b.numel() * b.element_size() for b in buffers.values())
+    for record in records[:1]:  # token ids: the first integer data input
+        ids = [i for i in record.inputs if i.kind == "data" and i.shape
+               and not i.dtype.is_floating_point and i.dtype != torch.bool]
+        if ids:
+            plan.tokens_per_step = math.prod(ids[0].shape)
+    plan.sharded = sorted(layout.shards)
+    plan.shard_dims = {n: s.dim for n, s in sorted(layout.shards.items()) if s.dim}
+    return plan
 
 
 def plan_from_records(records: list, *, setup: Any, options: Options,
