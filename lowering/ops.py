@@ -244,13 +244,7 @@ def _unpack_gathered(flat: torch.Tensor, handle: int) -> list[torch.Tensor]:
     """The whole parameters out of a gathered bucket: rank r's rows of parameter i sit at
     ``[r, offset_i : offset_i + n_i]`` of the ``(size, total)`` buffer."""
     s: ShardBucketSpec = lookup(handle)
-    grid = flat.view(s.size, s.total)
-    out, offset = [], 0
-    for shard in s.shards:
-        n = shard.local_numel
-        out.append(shard.whole(grid[:, offset:offset + n]))
-        offset += n
-    return out
+    return [shard.whole(c) for shard, c in zip(s.shards, s.columns(flat))]
 
 
 def _bucket_reduce_scatter(grads: list[torch.Tensor], handle: int) -> torch.Tensor:
@@ -265,11 +259,8 @@ def _bucket_reduce_scatter(grads: list[torch.Tensor], handle: int) -> torch.Tens
                   for sh, g in zip(s.shards, grads)]
         return torch.cat(pieces)
     grid = torch.empty((s.size, s.total), dtype=wire, device=grads[0].device)
-    offset = 0
-    for shard, g in zip(s.shards, grads):
-        n = shard.local_numel
-        grid[:, offset:offset + n].copy_(shard.padded(g, g.dtype).reshape(s.size, n))
-        offset += n
+    for shard, g, c in zip(s.shards, grads, s.columns(grid)):
+        c.copy_(shard.padded(g, g.dtype).reshape(s.size, -1))
     grid.mul_(1.0 / s.size)
     out = grid.new_empty(s.total)
     issued = time.perf_counter()

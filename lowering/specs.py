@@ -13,6 +13,7 @@ so a model that is collected takes its specs, groups and optimizers with it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import threading
@@ -219,8 +220,8 @@ class ShardSpec:
     The global tensor of shape ``shape`` is cut along ``dim`` (0 unless
     ``shard_placement_fn`` chose another) into ``size`` pieces of ``rows`` rows each, the
     last ones padded with zeros where dim 0 does not divide (as FSDP2 does; another
-    dimension is chosen only where it divides); a 0-dim parameter is one row. Each rank stores its piece, shape
-    :attr:`local_shape`. The parameter's uses read :func:`shard_gather` of the shard (the
+    dimension is chosen only where it divides); a 0-dim parameter is one row. Each rank
+    stores its piece, shape :attr:`local_shape`. The parameter's uses read :func:`shard_gather` of the shard (the
     whole tensor, in ``param_dtype``); its gradient leaves through :func:`shard_reduce`
     (the average over the ranks' batches, reduce-scattered in ``reduce_dtype``, and with
     ``replicate_group`` also averaged across the replicas: hybrid sharding).
@@ -384,31 +385,34 @@ class ShardBucketSpec(CollectiveSpec):
         columns = [spec.held_columns(t) for spec, t in zip(self.shards, shards)]
         if any(c is None for c in columns):
             return None
-        offsets = self._offsets()
         if self.last is not None and all(
                 spec.held[1] is self.last and spec.held[3] == offset
-                for spec, offset in zip(self.shards, offsets)):
+                for spec, offset in zip(self.shards, self.offsets)):
             return self.last.clone() if self.copy_held else self.last
         out = columns[0].new_empty(self.size * self.total)
-        grid = out.view(self.size, self.total)
-        for c, offset in zip(columns, offsets):
-            grid[:, offset:offset + c.shape[1]].copy_(c)
+        for target, c in zip(self.columns(out), columns):
+            target.copy_(c)
         return out
 
     def hold(self, shards: list[torch.Tensor], result: torch.Tensor) -> torch.Tensor:
         """Remember ``result`` (being gathered) as where each of ``shards`` lies now."""
         if self.shards[0].persistent and sending():  # (see ShardSpec.keep)
-            for spec, t, offset in zip(self.shards, shards, self._offsets()):
+            for spec, t, offset in zip(self.shards, shards, self.offsets):
                 spec.keep(t, result, self.total, offset)
             self.last = result
         return result
 
-    def _offsets(self) -> list[int]:
-        offsets, at = [], 0
-        for spec in self.shards:
-            offsets.append(at)
-            at += spec.local_numel
-        return offsets
+    @functools.cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """Where each parameter's columns start in a ``(size, total)`` bucket buffer."""
+        return tuple(itertools.accumulate((s.local_numel for s in self.shards[:-1]),
+                                          initial=0))
+
+    def columns(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's ``(size, local_numel)`` columns of a bucket buffer ``flat``
+        (``size * total`` elements, rank r's shards in row r)."""
+        grid = flat.view(self.size, self.total)
+        return [grid[:, o:o + s.local_numel] for s, o in zip(self.shards, self.offsets)]
 
     def finish(self, buffer: torch.Tensor) -> None:
         """Wait for the collective; a reduce-scatter of hybrid sharding then averages the

@@ -49,7 +49,7 @@ from spmd.lowering.placements import Partial, Placement, Replicate, Shard, Shard
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["Strategy", "StrategyKind", "KINDS", "resolve_strategy", "STRATEGIES", "tp_dims_of",
-           "dims_to_flatten"]
+           "dims_to_flatten", "flatten_data_dims"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -240,6 +240,21 @@ def dims_to_flatten(name: str, mesh: Mesh, tp_dims: tuple[str, ...] = ()) -> tup
     if len(several) > 1 and all(d in ("dp", "fsdp") for d in several):
         return rest
     return ()
+
+
+def flatten_data_dims(name: str, mesh: Mesh, where: str, tp_dims: tuple[str, ...] = ()
+                      ) -> Mesh:
+    """``mesh`` with the dimensions :func:`dims_to_flatten` names merged into one (2-D
+    fsdp), or ``mesh`` itself; ``ValueError`` naming them when they are not adjacent.
+    On a live mesh every rank must call it (the merged dimension gets its groups)."""
+    flat = dims_to_flatten(name, mesh, tp_dims)
+    if not flat:
+        return mesh
+    try:
+        return mesh.flatten(flat)
+    except ValueError as e:
+        raise ValueError(f"{where}: strategy {name!r} shards parameters over {flat} at once, "
+                         f"which must be adjacent: {e}") from None
 
 
 def _pick(mesh: Mesh, names: tuple[str, ...]) -> str | None:

@@ -134,20 +134,13 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         if not isinstance(mesh, Mesh):
             raise TypeError(f"parallelize: mesh must be an spmd.Mesh or None, got "
                             f"{type(mesh).__name__}")
-        from spmd.lowering.strategy import dims_to_flatten, resolve_strategy
+        from spmd.lowering.strategy import flatten_data_dims, resolve_strategy
         from spmd.tp import tp_dims_of
 
-        # refuse a mesh it cannot use (before any group is made)
+        # refuse a mesh it cannot use (before any group is made: on a simulated copy)
         tp_dims = tp_dims_of(placements)
-        flat = dims_to_flatten(options.strategy, mesh, tp_dims)
-        shape = Mesh.simulated(mesh.shape, mesh.dim_names)
-        if flat:
-            try:
-                shape = shape.flatten(flat)
-            except ValueError as e:
-                raise ValueError(f"parallelize: strategy {options.strategy!r} shards "
-                                 f"parameters over {flat} at once, which must be adjacent: "
-                                 f"{e}") from None
+        shape = flatten_data_dims(options.strategy, Mesh.simulated(mesh.shape, mesh.dim_names),
+                                  "parallelize", tp_dims)
         resolve_strategy(options.strategy, shape, "parallelize", tp_dims)
 
     def apply(target: Any) -> Any:

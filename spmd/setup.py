@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from spmd.lowering.cost_model import CostModel, overlap_share
 from spmd.lowering.options import Options
-from spmd.lowering.strategy import Strategy, dims_to_flatten, resolve_strategy
+from spmd.lowering.strategy import Strategy, flatten_data_dims, resolve_strategy
 from spmd.runtime import context
 from spmd.runtime.mesh import Mesh
 
@@ -170,13 +170,7 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
         from spmd.tp import resolve_placements, tp_dims_of
 
         dims = tp_dims_of(options.placements)
-    flat = dims_to_flatten(options.strategy, mesh, dims)
-    if flat:  # 2-D fsdp: sharded over every data dimension at once
-        try:
-            mesh = mesh.flatten(flat)
-        except ValueError as e:
-            raise ValueError(f"{where}: strategy {options.strategy!r} shards parameters over "
-                             f"{flat} at once, which must be adjacent: {e}") from None
+    mesh = flatten_data_dims(options.strategy, mesh, where, dims)  # 2-D fsdp
     if options.placements is not None:
         placed = resolve_placements(module, mesh, options.placements, where)
         strategy = resolve_strategy(options.strategy, mesh, where, dims, placed)
