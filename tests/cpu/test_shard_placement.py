@@ -17,6 +17,8 @@ import torch.nn as nn
 import spmd
 from spmd import runtime as dist
 
+from ..models import MODELS
+from ..models import batch as model_batch
 from .test_zero import Net, assert_trained_like_one_process, batch, make, train
 
 WORLD = 2
@@ -36,6 +38,8 @@ def job(rank: int, path: str) -> dict:
         out[(strategy, "bias")] = spmd.placement_of(model.fc2.bias).local_shape
         out[(strategy, "local")] = dict(model.named_parameters())["fc2.weight"].detach().clone()
         out[(strategy, "summary")] = spmd.inspect(model).summary()
+    # a second family: torch's transformer encoder, every matrix sharded along dim 1
+    out["encoder"] = train_encoder(rank)
     # a sharded checkpoint of the Shard(1) weight, loaded into a fresh model
     import torch.distributed.checkpoint as dcp
 
@@ -57,6 +61,26 @@ def job(rank: int, path: str) -> dict:
     out["checkpoint"] = (saved, fresh.state_dict())
     dist.destroy_process_group()
     return out
+
+
+def _columns(param: torch.Tensor):
+    return spmd.Shard(1) if param.dim() == 2 else None
+
+
+def train_encoder(rank: int | None) -> dict:
+    """torch's TransformerEncoder (attention's packed in_proj_weight included), fsdp with
+    every matrix sharded along dim 1, 3 SGD steps on the rows of this rank."""
+    model = MODELS["encoder"]().double()
+    if rank is not None:
+        model = spmd.parallelize(model, strategy="fsdp", shard_placement_fn=_columns)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = model_batch("encoder")
+    rows = slice(None) if rank is None else slice(rank * 6, (rank + 1) * 6)
+    for _ in range(3):
+        nn.functional.mse_loss(model(x[rows].double()), y[rows].double()).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +105,14 @@ def test_the_record_and_the_plan_say_which_dimension(runs, strategy):
         assert "fc2.weight Shard(1)" in out[(strategy, "summary")]
     # each rank holds its 8 columns (trained, so compare the untrained layout by shape)
     assert runs[0][(strategy, "local")].shape == whole[:, :8].shape
+
+
+def test_a_second_family_sharded_along_dim_1_trains_like_one_process(runs):
+    want = train_encoder(None)
+    for rank, out in enumerate(runs):
+        for key, value in want.items():
+            assert torch.allclose(out["encoder"][key], value, rtol=1e-12, atol=1e-12), \
+                (rank, key)
 
 
 def test_state_dicts_and_checkpoints_keep_the_choice(runs):
