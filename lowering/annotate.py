@@ -110,10 +110,11 @@ def _gradients(gm: fx.GraphModule, ctx: LoweringContext) -> tuple[Gradient, ...]
                 f"{ctx.graph_name}: the backward graph computes no gradient for any of the "
                 f"{len(trainable)} trainable parameters ({names}) although the forward's "
                 f"output requires grad: an op on the way had no derivative where it was "
-                f"traced (torch warns 'an autograd kernel was not registered'). On the meta "
-                f"device torch {torch.__version__.split('+')[0]} has none for nll_loss, which "
-                f"F.cross_entropy calls: compute the loss outside the model's forward, or "
-                f"plan on real (small) tensors")
+                f"traced (torch warns 'an autograd kernel was not registered', naming it): "
+                f"give that op a derivative (torch.library.register_autograd), or plan on "
+                f"real (small) tensors. (F.cross_entropy and F.nll_loss, which have none "
+                f"on the meta device under torch {torch.__version__.split('+')[0]}, are "
+                f"traced as their decomposition there)")
     grads = []
     for name, node in found.items():
         if name not in trainable:

@@ -51,6 +51,7 @@ class GraphRecord:
     compute_reason: str = ""
     saved: dict = field(default_factory=dict)  # forward node name -> its Sharding
     reason: str = ""  # why Dynamo compiled it (the plan lists every graph with this)
+    traced_as: list[str] = field(default_factory=list)  # meta tracing's rewrites
 
     @property
     def trainable(self) -> list[str]:
@@ -96,8 +97,10 @@ class Capture:
     """
 
     def __init__(self, names: dict[int, tuple[str, str]], owner: CaptureOwner,
-                 compile_compute: bool | None = None, reshard: bool = False) -> None:
+                 compile_compute: bool | None = None, reshard: bool = False,
+                 fused_attention: bool = False) -> None:
         self.names = names
+        self.fused_attention = fused_attention  # meta tracing for a GPU hardware model
         self.compile_compute = compile_compute
         self.reshard = reshard  # sharded parameters: save shards, gather again in backward
         self._owner = weakref.ref(owner)
@@ -149,6 +152,9 @@ class Capture:
         name = f"graph{len(records)}"
         inputs = self.describe(example_inputs)
         record = GraphRecord(name=name, inputs=inputs)
+        from spmd.lowering.meta_trace import rewrite_for_meta
+
+        record.traced_as = rewrite_for_meta(gm, example_inputs, self.fused_attention)
         record.reason = _reason(record, records)
         record.compute, record.compute_reason = self.choose_compute(example_inputs)
         records.append(record)

@@ -63,10 +63,12 @@ FAKES: dict[Any, Any] = {}  # op -> its fake (meta) kernel
 IMPLEMENTATIONS: dict[Any, Any] = {}  # op -> its Python implementation (the emitter calls it)
 
 
-def define(schema: str, impl: Any, fake: Any, backward: Any = None) -> Any:
+def define(schema: str, impl: Any, fake: Any, backward: Any = None,
+           setup_context: Any = None) -> Any:
     """Define ``spmd::<schema>`` with its implementation, fake kernel and (optionally) a
-    backward ``backward(handle_or_args, grad) -> grads``; the op's overload. The one way
-    an ``spmd`` op is made."""
+    backward ``backward(ctx, *grads) -> grads``, whose ``ctx.handle`` is the op's second
+    argument unless ``setup_context(ctx, inputs, output)`` keeps something else; the op's
+    overload. The one way an ``spmd`` op is made."""
     name = schema.split("(", 1)[0]
     _lib.define(schema)
     _lib.impl(name, impl, "CompositeExplicitAutograd")
@@ -74,7 +76,8 @@ def define(schema: str, impl: Any, fake: Any, backward: Any = None) -> Any:
     op = getattr(torch.ops.spmd, name).default
     if backward is not None:
         torch.library.register_autograd(f"spmd::{name}", backward,
-                                        setup_context=_keep_handle, lib=_lib)
+                                        setup_context=setup_context or _keep_handle,
+                                        lib=_lib)
     FAKES[op], IMPLEMENTATIONS[op] = fake, impl
     return op
 

@@ -71,7 +71,8 @@ class ModuleState:
         names.update({id(b): ("buffer", n) for n, b in self.buffers.items()})
         self.records: list[GraphRecord] = []  # one per captured region
         self.capture = Capture(names, self, options.compile_compute,
-                               reshard=options.reshards)
+                               reshard=options.reshards,
+                               fused_attention=setup.strategy.mesh.hardware is not None)
         self.fallbacks: dict[str, str] = {}
         # gradients no planned graph averaged (ddp): hooks on every trainable parameter
         self.net = SafetyNet(
@@ -116,9 +117,11 @@ class ModuleState:
         """
         hardware = self.setup.strategy.mesh.hardware
         if hardware is not None and record.forward is not None:
-            from spmd.hardware import graph_seconds
+            from spmd.plan import compiled_on_gpu
+            from spmd.roofline import graph_seconds
 
-            seconds = 2.0 * graph_seconds(record.forward, hardware.device)
+            fused = compiled_on_gpu(self.options, [record], hardware)
+            seconds = 2.0 * graph_seconds(record.forward, hardware.device, fused)
             self.estimates[record.name] = seconds
             return seconds
         seconds = self.agreement.backward_estimate(record)

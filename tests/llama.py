@@ -68,9 +68,9 @@ class Attention(nn.Module):
                cis: torch.Tensor) -> torch.Tensor:
         """Rotary embedding of ``x`` [batch, length, heads, head_dim]."""
         if self.rope == "half":
-            return x * cos[:, None] + rotate_half(x) * sin[:, None]
-        pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
-        return torch.view_as_real(pairs * cis[:, None]).flatten(3)
+            return (x * cos[:, None] + rotate_half(x) * sin[:, None]).to(x.dtype)
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * cis[:, None]).flatten(3).to(x.dtype)
 
     def forward(self, x, cos, sin, cis):
         b, t, _ = x.shape

@@ -24,17 +24,21 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
+from spmd.lowering.meta_trace import attention as _meta_attention
+from spmd.lowering.meta_trace import attention_backward as _meta_attention_backward
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
 from spmd.lowering.rules import Decision, op, register, replicate_all, shape, tensor_args
 
 _FORWARD = [op("_scaled_dot_product_flash_attention_for_cpu.default"),
             op("_scaled_dot_product_flash_attention.default"),
             op("_scaled_dot_product_efficient_attention.default"),
-            op("_scaled_dot_product_cudnn_attention.default")]
+            op("_scaled_dot_product_cudnn_attention.default"),
+            _meta_attention]  # the fused kernel as traced on meta for a GPU plan
 _BACKWARD = [op("_scaled_dot_product_flash_attention_for_cpu_backward.default"),
              op("_scaled_dot_product_flash_attention_backward.default"),
              op("_scaled_dot_product_efficient_attention_backward.default"),
-             op("_scaled_dot_product_cudnn_attention_backward.default")]
+             op("_scaled_dot_product_cudnn_attention_backward.default"),
+             _meta_attention_backward]
 
 Role = Literal["query", "key", "mask", "debug", "other"]
 # what each tensor argument (by its schema name) and output spans: the query's heads,
