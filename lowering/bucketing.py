@@ -119,6 +119,10 @@ def _number_buckets(gm: fx.GraphModule, ctx: LoweringContext) -> None:
         spec.index, spec.last = base + k, k == len(buckets) - 1
 
 
+# on a simulated GPU cluster a sharded bucket holds at most this share of device memory
+DEVICE_SHARE = 32
+
+
 def gather_cap(cap: int, total: int, floor: int = 1) -> int:
     """The cap of sharded parameters' buckets: ``cap``, at most an eighth of the bytes
     the graph moves of that kind, but not below ``floor`` (the cost model's size at which
@@ -157,6 +161,14 @@ def _bucket_shards(gm: fx.GraphModule, ctx: LoweringContext, cap: int, reason: s
             moved = "gathered" if kind == "all_gather" else "reduce-scattered"
             why_cap = (f"cap {_size(limit)}: an eighth of the {_size(total)} {moved}, at "
                        f"least {_size(floor)} (latency = bandwidth time), at most {reason}")
+            hardware = getattr(ctx.strategy.mesh, "hardware", None)
+            if hardware is not None and limit > hardware.device.memory_bytes // DEVICE_SHARE:
+                limit = hardware.device.memory_bytes // DEVICE_SHARE
+                why_cap = (f"cap {_size(limit)}: 1/{DEVICE_SHARE} of the "
+                           f"{hardware.device.name}'s memory (a bucket gathered ahead "
+                           f"beside the one in use and the one being freed stays under a "
+                           f"tenth of the device), below an eighth of the "
+                           f"{_size(total)} {moved}")
         for members in plan_buckets([i.bytes for i in infos], keys, limit):
             if len(members) == 1:
                 info = infos[members[0]]

@@ -36,8 +36,26 @@ import torch
 
 from spmd.lowering.cost_model import CostModel
 
-__all__ = ["Device", "Link", "Hardware", "A100_80GB", "H100_SXM", "H200", "graph_seconds",
+__all__ = ["Device", "Efficiency", "Link", "Hardware", "A100_80GB", "H100_SXM", "H200", "graph_seconds",
            "graph_flops", "throughput", "fit", "profile_record", "TwoLevelCostModel"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Efficiency:
+    """The share of a datasheet peak one class of kernels reaches (``value``), and where
+    that figure comes from (``source``: a benchmark run, a published measurement, or a
+    fit to a profiled run)."""
+
+    value: float
+    source: str
+
+    def __post_init__(self) -> None:
+        if not 0 < self.value <= 1:
+            raise ValueError(f"Efficiency must be in (0, 1], got {self.value} ({self.source})")
+
+
+# the classes a device's efficiencies are given for (spmd.roofline prices each)
+EFFICIENCY_CLASSES = ("matmul", "attention", "memory", "collective")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,9 +67,14 @@ class Device:
         flops: dense peak FLOP/s by dtype name (``"float32"``, ``"bfloat16"``, ...).
         memory_bytes: memory capacity.
         memory_bandwidth: bytes/s.
-        efficiency: the share of peak FLOP/s and bandwidth a real kernel reaches (the
-            roofline's calibration; 1.0 is the datasheet).
-        source: where the figures come from.
+        efficiencies: the share of peak each class of kernels reaches, by class
+            (``"matmul"``, ``"attention"``, ``"memory"``, ``"collective"``: the bus
+            bandwidth NCCL reaches on a link, against its datasheet figure), optionally
+            by class and dtype (``"matmul.bfloat16"``), each an :class:`Efficiency` with
+            its source.
+        efficiency: what a class not in ``efficiencies`` runs at (unsourced: the plan
+            says so wherever it is used).
+        source: where the datasheet figures come from.
         matmul_dtype: the dtype matrix products run in when it is not the values' own
             (``"float8_e4m3fn"`` for FP8 training, as Transformer Engine does), priced
             at that dtype's peak.
@@ -61,6 +84,7 @@ class Device:
     flops: dict[str, float] = field(hash=False)
     memory_bytes: int
     memory_bandwidth: float
+    efficiencies: dict[str, Efficiency] = field(default_factory=dict, hash=False)
     efficiency: float = 0.6
     source: str = ""
     matmul_dtype: str | None = None  # matrix products in this dtype (FP8 training: float8)
@@ -69,6 +93,28 @@ class Device:
         """Dense peak FLOP/s for ``dtype`` (float32 when none is given for it)."""
         name = str(dtype).removeprefix("torch.")
         return self.flops.get(name, self.flops["float32"])
+
+    def efficiency_of(self, kind: str, dtype: torch.dtype | None = None) -> Efficiency:
+        """The efficiency of class ``kind`` (in ``dtype``): the most specific entry of
+        ``efficiencies``, else ``efficiency``, marked unsourced."""
+        if dtype is not None:
+            found = self.efficiencies.get(f"{kind}.{str(dtype).removeprefix('torch.')}")
+            if found is not None:
+                return found
+        found = self.efficiencies.get(kind)
+        if found is not None:
+            return found
+        return Efficiency(value=self.efficiency,
+                          source="the device's default efficiency, unsourced")
+
+    def efficiency_lines(self) -> list[str]:
+        """One line per class and where its figure comes from, for the plan."""
+        lines = [f"{k}: {e.value:.1%} ({e.source})" for k, e in sorted(self.efficiencies.items())]
+        missing = [k for k in EFFICIENCY_CLASSES
+                   if not any(e == k or e.startswith(k + ".") for e in self.efficiencies)]
+        if missing:
+            lines.append(f"{', '.join(missing)}: {self.efficiency:.1%} (default, unsourced)")
+        return lines
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +153,11 @@ class Hardware:
                 not v > 0 for v in self.device.flops.values()):
             raise ValueError(f"Hardware {self.name}: device flops need a positive 'float32' "
                              f"entry, got {self.device.flops}")
+        for kind in self.device.efficiencies:
+            if kind.split(".")[0] not in EFFICIENCY_CLASSES:
+                raise ValueError(f"Hardware {self.name}: efficiencies has {kind!r}; the "
+                                 f"classes are {', '.join(EFFICIENCY_CLASSES)} (optionally "
+                                 f"'.<dtype>')")
         if not 0 < self.device.efficiency <= 1:
             raise ValueError(f"Hardware {self.name}: efficiency must be in (0, 1], got "
                              f"{self.device.efficiency}")
@@ -129,19 +180,31 @@ class Hardware:
         algorithm (within each node over NVLink, across nodes on a node's share of the
         bytes), as NCCL chooses among its algorithms."""
         link = self.link_for(mesh, dim)
+        bus = self.bus_efficiency(link)
         fields = dict(backend="nccl", world_size=mesh.size(dim), alpha=link.latency,
-                      beta=1.0 / link.bandwidth, gamma=0.0, reference_world_size=2,
-                      overlap=1.0,
-                      source=f"{self.name}, {link.name} ({link.bandwidth / 1e9:g} GB/s, "
-                             f"α {link.latency * 1e6:g} µs; {link.source}); overlap 1: "
-                             f"NCCL moves data on the GPU's own engines")
+                      beta=1.0 / (link.bandwidth * bus.value), gamma=0.0,
+                      reference_world_size=2, overlap=1.0,
+                      source=f"{self.name}, {link.name} ({link.bandwidth / 1e9:g} GB/s at "
+                             f"{bus.value:.0%}: {bus.source}; α {link.latency * 1e6:g} µs; "
+                             f"{link.source}); overlap 1: NCCL moves data on the GPU's "
+                             f"own engines")
         index = mesh.dim_names.index(dim)
         stride = math.prod(mesh.shape[index + 1:])
         per_node = max(1, min(mesh.shape[index], self.ranks_per_node // stride))
         if link is self.inter and per_node > 1 and mesh.size(dim) % per_node == 0:
+            inner = self.intra.bandwidth * self.bus_efficiency(self.intra).value
             return TwoLevelCostModel(per_node=per_node, inner_alpha=self.intra.latency,
-                                     inner_beta=1.0 / self.intra.bandwidth, **fields)
+                                     inner_beta=1.0 / inner, **fields)
         return CostModel(**fields)
+
+    def bus_efficiency(self, link: Link) -> Efficiency:
+        """The share of ``link``'s bandwidth NCCL's collectives reach: the device's
+        ``"collective.intra"``/``"collective.inter"`` efficiency, else ``"collective"``,
+        else the datasheet figure itself."""
+        which = "intra" if link is self.intra else "inter"
+        eff = self.device.efficiencies
+        found = eff.get(f"collective.{which}") or eff.get("collective")
+        return found or Efficiency(value=1.0, source="the link's datasheet figure")
 
     def check_fits(self, peak_bytes: int, what: str) -> str:
         """A line saying whether ``peak_bytes`` fits the device; warns when it does not."""
@@ -191,6 +254,30 @@ class TwoLevelCostModel(CostModel):
 
 
 _NVIDIA = "NVIDIA datasheet"
+_MAMF = ("measured, published: Stas Bekman, Machine Learning Engineering, 'Maximum "
+         "Achievable Matmul FLOPS comparison table' (github.com/stas00/ml-engineering, "
+         "compute/accelerator/README.md), torch.matmul at its best shape, ")
+_FA2_H100 = ("published: FlashAttention-3 (Shah et al., 2024), abstract: FlashAttention-2, "
+             "torch's SDPA flash kernel, reaches 35% of the H100's peak")
+_COPY = ("measured here: a device-to-device copy moved 4.20 of the H200's 4.8 TB/s "
+         "(benchmarks/kernels.py, 2026-11-26, BENCHMARKS.md)")
+_NCCL_TESTS = ("published: nccl-tests all_reduce_perf -g 8 large-message busbw (Alaya New, "
+               "'NCCL-tests in practice', 2026-05-06): ")
+
+
+def _hopper(fp8: float, fp8_source: str, memory_source: str) -> dict[str, Efficiency]:
+    return {
+        "matmul.bfloat16": Efficiency(value=794.5 / 989, source=_MAMF + "H100 SXM bf16 "
+                                      "794.5 of 989 TFLOP/s (the H200 alike)"),
+        "matmul.float16": Efficiency(value=794.5 / 989, source="taken as bf16's (the same "
+                                     "tensor-core rate): " + _MAMF + "H100 SXM bf16"),
+        "matmul.float8_e4m3fn": Efficiency(value=fp8, source=_MAMF + fp8_source),
+        "attention": Efficiency(value=0.35, source=_FA2_H100),
+        "memory": Efficiency(value=4.20 / 4.8, source=memory_source),
+        "collective.intra": Efficiency(value=1.0, source=_NCCL_TESTS + "8x H100 SXM5 "
+                                       "460-480 GB/s, at or above NVLink's 450 GB/s each "
+                                       "way (NVLink SHARP reduces in the switch)"),
+    }
 
 
 def _cluster(device: Device, nvlink: float, nvlink_source: str, nodes_of: int,
@@ -215,10 +302,23 @@ def A100_80GB(nodes_of: int = 8, network_gbps: float = 200) -> Hardware:
     """NVIDIA A100 SXM4 80GB: 312 TFLOP/s dense bf16/fp16, 156 tf32, 19.5 fp32; 80 GB
     HBM2e at 2,039 GB/s; NVLink 600 GB/s total, 300 GB/s each way (NVIDIA A100
     datasheet)."""
+    efficiencies = {
+        "matmul.bfloat16": Efficiency(value=271.2 / 312, source=_MAMF + "A100 SXM bf16 "
+                                      "271.2 of 312 TFLOP/s"),
+        "matmul.float16": Efficiency(value=271.2 / 312, source="taken as bf16's: " + _MAMF
+                                     + "A100 SXM bf16"),
+        "attention": Efficiency(value=0.6, source="published: FlashAttention-2 (Dao, 2023), "
+                                "abstract: 50-73% of the A100's peak; the range's middle"),
+        "memory": Efficiency(value=4.20 / 4.8, source="the H200's copy efficiency, taken "
+                             "for HBM2e: " + _COPY),
+        "collective.intra": Efficiency(value=240 / 300, source=_NCCL_TESTS + "8x A100 SXM4 "
+                                       "230-250 GB/s of NVLink's 300 GB/s each way"),
+    }
     device = Device(name="NVIDIA A100 SXM4 80GB",
                     flops={"float32": 19.5e12, "tfloat32": 156e12, "bfloat16": 312e12,
                            "float16": 312e12},
                     memory_bytes=80 * 10**9, memory_bandwidth=2039e9,
+                    efficiencies=efficiencies,
                     source=f"{_NVIDIA}: NVIDIA A100 Tensor Core GPU (dense, SXM4 80GB)")
     return _cluster(device, 300e9, f"{_NVIDIA}: NVLink 600 GB/s total, 300 GB/s each way",
                     nodes_of, network_gbps, "A100 80GB")
@@ -232,6 +332,9 @@ def H100_SXM(nodes_of: int = 8, network_gbps: float = 400) -> Hardware:
                     flops={"float32": 67e12, "tfloat32": 494.5e12, "bfloat16": 989e12,
                            "float16": 989e12, "float8_e4m3fn": 1979e12},
                     memory_bytes=80 * 10**9, memory_bandwidth=3.35e12,
+                    efficiencies=_hopper(1402.6 / 1979, "H100 SXM fp8 1402.6 of 1979 "
+                                         "TFLOP/s", "the H200's copy efficiency, taken "
+                                         "for the H100's HBM3: " + _COPY),
                     source=f"{_NVIDIA}: NVIDIA H100 Tensor Core GPU (dense, SXM5)")
     return _cluster(device, 450e9, f"{_NVIDIA}: NVLink 900 GB/s total, 450 GB/s each way",
                     nodes_of, network_gbps, "H100 SXM")
@@ -243,117 +346,52 @@ def H200(nodes_of: int = 8, network_gbps: float = 400) -> Hardware:
     base = H100_SXM(nodes_of, network_gbps)
     device = replace(base.device, name="NVIDIA H200 SXM 141GB", memory_bytes=141 * 10**9,
                      memory_bandwidth=4.8e12,
+                     efficiencies=_hopper(1453.4 / 1979, "H200 SXM fp8 1453.4 of 1979 "
+                                          "TFLOP/s", _COPY),
                      source=f"{_NVIDIA}: NVIDIA H200 Tensor Core GPU (SXM)")
     return replace(base, name=base.name.replace("H100 SXM", "H200"), device=device)
 
 
-# -- compute from the graph -------------------------------------------------------------
+# -- compute from the graph (spmd.roofline) ---------------------------------------------
 
-
-def _node_flops(node: Any) -> int:
-    from torch.utils.flop_counter import flop_registry
-
-    fn = flop_registry.get(getattr(node.target, "overloadpacket", None))
-    if fn is None:
-        return 0
-
-    def val(a: Any) -> Any:
-        return a.meta.get("val") if hasattr(a, "meta") else a
-
-    import torch.fx as fx
-    from torch.fx.node import map_aggregate
-
-    args = map_aggregate(node.args, lambda a: val(a) if isinstance(a, fx.Node) else a)
-    kwargs = map_aggregate(node.kwargs, lambda a: val(a) if isinstance(a, fx.Node) else a)
-    try:
-        return int(fn(*args, **kwargs, out_val=node.meta.get("val")))
-    except Exception:  # a formula that needs what the graph does not carry: no FLOPs
-        return 0
-
-
-def _node_bytes(node: Any) -> int:
-    from spmd.lowering.graph import tensor_vals
-
-    total = 0
-    for arg in node.all_input_nodes:
-        total += sum(t.numel() * t.element_size() for t in tensor_vals(arg.meta.get("val")))
-    total += sum(t.numel() * t.element_size() for t in tensor_vals(node.meta.get("val")))
-    return total
-
-
-_FREE = ("view", "_unsafe_view", "t", "transpose", "permute", "expand", "alias", "detach",
-         "unsqueeze", "squeeze", "slice", "select", "split", "split_with_sizes", "getitem",
-         "reshape")
-
-
-def graph_seconds(gm: Any, device: Device) -> float:
-    """Predicted seconds of a graph's compute on ``device``: per node the roofline
-    ``max(FLOPs / (peak · efficiency), bytes / (bandwidth · efficiency))``, views free,
-    summed (one stream)."""
-    from spmd.lowering.graph import is_collective, is_wait
-
-    total = 0.0
-    eff = device.efficiency
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or is_collective(node) or is_wait(node):
-            continue
-        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-        if name in _FREE:
-            continue
-        flops = _node_flops(node)
-        compute = flops / (device.peak(_compute_dtype(node, device)) * eff)
-        memory = _node_bytes(node) / (device.memory_bandwidth * eff)
-        total += max(compute, memory)
-    return total
-
-
-_MATMULS = ("mm", "addmm", "bmm", "baddbmm")
-
-
-def _compute_dtype(node: Any, device: Device | None) -> torch.dtype:
-    """The dtype ``node``'s arithmetic runs in on ``device``."""
-    if device is not None and device.matmul_dtype is not None:
-        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-        if name in _MATMULS:
-            return getattr(torch, device.matmul_dtype)
-    val = node.meta.get("val")
-    return val.dtype if isinstance(val, torch.Tensor) else torch.float32
-
-
-def graph_flops(gm: Any, device: Device | None = None) -> dict[torch.dtype, int]:
-    """The graph's FLOPs by the dtype they run in (torch's flop_counter formulas)."""
-    out: dict[torch.dtype, int] = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        flops = _node_flops(node)
-        if flops:
-            dtype = _compute_dtype(node, device)
-            out[dtype] = out.get(dtype, 0) + flops
-    return out
+from spmd.roofline import (graph_flops, graph_seconds, matmul_dtype, node_bytes,  # noqa: E402
+                           node_flops, op_class, step_flops)
 
 
 def throughput(plan: Any) -> str:
-    """One line for a plan on a simulated cluster: the predicted step time (compute and
-    exposed communication), the model FLOPs per device and the model FLOPs utilisation
-    (the share of the step the device would need at peak for them), tokens/s per device
-    when the model's first input is token ids."""
+    """Lines for a plan on a simulated cluster: the predicted step (compute, exposed
+    communication, the optimizer step), MFU as the field defines it (model FLOPs per
+    step, the matmul dtype's peak) beside HFU (the FLOPs the device executes,
+    recomputation included), tokens/s per device when the model's first input is token
+    ids, and where each efficiency the roofline used comes from."""
     hardware = plan.mesh.hardware
+    device = hardware.device
     timeline = plan.predicted_timeline()
     step = timeline.step_seconds
-    flops: dict[torch.dtype, int] = {}
-    for gm in plan.graphs.values():
-        for dtype, n in graph_flops(gm, hardware.device).items():
-            flops[dtype] = flops.get(dtype, 0) + n
-    total = sum(flops.values())
-    at_peak = sum(n / hardware.device.peak(d) for d, n in flops.items())
-    mfu = at_peak / step if step > 0 else 0.0
-    line = (f"on {hardware.device.name}: predicted step {step * 1e3:.3f} ms (exposed "
-            f"communication {timeline.exposed_seconds * 1e3:.3f} ms), {total / 1e12:.3f} "
-            f"TFLOP per device per step, MFU {mfu:.1%}")
+    flops = step_flops(plan.graphs, device)
+    peak = device.peak(flops.dtype)
+    mfu = flops.model / (step * peak) if step > 0 else 0.0
+    hfu = flops.hardware / (step * peak) if step > 0 else 0.0
+    dtype = str(flops.dtype).removeprefix("torch.")
+    extra = timeline.optimizer_seconds
+    line = (f"on {device.name}: predicted step {step * 1e3:.3f} ms (exposed communication "
+            f"{timeline.exposed_seconds * 1e3:.3f} ms" + (
+                f", {timeline.optimizer_label} {extra * 1e3:.3f} ms" if extra else "")
+            + f"); {flops.model / 1e12:.3f} model TFLOP per device per step, MFU {mfu:.1%} "
+            f"of the {dtype} peak; hardware {flops.hardware / 1e12:.3f} TFLOP, HFU {hfu:.1%}")
     if plan.tokens_per_step and step > 0:
-        line += f", {plan.tokens_per_step / step:,.0f} tokens/s per device"
-    return line
+        line += f"; {plan.tokens_per_step / step:,.0f} tokens/s per device"
+    compiled = "fused memory-bound chains (Inductor)" if plan.fused else "each node alone"
+    from spmd.roofline import class_seconds
+
+    by_class: dict[str, float] = {}
+    for key, times in plan.node_seconds.items():
+        for kind, seconds in class_seconds(plan.graphs[key], times).items():
+            by_class[kind] = by_class.get(kind, 0.0) + seconds
+    split = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in sorted(by_class.items()))
+    lines = [line, f"  roofline: {compiled}; compute {split}; efficiencies:"]
+    lines += [f"    {e}" for e in device.efficiency_lines()]
+    return "\n".join(lines)
 
 
 # -- fitting a hardware model from a profiled run ---------------------------------------
@@ -400,14 +438,11 @@ def profile_record(plan: Any) -> dict:
             continue
         nodes = []
         for node in gm.graph.nodes:
-            if node.op != "call_function":
+            kind = op_class(node)
+            if kind == "free":
                 continue
-            name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-            if name in _FREE:
-                continue
-            val = node.meta.get("val")
-            dtype = str(val.dtype if isinstance(val, torch.Tensor) else torch.float32)
-            nodes.append([_node_flops(node), _node_bytes(node), dtype.removeprefix("torch.")])
+            dtype = str(matmul_dtype(node, None)).removeprefix("torch.")
+            nodes.append([node_flops(node), node_bytes(node), dtype, kind])
         compute.append({"graph": key, "seconds": statistics.median(seconds), "nodes": nodes})
     return {"format": "spmd-profile-1", "mesh": {"shape": list(plan.mesh.shape),
                                                  "dim_names": list(plan.mesh.dim_names)},
@@ -471,13 +506,20 @@ def fit(profile: Any, base: Hardware, *, link: str | None = None) -> Hardware:
                          f"({profile.get('backend', '?')})")
     roofline = measured = 0.0
     for graph in profile["compute"]:
-        for flops, nbytes, dtype in graph["nodes"]:
+        for flops, nbytes, dtype, *_ in graph["nodes"]:
             peak = base.device.peak(getattr(torch, dtype, torch.float32))
             roofline += max(flops / peak, nbytes / base.device.memory_bandwidth)
         measured += graph["seconds"]
     device = base.device
     if measured > 0 and roofline > 0:
-        device = replace(device, efficiency=min(1.0, roofline / measured),
+        value = min(1.0, roofline / measured)
+        fitted_eff = Efficiency(value=value, source=f"fitted from {name}: the graphs' "
+                                f"roofline at peak over their measured compute, one factor "
+                                f"for every compute class")
+        efficiencies = {k: e for k, e in device.efficiencies.items()
+                        if k.startswith("collective")}
+        efficiencies.update({k: fitted_eff for k in ("matmul", "attention", "memory")})
+        device = replace(device, efficiency=value, efficiencies=efficiencies,
                          source=f"{device.source}; efficiency fitted from {name}")
     return replace(base, name=f"{base.name}, fitted from {name}", device=device,
                    **{which: fitted})

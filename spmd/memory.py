@@ -51,6 +51,10 @@ class MemoryView:
         comm_buffers: the largest collective's flat buffer (every bucket alive at the
             peak is already in ``peak``).
         capacity: against the simulated cluster's device memory, when planned for one.
+        saved_by_layer: the forward's saved activations by layer (``layers.3``, ``norm``;
+            values the model's root computes or reads are ``"(model)"``), with whether
+            the layer is activation-checkpointed (torch's ``checkpoint``: it saves its
+            inputs and the backward recomputes the rest), in forward order.
     """
 
     world_size: int
@@ -67,6 +71,7 @@ class MemoryView:
     unsharded_params: int
     comm_buffers: int = 0  # the largest collective's buffer (the peak counts those alive)
     capacity: str = ""  # against the simulated cluster's device memory, when planned for one
+    saved_by_layer: tuple[tuple[str, int, bool], ...] = ()
 
     @property
     def persistent(self) -> int:
@@ -90,6 +95,11 @@ class MemoryView:
         ]
         if self.capacity:
             rows.append(f"  {self.capacity}")
+        if self.saved_by_layer:
+            rows.append("  activations saved by layer:")
+            rows += [f"    {layer:<24} {mib(n)}" + ("   checkpointed: recomputed in backward"
+                                                   if ckpt else "")
+                     for layer, n, ckpt in self.saved_by_layer]
         return "\n".join(rows)
 
     @property
@@ -160,6 +170,53 @@ def _walk(gm: fx.GraphModule, label: str, held: dict[str, int], end_held: set[st
     return peak, peak_at, peak_gathered, kept_bytes
 
 
+def layer_of(path: str) -> str:
+    """The layer a module path belongs to: through its first numbered part
+    (``layers.3.attention.wq`` -> ``layers.3``), else its first part; ``"(model)"`` for
+    the root."""
+    if not path:
+        return "(model)"
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return parts[0]
+
+
+def _saved_by_layer(forward: fx.GraphModule, saved: dict[str, int]
+                    ) -> list[tuple[str, int, bool]]:
+    """Saved bytes per layer of ``forward``, and which layers are checkpointed. A saved
+    value is charged to the checkpointed layer that reads it (what a checkpointed layer
+    saves is its input), else to the layer that computed it."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from spmd.lowering.propagate import module_of
+
+    recompute = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+    checkpointed: set[str] = set()
+    order: dict[str, int] = {}
+    layer: dict[fx.Node, str] = {}
+    for node in forward.graph.nodes:
+        if node.op != "call_function":
+            layer[node] = "(model)"
+            continue
+        layer[node] = layer_of(module_of(node) or "")
+        order.setdefault(layer[node], len(order))
+        if node.meta.get("recompute") in recompute and layer[node] != "(model)":
+            checkpointed.add(layer[node])
+    by_layer: dict[str, int] = {}
+    nodes = {n.name: n for n in forward.graph.nodes}
+    for name, nbytes in saved.items():
+        node = nodes.get(name)
+        if node is None:
+            continue
+        readers = [layer[u] for u in node.users if layer.get(u) in checkpointed]
+        charged = readers[0] if readers else layer[node]
+        by_layer[charged] = by_layer.get(charged, 0) + nbytes
+    return sorted(((layer, n, layer in checkpointed) for layer, n in by_layer.items()),
+                  key=lambda row: order.get(row[0], -1))
+
+
 def memory_view(plan: Any, optimizer: str | None = "adamw") -> MemoryView:
     """The :class:`MemoryView` of ``plan`` (see the module doc)."""
     if optimizer not in OPTIMIZER_STATES:
@@ -169,6 +226,7 @@ def memory_view(plan: Any, optimizer: str | None = "adamw") -> MemoryView:
     whole = sum(full for _, full, _ in plan.parameters.values())
     trainable = sum(local for local, _, grad in plan.parameters.values() if grad)
     transient, at, gathered, activations = 0, "-", 0, 0
+    layers: dict[str, list] = {}
     regions = sorted({name.rsplit(".", 1)[0] for name in plan.graphs})
     for region in regions:
         forward = plan.graphs.get(f"{region}.forward")
@@ -182,6 +240,10 @@ def memory_view(plan: Any, optimizer: str | None = "adamw") -> MemoryView:
                 transient, at = peak, where
             gathered = max(gathered, g)
             activations += sum(saved.values())
+            for layer, n, ckpt in _saved_by_layer(forward, saved):
+                row = layers.setdefault(layer, [0, False])
+                row[0] += n
+                row[1] = row[1] or ckpt
         if backward is not None:
             held = dict(saved)
             for node in backward.graph.nodes:  # a resharded input holds a forward shard
@@ -201,4 +263,5 @@ def memory_view(plan: Any, optimizer: str | None = "adamw") -> MemoryView:
                       activations=activations, peak_gathered=gathered,
                       peak_transient=transient, peak=peak, peak_at=at,
                       unsharded_params=whole, capacity=capacity,
-                      comm_buffers=max((b.bytes for b in plan.buckets), default=0))
+                      comm_buffers=max((b.bytes for b in plan.buckets), default=0),
+                      saved_by_layer=tuple((k, n, c) for k, (n, c) in layers.items()))

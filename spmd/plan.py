@@ -147,6 +147,11 @@ class Plan:
     tp_placements: dict[str, dict[str, Any]] = field(default_factory=dict)
     placed: list[Placed] = field(default_factory=list)
     tokens_per_step: int = 0  # elements of the first integer input (token ids), if any
+    # on a simulated cluster: whether the roofline fused memory-bound chains (a compiled
+    # run), each graph's predicted seconds per node, and what tracing on meta rewrote
+    fused: bool = False
+    node_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    traced_as: dict[str, list[str]] = field(default_factory=dict)
     measured: Any = None  # a measured Timeline, after spmd.profile
     measured_steps: list = field(default_factory=list)  # every profiled step's Timeline
 
@@ -209,6 +214,8 @@ class Plan:
             lines.append(f"{name} ({why}) compute: {path}" if why else f"{name} compute: {path}")
         for name, how in self.optimizer.items():
             lines.append(f"{name} optimizer: {how}")
+        for name, notes in self.traced_as.items():
+            lines += [f"{name} on meta: {note}" for note in notes]
         if self.buckets:
             lines.append("")
             lines.append(f"{'bucket':>6}  {'graph':<8} {'kind':<14} {'params':>6}  {'dtype':<9} "
@@ -253,11 +260,15 @@ class Plan:
 
         return to_networkx(self)
 
-    def predicted_timeline(self) -> Any:
-        """The cost model's :class:`~spmd.timeline.Timeline` of one step."""
+    def predicted_timeline(self, optimizer: str | None = "adamw",
+                           clip_grad_norm: bool = False) -> Any:
+        """The cost model's :class:`~spmd.timeline.Timeline` of one step; on a simulated
+        cluster it ends with ``optimizer``'s step (``"adamw"``, ``"adam"``,
+        ``"sgd_momentum"``, ``"sgd"`` or None) and, with ``clip_grad_norm``, gradient
+        clipping (:func:`spmd.timeline.predict`)."""
         from spmd.timeline import predict
 
-        return predict(self)
+        return predict(self, optimizer, clip_grad_norm)
 
     def timeline(self) -> Any:
         """A matplotlib figure: compute, communication and exposed lanes, predicted and,
@@ -336,13 +347,21 @@ def module_plan(records: list, *, setup: Any, options: Options, layout: Any,
     plan = plan_from_records(records, setup=setup, options=options, fallbacks=fallbacks,
                              frozen=frozen, kernel=kernels.implementation(device))
     hardware = setup.strategy.mesh.hardware
+    plan.fused = compiled_on_gpu(options, records, hardware)
     for record in records:
+        if record.traced_as:
+            plan.traced_as[record.name] = list(record.traced_as)
         if hardware is not None and record.forward is not None:
-            from spmd.hardware import graph_seconds  # the cluster's roofline
+            from spmd.roofline import node_times  # the cluster's roofline
 
-            forward = graph_seconds(record.forward, hardware.device)
-            backward = (graph_seconds(record.backward, hardware.device)
-                        if record.backward is not None else 2.0 * forward)
+            times = node_times(record.forward, hardware.device, plan.fused)
+            plan.node_seconds[f"{record.name}.forward"] = times
+            forward = sum(times.values())
+            backward = 2.0 * forward
+            if record.backward is not None:
+                times = node_times(record.backward, hardware.device, plan.fused)
+                plan.node_seconds[f"{record.name}.{getattr(record, 'label', 'backward')}"] = times
+                backward = sum(times.values())
             plan.compute[record.name] = (forward, backward)
             continue
         backward = estimates.get(record.name)
@@ -368,6 +387,17 @@ def module_plan(records: list, *, setup: Any, options: Options, layout: Any,
     plan.sharded = sorted(layout.shards)
     plan.shard_dims = {n: s.dim for n, s in sorted(layout.shards.items()) if s.dim}
     return plan
+
+
+def compiled_on_gpu(options: Options, records: list, hardware: Any = None) -> bool:
+    """Whether the roofline prices a plan's graphs as Inductor compiles them (memory-bound
+    chains fused): ``compile_compute=True``, a graph that was compiled so, or, on a
+    simulated GPU cluster with ``compile_compute`` left to the planner, the Inductor it
+    picks for CUDA tensors."""
+    if options.compile_compute is not None:
+        return bool(options.compile_compute)
+    return hardware is not None or any(getattr(r, "compute", "") == "inductor"
+                                       for r in records)
 
 
 def plan_from_records(records: list, *, setup: Any, options: Options,

@@ -47,6 +47,8 @@ class Timeline:
 
     source: str
     spans: list[Span] = field(default_factory=list)
+    optimizer_seconds: float = 0.0  # the optimizer step (and clipping) after the backward
+    optimizer_label: str = ""
 
     @property
     def step_seconds(self) -> float:
@@ -91,7 +93,7 @@ def node_cost(node: fx.Node) -> float:
 
 def _phase(timeline: Timeline, graph: fx.GraphModule | None, label: str, seconds: float,
            collectives: dict[str, Any], t: float, network_free: float,
-           overlap: float) -> tuple[float, float]:
+           overlap: float, weights: dict[str, float] | None = None) -> tuple[float, float]:
     """Replay one graph from time ``t``: compute nodes take their share of ``seconds``
     (slowed by communication beside them), collectives queue on the network, a wait
     blocks until its collective is done. Returns (end of the graph, network free at)."""
@@ -99,7 +101,8 @@ def _phase(timeline: Timeline, graph: fx.GraphModule | None, label: str, seconds
         timeline.spans.append(Span(lane="compute", label=label, start=t, end=t + seconds))
         return t + seconds, network_free
     nodes = list(graph.graph.nodes)
-    costs = [node_cost(n) for n in nodes]
+    costs = ([weights.get(n.name, 0.0) for n in nodes] if weights
+             else [node_cost(n) for n in nodes])
     total = sum(costs) or 1.0
     ends: dict[str, float] = {}
     flights: list[tuple[float, float]] = []
@@ -132,9 +135,24 @@ def _phase(timeline: Timeline, graph: fx.GraphModule | None, label: str, seconds
     return t, network_free
 
 
-def predict(plan: Any) -> Timeline:
+# bytes a fused optimizer step reads and writes per element of a parameter: AdamW reads
+# the parameter, its gradient and two moments and writes the parameter and the moments
+STEP_BYTES = {"adamw": 7, "adam": 7, "sgd_momentum": 5, "sgd": 3, None: 0}
+
+
+def predict(plan: Any, optimizer: str | None = "adamw",
+            clip_grad_norm: bool = False) -> Timeline:
     """The cost model's timeline for one step of ``plan``: every region's forward graph in
-    capture order, then the backward graphs in reverse, replayed node by node."""
+    capture order, then the backward graphs in reverse, replayed node by node (each
+    node's share of its graph's time is its roofline time on a simulated cluster, else
+    :func:`node_cost`); then, on a simulated cluster, the optimizer step as one fused
+    pass over this rank's parameters and state (:data:`STEP_BYTES`) and, with
+    ``clip_grad_norm``, clipping (the gradients read for the norm, then scaled in place,
+    and the norm's all-reduce on every mesh dimension). A whole step traced as one graph
+    holds its optimizer already."""
+    if optimizer not in STEP_BYTES:
+        raise ValueError(f"predicted_timeline: optimizer must be one of "
+                         f"{', '.join(repr(k) for k in STEP_BYTES)}, got {optimizer!r}")
     timeline = Timeline(source="predicted")
     by_phase: dict[tuple[str, str], dict[str, Any]] = {}
     for c in plan.collectives:
@@ -146,11 +164,29 @@ def predict(plan: Any) -> Timeline:
         fwd, _ = plan.compute[name]
         t, network_free = _phase(timeline, plan.graphs.get(f"{name}.forward"),
                                  f"{name} forward", fwd, by_phase.get((name, "forward"), {}),
-                                 t, network_free, overlap)
+                                 t, network_free, overlap,
+                                 plan.node_seconds.get(f"{name}.forward"))
     for name in reversed(names):
         _, bwd = plan.compute[name]
-        graph = plan.graphs.get(f"{name}.backward") or plan.graphs.get(f"{name}.step")
-        t, network_free = _phase(timeline, graph, f"{name} backward", bwd,
+        key = f"{name}.backward" if f"{name}.backward" in plan.graphs else f"{name}.step"
+        t, network_free = _phase(timeline, plan.graphs.get(key), f"{name} backward", bwd,
                                  by_phase.get((name, "backward"), {}), t, network_free,
-                                 overlap)
+                                 overlap, plan.node_seconds.get(key))
+    hardware = plan.mesh.hardware if plan.mesh is not None else None
+    whole_step = any(key.endswith(".step") for key in plan.graphs)
+    if hardware is not None and not whole_step and (optimizer or clip_grad_norm):
+        device = hardware.device
+        rate = device.memory_bandwidth * device.efficiency_of("memory").value
+        trainable = sum(local for local, _, grad in plan.parameters.values() if grad)
+        seconds = STEP_BYTES[optimizer] * trainable / rate
+        label = f"{optimizer} step" if optimizer else ""
+        if clip_grad_norm:
+            seconds += 3 * trainable / rate + sum(
+                plan.mesh.cost_model(d, plan.cost_model).seconds("all_reduce", 4)
+                for d in plan.mesh.dim_names)
+            label = f"{label} and clipping" if label else "clipping"
+        network_free = max(network_free, t)  # the step needs every gradient reduced
+        timeline.spans.append(Span(lane="compute", label=label, start=network_free,
+                                   end=network_free + seconds))
+        timeline.optimizer_seconds, timeline.optimizer_label = seconds, label
     return timeline
