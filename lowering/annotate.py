@@ -61,6 +61,8 @@ def _ensure_vals(gm: fx.GraphModule, ctx: LoweringContext) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+    if _fill_missing(nodes):
+        return
     placeholders = [n for n in nodes if n.op == "placeholder"]
     if len(placeholders) != len(ctx.inputs):
         missing = next(n.name for n in nodes if "val" not in n.meta)
@@ -69,6 +71,32 @@ def _ensure_vals(gm: fx.GraphModule, ctx: LoweringContext) -> None:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [mode.from_tensor(torch.empty(i.shape, dtype=i.dtype)) for i in ctx.inputs]
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+
+
+def _fill_missing(nodes: list[fx.Node]) -> bool:
+    """Give the few nodes AOTAutograd leaves without a value (the RNG-state wrappers
+    activation checkpointing puts around random ops: ``run_and_save_rng_state``,
+    ``run_with_rng_state``) one, by running them in the fake mode of the graph's other
+    values. False where that cannot be done (then the whole graph is propagated)."""
+    from torch._guards import detect_fake_mode
+
+    missing = [n for n in nodes if "val" not in n.meta]
+    if any(n.op != "call_function" for n in missing):
+        return False
+    mode = detect_fake_mode([n.meta["val"] for n in nodes if "val" in n.meta])
+    if mode is None:
+        return False
+    for node in missing:
+        if any("val" not in a.meta for a in node.all_input_nodes):
+            return False
+        args = fx.node.map_arg(node.args, lambda a: a.meta["val"])
+        kwargs = fx.node.map_arg(node.kwargs, lambda a: a.meta["val"])
+        try:
+            with mode:
+                node.meta["val"] = node.target(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - the whole graph's propagation is next
+            return False
+    return True
 
 
 def _input_shardings(gm: fx.GraphModule, ctx: LoweringContext) -> None:

@@ -139,8 +139,21 @@ def build_scatter(gm: fx.GraphModule, ctx: LoweringContext, grads: list[fx.Node]
 
 
 def _role_nodes(gm: fx.GraphModule, collective: fx.Node) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes
-            if (r := n.meta.get("spmd_role")) is not None and r.collective == collective.name]
+    """The nodes tagged as part of ``collective`` (its wait, unpack, results), in graph
+    order: found by walking its users, so a pass over many buckets stays linear."""
+    def ours(n: fx.Node) -> bool:
+        return (r := n.meta.get("spmd_role")) is not None and r.collective == collective.name
+
+    found, seen, frontier = [], {collective}, [collective]
+    while frontier:
+        node = frontier.pop()
+        if ours(node):
+            found.append(node)
+        for user in node.users:
+            if user not in seen and ours(user):
+                seen.add(user)
+                frontier.append(user)
+    return sorted(found)
 
 
 def gathered_results(gm: fx.GraphModule, collective: fx.Node) -> list[fx.Node]:

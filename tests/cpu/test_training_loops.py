@@ -362,8 +362,56 @@ def two_step_functions(rank, strategy):
     return state(m), None
 
 
+class Checkpointed(nn.Module):
+    """Self-attention and an MLP, each block under ``torch.utils.checkpoint`` (non-
+    reentrant): the backward recomputes them, and on CPU the fused attention kernel is a
+    random op, which checkpointing wraps in an RNG-state save."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.qkv, self.proj = nn.Linear(16, 48), nn.Linear(16, 16)
+        self.fc, self.out = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def attend(self, h: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(h).view(*h.shape[:2], 3, 2, 8).unbind(2)
+        o = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                           is_causal=True)
+        return h + self.proj(o.transpose(1, 2).flatten(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x).unsqueeze(1).expand(-1, 3, -1)  # a sequence of 3 per row
+        h = checkpoint(self.attend, h, use_reentrant=False)
+        h = checkpoint(lambda t: t + F.gelu(self.fc(t)), h, use_reentrant=False)
+        return self.out(h.mean(1))
+
+
+def activation_checkpointing(rank, strategy):
+    """Blocks under activation checkpointing are planned (not left to the safety net)
+    and train as one process."""
+    def build():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return Checkpointed().double()
+
+    return changing_batch(rank, strategy, build)
+
+
+def _checkpointed_plan(rank, strategy):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        m = spmd.parallelize(Checkpointed().double(), strategy=strategy)
+    x, y = batch(4, 0, rank)
+    F.mse_loss(m(x), y).backward()
+    plan = spmd.inspect(m)
+    return [f.param for f in plan.fallbacks], m._spmd.capture_failed, len(plan.collectives)
+
+
 LOOPS = {
     "changing_batch": (changing_batch, ("ddp", "fsdp", "zero2")),
+    "activation_checkpointing": (activation_checkpointing, ("ddp", "fsdp")),
     "changing_batch_encoder": (changing_batch_encoder, ("ddp", "fsdp")),
     "uneven_last_batch": (uneven_last_batch, ("ddp", "fsdp")),
     "join_uneven": (join_uneven, ("ddp",)),
@@ -390,6 +438,8 @@ def job(rank: int) -> dict:
     out: dict = {}
     for name, strategy in CASES:
         out[(name, strategy)] = LOOPS[name][0](rank, strategy)
+    for strategy in ("ddp", "fsdp"):
+        out[("checkpointed_plan", strategy)] = _checkpointed_plan(rank, strategy)
     with torch.device("meta"):
         meta = Net()
     try:
@@ -427,6 +477,13 @@ def test_changing_batch_sizes_compile_few_graphs(runs):
             reasons = list(graphs.values())
             assert reasons[0].startswith("first call; data (6,8)")
             assert reasons[1].startswith("recompiled for new input sizes, dynamic"), reasons
+
+
+def test_checkpointed_blocks_are_planned_not_left_to_the_safety_net(runs):
+    for out in runs:
+        for strategy in ("ddp", "fsdp"):
+            fallbacks, failed, collectives = out[("checkpointed_plan", strategy)]
+            assert fallbacks == [] and failed is None and collectives > 0, strategy
 
 
 def test_late_eager_gradient_is_averaged_and_listed(runs):
