@@ -10,8 +10,8 @@ planned for more ranks, their collectives local copies), Inductor compiling the 
 ``torch.cuda.max_memory_allocated`` over those steps. Predicted: ``spmd.inspect`` of the
 same model and batch on ``Mesh.simulated(1, hardware=<the card's preset>)``: the
 predicted timeline's step time (roofline compute of every graph) and
-``plan.memory("adamw").peak`` (planned without Inductor: the prediction prices the graph's
-nodes, not the compiled kernels). The model is ``benchmarks/fsdp.py``'s transformer
+``plan.memory("adamw").peak`` (the roofline with Inductor's fusion of memory-bound
+chains, as the measured run compiles). The model is ``benchmarks/fsdp.py``'s transformer
 (embedding, pre-norm encoder layers, head) in float32. Prints a markdown table.
 """
 
@@ -91,8 +91,7 @@ def main() -> None:
         del model, opt, step
         torch.cuda.empty_cache()
         plan = spmd.inspect(bench._fresh(args.width, args.layers).cuda(), x,
-                            mesh=spmd.Mesh.simulated(1, hardware=preset), strategy=strategy,
-                            compile_compute=False)  # the roofline prices the graph as is
+                            mesh=spmd.Mesh.simulated(1, hardware=preset), strategy=strategy)
         predicted = plan.predicted_timeline().step_seconds
         memory = plan.memory("adamw").peak
         print(f"| {strategy} | {measured * 1e3:.2f} | {predicted * 1e3:.2f} | "

@@ -14,16 +14,7 @@ device for a simulated cluster.
    in ``--dtype``, one sequence of 2,048 tokens per rank, planned with ``hsdp`` for an (8 x 8) mesh of
    H100s (8 per node, 400 Gb/s between nodes): wall time, the process's peak memory,
    and the plan's predicted step, MFU and memory per device.
-3. **A published training run.** NVIDIA's NeMo performance summary (NeMo Framework
-   24.12, docs.nvidia.com/nemo-framework/user-guide/24.12/nemotoolkit/performance/
-   performance_summary.html) reports GPT3-5B pretraining on 64 H100s, FP8, sequence
-   2,048, micro-batch 4, global batch 2,048, no tensor or pipeline parallelism: 23,406
-   tokens/s per GPU, 765 model TFLOP/s per GPU. The same shape here (24 layers of width
-   4096, 32 heads, MLP 4x, vocabulary 50,304; bf16 on meta, matrix products priced at
-   the H100's FP8 peak), ``ddp`` over 64 simulated H100s (8 per node): the predicted
-   tokens/s per GPU and model TFLOP/s, with the error. The run accumulates 8
-   micro-batches per optimizer step, so its gradient all-reduce comes once per 8; the
-   plan prices one per micro-batch, and both figures are printed.
+3. Published training runs are held against predictions in ``benchmarks/published.py``.
 """
 
 from __future__ import annotations
@@ -81,39 +72,6 @@ def planning(layers: int, dim: int, dtype: torch.dtype) -> None:
     print("  " + str(plan.memory("adamw")).replace("\n", "\n  "))
 
 
-def published() -> None:
-    import dataclasses
-
-    import spmd
-    from spmd.hardware import graph_flops
-    from tests.models import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(layers=24, dim=4096, vocab=50304).to(torch.bfloat16)
-    for block in model.layers:
-        block.heads = 32
-    tokens = torch.randint(0, 50304, (4, 2048), device="meta")
-    base = spmd.hardware.H100_SXM(nodes_of=8, network_gbps=400)
-    hardware = dataclasses.replace(base, device=dataclasses.replace(
-        base.device, matmul_dtype="float8_e4m3fn"))
-    plan = spmd.inspect(model, tokens, mesh=spmd.Mesh.simulated(64, hardware=hardware))
-    timeline = plan.predicted_timeline()
-    step = timeline.step_seconds
-    compute = sum(f + b for f, b in plan.compute.values())
-    flops = sum(sum(graph_flops(g, hardware.device).values()) for g in plan.graphs.values())
-    # the all-reduce once per 8 micro-batches: 7 of 8 steps pay compute only
-    accumulated = (7 * compute + step) / 8
-    want_tokens, want_tflops = 23406, 765
-    print("\n| GPT3-5B, 64x H100, FP8 | tokens/s per GPU | model TFLOP/s per GPU |")
-    print("|---|---:|---:|")
-    print(f"| published (NeMo 24.12) | {want_tokens:,} | {want_tflops} |")
-    for label, seconds in (("predicted, all-reduce every micro-batch", step),
-                           ("predicted, all-reduce every 8 (as run)", accumulated)):
-        tok = 8192 / seconds
-        print(f"| {label} | {tok:,.0f} ({(tok - want_tokens) / want_tokens:+.0%}) | "
-              f"{flops / seconds / 1e12:.0f} ({(flops / seconds / 1e12 - want_tflops) / want_tflops:+.0%}) |")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=32)
@@ -122,7 +80,6 @@ def main() -> None:
     args = parser.parse_args()
     collectives()
     planning(args.layers, args.dim, getattr(torch, args.dtype))
-    published()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 __all__ = ["Config", "Decoder", "build", "LLAMA3_8B", "LLAMA3_70B", "LLAMA2_7B", "MPT_7B",
-           "MPT_13B", "MPT_70B", "GPT3_20B", "TINY"]
+           "MPT_13B", "MPT_70B", "GPT3_5B", "GPT3_20B", "TINY", "scaled"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +76,10 @@ _MPT = dict(mlp="gelu", norm="layer", bias=True, tied=True, vocab=50368)
 MPT_7B = Config(name="MPT-7b", layers=32, dim=4096, heads=32, kv_heads=32, ffn=16384, **_MPT)
 MPT_13B = Config(name="MPT-13b", layers=40, dim=5120, heads=40, kv_heads=40, ffn=20480, **_MPT)
 MPT_70B = Config(name="MPT-70b", layers=80, dim=8192, heads=64, kv_heads=64, ffn=32768, **_MPT)
-# NeMo's GPT3-20B (GPTConfig20B): GELU MLP 4x, LayerNorm; vocabulary GPT-2's, padded
+# NeMo's GPT3-5B and GPT3-20B (GPTConfig5B/20B): GELU MLP 4x, LayerNorm; vocabulary
+# GPT-2's, padded
+GPT3_5B = Config(name="GPT3-5B", layers=24, dim=4096, heads=32, kv_heads=32, ffn=16384,
+                 vocab=50304, mlp="gelu", norm="layer", bias=True)
 GPT3_20B = Config(name="GPT3-20B", layers=44, dim=6144, heads=48, kv_heads=48, ffn=24576,
                   vocab=50304, mlp="gelu", norm="layer", bias=True)
 TINY = Config(name="tiny", layers=2, dim=32, heads=4, kv_heads=2, ffn=64, vocab=64)

@@ -1,6 +1,13 @@
 """How long planning takes, against parameter count and the number of ranks.
 
     python benchmarks/planning.py [--strategy ddp|fsdp]
+    python benchmarks/planning.py --llama      # Llama 3 8B and 70B shapes, 64 H100s
+
+``--llama``: Llama 3 8B and 70B (``benchmarks/llm.py``) built on the meta device, one
+8,192-token sequence per rank, every block checkpointed, the loss inside the forward,
+``fsdp`` over 64 simulated H100s with bfloat16 gathers and float32 reduction; each
+planned in a fresh process (``spmd.inspect``, the summary and the memory view), whose
+wall time and peak resident memory are reported.
 
 Plans transformers of about 1, 3 and 10 million parameters for simulated meshes of 8,
 64 and 1,024 ranks with ``spmd.inspect(model, tokens, mesh=Mesh.simulated(n))`` (no
@@ -37,12 +44,54 @@ SIZES = {"~1M": (128, 4), "~3M": (192, 6), "~10M": (320, 8)}
 RANKS = (8, 64, 1024)
 
 
+_LLAMA = r"""
+import resource, sys, time, torch
+sys.path.insert(0, {here!r})
+import llm, spmd
+torch.set_num_threads(1)
+config = getattr(llm, {name!r})
+with torch.device("meta"):
+    model = llm.build(config, 8192, "full")
+tokens = torch.randint(0, config.vocab, (1, 8192), device="meta")
+mesh = spmd.Mesh.simulated(64, hardware=spmd.hardware.H100_SXM())
+start = time.perf_counter()
+plan = spmd.inspect(model, tokens, tokens, mesh=mesh, strategy="fsdp",
+                    param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+plan.summary()
+view = plan.memory("adamw")
+print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+      sum(p.numel() for p in model.parameters()), view.peak, len(plan.buckets))
+"""
+
+
+def llama() -> None:
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    print("| model | parameters | ranks | planning s | process peak MiB | predicted peak "
+          "GiB per device | collectives |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name in ("LLAMA3_8B", "LLAMA3_70B"):
+        out = subprocess.run([sys.executable, "-c", _LLAMA.format(here=here, name=name)],
+                             capture_output=True, text=True, check=True)
+        seconds, rss, params, peak, buckets = out.stdout.split()[-5:]
+        print(f"| {name} | {int(params):,} | 64 | {float(seconds):.1f} | "
+              f"{int(rss) / 1024:.0f} | {int(peak) / 2**30:.1f} | {buckets} |", flush=True)
+
+
 def main() -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
-    strategy = parser.parse_args().strategy
+    parser.add_argument("--llama", action="store_true")
+    args = parser.parse_args()
+    if args.llama:
+        llama()
+        return
+    strategy = args.strategy
     torch.set_num_threads(1)
     tokens = torch.randint(0, 256, (4, 32))
     memory = " persistent MiB | predicted peak MiB |" if strategy == "fsdp" else ""
