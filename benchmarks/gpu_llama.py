@@ -29,16 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import llm  # noqa: E402
-
-
-def _preset(name: str):
-    from spmd import hardware
-
-    if "H200" in name:
-        return hardware.H200()
-    if "A100" in name:
-        return hardware.A100_80GB()
-    return hardware.H100_SXM()
+from gpu_step import _preset  # noqa: E402  (the card's spmd.hardware preset)
 
 
 def main() -> None:

@@ -15,9 +15,12 @@ model on a simulated mesh the planner uses, instead of what it would measure her
   nodes the network's (α latency per step, β seconds per byte of the link);
 - **overlap**: GPUs run collectives on their own engines beside the compute (NCCL), so
   communication can hide behind all of it;
-- **compute from the graph**: each node's FLOPs (``torch.utils.flop_counter``'s formulas)
-  and the bytes it reads and writes, as a roofline on the device at an efficiency that
-  can be calibrated; this sets the backward time the bucket size is derived from;
+- **compute from the graph** (:mod:`spmd.roofline`): each node's FLOPs and the bytes it
+  reads and writes, as a roofline on the device at the efficiency of its class (matrix
+  products by dtype, fused attention, memory-bound ops; every preset figure sourced,
+  :class:`Efficiency`), memory-bound chains fused for compiled runs; this sets the
+  backward time the bucket size is derived from, and the step, MFU and tokens/s the
+  summary predicts;
 - **memory against capacity**: ``plan.memory()`` compares the predicted peak with the
   device's memory and warns when the plan would not fit.
 

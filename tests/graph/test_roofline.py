@@ -298,3 +298,33 @@ def test_tensor_parallel_attention_on_meta_splits_the_fused_node_by_heads():
     assert decisions and all("each rank its heads" in p.reason for p in decisions)
     assert {p.op for p in decisions} == {"spmd.attention.default",
                                          "spmd.attention_backward.default"}
+
+
+def test_a_selective_checkpointing_policy_saves_what_it_names():
+    """torch's selective activation checkpointing (a policy per op): saving the matrix
+    products' outputs, a checkpointed block keeps exactly those and its input."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return (CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    class Selective(Net):
+        def forward(self, x, y):
+            h = self.emb(x)
+            for block in self.blocks:
+                h = checkpoint(block, h, use_reentrant=False, context_fn=functools.partial(
+                    create_selective_checkpoint_contexts, policy))
+            return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+    with torch.device("meta"):
+        model = Selective()
+        x = torch.randint(0, 96, (2, 32))
+    plan = spmd.inspect(model, x, x, mesh=spmd.Mesh.simulated(8, hardware=H100_SXM()),
+                        strategy="fsdp")
+    rows = {layer: (n, ckpt) for layer, n, ckpt in plan.memory().saved_by_layer}
+    tokens, d, f, kv = 2 * 32, 64, 128, 2 * 16
+    products = tokens * (d + kv + kv + d + f + d) * 4  # wq wk wv wo w1 w2, float32
+    assert rows["blocks.1"] == (products + tokens * d * 4, True)

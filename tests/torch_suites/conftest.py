@@ -106,25 +106,18 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
     ),
 }
 
-# run by `make test` (and CI): cheap, representative tests of each suite
+# run by `make test` (and CI): one to three representative tests of each suite; each
+# spawns fresh processes (7-12 s here), and the 15-minute CI budget holds about eight.
+# SPMD_TORCH_SUITES=all runs the rest
 SAMPLE: tuple[str, ...] = (
     "TensorPipeRpcTest::test_rref_forward_chain",
-    "TensorPipeRpcTest::test_multi_layer_nested_async_rpc",
     "TensorPipeRpcTest::test_wait_all_with_exception",
-    "TensorPipeRpcTest::test_future_nested_callback",
-    "TensorPipeParameterServerTest::test_batch_updating_parameter_server",
     "TensorPipeDistAutogradTest::test_backward_simple",
-    "TensorPipeDistAutogradTest::test_backward_rref",
-    "TensorPipeDistAutogradTest::test_trainer_ps",
-    "TensorPipeTensorPipeAgentDistAutogradTest::test_backward_simple_sparse",
     "TensorPipeDistOptimizerTest::test_dist_optim",
-    "TensorPipeReinforcementLearningRpcTest::test_rl_rpc",
     "TensorPipeDdpComparisonTest::test_ddp_comparison",
     "TestDistBackendWithSpawn::test_all_reduce_sum",
-    "TestDistBackendWithSpawn::test_broadcast",
     "TestDistBackendWithSpawn::test_all_gather",
     "TestDistBackendWithSpawn::test_send_recv",
-    "TestDistBackendWithSpawn::test_barrier",
 )
 
 
