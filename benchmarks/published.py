@@ -183,10 +183,10 @@ def predict(run: Run) -> dict:
     step = _step(run, plan, timeline)
     tokens_per_gpu = run.micro_batch * run.length * run.accumulation / run.tp
     flops = spmd.roofline.step_flops(plan.graphs, hardware.device)
-    mfu = flops.model * run.accumulation / step / hardware.device.peak(torch.bfloat16)
+    tflops = flops.model * run.accumulation / step / 1e12  # model TFLOP/s per GPU
     memory = plan.memory("adamw")
     return {"predicted": tokens_per_gpu / step, "step": step, "planning": planning,
-            "compute": compute, "exposed": timeline.exposed_seconds, "mfu": mfu,
+            "compute": compute, "exposed": timeline.exposed_seconds, "tflops": tflops,
             "peak": memory.peak, "fits": memory.fits, "plan": plan}
 
 
@@ -205,7 +205,7 @@ def main() -> None:
         raise SystemExit(f"unknown run(s) {sorted(unknown)}; known: {[r.key for r in RUNS]}")
     calibrators = [k for k in args.calibrate_on.split(",") if k]
     print("| run | model | GPUs | parallelism | seq x micro x GA | precision | published "
-          "tok/s/GPU | predicted | error | predicted MFU (bf16 peak) | exposed comm | "
+          "tok/s/GPU | predicted | error | predicted model TFLOP/s per GPU | exposed comm | "
           "peak memory | planning s | calibrated | error |")
     print("|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     errors, held_out, factors = [], [], {}
@@ -230,7 +230,7 @@ def main() -> None:
         print(f"| {run.key} ({run.source}) | {run.config.name} | {run.gpus} x {run.gpu} | {par} "
               f"| {run.length} x {run.micro_batch} x {run.accumulation} | {prec} | "
               f"{run.published:,.0f} | {got['predicted']:,.0f} | {error:+.0%} | "
-              f"{got['mfu']:.1%} | {got['exposed'] * 1e3:.0f} ms | "
+              f"{got['tflops']:.0f} | {got['exposed'] * 1e3:.0f} ms | "
               f"{got['peak'] / 2**30:.1f} GiB{'' if got['fits'] else ' (does not fit)'} | "
               f"{got['planning']:.1f} | {calibrated} |", flush=True)
         if args.summary:

@@ -97,15 +97,33 @@ class MemoryView:
             rows.append(f"  {self.capacity}")
         if self.saved_by_layer:
             rows.append("  activations saved by layer:")
-            rows += [f"    {layer:<24} {mib(n)}" + ("   checkpointed: recomputed in backward"
-                                                   if ckpt else "")
-                     for layer, n, ckpt in self.saved_by_layer]
+            for first, last, count, n, ckpt in _runs(self.saved_by_layer):
+                name = first if count == 1 else f"{first} .. {last.rsplit('.', 1)[-1]}"
+                rows.append(f"    {name:<24} {mib(n)}" + (f" each ({count} layers)"
+                                                          if count > 1 else "")
+                            + ("   checkpointed: recomputed in backward" if ckpt else ""))
         return "\n".join(rows)
 
     @property
     def fits(self) -> bool | None:
         """Whether the peak fits the simulated cluster's device (None: no hardware)."""
         return None if not self.capacity else not self.capacity.endswith("DOES NOT FIT")
+
+
+def _runs(rows: tuple[tuple[str, int, bool], ...]) -> list[tuple[str, str, int, int, bool]]:
+    """Consecutive numbered layers that save alike (``layers.3`` .. ``layers.31``), as
+    (first, last, count, bytes, checkpointed)."""
+    out: list[list] = []
+    for layer, n, ckpt in rows:
+        stem, _, index = layer.rpartition(".")
+        prev = out[-1] if out else None
+        if (prev is not None and index.isdigit() and prev[3] == n and prev[4] == ckpt
+                and prev[1].rpartition(".")[0] == stem
+                and prev[1].rpartition(".")[2] == str(int(index) - 1)):
+            prev[1], prev[2] = layer, prev[2] + 1
+        else:
+            out.append([layer, layer, 1, n, ckpt])
+    return [tuple(r) for r in out]
 
 
 def _bytes(val: Any) -> int:
