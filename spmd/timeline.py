@@ -6,12 +6,15 @@ A timeline is a list of spans on three lanes: ``compute`` (forward and backward 
 
 The prediction replays the planned graphs node by node: forwards in capture order,
 backwards in reverse. Each compute node takes a share of the graph's measured (or
-estimated) time, weighted by its cost (matmul FLOPs, else elements written); a
+estimated) time, weighted by its cost (on a simulated cluster its own roofline time,
+:mod:`spmd.roofline`; else matmul FLOPs, or elements written); a
 collective is issued where the schedule put it and the network serves collectives in
 issue order; communication running beside compute slows the compute by (1 - η) of that
 time (η: the cost model's overlap share); a wait whose collective has not finished
 blocks, and that time is exposed. A sharded model's gathers so show their prefetch: each
-runs beside the previous bucket's compute, and is exposed only where it is late.
+runs beside the previous bucket's compute, and is exposed only where it is late. On a
+simulated cluster the step ends with the optimizer (and, when asked, clipping) once
+every gradient is reduced.
 """
 
 from __future__ import annotations
