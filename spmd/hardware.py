@@ -13,8 +13,9 @@ model on a simulated mesh the planner uses, instead of what it would measure her
   are laid out row-major, a node holding ``ranks_per_node`` consecutive ones, so a
   dimension whose ranks stay inside one node uses the NVLink figures and one that spans
   nodes the network's (α latency per step, β seconds per byte of the link);
-- **overlap**: GPUs run collectives on their own engines beside the compute (NCCL), so
-  communication can hide behind all of it;
+- **overlap**: GPUs run collectives beside the compute (NCCL, on its own stream), so
+  communication can hide behind all of it; NCCL's kernels take some of the SMs,
+  which slows the compute beside them (the device's ``"overlap"`` efficiency);
 - **compute from the graph** (:mod:`spmd.roofline`): each node's FLOPs and the bytes it
   reads and writes, as a roofline on the device at the efficiency of its class (matrix
   products by dtype, fused attention, memory-bound ops; every preset figure sourced,
@@ -57,8 +58,12 @@ class Efficiency:
             raise ValueError(f"Efficiency must be in (0, 1], got {self.value} ({self.source})")
 
 
-# the classes a device's efficiencies are given for (spmd.roofline prices each)
-EFFICIENCY_CLASSES = ("matmul", "attention", "memory", "collective")
+# the classes a device's efficiencies are given for: the roofline's compute classes
+# (spmd.roofline), the bus bandwidth collectives reach on a link, and the share of the
+# device's compute left to kernels while a collective runs beside them (NCCL's kernels
+# occupy SMs)
+COMPUTE_CLASSES = ("matmul", "attention", "memory")
+EFFICIENCY_CLASSES = COMPUTE_CLASSES + ("collective", "overlap")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,13 +115,26 @@ class Device:
         return Efficiency(value=self.efficiency,
                           source="the device's default efficiency, unsourced")
 
+    def overlap(self) -> Efficiency:
+        """The share of compute throughput left while a collective runs beside it."""
+        return self.efficiencies.get("overlap") or Efficiency(
+            value=1.0, source="default, unsourced: collectives take nothing from the "
+                              "kernels beside them")
+
     def efficiency_lines(self) -> list[str]:
         """One line per class and where its figure comes from, for the plan."""
         lines = [f"{k}: {e.value:.1%} ({e.source})" for k, e in sorted(self.efficiencies.items())]
-        missing = [k for k in EFFICIENCY_CLASSES
-                   if not any(e == k or e.startswith(k + ".") for e in self.efficiencies)]
+
+        def given(kind: str) -> bool:
+            return any(e == kind or e.startswith(kind + ".") for e in self.efficiencies)
+
+        missing = [k for k in COMPUTE_CLASSES if not given(k)]
         if missing:
             lines.append(f"{', '.join(missing)}: {self.efficiency:.1%} (default, unsourced)")
+        if not given("collective"):
+            lines.append("collective: 100.0% (the links' datasheet figures)")
+        if not given("overlap"):
+            lines.append(f"overlap: 100.0% ({self.overlap().source})")
         return lines
 
 
@@ -186,11 +204,11 @@ class Hardware:
         bus = self.bus_efficiency(link)
         fields = dict(backend="nccl", world_size=mesh.size(dim), alpha=link.latency,
                       beta=1.0 / (link.bandwidth * bus.value), gamma=0.0,
-                      reference_world_size=2, overlap=1.0,
+                      reference_world_size=2, overlap=self.device.overlap().value,
                       source=f"{self.name}, {link.name} ({link.bandwidth / 1e9:g} GB/s at "
                              f"{bus.value:.0%}: {bus.source}; α {link.latency * 1e6:g} µs; "
-                             f"{link.source}); overlap 1: NCCL moves data on the GPU's "
-                             f"own engines")
+                             f"{link.source}); overlap {self.device.overlap().value:.0%}: "
+                             f"{self.device.overlap().source}")
         index = mesh.dim_names.index(dim)
         stride = math.prod(mesh.shape[index + 1:])
         per_node = max(1, min(mesh.shape[index], self.ranks_per_node // stride))
@@ -268,8 +286,15 @@ _NCCL_TESTS = ("published: nccl-tests all_reduce_perf -g 8 large-message busbw (
                "'NCCL-tests in practice', 2026-05-06): ")
 
 
+_NCCL_SMS = ("published: an ncclAllGather running beside a GEMM on an H100 occupied 24 "
+             "of its 132 SMs, the share taken here (NVIDIA developer forum, 'Compute-"
+             "Communication Overlap Causes Severe GEMM Performance Degradation because of "
+             "Tail Effect'; the GEMM's extra wave can cost more)")
+
+
 def _hopper(fp8: float, fp8_source: str, memory_source: str) -> dict[str, Efficiency]:
     return {
+        "overlap": Efficiency(value=108 / 132, source=_NCCL_SMS),
         "matmul.bfloat16": Efficiency(value=794.5 / 989, source=_MAMF + "H100 SXM bf16 "
                                       "794.5 of 989 TFLOP/s (the H200 alike)"),
         "matmul.float16": Efficiency(value=794.5 / 989, source="taken as bf16's (the same "

@@ -59,7 +59,8 @@ def test_the_same_model_is_bucketed_for_the_cluster_not_this_machine():
     # this machine's Gloo figures and compute against the cluster's links and roofline
     assert [b.params for b in here.buckets] != [b.params for b in there.buckets]
     assert here.cost_model.backend == "gloo" and len(there.buckets) > 1
-    assert there.cost_model.backend == "nccl" and there.cost_model.overlap == 1.0
+    assert there.cost_model.backend == "nccl" and there.cost_model.overlap == pytest.approx(
+        108 / 132)  # NCCL takes 24 of an H100's 132 SMs from the compute beside it
     forward, backward = there.compute["graph0"]
     assert 0 < forward < backward < 1e-2  # microseconds on an H100, not this CPU's ms
     line = next(ln for ln in there.summary().splitlines() if ln.startswith("on NVIDIA"))

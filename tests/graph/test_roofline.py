@@ -123,10 +123,10 @@ class Net(nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
 
 
-def _plan(ckpt=False, hardware=None, **options):
+def _plan(ckpt=False, hardware=None, rows=2, **options):
     with torch.device("meta"):
         model = Net(ckpt=ckpt).to(torch.bfloat16)
-        x = torch.randint(0, 96, (2, 32))
+        x = torch.randint(0, 96, (rows, 32))
     mesh = spmd.Mesh.simulated(8, hardware=hardware or H100_SXM())
     return model, spmd.inspect(model, x, x, mesh=mesh, strategy="fsdp", **options)
 
@@ -202,6 +202,9 @@ def test_every_efficiency_of_a_preset_has_a_source(preset):
     assert "unsourced" in device.efficiency_of("matmul", torch.float32).source
     hw = preset()
     assert hw.bus_efficiency(hw.intra).source.startswith("published")
+    if preset is not A100_80GB:  # NCCL's SMs beside the compute: measured on an H100
+        assert device.overlap().value == pytest.approx(108 / 132)
+        assert hw.cost_model(spmd.Mesh.simulated(8), "dp").overlap == pytest.approx(108 / 132)
     lines = device.efficiency_lines()
     assert any(line.startswith("attention:") for line in lines)
 
@@ -215,9 +218,18 @@ def test_efficiencies_are_validated_and_used():
             hw.device, efficiencies={"tensorcore": Efficiency(value=0.5, source="x")}))
     bare = dataclasses.replace(hw, device=dataclasses.replace(hw.device, efficiencies={}))
     _, plan = _plan(hardware=bare)
-    assert "matmul, attention, memory, collective: 60.0% (default, unsourced)" in plan.summary()
+    summary = plan.summary()
+    assert "matmul, attention, memory: 60.0% (default, unsourced)" in summary
+    assert "collective: 100.0% (the links' datasheet figures)" in summary
+    assert "overlap: 100.0% (default, unsourced" in summary
     _, sourced = _plan()
     assert sourced.predicted_timeline().step_seconds < plan.predicted_timeline().step_seconds
+    # NCCL's SMs slow the compute beside a collective: without them the step is shorter
+    free = dict(hw.device.efficiencies, overlap=Efficiency(value=1.0, source="x"))
+    _, unshared = _plan(hardware=dataclasses.replace(hw, device=dataclasses.replace(
+        hw.device, efficiencies=free)), rows=4096)  # enough compute to hide behind
+    _, shared = _plan(rows=4096)
+    assert unshared.predicted_timeline().step_seconds < shared.predicted_timeline().step_seconds
     # the bus efficiency scales the link's bandwidth
     a100 = A100_80GB()
     mesh = spmd.Mesh.simulated(8)
