@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import llm  # noqa: E402
-from gpu_step import _preset  # noqa: E402  (the card's spmd.hardware preset)
+from gpu_step import _preset, timed  # noqa: E402  (the card's preset; the timed loop)
 
 
 def main() -> None:
@@ -64,19 +62,7 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated()
-    measured = statistics.median(times)
+    measured, peak = timed(step, args.steps, warmup=3)
     if args.profile:
         spmd.profile(model, steps=3)
         for _ in range(3):

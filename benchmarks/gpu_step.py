@@ -40,6 +40,23 @@ def _preset(name: str):
     return hardware.H100_SXM()
 
 
+def timed(step, steps: int, warmup: int) -> tuple[float, int]:
+    """(median seconds, peak bytes allocated) of ``steps`` calls of ``step`` after
+    ``warmup`` more, each between two ``torch.cuda.synchronize``."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), torch.cuda.max_memory_allocated()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -75,19 +92,7 @@ def main() -> None:
             opt.step()
             opt.zero_grad()
 
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(args.steps):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        peak = torch.cuda.max_memory_allocated()
-        measured = statistics.median(times)
+        measured, peak = timed(step, args.steps, warmup=2)
         del model, opt, step
         torch.cuda.empty_cache()
         plan = spmd.inspect(bench._fresh(args.width, args.layers).cuda(), x,

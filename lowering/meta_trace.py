@@ -61,7 +61,8 @@ def _math_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         scores = scores + bias
     if is_causal:
         sq, sk = scores.shape[-2:]
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).tril(sk - sq)
+        # top-left aligned, as SDPA's is_causal
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).tril()
         scores = scores.masked_fill(keep.logical_not(), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     return torch.softmax(scores, dim=-1) @ value, lse.float()

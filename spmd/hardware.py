@@ -40,8 +40,9 @@ import torch
 
 from spmd.lowering.cost_model import CostModel
 
-__all__ = ["Device", "Efficiency", "Link", "Hardware", "A100_80GB", "H100_SXM", "H200", "graph_seconds",
-           "graph_flops", "throughput", "fit", "profile_record", "TwoLevelCostModel"]
+__all__ = ["Device", "Efficiency", "Link", "Hardware", "A100_80GB", "H100_SXM", "H200",
+           "graph_seconds", "graph_flops", "throughput", "fit", "profile_record",
+           "TwoLevelCostModel"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

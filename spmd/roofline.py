@@ -210,8 +210,8 @@ def _chains(gm: fx.GraphModule, classes: dict[fx.Node, str]) -> list[list[fx.Nod
             x = parent[x]
         return x
 
-    fusible = [n for n, k in classes.items()
-               if n.op == "call_function" and (k == "memory" or (k == "free" and _name(n) in _FREE))]
+    fusible = [n for n, k in classes.items() if n.op == "call_function" and (
+        k == "memory" or (k == "free" and _name(n) in _FREE))]
     for n in fusible:
         parent[n] = n
     for n in fusible:

@@ -46,6 +46,16 @@ def test_fused_attention_equals_sdpa_in_float64(kv_heads, causal, mask):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
+def test_fused_attention_with_fewer_queries_than_keys_equals_sdpa():
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 4, 3, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    torch.testing.assert_close(
+        fused_attention(q, k, v, is_causal=True, enable_gqa=True),
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        rtol=0, atol=1e-12)
+
+
 def test_fused_attention_refuses_mismatched_heads_without_enable_gqa():
     q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
     with pytest.raises(RuntimeError, match="enable_gqa=True"):
