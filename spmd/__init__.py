@@ -30,7 +30,7 @@ _EXPORTS: dict[str, str] = {
     "ShardingError": "spmd.lowering.annotate",
     "EmptyBackwardError": "spmd.lowering.annotate",
 }
-_SUBMODULES = ("runtime", "lowering", "kernels", "checkpoint", "tp", "hardware")
+_SUBMODULES = ("runtime", "lowering", "kernels", "checkpoint", "tp", "hardware", "roofline")
 
 __all__ = [*_SUBMODULES, *_EXPORTS]
 
