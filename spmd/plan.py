@@ -347,22 +347,9 @@ def module_plan(records: list, *, setup: Any, options: Options, layout: Any,
     plan = plan_from_records(records, setup=setup, options=options, fallbacks=fallbacks,
                              frozen=frozen, kernel=kernels.implementation(device))
     hardware = setup.strategy.mesh.hardware
-    plan.fused = compiled_on_gpu(options, records, hardware)
+    priced = price_on_hardware(plan, records, options, hardware)
     for record in records:
-        if record.traced_as:
-            plan.traced_as[record.name] = list(record.traced_as)
-        if hardware is not None and record.forward is not None:
-            from spmd.roofline import node_times  # the cluster's roofline
-
-            times = node_times(record.forward, hardware.device, plan.fused)
-            plan.node_seconds[f"{record.name}.forward"] = times
-            forward = sum(times.values())
-            backward = 2.0 * forward
-            if record.backward is not None:
-                times = node_times(record.backward, hardware.device, plan.fused)
-                plan.node_seconds[f"{record.name}.{getattr(record, 'label', 'backward')}"] = times
-                backward = sum(times.values())
-            plan.compute[record.name] = (forward, backward)
+        if record.name in priced:
             continue
         backward = estimates.get(record.name)
         if backward is None and record.forward_seconds is not None:
@@ -379,14 +366,50 @@ def module_plan(records: list, *, setup: Any, options: Options, layout: Any,
         whole = layout.whole_numel(name, param) * param.element_size()
         plan.parameters[name] = (local, whole, param.requires_grad)
     plan.buffer_bytes = sum(b.numel() * b.element_size() for b in buffers.values())
-    for record in records[:1]:  # token ids: the first integer data input
-        ids = [i for i in record.inputs if i.kind == "data" and i.shape
-               and not i.dtype.is_floating_point and i.dtype != torch.bool]
-        if ids:
-            plan.tokens_per_step = math.prod(ids[0].shape)
+    plan.tokens_per_step = tokens_of(records)
     plan.sharded = sorted(layout.shards)
     plan.shard_dims = {n: s.dim for n, s in sorted(layout.shards.items()) if s.dim}
     return plan
+
+
+def price_on_hardware(plan: Plan, records: list, options: Options, hardware: Any
+                      ) -> set[str]:
+    """On a simulated cluster, each record's graphs priced by the cluster's roofline
+    (``plan.compute``, ``plan.node_seconds``; a whole step traced as one graph is all
+    "backward"), and what tracing on meta rewrote (``plan.traced_as``). Returns the names
+    of the records priced."""
+    from spmd.roofline import node_times
+
+    plan.fused = compiled_on_gpu(options, records, hardware)
+    priced: set[str] = set()
+    for record in records:
+        if getattr(record, "traced_as", None):
+            plan.traced_as[record.name] = list(record.traced_as)
+        if hardware is None or (record.forward is None and record.backward is None):
+            continue
+        forward = backward = 0.0
+        if record.forward is not None:
+            times = node_times(record.forward, hardware.device, plan.fused)
+            plan.node_seconds[f"{record.name}.forward"] = times
+            forward = backward = sum(times.values())
+            backward *= 2.0
+        if record.backward is not None:
+            times = node_times(record.backward, hardware.device, plan.fused)
+            plan.node_seconds[f"{record.name}.{getattr(record, 'label', 'backward')}"] = times
+            backward = sum(times.values())
+        plan.compute[record.name] = (forward, backward)
+        priced.add(record.name)
+    return priced
+
+
+def tokens_of(records: list) -> int:
+    """Elements of the first integer data input (token ids) of the first record, if any."""
+    for record in records[:1]:
+        ids = [i for i in record.inputs if i.kind == "data" and i.shape
+               and not i.dtype.is_floating_point and i.dtype != torch.bool]
+        if ids:
+            return math.prod(ids[0].shape)
+    return 0
 
 
 def compiled_on_gpu(options: Options, records: list, hardware: Any = None) -> bool:

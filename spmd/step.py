@@ -43,7 +43,7 @@ from spmd.lowering.options import Options
 from spmd.lowering.pipeline import plan_graph
 from spmd.lowering.state import OptimizerFusion, find
 from spmd.lowering.trace_step import TracedStep, trace_step
-from spmd.plan import Plan, plan_from_records
+from spmd.plan import Plan, plan_from_records, price_on_hardware, tokens_of
 from spmd.reducer import broadcast_coalesced
 from spmd.runtime.mesh import Mesh
 from spmd.setup import Setup, prepare_model
@@ -325,9 +325,13 @@ class ParallelStep:
                                f"(or use spmd.inspect with example inputs)")
         import spmd.kernels as kernels
 
-        plan = plan_from_records(self._records[-1:], setup=bound.setup, options=self.options,
+        records = self._records[-1:]
+        plan = plan_from_records(records, setup=bound.setup, options=self.options,
                                  fallbacks=[], frozen=[],
                                  kernel=kernels.implementation(torch.device("cpu")))
+        # on a simulated cluster: the step graph on its roofline (optimizer included)
+        price_on_hardware(plan, records, self.options, bound.setup.strategy.mesh.hardware)
+        plan.tokens_per_step = tokens_of(records)
         if bound.optimizer is None and self._records:
             plan.optimizer[self._records[-1].name] = f"torch.optim after the graph ({bound.why_not})"
         return plan

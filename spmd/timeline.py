@@ -171,9 +171,10 @@ def predict(plan: Any, optimizer: str | None = "adamw",
                                  plan.node_seconds.get(f"{name}.forward"))
     for name in reversed(names):
         _, bwd = plan.compute[name]
-        key = f"{name}.backward" if f"{name}.backward" in plan.graphs else f"{name}.step"
-        t, network_free = _phase(timeline, plan.graphs.get(key), f"{name} backward", bwd,
-                                 by_phase.get((name, "backward"), {}), t, network_free,
+        phase = "backward" if f"{name}.backward" in plan.graphs else "step"
+        key = f"{name}.{phase}"  # a whole step traced as one graph: its collectives too
+        t, network_free = _phase(timeline, plan.graphs.get(key), f"{name} {phase}", bwd,
+                                 by_phase.get((name, phase), {}), t, network_free,
                                  overlap, plan.node_seconds.get(key))
     hardware = plan.mesh.hardware if plan.mesh is not None else None
     whole_step = any(key.endswith(".step") for key in plan.graphs)

@@ -350,3 +350,31 @@ def test_a_selective_checkpointing_policy_saves_what_it_names():
     tokens, d, f, kv = 2 * 32, 64, 128, 2 * 16
     products = tokens * (d + kv + kv + d + f + d) * 4  # wq wk wv wo w1 w2, float32
     assert rows["blocks.1"] == (products + tokens * d * 4, True)
+
+
+def test_a_whole_step_is_priced_with_its_collectives_and_its_optimizer():
+    """``spmd.inspect(step_fn, ...)`` on a simulated GPU cluster: the one step graph is
+    priced by the roofline, its collectives are on the timeline, and the optimizer it
+    holds is not added again."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Net()
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step(model, x, y, opt):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    x = torch.randint(0, 96, (4, 32))
+    plan = spmd.inspect(step, model, x, x, opt, strategy="fsdp",
+                        mesh=spmd.Mesh.simulated(8, hardware=H100_SXM()))
+    (name,) = plan.compute
+    assert plan.compute[name][1] == pytest.approx(sum(plan.node_seconds[f"{name}.step"].values()))
+    timeline = plan.predicted_timeline()
+    assert timeline.optimizer_seconds == 0.0
+    assert timeline.communication_seconds == pytest.approx(
+        plan.predicted_communication_seconds())
+    assert plan.tokens_per_step == 4 * 32 and "tokens/s per device" in plan.summary()
