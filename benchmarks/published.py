@@ -121,30 +121,28 @@ RUNS = [
 ]
 
 
-def _step(run: Run, plan, timeline) -> float:
+def _step(run: Run, plan, timeline, scale: float = 1.0) -> float:
     """One optimizer step of ``run``: its micro-batches and the optimizer."""
     micro = timeline.step_seconds - timeline.optimizer_seconds
-    compute = sum(f + b for f, b in plan.compute.values())
+    compute = sum(f + b for f, b in plan.compute.values()) * scale
     if run.reduce_once:
         return (run.accumulation - 1) * compute + micro + timeline.optimizer_seconds
     return run.accumulation * micro + timeline.optimizer_seconds
 
 
 def scaled(run: Run, plan, factor: float) -> float:
-    """Predicted tokens/s per GPU of ``run`` with every node's compute ``factor`` times
-    as long (the timeline replayed, so what communication hides changes with it)."""
-    slower = dataclasses.replace(
-        plan, compute={k: (f * factor, b * factor) for k, (f, b) in plan.compute.items()},
-        node_seconds={k: {n: t * factor for n, t in v.items()}
-                      for k, v in plan.node_seconds.items()})
-    timeline = slower.predicted_timeline(optimizer="adamw", clip_grad_norm=True)
-    return run.micro_batch * run.length * run.accumulation / run.tp / _step(run, slower,
-                                                                            timeline)
+    """Predicted tokens/s per GPU of ``run`` with the compute ``factor`` times as long
+    (``compute_scale``: the timeline replayed, so what communication hides changes)."""
+    timeline = plan.predicted_timeline(optimizer="adamw", clip_grad_norm=True,
+                                       compute_scale=factor)
+    return (run.micro_batch * run.length * run.accumulation / run.tp
+            / _step(run, plan, timeline, factor))
 
 
 def calibrate(run: Run, plan) -> float:
-    """The compute factor at which ``run``'s prediction equals its published figure
-    (bisection: the step grows with it)."""
+    """The compute factor at which ``run``'s prediction equals its published figure (as
+    ``spmd.hardware.fit_step`` solves it for one step; here over the run's
+    accumulation)."""
     low, high = 0.25, 4.0
     for _ in range(40):
         mid = (low * high) ** 0.5

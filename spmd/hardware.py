@@ -41,7 +41,7 @@ import torch
 from spmd.lowering.cost_model import CostModel
 
 __all__ = ["Device", "Efficiency", "Link", "Hardware", "A100_80GB", "H100_SXM", "H200",
-           "graph_seconds", "graph_flops", "throughput", "fit", "profile_record",
+           "graph_seconds", "graph_flops", "throughput", "fit", "fit_step", "profile_record",
            "TwoLevelCostModel"]
 
 
@@ -421,6 +421,77 @@ def throughput(plan: Any) -> str:
     lines = [line, f"  roofline: {compiled}; compute {split}; efficiencies:"]
     lines += [f"    {e}" for e in device.efficiency_lines()]
     return "\n".join(lines)
+
+
+# -- fitting a hardware model to a measured step ----------------------------------------
+
+
+def compute_factor(plan: Any, step_seconds: float, *, optimizer: str | None = "adamw",
+                   clip_grad_norm: bool = False) -> float:
+    """How many times the roofline's compute must stretch for ``plan``'s predicted step
+    to take ``step_seconds`` (bisection: the step grows with it; the collectives keep
+    their times)."""
+    where = "spmd.hardware.fit_step"
+    if plan.mesh is None or plan.mesh.hardware is None or not plan.compute:
+        raise ValueError(f"{where}: the plan has no hardware model to fit (plan with "
+                         f"mesh=spmd.Mesh.simulated(..., hardware=...))")
+    if not step_seconds > 0:
+        raise ValueError(f"{where}: step_seconds must be positive, got {step_seconds!r}")
+
+    def step(factor: float) -> float:
+        return plan.predicted_timeline(optimizer, clip_grad_norm, factor).step_seconds
+
+    low, high = 1 / 64, 64.0
+    if step(low) > step_seconds:
+        raise ValueError(f"{where}: even with compute 64x faster the plan predicts "
+                         f"{step(low):.4g} s (its communication alone), more than the "
+                         f"measured {step_seconds:.4g} s: the links, not the device, are off")
+    if step(high) < step_seconds:
+        raise ValueError(f"{where}: the measured {step_seconds:.4g} s is over 64x the "
+                         f"predicted {step(1.0):.4g} s: is it the same model, batch and "
+                         f"mesh?")
+    for _ in range(60):
+        mid = (low * high) ** 0.5
+        low, high = (mid, high) if step(mid) < step_seconds else (low, mid)
+    return (low * high) ** 0.5
+
+
+def fit_step(plan: Any, step_seconds: float, *, optimizer: str | None = "adamw",
+             clip_grad_norm: bool = False) -> Hardware:
+    """The plan's hardware with its compute efficiencies fitted to one measured step.
+
+    For a run you know only by its throughput (a published table, another framework's
+    log): plan the same model, batch and mesh, and give the measured seconds of one step
+    (``tokens per step / tokens/s``). Every compute class (matrix products, attention,
+    memory-bound, the optimizer's pass) is slowed by one factor until the predicted step
+    (with ``optimizer`` and ``clip_grad_norm`` as in :meth:`Plan.predicted_timeline`)
+    takes ``step_seconds``; each efficiency then says so in its source. Plans made with
+    the result for other shapes and meshes of the same cluster carry that calibration
+    (``benchmarks/published.py`` holds such predictions against runs the fit never saw).
+    An efficiency the factor would lift past 1 stays at 1.
+
+    Example::
+
+        plan = spmd.inspect(model, tokens, mesh=spmd.Mesh.simulated(64, hardware=H100_SXM()))
+        fitted = spmd.hardware.fit_step(plan, step_seconds=1.155)
+    """
+    factor = compute_factor(plan, step_seconds, optimizer=optimizer,
+                            clip_grad_norm=clip_grad_norm)
+    hardware = plan.mesh.hardware
+    device = hardware.device
+    why = (f"fitted to a measured step of {step_seconds:.4g} s ({factor:.3f}x the "
+           f"roofline's compute)")
+    efficiencies = dict(device.efficiencies)
+    for kind in COMPUTE_CLASSES:  # the classes given by dtype, and the class itself
+        keys = [k for k in device.efficiencies if k == kind or k.startswith(kind + ".")]
+        for key in keys or [kind]:
+            old = device.efficiencies.get(key) or device.efficiency_of(kind)
+            efficiencies[key] = Efficiency(value=min(1.0, old.value / factor),
+                                           source=f"{why}; was {old.value:.1%}: {old.source}")
+    fitted = replace(device, efficiencies=efficiencies,
+                     efficiency=min(1.0, device.efficiency / factor),
+                     source=f"{device.source}; compute {why}")
+    return replace(hardware, name=f"{hardware.name}, {why}", device=fitted)
 
 
 # -- fitting a hardware model from a profiled run ---------------------------------------

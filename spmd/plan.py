@@ -261,14 +261,14 @@ class Plan:
         return to_networkx(self)
 
     def predicted_timeline(self, optimizer: str | None = "adamw",
-                           clip_grad_norm: bool = False) -> Any:
+                           clip_grad_norm: bool = False, compute_scale: float = 1.0) -> Any:
         """The cost model's :class:`~spmd.timeline.Timeline` of one step; on a simulated
         cluster it ends with ``optimizer``'s step (``"adamw"``, ``"adam"``,
         ``"sgd_momentum"``, ``"sgd"`` or None) and, with ``clip_grad_norm``, gradient
-        clipping (:func:`spmd.timeline.predict`)."""
+        clipping; ``compute_scale`` stretches the compute (:func:`spmd.timeline.predict`)."""
         from spmd.timeline import predict
 
-        return predict(self, optimizer, clip_grad_norm)
+        return predict(self, optimizer, clip_grad_norm, compute_scale)
 
     def timeline(self) -> Any:
         """A matplotlib figure: compute, communication and exposed lanes, predicted and,

@@ -143,8 +143,8 @@ def _phase(timeline: Timeline, graph: fx.GraphModule | None, label: str, seconds
 STEP_BYTES = {"adamw": 7, "adam": 7, "sgd_momentum": 5, "sgd": 3, None: 0}
 
 
-def predict(plan: Any, optimizer: str | None = "adamw",
-            clip_grad_norm: bool = False) -> Timeline:
+def predict(plan: Any, optimizer: str | None = "adamw", clip_grad_norm: bool = False,
+            compute_scale: float = 1.0) -> Timeline:
     """The cost model's timeline for one step of ``plan``: every region's forward graph in
     capture order, then the backward graphs in reverse, replayed node by node (each
     node's share of its graph's time is its roofline time on a simulated cluster, else
@@ -152,7 +152,12 @@ def predict(plan: Any, optimizer: str | None = "adamw",
     pass over this rank's parameters and state (:data:`STEP_BYTES`) and, with
     ``clip_grad_norm``, clipping (the gradients read for the norm, then scaled in place,
     and the norm's all-reduce on every mesh dimension). A whole step traced as one graph
-    holds its optimizer already."""
+    holds its optimizer already. ``compute_scale`` stretches every graph's compute and
+    the optimizer's pass (what :func:`spmd.hardware.fit_step` solves for); the
+    collectives keep their times."""
+    if not compute_scale > 0:
+        raise ValueError(f"predicted_timeline: compute_scale must be positive, got "
+                         f"{compute_scale!r}")
     if optimizer not in STEP_BYTES:
         raise ValueError(f"predicted_timeline: optimizer must be one of "
                          f"{', '.join(repr(k) for k in STEP_BYTES)}, got {optimizer!r}")
@@ -164,13 +169,13 @@ def predict(plan: Any, optimizer: str | None = "adamw",
     t = network_free = 0.0
     names = list(plan.compute)
     for name in names:
-        fwd, _ = plan.compute[name]
+        fwd = plan.compute[name][0] * compute_scale
         t, network_free = _phase(timeline, plan.graphs.get(f"{name}.forward"),
                                  f"{name} forward", fwd, by_phase.get((name, "forward"), {}),
                                  t, network_free, overlap,
                                  plan.node_seconds.get(f"{name}.forward"))
     for name in reversed(names):
-        _, bwd = plan.compute[name]
+        bwd = plan.compute[name][1] * compute_scale
         phase = "backward" if f"{name}.backward" in plan.graphs else "step"
         key = f"{name}.{phase}"  # a whole step traced as one graph: its collectives too
         t, network_free = _phase(timeline, plan.graphs.get(key), f"{name} {phase}", bwd,
@@ -182,10 +187,10 @@ def predict(plan: Any, optimizer: str | None = "adamw",
         device = hardware.device
         rate = device.memory_bandwidth * device.efficiency_of("memory").value
         trainable = sum(local for local, _, grad in plan.parameters.values() if grad)
-        seconds = STEP_BYTES[optimizer] * trainable / rate
+        seconds = STEP_BYTES[optimizer] * trainable / rate * compute_scale
         label = f"{optimizer} step" if optimizer else ""
         if clip_grad_norm:
-            seconds += 3 * trainable / rate + sum(
+            seconds += 3 * trainable / rate * compute_scale + sum(
                 plan.mesh.cost_model(d, plan.cost_model).seconds("all_reduce", 4)
                 for d in plan.mesh.dim_names)
             label = f"{label} and clipping" if label else "clipping"

@@ -378,3 +378,29 @@ def test_a_whole_step_is_priced_with_its_collectives_and_its_optimizer():
     assert timeline.communication_seconds == pytest.approx(
         plan.predicted_communication_seconds())
     assert plan.tokens_per_step == 4 * 32 and "tokens/s per device" in plan.summary()
+
+
+def test_a_measured_step_fits_the_compute_efficiencies():
+    """``spmd.hardware.fit_step``: the plan re-made on the fitted hardware predicts the
+    measured step, every compute efficiency says where it came from, and steps the
+    plan cannot reach are refused by name."""
+    from spmd.hardware import fit_step
+
+    _, plan = _plan(rows=512)
+    predicted = plan.predicted_timeline().step_seconds
+    fitted = fit_step(plan, 1.5 * predicted)
+    matmul = fitted.device.efficiency_of("matmul", torch.bfloat16)
+    assert "fitted to a measured step" in matmul.source and "MAMF" not in matmul.source[:40]
+    assert matmul.value < H100_SXM().device.efficiency_of("matmul", torch.bfloat16).value
+    hw = H100_SXM()
+    assert fitted.bus_efficiency(fitted.intra) == hw.bus_efficiency(hw.intra)  # links kept
+    _, again = _plan(rows=512, hardware=fitted)
+    assert again.predicted_timeline().step_seconds == pytest.approx(1.5 * predicted, rel=0.02)
+    with pytest.raises(ValueError, match="communication alone"):
+        fit_step(plan, 1e-9)
+    with pytest.raises(ValueError, match="over 64x"):
+        fit_step(plan, 1e3)
+    tokens = torch.randint(0, 96, (2, 8))
+    cpu = spmd.inspect(Net(), tokens, tokens, mesh=spmd.Mesh.simulated(2))
+    with pytest.raises(ValueError, match="no hardware model"):
+        fit_step(cpu, 1.0)
