@@ -26,7 +26,9 @@ model on a simulated mesh the planner uses, instead of what it would measure her
   device's memory and warns when the plan would not fit.
 
 Write your own with :class:`Device`, :class:`Link` and :class:`Hardware`, or start from a
-preset and ``dataclasses.replace`` what differs.
+preset and ``dataclasses.replace`` what differs; fit one to a profiled run of this
+library (:func:`fit`: the links and the compute) or to one measured step of any run
+(:func:`fit_step`: the compute).
 """
 
 from __future__ import annotations
