@@ -404,3 +404,21 @@ def test_a_measured_step_fits_the_compute_efficiencies():
     cpu = spmd.inspect(Net(), tokens, tokens, mesh=spmd.Mesh.simulated(2))
     with pytest.raises(ValueError, match="no hardware model"):
         fit_step(cpu, 1.0)
+
+
+def test_attention_with_dropout_plans_on_meta():
+    """Dropout inside attention is a shape on meta: the plan is made, one fused node."""
+    class Dropping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).unbind(2)
+            return F.scaled_dot_product_attention(
+                *(t.transpose(1, 2) for t in (q, k, v)), dropout_p=0.1, is_causal=True).sum()
+
+    with torch.device("meta"):
+        model, x = Dropping(), torch.randn(2, 8, 16)
+    plan = spmd.inspect(model, x, mesh=spmd.Mesh.simulated(4, hardware=H100_SXM()))
+    assert len(_attention(plan, "forward")) == len(_attention(plan, "backward")) == 1
