@@ -117,8 +117,10 @@ def overhead(rounds: int = 9, iters: int = 3000) -> None:
 
     from spmd import runtime as ours
 
-    ours.init_process_group("gloo", store=ours.HashStore(), rank=0, world_size=1)
+    # torch's first: ours registers itself as torch's default group when there is none
+    # (interoperation), and torch's must stay its own Gloo group here
     tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    ours.init_process_group("gloo", store=ours.HashStore(), rank=0, world_size=1)
     warnings.filterwarnings("ignore", category=FutureWarning)
     mine, theirs = _calls(ours, 1, 4), _calls(tdist, 1, 4)
     print("| op (1 rank, 4 B) | spmd µs/call | torch µs/call | extra µs |")

@@ -133,6 +133,32 @@ def test_single_rank_group_over_a_given_store():
     assert not dist.is_initialized()
 
 
+def test_completed_works_are_let_go():
+    """Every operation's backend work is held until two later operations started after
+    it completed. Gloo's reduce-scatter work never reports itself complete: held on that
+    alone, each one's tensors stayed referenced for good and every call scanned them all
+    (quadratic). Works whose wait returned are let go too."""
+    import weakref
+
+    from spmd.runtime import process_group
+
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        first = torch.ones(4)
+        watch = weakref.ref(first)
+        dist.reduce_scatter_tensor(torch.empty(4), first)
+        del first
+        for _ in range(200):
+            dist.reduce_scatter_tensor(torch.empty(4), torch.ones(4))
+        work = dist.reduce_scatter_tensor(torch.empty(4), torch.ones(4), async_op=True)
+        work.wait()
+        dist.all_reduce(torch.ones(1))
+        assert len(process_group._held) <= 2 and len(process_group._waited) <= 2
+        assert watch() is None  # the first call's input is no longer referenced
+    finally:
+        dist.destroy_process_group()
+
+
 def test_file_init_method(tmp_path):
     url = f"file://{tmp_path}/pg"
     out = dist.spawn(_file_init, args=(url,), nprocs=2, start_method="forkserver", timeout=60)
