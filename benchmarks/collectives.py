@@ -11,7 +11,8 @@ busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather and reduce_sca
 x 1 for broadcast. "ratio" is our time over torch's; "extra" our extra time per call.
 
 ``--overhead`` measures what each library adds per call, without the network: one rank,
-a 4-byte tensor, Gloo, in this process. On two ranks a 4-byte collective is dominated by
+a 4-byte tensor, Gloo, in this process; the libraries alternate in rounds, and the table
+gives the medians and the spread of each round's difference. On two ranks a 4-byte collective is dominated by
 scheduling noise of hundreds of microseconds on a 2-core machine; one rank isolates the
 Python and dispatch cost that the aim "at most 20 µs more per call" is about.
 """
@@ -123,10 +124,11 @@ def overhead(rounds: int = 9, iters: int = 3000) -> None:
     ours.init_process_group("gloo", store=ours.HashStore(), rank=0, world_size=1)
     warnings.filterwarnings("ignore", category=FutureWarning)
     mine, theirs = _calls(ours, 1, 4), _calls(tdist, 1, 4)
-    print("| op (1 rank, 4 B) | spmd µs/call | torch µs/call | extra µs |")
-    print("|---|---:|---:|---:|")
+    print("| op (1 rank, 4 B) | spmd µs/call (median) | torch µs/call (median) | extra µs "
+          "(median) | extra µs per round (min–max) |")
+    print("|---|---:|---:|---:|---|")
     for op in mine:
-        best = [float("inf"), float("inf")]
+        times: list[list[float]] = [[], []]
         for _ in range(rounds):
             for i, fn in enumerate((mine[op], theirs[op])):
                 for _ in range(100):
@@ -134,9 +136,11 @@ def overhead(rounds: int = 9, iters: int = 3000) -> None:
                 start = time.perf_counter()
                 for _ in range(iters):
                     fn()
-                best[i] = min(best[i], (time.perf_counter() - start) / iters)
-        print(f"| {op} | {best[0] * 1e6:.1f} | {best[1] * 1e6:.1f} | "
-              f"{(best[0] - best[1]) * 1e6:+.1f} |")
+                times[i].append((time.perf_counter() - start) / iters)
+        extra = [(x - y) * 1e6 for x, y in zip(*times)]  # each round's own pair
+        print(f"| {op} | {statistics.median(times[0]) * 1e6:.1f} | "
+              f"{statistics.median(times[1]) * 1e6:.1f} | {statistics.median(extra):+.1f} | "
+              f"{min(extra):+.1f} to {max(extra):+.1f} |")
     tdist.destroy_process_group()
     ours.destroy_process_group()
 
