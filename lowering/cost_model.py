@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 import sympy
 
-__all__ = ["CostModel", "formula", "DEFAULTS", "overlap_share"]
+__all__ = ["CostModel", "TwoLevelCostModel", "formula", "DEFAULTS", "overlap_share"]
 
 p, n, alpha, beta, gamma = sympy.symbols("p n alpha beta gamma", positive=True)
 _log_p = sympy.ceiling(sympy.log(p, 2))
@@ -186,3 +186,38 @@ def overlap_share(backend: str, local_ranks: int, cpu_count: int | None,
         return 1.0, f"{spare} spare CPU core(s) per rank run Gloo beside the compute"
     return 0.0, (f"no spare CPU core ({cpu_count} cores, {local_ranks} local ranks x "
                  f"{compute_threads} compute threads): Gloo competes with the compute")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TwoLevelCostModel(CostModel):
+    """Collectives of a mesh dimension whose groups hold ``per_node`` ranks in each of
+    several nodes: the cheaper of the flat ring over the network (α, β) and the
+    two-level algorithm, a reduce-scatter (or all-gather) among a node's ranks over
+    NVLink (``inner_alpha``, ``inner_beta``) around an all-reduce across nodes of
+    1/``per_node`` of the bytes, run by every rank of a node at once."""
+
+    per_node: int = 1
+    inner_alpha: float = 0.0
+    inner_beta: float = 0.0
+
+    def seconds(self, kind: str, nbytes: int, algorithm: str | None = None) -> float:
+        flat = CostModel.seconds(self, kind, nbytes, algorithm)
+        k = self.per_node
+        nodes = self.world_size // k
+        if (algorithm not in (None, "ring") or k <= 1 or nodes <= 1
+                or kind not in ("all_reduce", "all_gather", "reduce_scatter")):
+            return flat
+        inner = CostModel(backend=self.backend, world_size=k, alpha=self.inner_alpha,
+                          beta=self.inner_beta)
+        outer = CostModel(backend=self.backend, world_size=nodes, alpha=self.alpha,
+                          beta=self.beta)
+        share = nbytes // k
+        if kind == "all_reduce":
+            two = (inner.seconds("reduce_scatter", nbytes) + outer.seconds(
+                "all_reduce", share) + inner.seconds("all_gather", nbytes))
+        elif kind == "all_gather":
+            two = outer.seconds("all_gather", share) + inner.seconds("all_gather", nbytes)
+        else:
+            two = inner.seconds("reduce_scatter", nbytes) + outer.seconds(
+                "reduce_scatter", share)
+        return min(flat, two)

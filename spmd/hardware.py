@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from spmd.lowering.cost_model import CostModel
+from spmd.lowering.cost_model import CostModel, TwoLevelCostModel
 
 __all__ = ["Device", "Efficiency", "Link", "Hardware", "A100_80GB", "H100_SXM", "H200",
            "graph_seconds", "graph_flops", "throughput", "fit", "fit_step", "profile_record",
@@ -242,41 +242,6 @@ class Hardware:
         return line + ": fits"
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TwoLevelCostModel(CostModel):
-    """Collectives of a mesh dimension whose groups hold ``per_node`` ranks in each of
-    several nodes: the cheaper of the flat ring over the network (α, β) and the
-    two-level algorithm, a reduce-scatter (or all-gather) among a node's ranks over
-    NVLink (``inner_alpha``, ``inner_beta``) around an all-reduce across nodes of
-    1/``per_node`` of the bytes, run by every rank of a node at once."""
-
-    per_node: int = 1
-    inner_alpha: float = 0.0
-    inner_beta: float = 0.0
-
-    def seconds(self, kind: str, nbytes: int, algorithm: str | None = None) -> float:
-        flat = CostModel.seconds(self, kind, nbytes, algorithm)
-        k = self.per_node
-        nodes = self.world_size // k
-        if (algorithm not in (None, "ring") or k <= 1 or nodes <= 1
-                or kind not in ("all_reduce", "all_gather", "reduce_scatter")):
-            return flat
-        inner = CostModel(backend=self.backend, world_size=k, alpha=self.inner_alpha,
-                          beta=self.inner_beta)
-        outer = CostModel(backend=self.backend, world_size=nodes, alpha=self.alpha,
-                          beta=self.beta)
-        share = nbytes // k
-        if kind == "all_reduce":
-            two = (inner.seconds("reduce_scatter", nbytes) + outer.seconds(
-                "all_reduce", share) + inner.seconds("all_gather", nbytes))
-        elif kind == "all_gather":
-            two = outer.seconds("all_gather", share) + inner.seconds("all_gather", nbytes)
-        else:
-            two = inner.seconds("reduce_scatter", nbytes) + outer.seconds(
-                "reduce_scatter", share)
-        return min(flat, two)
-
-
 _NVIDIA = "NVIDIA datasheet"
 _MAMF = ("measured, published: Stas Bekman, Machine Learning Engineering, 'Maximum "
          "Achievable Matmul FLOPS comparison table' (github.com/stas00/ml-engineering, "
@@ -386,43 +351,7 @@ def H200(nodes_of: int = 8, network_gbps: float = 400) -> Hardware:
 # -- compute from the graph (spmd.roofline) ---------------------------------------------
 
 from spmd.roofline import (graph_flops, graph_seconds, matmul_dtype, node_bytes,  # noqa: E402
-                           node_flops, op_class, step_flops)
-
-
-def throughput(plan: Any) -> str:
-    """Lines for a plan on a simulated cluster: the predicted step (compute, exposed
-    communication, the optimizer step), MFU as the field defines it (model FLOPs per
-    step, the matmul dtype's peak) beside HFU (the FLOPs the device executes,
-    recomputation included), tokens/s per device when the model's first input is token
-    ids, and where each efficiency the roofline used comes from."""
-    hardware = plan.mesh.hardware
-    device = hardware.device
-    timeline = plan.predicted_timeline()
-    step = timeline.step_seconds
-    flops = step_flops(plan.graphs, device)
-    peak = device.peak(flops.dtype)
-    mfu = flops.model / (step * peak) if step > 0 else 0.0
-    hfu = flops.hardware / (step * peak) if step > 0 else 0.0
-    dtype = str(flops.dtype).removeprefix("torch.")
-    extra = timeline.optimizer_seconds
-    line = (f"on {device.name}: predicted step {step * 1e3:.3f} ms (exposed communication "
-            f"{timeline.exposed_seconds * 1e3:.3f} ms" + (
-                f", {timeline.optimizer_label} {extra * 1e3:.3f} ms" if extra else "")
-            + f"); {flops.model / 1e12:.3f} model TFLOP per device per step, MFU {mfu:.1%} "
-            f"of the {dtype} peak; hardware {flops.hardware / 1e12:.3f} TFLOP, HFU {hfu:.1%}")
-    if plan.tokens_per_step and step > 0:
-        line += f"; {plan.tokens_per_step / step:,.0f} tokens/s per device"
-    compiled = "fused memory-bound chains (Inductor)" if plan.fused else "each node alone"
-    from spmd.roofline import class_seconds
-
-    by_class: dict[str, float] = {}
-    for key, times in plan.node_seconds.items():
-        for kind, seconds in class_seconds(plan.graphs[key], times).items():
-            by_class[kind] = by_class.get(kind, 0.0) + seconds
-    split = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in sorted(by_class.items()))
-    lines = [line, f"  roofline: {compiled}; compute {split}; efficiencies:"]
-    lines += [f"    {e}" for e in device.efficiency_lines()]
-    return "\n".join(lines)
+                           node_flops, op_class, throughput)
 
 
 # -- fitting a hardware model to a measured step ----------------------------------------

@@ -242,7 +242,7 @@ class Plan:
         if self.frozen:
             lines.append(f"frozen (no gradient, never reduced): {', '.join(self.frozen)}")
         if self.mesh is not None and self.mesh.hardware is not None and self.compute:
-            from spmd.hardware import throughput
+            from spmd.roofline import throughput
 
             lines.append(throughput(self))
         lines.append(f"predicted communication per step: "

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["op_class", "class_seconds", "node_flops", "node_bytes", "node_times", "graph_seconds",
+__all__ = ["op_class", "class_seconds", "throughput", "node_flops", "node_bytes", "node_times", "graph_seconds",
            "graph_flops", "step_flops", "StepFlops", "matmul_dtype"]
 
 _FREE = ("view", "_unsafe_view", "t", "transpose", "permute", "expand", "alias", "detach",
@@ -292,3 +292,37 @@ def step_flops(graphs: dict[str, fx.GraphModule], device: Any | None = None) -> 
                 model += node_flops(node, causal_halved=False)
     dtype = max(by_dtype, key=by_dtype.get) if by_dtype else torch.float32
     return StepFlops(model=model, hardware=hardware, dtype=dtype)
+
+
+def throughput(plan: Any) -> str:
+    """Lines for a plan on a simulated cluster: the predicted step (compute, exposed
+    communication, the optimizer step), MFU as the field defines it (model FLOPs per
+    step, the matmul dtype's peak) beside HFU (the FLOPs the device executes,
+    recomputation included), tokens/s per device when the model's first input is token
+    ids, and where each efficiency the roofline used comes from."""
+    hardware = plan.mesh.hardware
+    device = hardware.device
+    timeline = plan.predicted_timeline()
+    step = timeline.step_seconds
+    flops = step_flops(plan.graphs, device)
+    peak = device.peak(flops.dtype)
+    mfu = flops.model / (step * peak) if step > 0 else 0.0
+    hfu = flops.hardware / (step * peak) if step > 0 else 0.0
+    dtype = str(flops.dtype).removeprefix("torch.")
+    extra = timeline.optimizer_seconds
+    line = (f"on {device.name}: predicted step {step * 1e3:.3f} ms (exposed communication "
+            f"{timeline.exposed_seconds * 1e3:.3f} ms" + (
+                f", {timeline.optimizer_label} {extra * 1e3:.3f} ms" if extra else "")
+            + f"); {flops.model / 1e12:.3f} model TFLOP per device per step, MFU {mfu:.1%} "
+            f"of the {dtype} peak; hardware {flops.hardware / 1e12:.3f} TFLOP, HFU {hfu:.1%}")
+    if plan.tokens_per_step and step > 0:
+        line += f"; {plan.tokens_per_step / step:,.0f} tokens/s per device"
+    compiled = "fused memory-bound chains (Inductor)" if plan.fused else "each node alone"
+    by_class: dict[str, float] = {}
+    for key, times in plan.node_seconds.items():
+        for kind, seconds in class_seconds(plan.graphs[key], times).items():
+            by_class[kind] = by_class.get(kind, 0.0) + seconds
+    split = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in sorted(by_class.items()))
+    lines = [line, f"  roofline: {compiled}; compute {split}; efficiencies:"]
+    lines += [f"    {e}" for e in device.efficiency_lines()]
+    return "\n".join(lines)
