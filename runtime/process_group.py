@@ -323,10 +323,11 @@ def _hold(inner: Any) -> None:
 
 def _waited_on(inner: Any) -> None:
     """``inner``'s wait returned: the next operation may count it complete (a work no
-    longer held is not recorded: its id may be reused)."""
-    with _held_lock:
-        if any(work is inner for work in _held):
-            _waited.add(id(inner))
+    longer held is not recorded: its id may be reused). Takes no lock: it runs right
+    after a wait, where a backend thread may hold the work's own lock while ``_hold``,
+    holding ours, asks that work whether it is complete; the set's update is atomic."""
+    if any(work is inner for work in tuple(_held)):
+        _waited.add(id(inner))
 
 
 _graveyard: list[Any] = []
@@ -417,7 +418,8 @@ class Work:
                         _bury(self._inner)
                     self._error = self._group._failure(self._op, self._seq, self._peers, e)
             raise self._error from e
-        _waited_on(self._inner)
+        if finished is None:  # not from the backend's callback, which holds the future's
+            _waited_on(self._inner)  # lock: _hold takes ours, then asks the backend
         with self._lock:
             if self._done:
                 return
