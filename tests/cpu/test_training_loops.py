@@ -399,6 +399,43 @@ def activation_checkpointing(rank, strategy):
     return changing_batch(rank, strategy, build)
 
 
+def activation_checkpointing_llama(rank, strategy):
+    """Another family: a LLaMA-style model (RMSNorm, rotary, grouped-query attention,
+    SwiGLU) with every block checkpointed, token batches that change size, its
+    cross-entropy as one process computes it."""
+    from torch.utils.checkpoint import checkpoint
+
+    from ..llama import Llama
+
+    class Checkpointed(Llama):
+        def forward(self, tokens):
+            h = self.tok(tokens)
+            t = tokens.shape[1]
+            for layer in self.layers:
+                h = checkpoint(layer, h, self.cos[:t], self.sin[:t], self.cis[:t],
+                               use_reentrant=False)
+            return self.output(self.norm(h))
+
+    def build():  # seeded by Llama itself; float64 buffers from the default dtype
+        torch.set_default_dtype(torch.float64)
+        try:
+            return Checkpointed(norm="F", gqa="enable_gqa")
+        finally:
+            torch.set_default_dtype(torch.float32)
+
+    m = build() if rank is None else spmd.parallelize(build(), strategy=strategy)
+    opt = sgd(m)
+    for i, n in enumerate((4, 2, 6)):
+        tokens = torch.randint(0, 32, (n, 8), generator=torch.Generator().manual_seed(i))
+        if rank is not None:
+            tokens = rows(tokens, rank)
+        opt.zero_grad()
+        logits = m(tokens)
+        F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        opt.step()
+    return state(m), None
+
+
 def _checkpointed_plan(rank, strategy):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -412,6 +449,7 @@ def _checkpointed_plan(rank, strategy):
 LOOPS = {
     "changing_batch": (changing_batch, ("ddp", "fsdp", "zero2")),
     "activation_checkpointing": (activation_checkpointing, ("ddp", "fsdp")),
+    "activation_checkpointing_llama": (activation_checkpointing_llama, ("ddp", "fsdp")),
     "changing_batch_encoder": (changing_batch_encoder, ("ddp", "fsdp")),
     "uneven_last_batch": (uneven_last_batch, ("ddp", "fsdp")),
     "join_uneven": (join_uneven, ("ddp",)),
