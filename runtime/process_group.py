@@ -53,6 +53,7 @@ class ProcessGroup:
         self._backend = backend
         self._backend_store = backend_store  # the backend's store adapter, kept alive
         self._torch: Any = None  # this group as torch.distributed knows it, if shared
+        self._shared = False  # ever shared: torch objects may still hold its backend
         self.join_log: list[dict] | None = None  # collectives recorded for spmd.Join
         self._store = store
         self.ranks = list(ranks)
@@ -182,7 +183,12 @@ class ProcessGroup:
         self._destroyed = True
         health.unregister(self)
         backend, self._backend = self._backend, None
-        if self._poisoned:
+        if self._poisoned or (self._shared and backend is not None):
+            # shared with torch: a torch object (DDP's C++ Reducer) may hold the backend
+            # after us, and dropping the last reference there destroys Gloo's backend with
+            # the GIL held: its destructor joins its worker threads, one of which may be
+            # freeing a finished work's tensors and need the GIL (a hang, 1 in ~15 runs
+            # of torch's DDP-under-distributed-autograd test). Kept referenced instead.
             _bury(backend)
             return
         if backend is not None and hasattr(backend, "shutdown"):
@@ -335,7 +341,8 @@ _keeper: threading.Thread | None = None
 
 
 def _bury(*objects: Any) -> None:
-    """Keep broken backend objects referenced until the process exits.
+    """Keep backend objects referenced until the process exits: broken ones, and those
+    shared with torch (see ``_destroy``).
 
     Gloo cannot cancel a pending operation: it runs until its timeout, and destroying its
     backend meanwhile (or at interpreter exit) fails inside a C++ destructor, which ends

@@ -103,6 +103,7 @@ def _register(group: Any, default: bool) -> Any:
     if default:
         c10d._update_default_pg(pg)
     group._torch = pg
+    group._shared = True
     return pg
 
 
