@@ -104,9 +104,14 @@ def _input_shardings(gm: fx.GraphModule, ctx: LoweringContext) -> None:
     local = Sharding.on(strategy.mesh, {d: Varying() for d in strategy.data_dims})
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if ctx.role == "backward":
+        from spmd.lowering.reshard import forward_name, is_tangent
+
         for node in placeholders:  # a resharded input holds the forward's shard instead
-            saved = node.meta.get("spmd_resharded", node.name)
-            node.meta["sharding"] = ctx.saved.get(saved, local)
+            saved = ctx.saved.get(forward_name(node))
+            if saved is None and ctx.saved and not is_tangent(node):
+                raise PlanningError(f"{ctx.graph_name}: the backward's input {node.name} is "
+                                    f"neither a gradient nor a value its forward saved")
+            node.meta["sharding"] = local if saved is None else saved
         return
     if len(placeholders) != len(ctx.inputs):
         raise PlanningError(f"{ctx.graph_name}: {len(placeholders)} placeholders for "

@@ -29,7 +29,7 @@ from spmd.lowering.context import InputInfo, LoweringContext
 from spmd.lowering.emit import emit
 from spmd.lowering.graph import copy_graph
 from spmd.lowering.pipeline import plan_graph
-from spmd.lowering.reshard import RESHARDED
+from spmd.lowering.reshard import forward_name
 
 __all__ = ["GraphRecord", "Capture", "time_forward"]
 
@@ -179,7 +179,7 @@ class Capture:
                 # AOTAutograd traced; a backward's saved inputs exactly as its forward
                 # returns them (Inductor compiles for, and checks, their strides)
                 placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
-                local = [(saved or {}).get(n.meta.get(RESHARDED, n.name), n.meta.get("val", f))
+                local = [(saved or {}).get(forward_name(n), n.meta.get("val", f))
                          for n, f in zip(placeholders, fake_inputs)]
                 return compile_fx_inner(_plain(graph), local, is_backward=saved is not None)
             return emit(graph)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from spmd.lowering.reshard import reshard_saved
+from spmd.lowering.reshard import SAVED_AS, reshard_saved
 
 __all__ = ["partition", "drop_copies"]
 
@@ -55,6 +55,7 @@ def drop_copies(fw: fx.GraphModule, bw: fx.GraphModule) -> list[str]:
     saved = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
     output = fw.graph.output_node()
     given = {a for a in output.all_input_nodes if a.name not in saved}  # the caller's
+    placeholders = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
     dropped = []
     for node in list(fw.graph.nodes):
         if node.op != "call_function" or node.target is not aten.clone.default:
@@ -70,6 +71,9 @@ def drop_copies(fw: fx.GraphModule, bw: fx.GraphModule) -> list[str]:
         node.replace_all_uses_with(source)
         fw.graph.erase_node(node)
         dropped.append(node.name)
+        for ph in placeholders.values():  # the backward now receives the source
+            if ph.meta.get(SAVED_AS, ph.name) == node.name:
+                ph.meta[SAVED_AS] = source.name
     if dropped:
         fw.graph.lint()
         fw.recompile()

@@ -23,9 +23,23 @@ import torch.fx as fx
 
 from spmd.lowering import ops
 
-__all__ = ["reshard_saved", "RESHARDED"]
+__all__ = ["reshard_saved", "RESHARDED", "SAVED_AS", "forward_name", "is_tangent"]
 
 RESHARDED = "spmd_resharded"  # backward placeholder meta: the forward shard it now holds
+SAVED_AS = "spmd_saved_as"  # backward placeholder meta: the forward value that replaced it
+
+
+def forward_name(placeholder: fx.Node) -> str:
+    """The name of the forward value a backward placeholder receives: its own, unless a
+    rewrite of the pair made the forward save another (a shard instead of the gathered
+    parameter, an intermediate instead of its dropped copy)."""
+    return placeholder.meta.get(RESHARDED) or placeholder.meta.get(SAVED_AS) or placeholder.name
+
+
+def is_tangent(placeholder: fx.Node) -> bool:
+    """A backward input that is an output's gradient, not a value the forward saved
+    (AOTAutograd names them ``tangents_<n>``)."""
+    return placeholder.name.startswith("tangents_")
 
 
 def _chain_to_gather(node: fx.Node) -> list[fx.Node] | None:
