@@ -12,6 +12,8 @@ clears), the calling convention AOTAutograd uses to free inputs early.
 
 from __future__ import annotations
 
+import itertools
+import linecache
 import math
 import operator
 from typing import Any, Callable
@@ -142,7 +144,7 @@ class _Emitter:
                     value = getattr(value, part)
                 lines.append(f"    {name} = {self.bind(value)}")
             else:
-                lines.append(f"    {name} = {self.call(node)}")
+                lines.append(f"    {name} = {self.call(node)}  # {node.name}")
             dead = list(frees.get(node, []))
             if not node.users:
                 dead.append(name)
@@ -229,11 +231,17 @@ def _unpacks_to_views(split: fx.Node) -> bool:
     return len(split.users) == len(split.args[1])
 
 
+_EMITTED = itertools.count(1)
+
+
 def emit(gm: fx.GraphModule) -> Callable[[list], Any]:
     """A boxed callable (``fn(args_list)``) that runs ``gm``'s graph."""
     emitter = _Emitter(_without_no_ops(gm))
     src = emitter.source()
-    code = compile(src, f"<spmd emitted {gm.__class__.__name__}>", "exec")
+    name = f"<spmd emitted {gm.__class__.__name__} {next(_EMITTED)}>"
+    # a traceback through the emitted code shows its lines (the failing op's node name)
+    linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+    code = compile(src, name, "exec")
     exec(code, emitter.globals)
     run = emitter.globals["run"]
     run._boxed_call = True  # AOTAutograd passes a list and lets us clear it
