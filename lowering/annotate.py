@@ -104,14 +104,10 @@ def _input_shardings(gm: fx.GraphModule, ctx: LoweringContext) -> None:
     local = Sharding.on(strategy.mesh, {d: Varying() for d in strategy.data_dims})
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if ctx.role == "backward":
-        from spmd.lowering.reshard import forward_name, is_tangent
+        from spmd.lowering.reshard import forward_name
 
         for node in placeholders:  # a resharded input holds the forward's shard instead
-            saved = ctx.saved.get(forward_name(node))
-            if saved is None and ctx.saved and not is_tangent(node):
-                raise PlanningError(f"{ctx.graph_name}: the backward's input {node.name} is "
-                                    f"neither a gradient nor a value its forward saved")
-            node.meta["sharding"] = local if saved is None else saved
+            node.meta["sharding"] = ctx.saved.get(forward_name(node), local)
         return
     if len(placeholders) != len(ctx.inputs):
         raise PlanningError(f"{ctx.graph_name}: {len(placeholders)} placeholders for "

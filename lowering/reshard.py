@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from spmd.lowering import ops
 
-__all__ = ["reshard_saved", "RESHARDED", "SAVED_AS", "forward_name", "is_tangent"]
+__all__ = ["reshard_saved", "RESHARDED", "SAVED_AS", "forward_name"]
 
 RESHARDED = "spmd_resharded"  # backward placeholder meta: the forward shard it now holds
 SAVED_AS = "spmd_saved_as"  # backward placeholder meta: the forward value that replaced it
@@ -34,12 +34,6 @@ def forward_name(placeholder: fx.Node) -> str:
     rewrite of the pair made the forward save another (a shard instead of the gathered
     parameter, an intermediate instead of its dropped copy)."""
     return placeholder.meta.get(RESHARDED) or placeholder.meta.get(SAVED_AS) or placeholder.name
-
-
-def is_tangent(placeholder: fx.Node) -> bool:
-    """A backward input that is an output's gradient, not a value the forward saved
-    (AOTAutograd names them ``tangents_<n>``)."""
-    return placeholder.name.startswith("tangents_")
 
 
 def _chain_to_gather(node: fx.Node) -> list[fx.Node] | None:

@@ -53,7 +53,7 @@ from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import is_collective
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard, Sharding, Varying
 from spmd.lowering.propagate import module_of, seeded
-from spmd.lowering.reshard import RESHARDED, forward_name, is_tangent
+from spmd.lowering.reshard import RESHARDED, forward_name
 from spmd.lowering.rule_check import on_shards, random_like, run_op
 from spmd.lowering.specs import lookup
 from spmd.lowering.state import Boundary, Record, find, put, state_of
@@ -212,11 +212,6 @@ class _Verifier:
         if self.ctx.role == "backward":
             # a saved value (the forward's verification checked what it saves); a tangent
             saved = self.ctx.saved.get(forward_name(node))
-            if saved is None and self.ctx.saved and not is_tangent(node):
-                raise PlanVerificationError(
-                    f"{self.ctx.graph_name}: the backward's input {node.name} is neither a "
-                    f"gradient nor a value its forward saved (no forward value named "
-                    f"{forward_name(node)!r}): its placement is unknown")
             if RESHARDED in node.meta:
                 self.shards.add(node)
             return self.local() if saved is None else self.norm(saved)
