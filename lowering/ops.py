@@ -36,14 +36,14 @@ import torch
 from spmd.lowering import redistribute as table
 from spmd.lowering import reduction
 from spmd.lowering.flat import pack_planned
-from spmd.lowering.specs import (CollectiveSpec, ShardBucketSpec, ShardSpec, TPSpec,
-                                 gather_rows, lookup, sending)
+from spmd.lowering.specs import (CollectiveSpec, PlaceSpec, ShardBucketSpec, ShardSpec,
+                                 TPSpec, gather_rows, lookup, sending)
 from spmd.runtime import collectives
 
 __all__ = ["bucket_all_reduce", "wait", "wait_cast", "all_gather", "reduce_scatter",
            "all_to_all", "local_redistribute", "shard_gather", "shard_reduce",
            "bucket_all_gather", "unpack_gathered", "bucket_reduce_scatter", "tp_param",
-           "tp_grad", "define"]
+           "tp_grad", "place", "define"]
 
 
 def _dim0(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -310,6 +310,19 @@ def _tp_grad(grad: torch.Tensor, handle: int) -> torch.Tensor:
     return lookup(handle).piece(grad.detach()).clone()
 
 
+def _place(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """An activation placed where its :class:`PlaceSpec` says. Eagerly every rank holds
+    the whole value, so this is the value itself (a copy: an op's output may not alias
+    its input); a planned graph keeps the piece instead (``tensor_parallel``)."""
+    return x.clone()
+
+
+def _fake_place(x: torch.Tensor, handle: int) -> torch.Tensor:
+    s: PlaceSpec = lookup(handle)
+    del s  # (the handle must be live: a graph that outlived its model fails here)
+    return torch.empty_like(x)
+
+
 def _fake_tp_param(local: torch.Tensor, handle: int) -> torch.Tensor:
     s: TPSpec = lookup(handle)
     return local.new_empty(s.shape)
@@ -396,6 +409,12 @@ def _param_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
     return tp_grad(grad, ctx.handle), None
 
 
+def _place_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    # an activation's gradient lives where the activation does (Megatron-SP reduce-
+    # scatters a row-parallel layer's input gradient into the sequence shards)
+    return place(grad, ctx.handle), None
+
+
 bucket_all_reduce = define("bucket_all_reduce(Tensor[] grads, int handle) -> Tensor",
                            _bucket_all_reduce, _fake_bucket_all_reduce)
 wait = define("wait(Tensor(a) tensor, int handle) -> Tensor(a)", _wait, _fake_wait)
@@ -422,6 +441,8 @@ bucket_reduce_scatter = define("bucket_reduce_scatter(Tensor[] grads, int handle
 tp_grad = define("tp_grad(Tensor grad, int handle) -> Tensor", _tp_grad, _fake_tp_grad)
 tp_param = define("tp_param(Tensor local, int handle) -> Tensor", _tp_param, _fake_tp_param,
                   backward=_param_backward)
+place = define("place(Tensor x, int handle) -> Tensor", _place, _fake_place,
+               backward=_place_backward)
 
 COLLECTIVE_OPS = {"all_reduce": bucket_all_reduce, "all_gather": all_gather,
                   "reduce_scatter": reduce_scatter, "all_to_all": all_to_all}

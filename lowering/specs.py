@@ -26,7 +26,8 @@ import torch
 from spmd.lowering import redistribute as table
 from spmd.runtime import collectives
 
-__all__ = ["CollectiveSpec", "ShardSpec", "ShardBucketSpec", "TPSpec", "SyncState", "Handles",
+__all__ = ["CollectiveSpec", "ShardSpec", "ShardBucketSpec", "TPSpec", "PlaceSpec", "SyncState",
+           "Handles",
            "lookup", "dry_run", "sending", "gather_rows"]
 
 _IDS = itertools.count(1)
@@ -428,6 +429,16 @@ class ShardBucketSpec(CollectiveSpec):
 def _version_key(t: torch.Tensor) -> tuple[int, int]:
     """What changes when a tensor is written (in place or through ``.data``)."""
     return (t.untyped_storage().data_ptr(), t._version)
+
+
+@dataclass(eq=False, kw_only=True)
+class PlaceSpec:
+    """Where one module's output activation is placed on the tensor-parallel dimensions
+    (sequence parallelism: ``Shard(1)`` on "tp"), and its gradient with it. ``module``
+    names it in plans and errors."""
+
+    module: str
+    placements: dict[str, Any]
 
 
 @dataclass(eq=False, kw_only=True)

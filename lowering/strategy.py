@@ -104,6 +104,8 @@ class Strategy:
         placements: parameter name -> its placement on each tensor-parallel dimension.
         shard_dims: parameter name -> the dimension it is sharded along, where not 0
             (``shard_placement_fn``).
+        activations: module path -> the placement of its output on each tensor-parallel
+            dimension (sequence parallelism).
     """
 
     name: str
@@ -116,6 +118,8 @@ class Strategy:
     placements: Mapping[str, Mapping[str, Placement]] = field(default_factory=dict,
                                                              compare=False)
     shard_dims: Mapping[str, int] = field(default_factory=dict, compare=False)
+    activations: Mapping[str, Mapping[str, Placement]] = field(default_factory=dict,
+                                                              compare=False)
 
     def __post_init__(self) -> None:
         if not self.data_dims and self.data_dim is not None:

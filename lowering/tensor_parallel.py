@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch.fx.node import map_aggregate
 
 from spmd.lowering import ops, rules
-from spmd.lowering.ops import tp_grad, tp_param
+from spmd.lowering.ops import place, tp_grad, tp_param
 from spmd.lowering.specs import lookup
 from spmd.lowering.annotate import PlanningError, ShardingError, graph_outputs
 from spmd.lowering.collectives import insert_redistribution
@@ -226,7 +226,7 @@ class _Localizer:
 
             node.args = map_aggregate(node.args, swap)
             node.kwargs = map_aggregate(node.kwargs, swap)
-        if node.target is tp_param:
+        if node.target is tp_param or node.target is place:
             node.target, node.args = aten.alias.default, (node.args[0],)
         if want is None:
             want = self.expected(node)

@@ -36,11 +36,11 @@ import torch.nn as nn
 
 from spmd.lowering import ops
 from spmd.lowering.placements import Replicate, Shard, Sharding
-from spmd.lowering.specs import Handles, ShardSpec, TPSpec, lookup
+from spmd.lowering.specs import Handles, PlaceSpec, ShardSpec, TPSpec, lookup
 from spmd.writethrough import write_through
 
 __all__ = ["ParameterPlacement", "Layout", "placement_of", "place_module", "hold_piece",
-           "shard_evenly", "shard_dims_for"]
+           "shard_evenly", "shard_dims_for", "place_activations"]
 
 _CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
@@ -404,3 +404,39 @@ def _install_state_dict_hooks(module: nn.Module, layout: Layout) -> None:
 
     module._register_state_dict_hook(to_whole)
     module._register_load_state_dict_pre_hook(to_stored)
+
+
+# -- placed activations (sequence parallelism) ------------------------------------------
+
+
+def place_activations(module: nn.Module, strategy: Any, handles: Handles
+                      ) -> dict[str, PlaceSpec]:
+    """Give every module whose output ``strategy.activations`` places a forward hook that
+    passes the output through ``spmd::place`` (its first tensor, for a module returning a
+    tuple, as Hugging Face decoder layers do); the specs by module path. Eagerly the op is
+    the value itself; in a planned graph the compiler keeps the placed piece and brings
+    the gradient there in backward. An output with no dimension after the placed one (a
+    position table (sequence, hidden) under ``Shard(1)``) is left to the compiler."""
+    specs: dict[str, PlaceSpec] = {}
+    for path, placed in strategy.activations.items():
+        sub = module.get_submodule(path)
+        spec = PlaceSpec(module=path, placements=dict(placed))
+        handle = handles.add(spec)
+        deepest = max((p.dim for p in placed.values() if isinstance(p, Shard)), default=-1)
+        sub.register_forward_hook(_placing_hook(handle, deepest))
+        specs[path] = spec
+    return specs
+
+
+def _placing_hook(handle: int, deepest: int) -> Any:
+    def placed(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() > deepest + 1 and x.is_floating_point():
+            return ops.place(x, handle)
+        return x
+
+    def hook(mod: nn.Module, args: Any, out: Any) -> Any:
+        if isinstance(out, tuple) and out:
+            return (placed(out[0]), *out[1:])
+        return placed(out)
+
+    return hook

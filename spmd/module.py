@@ -63,6 +63,10 @@ class ModuleState:
         from spmd.layout import place_module
 
         self.layout = place_module(module, setup, options, self.handles)
+        if setup.strategy.activations:
+            from spmd.layout import place_activations
+
+            self.placed_activations = place_activations(module, setup.strategy, self.handles)
         self.shards: dict[str, ShardSpec] = self.layout.shards
         self.sharded = setup.strategy.shards_parameters
         self.params = dict(module.named_parameters())

@@ -167,13 +167,18 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
     placed: dict = {}
     dims: tuple[str, ...] = ()
     if options.placements is not None:
-        from spmd.tp import resolve_placements, tp_dims_of
+        from spmd.tp import tp_dims_of
 
         dims = tp_dims_of(options.placements)
     mesh = flatten_data_dims(options.strategy, mesh, where, dims)  # 2-D fsdp
     if options.placements is not None:
-        placed = resolve_placements(module, mesh, options.placements, where)
+        from dataclasses import replace as with_fields
+
+        from spmd.tp import resolve_layout
+
+        placed, activations = resolve_layout(module, mesh, options.placements, where)
         strategy = resolve_strategy(options.strategy, mesh, where, dims, placed)
+        strategy = with_fields(strategy, activations=activations)
     else:
         strategy = resolve_strategy(options.strategy, mesh, where)
     if options.shard_placement_fn is not None and strategy.shards_parameters:

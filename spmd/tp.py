@@ -28,8 +28,8 @@ from spmd.hf import inside, layer_kind, plan_entries
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
 from spmd.lowering.strategy import tp_dims_of
 
-__all__ = ["megatron", "Preset", "Resolved", "resolve_placements", "tp_dims_of", "COLUMN",
-           "ROW"]
+__all__ = ["megatron", "Preset", "Resolved", "resolve_placements", "resolve_layout",
+           "sequence_modules", "tp_dims_of", "COLUMN", "ROW"]
 
 # Megatron-LM's layer names (and the common ones of Hugging Face and torch models):
 # column-parallel layers split their output features, row-parallel their input features.
@@ -78,6 +78,8 @@ class Preset:
 
     name: str
     dim: str
+    sequence_parallel: bool = False
+    sequence_dim: int = 1
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -85,11 +87,34 @@ class Preset:
 
     def resolve(self, model: nn.Module) -> dict[str, dict[str, Placement]]:
         if self.name == "megatron":
-            return megatron(model, dim=self.dim)
+            return megatron(model, dim=self.dim, sequence_parallel=self.sequence_parallel,
+                            sequence_dim=self.sequence_dim)
         raise ValueError(f"unknown preset {self.name!r}")
 
 
-def megatron(model: Any = None, *, dim: str = "tp") -> Any:
+# norms whose output sequence parallelism shards along the sequence: torch's and every
+# class named like Hugging Face's (LlamaRMSNorm, Qwen2RMSNorm, ...) or ours
+_NORMS = (nn.LayerNorm, nn.RMSNorm)
+_NORM_NAMES = ("LayerNorm", "RMSNorm")
+
+
+def sequence_modules(model: nn.Module) -> dict[str, str]:
+    """The modules whose outputs Megatron's sequence parallelism keeps sharded along the
+    sequence: every layer norm and RMS norm (what runs between the split layers) and every
+    embedding (so the residual stream starts sharded), each -> why."""
+    found: dict[str, str] = {}
+    for path, module in model.named_modules():
+        if not path:
+            continue
+        if isinstance(module, _NORMS) or type(module).__name__.endswith(_NORM_NAMES):
+            found[path] = f"sequence parallelism: the output of a {type(module).__name__}"
+        elif layer_kind(module) == "embedding":
+            found[path] = "sequence parallelism: the residual stream starts at an embedding"
+    return found
+
+
+def megatron(model: Any = None, *, dim: str = "tp", sequence_parallel: bool = False,
+             sequence_dim: int = 1) -> Any:
     """Megatron-LM's tensor parallelism for a transformer: in each block, the query, key
     and value projections and the MLP's first linear layer(s) column-parallel, the
     attention's output projection and the MLP's second linear layer row-parallel.
@@ -111,12 +136,25 @@ def megatron(model: Any = None, *, dim: str = "tp") -> Any:
        sibling feeds them. GPT-2's fused ``c_attn`` is left replicated (see
        :data:`COLUMN`), so GPT-2 splits its MLPs.
 
+    With ``sequence_parallel=True`` (Megatron-LM's sequence parallelism, torch's
+    ``SequenceParallel``), the outputs of every norm and embedding
+    (:func:`sequence_modules`) are placed ``Shard(sequence_dim)``: norms, dropout and
+    residual adds run on 1/tp of the sequence, a row-parallel layer's all-reduce becomes
+    a reduce-scatter into the sequence shards and a column-parallel layer's input an
+    all-gather (the same bytes on the wire), so activation memory outside the split
+    layers is 1/tp. An output with no dimension after ``sequence_dim`` (a position
+    table of shape (sequence, hidden)) is left where the compiler puts it.
+
     Args:
         model: an ``nn.Module`` instance: its placements, a :class:`Resolved`
             ``{dim: {name: placement}}`` whose ``source`` says where each came from;
             None (or a class): a :class:`Preset` resolved against the model
             ``parallelize`` or ``inspect`` is given.
         dim: the mesh dimension to split along.
+        sequence_parallel: also shard the activations between the split layers along
+            the sequence.
+        sequence_dim: the sequence's dimension in those activations (1 for
+            ``(batch, sequence, hidden)``; 0 for ``batch_first=False`` models).
 
     Example::
 
@@ -125,8 +163,14 @@ def megatron(model: Any = None, *, dim: str = "tp") -> Any:
         placed.source["model.layers.0.self_attn.o_proj.weight"]
         # "LlamaConfig.base_model_tp_plan['layers.*.self_attn.o_proj'] = 'rowwise'"
     """
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"spmd.tp.megatron: sequence_parallel must be a bool, got "
+                        f"{sequence_parallel!r}")
+    if not isinstance(sequence_dim, int) or isinstance(sequence_dim, bool) or sequence_dim < 0:
+        raise ValueError(f"spmd.tp.megatron: sequence_dim must be a non-negative int, got "
+                         f"{sequence_dim!r}")
     if model is None or isinstance(model, type):
-        return Preset("megatron", dim)
+        return Preset("megatron", dim, sequence_parallel, sequence_dim)
     if not isinstance(model, nn.Module):
         raise TypeError(f"spmd.tp.megatron: expected an nn.Module (or nothing), got "
                         f"{type(model).__name__}")
@@ -168,19 +212,35 @@ def megatron(model: Any = None, *, dim: str = "tp") -> Any:
                          f"{type(model).__name__} (nn.Linear or transformers Conv1D children "
                          f"named one of {', '.join(COLUMN)}, or a transformers config's "
                          f"base_model_tp_plan); write placements by name instead")
+    if sequence_parallel:
+        for path, why in sequence_modules(model).items():
+            placed[path] = Shard(sequence_dim)
+            source[path] = why
     return Resolved({dim: placed}, source=source)
 
 
 def resolve_placements(model: nn.Module, mesh: Any, spec: Any, where: str
                        ) -> dict[str, dict[str, Placement]]:
-    """Each parameter name -> its placement per tensor-parallel dimension, from ``spec``
-    (patterns over parameter names, or a preset); ``ValueError``/``TypeError`` naming
-    the first thing wrong, before anything runs."""
+    """Each parameter name -> its placement per tensor-parallel dimension (see
+    :func:`resolve_layout`, which also gives the placed activations)."""
+    return resolve_layout(model, mesh, spec, where)[0]
+
+
+def resolve_layout(model: nn.Module, mesh: Any, spec: Any, where: str
+                   ) -> tuple[dict[str, dict[str, Placement]], dict[str, dict[str, Placement]]]:
+    """From ``spec`` (patterns over parameter and module names, or a preset): each
+    parameter name -> its placement per tensor-parallel dimension, and each module whose
+    output is placed -> that placement per dimension. A pattern that matches parameters
+    places them; one that matches no parameter but modules places those modules'
+    outputs (sequence parallelism: ``{"tp": {"layers.*.norm": spmd.Shard(1)}}``).
+    ``ValueError``/``TypeError`` naming the first thing wrong, before anything runs."""
     if isinstance(spec, Preset):
         spec = spec.resolve(model)
     dims = tp_dims_of(spec)
     params = dict(model.named_parameters())
+    modules = [path for path, _ in model.named_modules() if path]
     out: dict[str, dict[str, Placement]] = {}
+    activations: dict[str, dict[str, Placement]] = {}
     for dim in dims:
         if dim not in mesh.dim_names:
             raise ValueError(f"{where}: placements name mesh dimension {dim!r}; the mesh has "
@@ -199,9 +259,19 @@ def resolve_placements(model: nn.Module, mesh: Any, spec: Any, where: str
                                 f"spmd.Shard(d) or spmd.Replicate(), got {placement!r}")
             matched = [n for n in params if fnmatch.fnmatchcase(n, pattern)]
             if not matched:
-                raise ValueError(f"{where}: placements[{dim!r}] pattern {pattern!r} matches no "
-                                 f"parameter of {type(model).__name__} (names look like "
-                                 f"{', '.join(list(params)[:3])})")
+                outputs = [m for m in modules if fnmatch.fnmatchcase(m, pattern)]
+                if not outputs:
+                    raise ValueError(f"{where}: placements[{dim!r}] pattern {pattern!r} "
+                                     f"matches no parameter of {type(model).__name__} (names "
+                                     f"look like {', '.join(list(params)[:3])}) and no module")
+                if isinstance(placement, Shard) and placement.dim < 0:
+                    raise ValueError(f"{where}: placements[{dim!r}][{pattern!r}] places "
+                                     f"module outputs: count the dimension from the front "
+                                     f"(Shard(1) for (batch, sequence, hidden)), got "
+                                     f"{placement!r}")
+                for path in outputs:
+                    _put(activations, path, dim, placement, where)
+                continue
             for name in matched:
                 p = params[name]
                 if isinstance(placement, Shard):
@@ -214,9 +284,14 @@ def resolve_placements(model: nn.Module, mesh: Any, spec: Any, where: str
                                          f"dimension {d} ({p.shape[d]}) does not divide over "
                                          f"the {size} ranks of {dim!r}")
                     placement = Shard(d)
-                previous = out.get(name, {}).get(dim)
-                if previous is not None and previous != placement:
-                    raise ValueError(f"{where}: {name} is placed {previous!r} and "
-                                     f"{placement!r} on {dim!r} by two patterns")
-                out.setdefault(name, {})[dim] = placement
-    return out
+                _put(out, name, dim, placement, where)
+    return out, activations
+
+
+def _put(out: dict[str, dict[str, Placement]], name: str, dim: str, placement: Placement,
+         where: str) -> None:
+    previous = out.get(name, {}).get(dim)
+    if previous is not None and previous != placement:
+        raise ValueError(f"{where}: {name} is placed {previous!r} and {placement!r} on "
+                         f"{dim!r} by two patterns")
+    out.setdefault(name, {})[dim] = placement

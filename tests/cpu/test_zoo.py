@@ -25,6 +25,7 @@ largest difference and seconds, the figures of README's composition matrix.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -45,7 +46,8 @@ ROWS = 4  # the global batch: each data-parallel rank trains on ROWS / its data 
 ATOL = 1e-9
 LR, CLIP = 1e-2, 0.5  # clipped: the gradients' norm is about 1-3 at these sizes
 
-# name -> (mesh shape, dimension names, strategy, tensor parallel)
+# name -> (mesh shape, dimension names, strategy, tensor parallel: False, True, or "sp" for
+# Megatron's placements with sequence parallelism)
 COMPOSITIONS = {
     "ddp": ((2,), ("dp",), "ddp", False),
     "fsdp": ((2,), ("fsdp",), "fsdp", False),
@@ -59,6 +61,9 @@ COMPOSITIONS = {
     "zero2 x tp": ((2, 2), ("dp", "tp"), "zero2", True),
     "2-D fsdp": ((2, 2), ("dp", "fsdp"), "fsdp", False),
     "2-D fsdp x tp": ((2, 2, 2), ("dp", "fsdp", "tp"), "fsdp", True),
+    "tp+sp": ((2,), ("tp",), "ddp", "sp"),
+    "fsdp x tp+sp": ((2, 2), ("fsdp", "tp"), "fsdp", "sp"),
+    "dp x tp+sp": ((2, 2), ("dp", "tp"), "ddp", "sp"),
 }
 MODELS = [e.name for e in all_entries()]
 
@@ -78,6 +83,9 @@ CI = {
     "zero2 x tp": ["mistral"],
     "2-D fsdp": ["encoder"],
     "2-D fsdp x tp": ["llama_complex_enable_gqa"],
+    "tp+sp": ["transformer", "encoder", "llama", "gpt2", "llama_half_expand"],
+    "fsdp x tp+sp": ["llama", "gpt2", "llama_complex_enable_gqa"],
+    "dp x tp+sp": ["qwen2"],
 }
 
 
@@ -118,8 +126,10 @@ def _run(name: str, composition: str) -> dict:
     e = entry(name)
     mesh = spmd.Mesh(shape, dim_names=names)
     start = time.perf_counter()
-    model = spmd.parallelize(e.model(), mesh=mesh, strategy=strategy,
-                             placements=e.placements if tp else None)
+    placements = e.placements if tp else None
+    if tp == "sp":
+        placements = dataclasses.replace(placements, sequence_parallel=True)
+    model = spmd.parallelize(e.model(), mesh=mesh, strategy=strategy, placements=placements)
     planned = model._spmd.setup.strategy  # (2-D fsdp: on the mesh with "dp_fsdp")
     index, count = _data_index(planned.mesh, planned)
     per = ROWS // count
@@ -228,7 +238,10 @@ def test_every_composition_trains_like_one_process(name, composition, reference)
     _REPORT.append((composition, name, worst, max(r["seconds"] for r in runs)))
     _, _, strategy, tp = COMPOSITIONS[composition]
     collectives = set(runs[0]["collectives"])
-    assert any(d == "tp" for _, d in collectives) == tp
+    assert any(d == "tp" for _, d in collectives) == bool(tp)
+    # sequence parallelism: row-parallel layers reduce-scatter into the sequence shards,
+    # column-parallel ones gather them
+    assert ({("reduce_scatter", "tp"), ("all_gather", "tp")} <= collectives) == (tp == "sp")
     if strategy != "ddp":  # parameters stored as shards: gathered, gradients scattered
         shape, names = COMPOSITIONS[composition][:2]
         data = ("dp_fsdp" if composition.startswith("2-D") else
