@@ -9,7 +9,14 @@ the forward saves for the backward are in hand.
    activation twice, once for the ReLU's backward and once for the next matmul's), the
    copy costs a whole activation per layer until the backward runs. A copy that reaches
    a value the caller receives is kept: the caller may write into it.
-2. For sharded parameters, ``reshard_after_forward``: the forward saves shards, not
+2. A reshape of a placed activation (``spmd::place``: sequence parallelism's norm
+   outputs) is saved as the placed value and reshaped again in the backward
+   (:func:`save_placed`). Flattening (batch, sequence) of a sequence-sharded value needs
+   the whole sequence, so the forward gathers it first; saving the reshape would keep the
+   gathered copy (one per projection reading it) until the backward, more than tensor
+   parallelism without sequence parallelism saves. Saved as placed, the backward gathers
+   it again, as Megatron-LM's sequence-parallel linear layers do.
+3. For sharded parameters, ``reshard_after_forward``: the forward saves shards, not
    gathered parameters (:func:`spmd.lowering.reshard.reshard_saved`).
 
 The number and order of saved values never change, so AOTAutograd's runtime wrapper
@@ -25,7 +32,7 @@ import torch.fx as fx
 
 from spmd.lowering.reshard import SAVED_AS, reshard_saved
 
-__all__ = ["partition", "drop_copies"]
+__all__ = ["partition", "drop_copies", "save_placed"]
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int,
@@ -80,6 +87,70 @@ def drop_copies(fw: fx.GraphModule, bw: fx.GraphModule) -> list[str]:
     return dropped
 
 
+_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+def save_placed(fw: fx.GraphModule, bw: fx.GraphModule, saved_from: int) -> list[str]:
+    """Where the forward saves a reshape (a chain of them) of an ``spmd::place`` output,
+    save the placed value instead and redo the reshapes at the top of the backward; the
+    names of the values no longer saved. ``saved_from``: the index of the first saved
+    value among the forward's outputs."""
+    from spmd.lowering import ops
+
+    output = fw.graph.output_node()
+    values = list(output.args[0])
+    placeholders = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
+    first = next((n for n in bw.graph.nodes if n.op != "placeholder"), None)
+    moved = []
+    for i in range(saved_from, len(values)):
+        value = values[i]
+        chain = []
+        node = value
+        while isinstance(node, fx.Node) and node.target in _RESHAPES:
+            chain.append(node)
+            node = node.args[0]
+        if not chain or not isinstance(node, fx.Node) or node.target is not ops.place:
+            continue
+        ph = next((p for p in placeholders.values()
+                   if p.meta.get(SAVED_AS, p.name) == value.name), None)
+        if ph is None or first is None:
+            continue
+        replacement = None
+        with bw.graph.inserting_before(first):
+            current = ph
+            for step in reversed(chain):  # innermost reshape first
+                current = bw.graph.call_function(step.target, (current, *step.args[1:]),
+                                                 dict(step.kwargs))
+                current.meta.update({k: v for k, v in step.meta.items()
+                                     if k in ("val", "tensor_meta", "nn_module_stack",
+                                              "stack_trace")})
+                replacement = current
+        ph.replace_all_uses_with(replacement, delete_user_cb=lambda user: user is not
+                                 chain_first(replacement, ph))
+        ph.meta["val"] = node.meta["val"]
+        if "tensor_meta" in node.meta:
+            ph.meta["tensor_meta"] = node.meta["tensor_meta"]
+        ph.meta[SAVED_AS] = node.name
+        values[i] = node
+        moved.append(value.name)
+    if moved:
+        output.args = (type(output.args[0])(values),)
+        fw.graph.eliminate_dead_code()
+        fw.graph.lint()
+        fw.recompile()
+        bw.graph.lint()
+        bw.recompile()
+    return moved
+
+
+def chain_first(last: fx.Node, ph: fx.Node) -> fx.Node:
+    """The first node of the reshape chain ending at ``last`` that reads ``ph``."""
+    node = last
+    while node.args[0] is not ph:
+        node = node.args[0]
+    return node
+
+
 def partition(joint: fx.GraphModule, joint_inputs: Any, *, reshard: bool = False,
               **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
     """AOTAutograd's default partition, then :func:`drop_copies` and (``reshard``) the
@@ -92,6 +163,8 @@ def partition(joint: fx.GraphModule, joint_inputs: Any, *, reshard: bool = False
 
         fw.meta[USER_OUTPUTS] = kwargs["num_fwd_outputs"]
     drop_copies(fw, bw)
+    if "num_fwd_outputs" in kwargs:
+        save_placed(fw, bw, kwargs["num_fwd_outputs"])
     if reshard:
         reshard_saved(fw, bw)
     return fw, bw
