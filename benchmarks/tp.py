@@ -72,14 +72,16 @@ class Block(nn.Module):
         self.linear2 = nn.Linear(4 * width, width)
 
     def forward(self, x):
-        b, t, d = x.shape
+        d = x.shape[-1]
         heads = -1 if self.local_heads else self.heads
         y = self.norm1(x)
+        q = self.q(y)
+        b, t = q.shape[:2]  # (torch's sequence parallelism: x holds a part of the sequence)
 
         def split(z):
             return z.view(b, t, heads, self.head_dim).transpose(1, 2)
 
-        a = F.scaled_dot_product_attention(split(self.q(y)), split(self.k(y)),
+        a = F.scaled_dot_product_attention(split(q), split(self.k(y)),
                                            split(self.v(y)), is_causal=True)
         x = x + self.o(a.transpose(1, 2).reshape(b, t, -1 if heads < 0 else d))
         return x + self.linear2(F.gelu(self.linear1(self.norm2(x))))

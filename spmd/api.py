@@ -104,8 +104,10 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         comm_state: the hook's state (e.g. a ``PowerSGDState``).
         placements: tensor parallelism (``spmd.tp``): where parameters live on named mesh
             dimensions, ``{"tp": {"layers.*.linear1.weight": spmd.Shard(0), ...}}`` (glob
-            patterns over parameter names; unnamed parameters are replicated there), or a
-            preset such as ``spmd.tp.megatron()``. Those dimensions are not data
+            patterns over parameter names; unnamed parameters are replicated there; a
+            pattern that names modules instead places their outputs, as sequence
+            parallelism does: ``"layers.*.norm": spmd.Shard(1)``), or a preset such as
+            ``spmd.tp.megatron(sequence_parallel=True)``. Those dimensions are not data
             dimensions: ``strategy`` runs along the others.
         shard_placement_fn: (sharded strategies) FSDP2's ``shard_placement_fn``:
             ``fn(param) -> spmd.Shard(d) | None`` chooses the dimension each parameter is

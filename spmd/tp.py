@@ -8,6 +8,11 @@ glob patterns over parameter names, the way JAX users write partition specs.
         "layers.*.linear2.weight": spmd.Shard(1)}})   # row-parallel
     model = spmd.parallelize(Net(), mesh=mesh, placements=spmd.tp.megatron())
 
+A pattern that matches no parameter but modules places those modules' outputs (and
+their gradients): ``{"tp": {"layers.*.norm": spmd.Shard(1)}}`` keeps the norms' outputs
+sharded along the sequence, which is sequence parallelism
+(``spmd.tp.megatron(sequence_parallel=True)`` places every norm and embedding so).
+
 Each parameter placed ``Shard(d)`` is stored as this rank's piece (``model.parameters()``
 are the pieces, so an optimizer keeps only its part of the state); the model's code is
 unchanged, and the compiler places everything computed from the pieces by the ops'

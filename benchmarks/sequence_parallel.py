@@ -1,0 +1,168 @@
+"""Sequence parallelism: step time and peak memory of ``spmd.tp.megatron(
+sequence_parallel=True)`` against spmd's plain tensor parallelism and torch's
+``parallelize_module`` with and without ``SequenceParallel``, same run.
+
+    python benchmarks/sequence_parallel.py [--steps 10] [--rounds 5] [--layers 4]
+                                           [--width 256] [--heads 8] [--seq 512] [--batch 4]
+
+Two local ranks (processes), one thread each, Gloo over loopback, one tensor-parallel
+group; ``benchmarks/tp.py``'s pre-norm transformer (separate q/k/v/o, causal SDPA, GELU
+MLP 4x, LayerNorms) with the same weights, batches and AdamW for every variant:
+
+- ``spmd tp`` / ``spmd tp+sp``: ``spmd.parallelize(model, mesh=Mesh((2,), ("tp",)),
+  placements=spmd.tp.megatron(sequence_parallel=...))``;
+- ``torch TP``: ``ColwiseParallel`` q, k, v, linear1 and ``RowwiseParallel`` o, linear2
+  in every block;
+- ``torch TP+SP``: torchtitan's plan for this layout: ``SequenceParallel`` on every norm,
+  the column-parallel layers taking ``Shard(1)`` input (each gathers it: the block has no
+  attention module to gather once for q, k and v), the row-parallel ones giving
+  ``Shard(1)`` output (a reduce-scatter), the embedding ``RowwiseParallel`` (vocabulary-
+  parallel, output ``Shard(1)``), the head ``ColwiseParallel`` from ``Shard(1)`` to whole
+  logits.
+
+Time: variants alternate in rounds; round 0 warms up (compiles) and is not counted; a
+variant's figure is the median of its rounds' mean step times, with the lowest and
+highest round. Memory: after the rounds, one more step of each variant on rank 0 under
+``torch.profiler(profile_memory=True)``: the highest running sum of the step's
+allocations and frees (what the step adds to what was alive before it: activations,
+gradients, temporaries). spmd's plans also give the predicted saved activations
+(``plan.memory().activations``). The step-0 losses of all variants are printed to show
+they train the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tp import COLUMN, ROW, _batch, _fresh, _train  # noqa: E402
+
+VARIANTS = ("spmd tp", "spmd tp+sp", "torch TP", "torch TP+SP")
+
+
+def _step_peak(model, opt, batch) -> int:
+    """Bytes the step allocates beyond what was alive before it, at its highest."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        _train(model, opt, [batch])
+    running = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes())
+                            for e in prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]"):
+        running += nbytes
+        peak = max(peak, running)
+    return peak
+
+
+def rank_main(rank: int, steps: int, rounds: int, width: int, heads: int, layers: int,
+              seq: int, batch: int) -> dict | None:
+    import torch.distributed as tdist
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    import spmd
+    from spmd import runtime as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=900))
+    mesh = spmd.Mesh((2,), dim_names=("tp",))
+    torch_mesh = mesh.to_torch()
+
+    def torch_tp(sequence_parallel: bool):
+        model = _fresh(width, heads, layers)
+        if not sequence_parallel:
+            plan = {**{n: ColwiseParallel() for n in COLUMN},
+                    **{n: RowwiseParallel() for n in ROW}}
+            for block in model.layers:
+                parallelize_module(block, torch_mesh, plan)
+            return model
+        parallelize_module(model, torch_mesh, {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+        plan = {"norm1": SequenceParallel(), "norm2": SequenceParallel(),
+                **{n: ColwiseParallel(input_layouts=Shard(1)) for n in COLUMN},
+                **{n: RowwiseParallel(output_layouts=Shard(1)) for n in ROW}}
+        for block in model.layers:
+            parallelize_module(block, torch_mesh, plan)
+        return model
+
+    def ours(sequence_parallel: bool):
+        return spmd.parallelize(_fresh(width, heads, layers), mesh=mesh,
+                                placements=spmd.tp.megatron(
+                                    sequence_parallel=sequence_parallel))
+
+    make = {"spmd tp": lambda: ours(False), "spmd tp+sp": lambda: ours(True),
+            "torch TP": lambda: torch_tp(False), "torch TP+SP": lambda: torch_tp(True)}
+    batches = [_batch(step, batch, seq) for step in range(steps)]
+    models = {v: make[v]() for v in VARIANTS}
+    opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-3) for v, m in models.items()}
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    first_loss: dict[str, float] = {}
+    for r in range(rounds + 1):
+        for variant, model in models.items():
+            tdist.barrier()
+            start = time.perf_counter()
+            losses = _train(model, opts[variant], batches)
+            if r:
+                times[variant].append((time.perf_counter() - start) / steps)
+            else:
+                first_loss[variant] = losses[0].item()
+    peaks = {}
+    for variant, model in models.items():
+        tdist.barrier()
+        peaks[variant] = _step_peak(model, opts[variant], batches[0])
+    predicted = {v: spmd.inspect(models[v]).memory().activations
+                 for v in ("spmd tp", "spmd tp+sp")}
+    tdist.barrier()
+    dist.destroy_process_group()
+    if rank:
+        return None
+    return {"times": times, "loss": first_loss, "peak": peaks, "predicted": predicted}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=4)
+    args = parser.parse_args()
+    from spmd import runtime as dist
+
+    res = dist.spawn(rank_main, args=(args.steps, args.rounds, args.width, args.heads,
+                                      args.layers, args.seq, args.batch),
+                     nprocs=2, start_method="spawn", timeout=3000)[0]
+    times, peak = res["times"], res["peak"]
+    base = statistics.median(times["torch TP+SP"])
+    print(f"\n### 2 ranks, tp=2: {args.layers} layers of width {args.width}, {args.heads} "
+          f"heads, {args.batch} x {args.seq} tokens, AdamW, {args.steps} steps x "
+          f"{args.rounds} rounds\n")
+    print("| variant | step ms (median) | rounds min-max | torch TP+SP / variant | "
+          "step peak MiB (rank 0) | step-0 loss |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for v in VARIANTS:
+        med = statistics.median(times[v])
+        print(f"| {v} | {med * 1e3:.1f} | {min(times[v]) * 1e3:.1f}-{max(times[v]) * 1e3:.1f} "
+              f"| {base / med:.2f}x | {peak[v] / 2**20:.1f} | {res['loss'][v]:.6f} |")
+    pred = res["predicted"]
+    print(f"\npredicted saved activations per rank: spmd tp {pred['spmd tp'] / 2**20:.1f} "
+          f"MiB, spmd tp+sp {pred['spmd tp+sp'] / 2**20:.1f} MiB "
+          f"({pred['spmd tp+sp'] / pred['spmd tp'] - 1:+.0%})")
+
+
+if __name__ == "__main__":
+    main()
