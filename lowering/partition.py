@@ -100,7 +100,6 @@ def save_placed(fw: fx.GraphModule, bw: fx.GraphModule, saved_from: int) -> list
     output = fw.graph.output_node()
     values = list(output.args[0])
     placeholders = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
-    first = next((n for n in bw.graph.nodes if n.op != "placeholder"), None)
     moved = []
     for i in range(saved_from, len(values)):
         value = values[i]
@@ -113,8 +112,12 @@ def save_placed(fw: fx.GraphModule, bw: fx.GraphModule, saved_from: int) -> list
             continue
         ph = next((p for p in placeholders.values()
                    if p.meta.get(SAVED_AS, p.name) == value.name), None)
-        if ph is None or first is None:
+        if ph is None or not ph.users:
             continue
+        # reshaped where the backward first reads it: a gather made earlier would hold a
+        # whole activation of every layer from the backward's start
+        order = {n: k for k, n in enumerate(bw.graph.nodes)}
+        first = min(ph.users, key=order.__getitem__)
         replacement = None
         with bw.graph.inserting_before(first):
             current = ph

@@ -8,6 +8,10 @@ the unpacking behind it, moves right before the first node that reads the result
 everything in between overlaps with communication. Switched off (``overlap=False``
 runs the pipeline without it), the synchronous graph stays.
 
+Saved activations that tensor parallelism redistributes in backward (sequence
+parallelism's gathered norm outputs) are graph inputs too: each such collective is
+issued no earlier than the previous one's wait.
+
 Sharded parameters change two things. Their all-gathers' inputs are graph inputs, so
 "as early as possible" would gather the whole model at the start; instead each bucket's
 all-gather is issued right before the previous bucket's wait (prefetch, one bucket
@@ -60,6 +64,7 @@ def schedule(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
             anchor.prepend(node)
     _prefetch_gathers(graph)
     _one_scatter_in_flight(graph)
+    _activations_one_ahead(graph)
     check_schedule(gm)
     return gm
 
@@ -74,6 +79,25 @@ def _prefetch_gathers(graph: fx.Graph) -> None:
     gathers.sort(key=lambda c: order[_wait_of(graph, c)])
     for previous, coll in zip(gathers, gathers[1:]):
         _wait_of(graph, previous).prepend(coll)
+
+
+_ACTIVATION_OPS = (ops.all_gather, ops.reduce_scatter, ops.all_to_all)
+
+
+def _activations_one_ahead(graph: fx.Graph) -> None:
+    """A tensor-parallel redistribution of a value the forward saved (sequence
+    parallelism gathers each layer's norm output again in backward) has its input from
+    the start: issued there, every layer's gathered activation would be alive at once.
+    Each is issued no earlier than the previous one's wait (one ahead, as parameter
+    gathers are)."""
+    colls = [n for n in graph.nodes if n.target in _ACTIVATION_OPS]
+    order = _order(graph)
+    colls.sort(key=lambda c: order[_wait_of(graph, c)])
+    for previous, coll in zip(colls, colls[1:]):
+        order = _order(graph)
+        wait = _wait_of(graph, previous)
+        if order[coll] < order[wait]:
+            wait.prepend(coll)
 
 
 def _one_scatter_in_flight(graph: fx.Graph) -> None:
