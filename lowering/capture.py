@@ -30,6 +30,7 @@ from spmd.lowering.emit import emit
 from spmd.lowering.graph import copy_graph
 from spmd.lowering.pipeline import plan_graph
 from spmd.lowering.reshard import forward_name
+from spmd.lowering.tensor_parallel import SAVED_RENAMES
 
 __all__ = ["GraphRecord", "Capture", "time_forward"]
 
@@ -193,6 +194,9 @@ class Capture:
                 fw = plan_graph(fw, self.owner().context(record, "forward"))
                 record.saved = {n.name: n.meta["sharding"] for n in fw.graph.nodes
                                 if "sharding" in n.meta}
+                nodes = {n.name: n for n in fw.graph.nodes}
+                for old, new in fw.meta.get(SAVED_RENAMES, {}).items():
+                    record.saved[old] = nodes[new].meta["sharding"]
             except PlanningError as e:
                 log.warning("spmd: %s's forward left unplanned: %s", name, e)
             record.forward = fw
@@ -214,6 +218,9 @@ class Capture:
             returned = {} if forward is None else {
                 v.name: v.meta["val"] for v in forward.graph.output_node().all_input_nodes
                 if isinstance(v.meta.get("val"), torch.Tensor)}
+            if forward is not None:
+                for old, new in forward.meta.get(SAVED_RENAMES, {}).items():
+                    returned[old] = returned[new]
             run = compile_graph(bw, fake_inputs, returned)
             # resolved at the call: the compiled function outlives the module in Dynamo's
             # caches, and must not keep its state alive

@@ -29,6 +29,7 @@ its implementation lives (``optimizer_step``, ``gradient_of``); :data:`FAKES` an
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,14 +37,15 @@ import torch
 from spmd.lowering import redistribute as table
 from spmd.lowering import reduction
 from spmd.lowering.flat import pack_planned
-from spmd.lowering.specs import (CollectiveSpec, PlaceSpec, ShardBucketSpec, ShardSpec,
-                                 TPSpec, gather_rows, lookup, sending)
+from spmd.lowering.specs import (CollectiveSpec, PlaceSpec, RankSpec, ShardBucketSpec,
+                                 ShardSpec, TPSpec, gather_rows, lookup, sending)
 from spmd.runtime import collectives
 
 __all__ = ["bucket_all_reduce", "wait", "wait_cast", "all_gather", "reduce_scatter",
            "all_to_all", "local_redistribute", "shard_gather", "shard_reduce",
            "bucket_all_gather", "unpack_gathered", "bucket_reduce_scatter", "tp_param",
-           "tp_grad", "place", "define"]
+           "tp_grad", "place", "vocab_embedding", "vocab_embedding_backward", "Ranked",
+           "RANKED", "define"]
 
 
 def _dim0(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -443,6 +445,100 @@ tp_param = define("tp_param(Tensor local, int handle) -> Tensor", _tp_param, _fa
                   backward=_param_backward)
 place = define("place(Tensor x, int handle) -> Tensor", _place, _fake_place,
                backward=_place_backward)
+
+
+# -- ops whose ranks compute differently ------------------------------------------------
+
+
+def vocab_lookup(rank: int, weight: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Rank ``rank``'s part of ``embedding(whole table, indices)`` from its rows of the
+    table (``weight``, rows ``rank * len(weight)`` on): the rows of the indices in its
+    range, zeros elsewhere. The ranks' parts add up to the lookup."""
+    rows = weight.shape[0]
+    local = indices - rank * rows
+    inside = (local >= 0) & (local < rows)
+    out = torch.nn.functional.embedding(torch.where(inside, local, 0), weight)
+    return torch.where(inside.unsqueeze(-1), out, out.new_zeros(()))
+
+
+def vocab_lookup_backward(rank: int, grad: torch.Tensor, indices: torch.Tensor, rows: int,
+                          padding_idx: int) -> torch.Tensor:
+    """Rank ``rank``'s rows (``rows`` of them) of the table's gradient: the output
+    gradients of the indices in its range, summed per row (the padding row gets none)."""
+    local = indices - rank * rows
+    inside = (local >= 0) & (local < rows)
+    if padding_idx >= 0:
+        inside = inside & (indices != padding_idx)
+    kept = torch.where(inside.unsqueeze(-1), grad, grad.new_zeros(()))
+    return torch.ops.aten.embedding_dense_backward(kept, torch.where(inside, local, 0), rows,
+                                                   -1, False)
+
+
+def _vocab_embedding(weight: torch.Tensor, indices: torch.Tensor, padding_idx: int,
+                     handle: int) -> torch.Tensor:
+    return vocab_lookup(lookup(handle).rank(), weight, indices)
+
+
+def _fake_vocab_embedding(weight: torch.Tensor, indices: torch.Tensor, padding_idx: int,
+                          handle: int) -> torch.Tensor:
+    return weight.new_empty((*indices.shape, weight.shape[1]))
+
+
+def _vocab_embedding_backward(grad: torch.Tensor, indices: torch.Tensor, num_weights: int,
+                              padding_idx: int, handle: int) -> torch.Tensor:
+    s: RankSpec = lookup(handle)
+    return vocab_lookup_backward(s.rank(), grad, indices, num_weights // s.size, padding_idx)
+
+
+def _fake_vocab_embedding_backward(grad: torch.Tensor, indices: torch.Tensor,
+                                   num_weights: int, padding_idx: int, handle: int
+                                   ) -> torch.Tensor:
+    s: RankSpec = lookup(handle)
+    return grad.new_empty((num_weights // s.size, grad.shape[-1]))
+
+
+vocab_embedding = define(
+    "vocab_embedding(Tensor weight, Tensor indices, int padding_idx, int handle) -> Tensor",
+    _vocab_embedding, _fake_vocab_embedding)
+vocab_embedding_backward = define(
+    "vocab_embedding_backward(Tensor grad, Tensor indices, int num_weights, int padding_idx, "
+    "int handle) -> Tensor", _vocab_embedding_backward, _fake_vocab_embedding_backward)
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """An op whose ranks compute differently, put in place of an aten op by a sharding
+    decision (``Decision.ranked``).
+
+    Attributes:
+        op: the ``spmd`` op; its last argument is a :class:`RankSpec` handle.
+        args: the aten node's arguments -> the op's, without the handle.
+        whole: the aten op's meaning on whole tensors, from the op's arguments (what the
+            verifier compares with).
+        local: ``local(rank, size, *args)``: rank ``rank``'s output from its pieces (the
+            verifier runs it for every rank).
+    """
+
+    op: Any
+    args: Any
+    whole: Any
+    local: Any
+
+
+RANKED: dict[Any, Ranked] = {
+    vocab_embedding: Ranked(
+        op=vocab_embedding,
+        args=lambda n: (n.args[0], n.args[1], int(n.args[2]) if len(n.args) > 2 else -1),
+        whole=lambda w, i, p, h=None: torch.ops.aten.embedding(w, i, p),
+        local=lambda r, size, w, i, p, h=None: vocab_lookup(r, w, i)),
+    vocab_embedding_backward: Ranked(
+        op=vocab_embedding_backward,
+        args=lambda n: (n.args[0], n.args[1], int(n.args[2]), int(n.args[3])),
+        whole=lambda g, i, n, p, h=None: torch.ops.aten.embedding_dense_backward(
+            g, i, n, p, False),
+        local=lambda r, size, g, i, n, p, h=None: vocab_lookup_backward(r, g, i, n // size,
+                                                                       p)),
+}
 
 COLLECTIVE_OPS = {"all_reduce": bucket_all_reduce, "all_gather": all_gather,
                   "reduce_scatter": reduce_scatter, "all_to_all": all_to_all}

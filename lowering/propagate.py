@@ -208,7 +208,8 @@ def _rule(node: fx.Node, ctx: LoweringContext) -> Sharding | tuple[Sharding, ...
             source = node.args[0].meta["sharding"]
             placed = (source[node.args[1]] if isinstance(source, tuple) else source
                       ).placements[index]
-        elif all(p.is_replicate() for p in incoming) and not _placing(node):
+        elif all(p.is_replicate() for p in incoming) and not _placing(node) \
+                and not _ranked(node):
             placed = Replicate()
         else:
             chosen = node.meta.setdefault("spmd_tp", {})
@@ -262,6 +263,14 @@ def _placing(node: fx.Node) -> bool:
     """The node's rule places its output whatever its inputs (a tensor-parallel
     parameter's gradient takes the parameter's placement)."""
     return getattr(rules.lookup(node.target), "wants_dim", False)
+
+
+def _ranked(node: fx.Node) -> bool:
+    """The node is an op whose ranks compute differently, put there by a decision
+    (``Decision.ranked``): its inputs were brought whole, its output is the decision's."""
+    from spmd.lowering import ops
+
+    return node.target in ops.RANKED
 
 
 def _gathered_piece(node: fx.Node) -> Sharding | None:

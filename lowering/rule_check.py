@@ -110,7 +110,8 @@ def on_shards(node: fx.Node, tensors: Sequence[torch.Tensor],
               required: Sequence[Placement], output: Placement | tuple[Placement, ...],
               size: int, generator: torch.Generator, others: dict[fx.Node, Any] | None = None,
               global_shape: list[int] | None = None,
-              op: Callable[..., Any] | None = None) -> str | None:
+              op: Callable[..., Any] | None = None,
+              rank_op: Callable[[int], Callable[..., Any]] | None = None) -> str | None:
     """Whether running ``node``'s op on each of ``size`` ranks' pieces, the inputs placed as
     ``required`` and the output read as ``output``, gives the op's result on the whole
     ``tensors``; None when it does, else what differs.
@@ -127,6 +128,9 @@ def on_shards(node: fx.Node, tensors: Sequence[torch.Tensor],
         global_shape: a reshape's whole output shape (its size argument on global values).
         op: what runs in place of the node's target (an op with no CPU kernel: torch's
             decomposition of it).
+        rank_op: ``rank_op(r)`` is what rank ``r`` runs on its pieces, where the ranks
+            compute differently (``spmd.lowering.ops.RANKED``); ``op`` is then the
+            meaning on whole tensors.
     """
     others = others or {}
     args = rules.tensor_args(node)
@@ -152,7 +156,8 @@ def on_shards(node: fx.Node, tensors: Sequence[torch.Tensor],
         shape = None
         if node.target in rules.SHAPE_ARG and isinstance(wants[0], torch.Tensor):
             shape = local_shape(wants[0].shape, outputs[0], size)
-        out = run_op(node, [pieces[r] for pieces in per_arg], others, shape, op)
+        out = run_op(node, [pieces[r] for pieces in per_arg], others, shape,
+                     rank_op(r) if rank_op is not None else op)
         results.append(tuple(out) if multi else (out,))
     for i, (placement, whole) in enumerate(zip(outputs, wants)):
         if not isinstance(whole, torch.Tensor):

@@ -26,7 +26,8 @@ import torch
 from spmd.lowering import redistribute as table
 from spmd.runtime import collectives
 
-__all__ = ["CollectiveSpec", "ShardSpec", "ShardBucketSpec", "TPSpec", "PlaceSpec", "SyncState",
+__all__ = ["CollectiveSpec", "ShardSpec", "ShardBucketSpec", "TPSpec", "PlaceSpec", "RankSpec",
+           "SyncState",
            "Handles",
            "lookup", "dry_run", "sending", "gather_rows"]
 
@@ -429,6 +430,20 @@ class ShardBucketSpec(CollectiveSpec):
 def _version_key(t: torch.Tensor) -> tuple[int, int]:
     """What changes when a tensor is written (in place or through ``.data``)."""
     return (t.untyped_storage().data_ptr(), t._version)
+
+
+@dataclass(eq=False, kw_only=True)
+class RankSpec:
+    """A rank's coordinate along one mesh dimension, for an op whose ranks compute
+    differently (a vocabulary-parallel lookup keeps the rows of its own range). ``group``
+    None: a simulated mesh (every rank computes as the first)."""
+
+    dim: str
+    size: int
+    group: Any = None
+
+    def rank(self) -> int:
+        return 0 if self.group is None else self.group.rank()
 
 
 @dataclass(eq=False, kw_only=True)

@@ -40,22 +40,25 @@ from torch.fx.node import map_aggregate
 
 from spmd.lowering import ops, rules
 from spmd.lowering.ops import place, tp_grad, tp_param
-from spmd.lowering.specs import lookup
+from spmd.lowering.specs import RankSpec, lookup
 from spmd.lowering.annotate import PlanningError, ShardingError, graph_outputs
 from spmd.lowering.collectives import insert_redistribution
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import fill_val
 from spmd.lowering.passes import Provenance
-from spmd.lowering.placements import Placement, Replicate, Shard, Sharding
+from spmd.lowering.placements import Partial, Placement, Replicate, Shard, Sharding
 from spmd.lowering.propagate import TPChoice, derive, module_of
 from spmd.lowering.redistribute import redistribution
 from spmd.lowering.reshard import RESHARDED
 from spmd.lowering.state import Boundary, find, put
 
-__all__ = ["tensor_parallel", "local_shape", "module_of", "USER_OUTPUTS"]
+__all__ = ["tensor_parallel", "local_shape", "module_of", "USER_OUTPUTS", "SAVED_RENAMES"]
 
 aten = torch.ops.aten
 USER_OUTPUTS = "spmd_user_outputs"  # gm.meta: how many forward outputs the caller receives
+PIECE = "spmd_tp_piece"  # node meta: a value traced as a parameter's piece (a gradient)
+# gm.meta of a forward: saved value's name -> the node now saved in its place (its reduction)
+SAVED_RENAMES = "spmd_saved_renames"
 
 
 # -- the pass ---------------------------------------------------------------------------
@@ -209,6 +212,7 @@ class _Localizer:
                 source = self.bring(source, dim, spec.placements.get(dim, Replicate()),
                                     node, None)
             node.target, node.args = aten.alias.default, (source,)
+            node.meta[PIECE] = True
         elif choices:
             args = rules.tensor_args(node)
             wanted: list[dict[str, Placement]] = [{} for _ in args]
@@ -226,8 +230,16 @@ class _Localizer:
 
             node.args = map_aggregate(node.args, swap)
             node.kwargs = map_aggregate(node.kwargs, swap)
+            self.rank_dependent(node, choices)
         if node.target is tp_param or node.target is place:
             node.target, node.args = aten.alias.default, (node.args[0],)
+        args = rules.tensor_args(node)
+        if want is None and args and all(a.meta.get(PIECE) for a in args):
+            # computed from parameter gradients already brought to their pieces (the sum
+            # of a parameter's gradients where the model reads it twice): a piece itself
+            want = tuple(node.meta["val"].shape)
+        if want is not None and node.target is not tp_grad:
+            node.meta[PIECE] = True
         if want is None:
             want = self.expected(node)
         if node.target in rules.SHAPE_ARG:
@@ -235,6 +247,23 @@ class _Localizer:
         if node.target in _VIEWS and not viewable(node.args[0].meta["val"], want):
             node.target = aten.reshape.default
         self.check(node, want)
+
+    def rank_dependent(self, node: fx.Node, choices: dict[str, TPChoice]) -> None:
+        """A decision whose ranks compute differently (``Decision.ranked``): the node
+        becomes that ``spmd`` op, told its rank's coordinate on the dimension by handle."""
+        ranked = [(dim, c.decision.ranked) for dim, c in choices.items() if c.decision.ranked]
+        if not ranked:
+            return
+        if len(ranked) > 1:
+            raise PlanningError(f"{self.ctx.graph_name}: {node.target} ({node.name}"
+                                f"{_where(node)}) is split by rank on {len(ranked)} mesh "
+                                f"dimensions at once ({', '.join(d for d, _ in ranked)}); "
+                                f"one is supported")
+        dim, op = ranked[0]
+        entry = ops.RANKED[op]
+        spec = RankSpec(dim=dim, size=self.ctx.mesh.size(dim), group=self.ctx.group(dim))
+        args = entry.args(node)
+        node.target, node.args, node.kwargs = op, (*args, self.ctx.handles.add(spec)), {}
 
     def check(self, node: fx.Node, want: Any) -> None:
         global_val = node.meta["val"]
@@ -269,7 +298,20 @@ class _Localizer:
         role = self.ctx.role
         user = self.gm.meta.get(USER_OUTPUTS, len(values)) if role == "forward" else len(values)
         changed = list(values)
+        saved_as: dict[str, str] = {}
         for i, value in enumerate(values):
+            if isinstance(value, fx.Node) and i >= user and role == "forward":
+                # a saved partial sum the forward reduced anyway: the backward gets the
+                # reduced value (else it would reduce it again)
+                reduced = value
+                for dim in self.dims:
+                    if isinstance(reduced.meta.get("sharding"), Sharding) and isinstance(
+                            reduced.meta["sharding"][dim], Partial):
+                        reduced = self.brought.get((reduced, dim, Replicate()), reduced)
+                if reduced is not value:
+                    changed[i] = reduced
+                    saved_as[value.name] = reduced.name
+                continue
             if not isinstance(value, fx.Node) or i >= user:
                 continue
             if not isinstance(value.meta.get("val"), torch.Tensor):
@@ -285,6 +327,8 @@ class _Localizer:
         original = output.args[0]
         output.args = (type(original)(changed) if isinstance(original, (list, tuple))
                        else changed[0],)
+        if saved_as:
+            self.gm.meta[SAVED_RENAMES] = saved_as
         boundary = find(self.gm, Boundary)
         if boundary is not None and boundary.gradients:
             moved = [g if g.output is None or changed[g.output] is values[g.output]

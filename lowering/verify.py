@@ -397,8 +397,10 @@ class _Verifier:
                               device="meta") for s, h, a in zip(shapes, have, args)]
         target_shape = (self.whole_shape(_shape(vals[0]), outs[0], dims)
                         if node.target in rules.SHAPE_ARG else None)
+        ranked = ops.RANKED.get(node.target)  # (its own op computes a rank's part)
         try:
-            whole = run_op(node, inputs, others, target_shape)
+            whole = run_op(node, inputs, others, target_shape,
+                           ranked.whole if ranked is not None else None)
         except Exception as e:  # an op without a meta kernel: its shapes stay unchecked
             self.unchecked.append(f"{node.name}: {node.target} does not run on meta ({e})")
             return
@@ -458,9 +460,14 @@ class _Verifier:
         for a, s in zip(args, shapes):
             if a not in values:
                 values[a] = random_like(s, a.meta["val"].dtype, self.generator)
+        ranked = ops.RANKED.get(node.target)
+        size = self.mesh.size(dim)
         try:
-            verdict = on_shards(node, [values[a] for a in args], need, output,
-                                self.mesh.size(dim), self.generator, others, target_shape)
+            verdict = on_shards(
+                node, [values[a] for a in args], need, output, size, self.generator, others,
+                target_shape, op=ranked.whole if ranked is not None else None,
+                rank_op=None if ranked is None else (
+                    lambda r: lambda *a: ranked.local(r, size, *a)))
         except Exception as e:  # the op will not run on CPU float64 values: unchecked
             self.unchecked.append(f"{node.name} on {dim!r}: {type(e).__name__}: {e}")
             return

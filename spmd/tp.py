@@ -34,7 +34,7 @@ from spmd.lowering.placements import Partial, Placement, Replicate, Shard
 from spmd.lowering.strategy import tp_dims_of
 
 __all__ = ["megatron", "Preset", "Resolved", "resolve_placements", "resolve_layout",
-           "sequence_modules", "tp_dims_of", "COLUMN", "ROW"]
+           "sequence_modules", "vocabulary_layers", "tp_dims_of", "COLUMN", "ROW"]
 
 # Megatron-LM's layer names (and the common ones of Hugging Face and torch models):
 # column-parallel layers split their output features, row-parallel their input features.
@@ -85,6 +85,7 @@ class Preset:
     dim: str
     sequence_parallel: bool = False
     sequence_dim: int = 1
+    vocab_parallel: bool = False
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -93,7 +94,7 @@ class Preset:
     def resolve(self, model: nn.Module) -> dict[str, dict[str, Placement]]:
         if self.name == "megatron":
             return megatron(model, dim=self.dim, sequence_parallel=self.sequence_parallel,
-                            sequence_dim=self.sequence_dim)
+                            sequence_dim=self.sequence_dim, vocab_parallel=self.vocab_parallel)
         raise ValueError(f"unknown preset {self.name!r}")
 
 
@@ -118,8 +119,29 @@ def sequence_modules(model: nn.Module) -> dict[str, str]:
     return found
 
 
+_HEADS = ("head", "lm_head", "output")
+
+
+def vocabulary_layers(model: nn.Module) -> dict[str, str]:
+    """The token embedding(s) and the vocabulary head(s) of ``model``, each module path ->
+    what it is. The vocabulary is the largest ``nn.Embedding``'s row count; embeddings of
+    that many rows are token tables (a position table has fewer), and an ``nn.Linear``
+    named one of ``head``, ``lm_head``, ``output`` with that many outputs is the head."""
+    embeddings = {p: m for p, m in model.named_modules() if layer_kind(m) == "embedding"}
+    if not embeddings:
+        return {}
+    vocab = max(m.num_embeddings for m in embeddings.values())
+    found = {p: f"vocabulary-parallel: a token embedding of {vocab} rows"
+             for p, m in embeddings.items() if m.num_embeddings == vocab}
+    for path, module in model.named_modules():
+        if (isinstance(module, nn.Linear) and module.out_features == vocab
+                and path.rsplit(".", 1)[-1] in _HEADS):
+            found[path] = f"vocabulary-parallel: the head onto {vocab} tokens"
+    return found
+
+
 def megatron(model: Any = None, *, dim: str = "tp", sequence_parallel: bool = False,
-             sequence_dim: int = 1) -> Any:
+             sequence_dim: int = 1, vocab_parallel: bool = False) -> Any:
     """Megatron-LM's tensor parallelism for a transformer: in each block, the query, key
     and value projections and the MLP's first linear layer(s) column-parallel, the
     attention's output projection and the MLP's second linear layer row-parallel.
@@ -150,6 +172,15 @@ def megatron(model: Any = None, *, dim: str = "tp", sequence_parallel: bool = Fa
     layers is 1/tp. An output with no dimension after ``sequence_dim`` (a position
     table of shape (sequence, hidden)) is left where the compiler puts it.
 
+    With ``vocab_parallel=True`` (Megatron-LM's ``VocabParallelEmbedding`` and
+    column-parallel output layer; what transformers adds when it applies a plan), the token
+    embedding's table is split along its rows (``Shard(0)``: each rank looks up the tokens
+    of its range and the others read as zeros, summed by one all-reduce, or a
+    reduce-scatter with sequence parallelism) and the vocabulary head is column-parallel
+    (the logits come out split along the vocabulary and are gathered for the caller). A
+    head tied to the embedding (GPT-2) is the same parameter, split once.
+    :func:`vocabulary_layers` lists what it picks.
+
     Args:
         model: an ``nn.Module`` instance: its placements, a :class:`Resolved`
             ``{dim: {name: placement}}`` whose ``source`` says where each came from;
@@ -160,6 +191,8 @@ def megatron(model: Any = None, *, dim: str = "tp", sequence_parallel: bool = Fa
             the sequence.
         sequence_dim: the sequence's dimension in those activations (1 for
             ``(batch, sequence, hidden)``; 0 for ``batch_first=False`` models).
+        vocab_parallel: also split the token embedding and the vocabulary head along the
+            vocabulary.
 
     Example::
 
@@ -171,11 +204,14 @@ def megatron(model: Any = None, *, dim: str = "tp", sequence_parallel: bool = Fa
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"spmd.tp.megatron: sequence_parallel must be a bool, got "
                         f"{sequence_parallel!r}")
+    if not isinstance(vocab_parallel, bool):
+        raise TypeError(f"spmd.tp.megatron: vocab_parallel must be a bool, got "
+                        f"{vocab_parallel!r}")
     if not isinstance(sequence_dim, int) or isinstance(sequence_dim, bool) or sequence_dim < 0:
         raise ValueError(f"spmd.tp.megatron: sequence_dim must be a non-negative int, got "
                          f"{sequence_dim!r}")
     if model is None or isinstance(model, type):
-        return Preset("megatron", dim, sequence_parallel, sequence_dim)
+        return Preset("megatron", dim, sequence_parallel, sequence_dim, vocab_parallel)
     if not isinstance(model, nn.Module):
         raise TypeError(f"spmd.tp.megatron: expected an nn.Module (or nothing), got "
                         f"{type(model).__name__}")
@@ -217,6 +253,17 @@ def megatron(model: Any = None, *, dim: str = "tp", sequence_parallel: bool = Fa
                          f"{type(model).__name__} (nn.Linear or transformers Conv1D children "
                          f"named one of {', '.join(COLUMN)}, or a transformers config's "
                          f"base_model_tp_plan); write placements by name instead")
+    if vocab_parallel:
+        found = vocabulary_layers(model)
+        if not found:
+            raise ValueError(f"spmd.tp.megatron: vocab_parallel=True, but "
+                             f"{type(model).__name__} has no nn.Embedding")
+        names = dict(model.named_parameters())  # a tied head's weight is the embedding's
+        for path, why in found.items():
+            for local in ("weight", "bias"):
+                if f"{path}.{local}" in names:
+                    placed[f"{path}.{local}"] = Shard(0)
+                    source[f"{path}.{local}"] = why
     if sequence_parallel:
         for path, why in sequence_modules(model).items():
             placed[path] = Shard(sequence_dim)

@@ -52,11 +52,15 @@ class Decision:
         inputs: the placement each tensor argument must have (:func:`tensor_args` order);
             empty: every argument as it is.
         reason: why, in words, for the plan.
+        ranked: an ``spmd`` op (``spmd.lowering.ops.RANKED``) each rank runs in the
+            node's place, computing its own part (a vocabulary-parallel lookup masks the
+            rows outside its range); None: the node's op on the pieces.
     """
 
     output: Placement | tuple[Placement, ...]
     inputs: tuple[Placement, ...] = ()
     reason: str = ""
+    ranked: object = None
 
     def required(self, current: Sequence[Placement]) -> tuple[Placement, ...]:
         return tuple(self.inputs) if self.inputs else tuple(current)

@@ -4,18 +4,24 @@ backward ``index_add``.
 
 A table sharded along its columns (the embedding dimension) gives each rank those
 columns of every looked-up row; indices sharded along a dimension (a replicated table)
-give the rows of those indices. A table sharded along its rows (vocabulary-parallel)
-needs masking this rule does not do: it is gathered first. In backward, the table's
-gradient from column-sharded output gradients is column-sharded; from row-sharded
-indices it is each rank's partial sum.
+give the rows of those indices. A table sharded along its rows (vocabulary-parallel, as
+Megatron-LM's ``VocabParallelEmbedding``) is looked up by each rank in its own rows, the
+indices outside its range masked to zero (``spmd::vocab_embedding``): the ranks' outputs
+are partial sums, reduced by one all-reduce (a reduce-scatter under sequence
+parallelism). In backward, the table's gradient from column-sharded output gradients is
+column-sharded; from row-sharded indices it is each rank's partial sum; for a
+vocabulary-parallel table each rank sums the gradients of its own rows
+(``spmd::vocab_embedding_backward``).
 """
 
 from __future__ import annotations
 
 import torch.fx as fx
 
+from spmd.lowering import ops
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
 from spmd.lowering.rules import Decision, norm_dim, op, register, replicate_all, shape
+from spmd.lowering.specs import lookup
 
 
 @register(op("embedding.default"))
@@ -32,15 +38,39 @@ def embedding(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[D
     if isinstance(pi, Shard):
         decisions.append(Decision(output=Shard(pi.dim), inputs=(Replicate(), pi),
                                   reason="indices sharded, table whole"))
+    if isinstance(pw, Shard) and pw.dim == 0 and shape(node.args[0])[0] % size == 0:
+        decisions.append(Decision(output=Partial("sum"), inputs=(Shard(0), Replicate()),
+                                  reason="vocabulary-parallel: each rank looks up its own "
+                                         "rows, the others masked to zero",
+                                  ranked=ops.vocab_embedding))
     decisions.append(replicate_all(node, "table sharded along its rows: gathered first"))
     return decisions
 
 
-@register(op("embedding_dense_backward.default"))
-def embedding_backward(node: fx.Node, inputs: tuple[Placement, ...], size: int
+def _rows_wanted(node: fx.Node, dim: str) -> bool:
+    """Whether the gradient ends up sharded along the table's rows on ``dim`` (a
+    vocabulary-parallel table's): then each rank computes its own rows, rather than a
+    partial sum of the whole table reduce-scattered."""
+    for user in node.users:
+        if user.target is ops.tp_grad:
+            want = lookup(user.args[1]).placements.get(dim, Replicate())
+            return isinstance(want, Shard) and want.dim == 0
+    return False
+
+
+def embedding_backward(node: fx.Node, inputs: tuple[Placement, ...], size: int, dim: str
                        ) -> list[Decision]:
     pg, pi = inputs
     last = len(shape(node.args[0])) - 1
+    by_freq = bool(node.args[4] if len(node.args) > 4 else node.kwargs.get(
+        "scale_grad_by_freq", False))
+    rows = int(node.args[2])
+    if _rows_wanted(node, dim) and not by_freq and rows % size == 0:
+        # (scaled by frequency, a rank's rows need every index's count: not offered)
+        return [Decision(output=Shard(0), inputs=(Replicate(), Replicate()),
+                         reason="vocabulary-parallel: each rank sums the gradients of its "
+                                "own rows", ranked=ops.vocab_embedding_backward),
+                replicate_all(node, "whole gradient")]
     decisions = []
     if isinstance(pg, Partial) and isinstance(pi, Replicate):
         decisions.append(Decision(output=pg, reason="linear in the output gradient"))
@@ -48,8 +78,6 @@ def embedding_backward(node: fx.Node, inputs: tuple[Placement, ...], size: int
         decisions.append(Decision(output=Shard(1), inputs=(pg, Replicate()),
                                   reason="output gradient sharded along the embedding "
                                          "dimension: the table's gradient by columns"))
-    by_freq = bool(node.args[4] if len(node.args) > 4 else node.kwargs.get(
-        "scale_grad_by_freq", False))
     # scaled by each index's frequency, a rank's rows need the whole batch's counts
     if not by_freq and (isinstance(pg, Shard) and pg.dim < last or isinstance(pi, Shard)):
         d = pg.dim if isinstance(pg, Shard) and pg.dim < last else pi.dim  # type: ignore
@@ -57,6 +85,10 @@ def embedding_backward(node: fx.Node, inputs: tuple[Placement, ...], size: int
                                   reason="indices sharded: each rank's rows add up"))
     decisions.append(replicate_all(node, "whole gradient"))
     return decisions
+
+
+embedding_backward.wants_dim = True  # type: ignore[attr-defined]
+register(op("embedding_dense_backward.default"))(embedding_backward)
 
 
 def _dim(node: fx.Node) -> int:

@@ -48,8 +48,8 @@ ROWS = 4  # the global batch: each data-parallel rank trains on ROWS / its data 
 ATOL = 1e-9
 LR, CLIP = 1e-2, 0.5  # clipped: the gradients' norm is about 1-3 at these sizes
 
-# name -> (mesh shape, dimension names, strategy, tensor parallel: False, True, or "sp" for
-# Megatron's placements with sequence parallelism)
+# name -> (mesh shape, dimension names, strategy, tensor parallel: False, True, or Megatron's
+# placements with sequence parallelism "sp", vocabulary parallelism "vp", or both "sp+vp")
 COMPOSITIONS = {
     "ddp": ((2,), ("dp",), "ddp", False),
     "fsdp": ((2,), ("fsdp",), "fsdp", False),
@@ -64,6 +64,8 @@ COMPOSITIONS = {
     "2-D fsdp": ((2, 2), ("dp", "fsdp"), "fsdp", False),
     "2-D fsdp x tp": ((2, 2, 2), ("dp", "fsdp", "tp"), "fsdp", True),
     "tp+sp": ((2,), ("tp",), "ddp", "sp"),
+    "tp+vp": ((2,), ("tp",), "ddp", "vp"),
+    "fsdp x tp+sp+vp": ((2, 2), ("fsdp", "tp"), "fsdp", "sp+vp"),
     "fsdp x tp+sp": ((2, 2), ("fsdp", "tp"), "fsdp", "sp"),
     "dp x tp+sp": ((2, 2), ("dp", "tp"), "ddp", "sp"),
 }
@@ -88,6 +90,8 @@ CI = {
     "tp+sp": ["transformer", "encoder", "llama", "gpt2", "llama_half_expand"],
     "fsdp x tp+sp": ["llama", "gpt2", "llama_complex_enable_gqa"],
     "dp x tp+sp": ["qwen2"],
+    "tp+vp": ["transformer", "gpt2", "llama", "llama_complex_expand"],
+    "fsdp x tp+sp+vp": ["llama", "gpt2"],
 }
 
 
@@ -129,8 +133,9 @@ def _run(name: str, composition: str) -> dict:
     mesh = spmd.Mesh(shape, dim_names=names)
     start = time.perf_counter()
     placements = e.placements if tp else None
-    if tp == "sp":
-        placements = dataclasses.replace(placements, sequence_parallel=True)
+    if isinstance(tp, str):  # "sp", "vp", "sp+vp"
+        placements = dataclasses.replace(placements, sequence_parallel="sp" in tp,
+                                         vocab_parallel="vp" in tp)
     model = spmd.parallelize(e.model(), mesh=mesh, strategy=strategy, placements=placements)
     planned = model._spmd.setup.strategy  # (2-D fsdp: on the mesh with "dp_fsdp")
     index, count = _data_index(planned.mesh, planned)
@@ -243,7 +248,8 @@ def test_every_composition_trains_like_one_process(name, composition, reference)
     assert any(d == "tp" for _, d in collectives) == bool(tp)
     # sequence parallelism: row-parallel layers reduce-scatter into the sequence shards,
     # column-parallel ones gather them
-    assert ({("reduce_scatter", "tp"), ("all_gather", "tp")} <= collectives) == (tp == "sp")
+    assert ({("reduce_scatter", "tp"), ("all_gather", "tp")} <= collectives) == (
+        isinstance(tp, str) and "sp" in tp)
     if strategy != "ddp":  # parameters stored as shards: gathered, gradients scattered
         shape, names = COMPOSITIONS[composition][:2]
         data = ("dp_fsdp" if composition.startswith("2-D") else
