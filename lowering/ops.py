@@ -529,8 +529,8 @@ RANKED: dict[Any, Ranked] = {
     vocab_embedding: Ranked(
         op=vocab_embedding,
         args=lambda n: (n.args[0], n.args[1], int(n.args[2]) if len(n.args) > 2 else -1),
-        whole=lambda w, i, p, h=None: torch.ops.aten.embedding(w, i, p),
-        local=lambda r, size, w, i, p, h=None: vocab_lookup(r, w, i)),
+        whole=lambda w, i, p=-1, h=None: torch.ops.aten.embedding(w, i, p),
+        local=lambda r, size, w, i, p=-1, h=None: vocab_lookup(r, w, i)),
     vocab_embedding_backward: Ranked(
         op=vocab_embedding_backward,
         args=lambda n: (n.args[0], n.args[1], int(n.args[2]), int(n.args[3])),

@@ -22,9 +22,8 @@ what is mirrored here:
 Not mirrored: when transformers applies a plan itself it also splits the input embedding
 (``embedding_rowwise``, added when the plan is not empty) and the head of a causal LM
 (``_tp_plan = {"lm_head": "colwise_gather_output"}`` on the class). Neither is in the
-config's plan, and both stay replicated here, as for every model ``megatron()`` places:
-spmd's embedding rule gathers a vocabulary-split table before the lookup, so splitting it
-would save memory but no traffic.
+config's plan, and both stay replicated here unless ``megatron(vocab_parallel=True)``
+asks for them (for every model it places).
 """
 
 from __future__ import annotations

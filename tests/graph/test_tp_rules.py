@@ -27,7 +27,7 @@ from torch._decomp import decomposition_table
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from spmd.lowering import rules
+from spmd.lowering import ops, rules
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
 from spmd.lowering.rule_check import on_shards
 
@@ -104,9 +104,16 @@ def check_decision(node: fx.Node, values: dict, current: tuple[Placement, ...],
                    decision: rules.Decision, size: int, gen: torch.Generator) -> None:
     """The decision run on real shards of the traced values
     (:func:`spmd.lowering.rule_check.on_shards`, what the plan verifier runs too)."""
+    rank_op = None
+    if decision.ranked is not None:  # each rank runs its own part (a vocabulary range)
+        entry = ops.RANKED[decision.ranked]
+        count = len(entry.args(node))  # the op's arguments, from the node's first ones
+
+        def rank_op(r):
+            return lambda *a, **k: entry.local(r, size, *a[:count])
     verdict = on_shards(node, [values[a] for a in rules.tensor_args(node)],
                         decision.required(current), decision.output, size, gen,
-                        others=values, op=ON_CPU.get(node.target))
+                        others=values, op=ON_CPU.get(node.target), rank_op=rank_op)
     assert verdict is None, f"{node.format_node()} from {current} by {decision}: {verdict}"
 
 
@@ -126,7 +133,8 @@ def check_graph(gm: fx.GraphModule, values: dict, size: int, seed: int,
         seen.add(node.target)
         args = rules.tensor_args(node)
         for current in combinations(args, size, rng):
-            decisions = rule(node, current, size)
+            decisions = (rule(node, current, size, "tp") if getattr(rule, "wants_dim", False)
+                         else rule(node, current, size))
             decisions = decisions if isinstance(decisions, list) else [decisions]
             assert decisions, f"{node.format_node()}: no decision for {current}"
             for decision in decisions:
