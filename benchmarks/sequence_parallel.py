@@ -4,13 +4,15 @@ sequence_parallel=True)`` against spmd's plain tensor parallelism and torch's
 
     python benchmarks/sequence_parallel.py [--steps 10] [--rounds 5] [--layers 4]
                                            [--width 256] [--heads 8] [--seq 512] [--batch 4]
+                                           [--vocab 256]
 
 Two local ranks (processes), one thread each, Gloo over loopback, one tensor-parallel
 group; ``benchmarks/tp.py``'s pre-norm transformer (separate q/k/v/o, causal SDPA, GELU
 MLP 4x, LayerNorms) with the same weights, batches and AdamW for every variant:
 
-- ``spmd tp`` / ``spmd tp+sp``: ``spmd.parallelize(model, mesh=Mesh((2,), ("tp",)),
-  placements=spmd.tp.megatron(sequence_parallel=...))``;
+- ``spmd tp`` / ``spmd tp+sp`` / ``spmd tp+sp+vp``: ``spmd.parallelize(model,
+  mesh=Mesh((2,), ("tp",)), placements=spmd.tp.megatron(sequence_parallel=...,
+  vocab_parallel=...))``;
 - ``torch TP``: ``ColwiseParallel`` q, k, v, linear1 and ``RowwiseParallel`` o, linear2
   in every block;
 - ``torch TP+SP``: torchtitan's plan for this layout: ``SequenceParallel`` on every norm,
@@ -44,9 +46,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import tp  # noqa: E402
 from tp import COLUMN, ROW, _batch, _fresh, _train  # noqa: E402
 
-VARIANTS = ("spmd tp", "spmd tp+sp", "torch TP", "torch TP+SP")
+VARIANTS = ("spmd tp", "spmd tp+sp", "spmd tp+sp+vp", "torch TP", "torch TP+SP")
 
 
 def _step_peak(model, opt, batch) -> int:
@@ -64,7 +67,7 @@ def _step_peak(model, opt, batch) -> int:
 
 
 def rank_main(rank: int, steps: int, rounds: int, width: int, heads: int, layers: int,
-              seq: int, batch: int) -> dict | None:
+              seq: int, batch: int, vocab: int) -> dict | None:
     import torch.distributed as tdist
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
@@ -74,6 +77,7 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, heads: int, layers
     from spmd import runtime as dist
 
     torch.set_num_threads(1)
+    tp.VOCAB = vocab  # (the model's and the batches')
     dist.init_process_group("gloo", timeout=timedelta(seconds=900))
     mesh = spmd.Mesh((2,), dim_names=("tp",))
     torch_mesh = mesh.to_torch()
@@ -97,12 +101,14 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, heads: int, layers
             parallelize_module(block, torch_mesh, plan)
         return model
 
-    def ours(sequence_parallel: bool):
+    def ours(sequence_parallel: bool, vocab_parallel: bool = False):
         return spmd.parallelize(_fresh(width, heads, layers), mesh=mesh,
                                 placements=spmd.tp.megatron(
-                                    sequence_parallel=sequence_parallel))
+                                    sequence_parallel=sequence_parallel,
+                                    vocab_parallel=vocab_parallel))
 
     make = {"spmd tp": lambda: ours(False), "spmd tp+sp": lambda: ours(True),
+            "spmd tp+sp+vp": lambda: ours(True, True),
             "torch TP": lambda: torch_tp(False), "torch TP+SP": lambda: torch_tp(True)}
     batches = [_batch(step, batch, seq) for step in range(steps)]
     models = {v: make[v]() for v in VARIANTS}
@@ -140,16 +146,18 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=256)
     args = parser.parse_args()
     from spmd import runtime as dist
 
     res = dist.spawn(rank_main, args=(args.steps, args.rounds, args.width, args.heads,
-                                      args.layers, args.seq, args.batch),
+                                      args.layers, args.seq, args.batch, args.vocab),
                      nprocs=2, start_method="spawn", timeout=3000)[0]
     times, peak = res["times"], res["peak"]
     base = statistics.median(times["torch TP+SP"])
     print(f"\n### 2 ranks, tp=2: {args.layers} layers of width {args.width}, {args.heads} "
-          f"heads, {args.batch} x {args.seq} tokens, AdamW, {args.steps} steps x "
+          f"heads, vocabulary {args.vocab}, {args.batch} x {args.seq} tokens, AdamW, "
+          f"{args.steps} steps x "
           f"{args.rounds} rounds\n")
     print("| variant | step ms (median) | rounds min-max | torch TP+SP / variant | "
           "step peak MiB (rank 0) | step-0 loss |")

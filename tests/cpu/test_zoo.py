@@ -9,7 +9,7 @@ Megatron's placements from ``spmd.tp.megatron()``), ``zero1``, ``zero2``, 2-D ``
 (sharded over ``dp`` and ``fsdp`` at once) and the compositions ``dp x tp``,
 ``fsdp x tp``, ``hsdp x tp``, ``zero2 x tp``, 2-D ``fsdp x tp``, and with sequence
 parallelism (``spmd.tp.megatron(sequence_parallel=True)``) ``tp+sp``, ``dp x tp+sp``,
-``fsdp x tp+sp``. Compared against one process training on the whole batch in
+``fsdp x tp+sp``, and with vocabulary parallelism ``tp+vp``, ``fsdp x tp+sp+vp``. Compared against one process training on the whole batch in
 the test process: every step's output (this rank's rows) and every parameter at the end,
 whole (through ``state_dict()``), to 1e-9. In float64 the parallel arithmetic differs
 from one process only by re-associated sums (at most 1.4e-12 measured), so any larger
@@ -18,8 +18,8 @@ gradient may fall back to the eager safety net, and no op may lack a sharding ru
 
 Profiles (``SPMD_ZOO``): ``ci`` (the default) runs every model under tensor parallelism
 and every other composition on several families, chosen to cover each model, each
-composition and each of our LLaMA forms in the CI budget (40 runs, about 3 minutes);
-``full`` runs the whole matrix, every model under every composition (180 runs, about 14
+composition and each of our LLaMA forms in the CI budget (46 runs, about 3 minutes);
+``full`` runs the whole matrix, every model under every composition (204 runs, about 16
 minutes):
 ``SPMD_ZOO=full .venv/bin/python -m pytest -s tests/cpu/test_zoo.py`` prints each run's
 largest difference and seconds, the figures of README's composition matrix.
