@@ -52,15 +52,15 @@ def test_one_reduction_per_lookup_and_no_table_traffic():
     ops = {p.op for p in plan.placed}
     assert {"spmd.vocab_embedding.default", "spmd.vocab_embedding_backward.default"} <= ops
     forward = _tp(plan, "forward")
-    # the lookup's partial sums, two per block, the vocabulary-split logits for the caller
-    assert [c.kind for c in forward] == ["all_reduce"] * (1 + 2 * LAYERS) + ["all_gather"]
+    # the lookup's partial sums, two per block (the head stays whole)
+    assert [c.kind for c in forward] == ["all_reduce"] * (1 + 2 * LAYERS)
     assert "emb" in forward[0].provenance.params  # the lookup's partial sums
     embedding_bytes = 32 * 16 * 4
     assert all(c.bytes != embedding_bytes // 2 for c in plan.collectives)  # no table moved
     backward = _tp(plan, "backward")
-    # two per block and the head's input gradient; the forward's reduced lookup is saved,
-    # not reduced again, and the table's gradient is computed by rows where it lives
-    assert [c.kind for c in backward] == ["all_reduce"] * (2 * LAYERS + 1)
+    # two per block; the forward's reduced lookup is saved, not reduced again, and the
+    # table's gradient is computed by rows where it lives
+    assert [c.kind for c in backward] == ["all_reduce"] * (2 * LAYERS)
     assert not any("embedding" in c.provenance.reason for c in backward)
 
 
@@ -82,9 +82,10 @@ def test_the_preset_splits_token_tables_and_heads_not_positions():
     assert "lm_head.weight" not in placed["tp"]  # tied: the same parameter as wte's
     found = spmd.tp.vocabulary_layers(Transformer())
     assert set(found) == {"emb", "head"}
+    assert "head onto 32 tokens" in found["head"]
     placed = spmd.tp.megatron(Transformer(), vocab_parallel=True)
-    assert placed["tp"]["head.weight"] == placed["tp"]["head.bias"] == spmd.Shard(0)
-    assert "head onto 32 tokens" in placed.source["head.weight"]
+    assert placed["tp"]["emb.weight"] == spmd.Shard(0)
+    assert "head.weight" not in placed["tp"]  # its logits would need gathering
 
 
 def test_bad_arguments():
