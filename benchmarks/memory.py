@@ -36,6 +36,22 @@ def _bytes(tensors) -> int:
     return total
 
 
+def step_peak(step) -> int:
+    """The highest running sum of the allocations and frees torch's allocator reports
+    while ``step()`` runs (``torch.profiler`` with ``profile_memory=True``), in bytes: what
+    the step adds at its highest to what was alive before it."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        step()
+    running = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes())
+                            for e in prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]"):
+        running += nbytes  # an allocation (+) or a free (-), in the allocator's order
+        peak = max(peak, running)
+    return peak
+
+
 def measure(config: llm.Config, length: int, rows: int, strategy: str, checkpoint: str
             ) -> tuple[int, int, object]:
     """(predicted peak, measured peak, plan) of one training step, in bytes."""
@@ -58,15 +74,7 @@ def measure(config: llm.Config, length: int, rows: int, strategy: str, checkpoin
         step()
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     alive = _bytes(list(model.parameters()) + list(model.buffers()) + state + [x, y])
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
-        step()
-    running = peak = 0
-    for _, nbytes in sorted((e.start_ns(), e.nbytes())
-                            for e in prof.profiler.kineto_results.events()
-                            if e.name() == "[memory]"):
-        running += nbytes  # an allocation (+) or a free (-), in the allocator's order
-        peak = max(peak, running)
+    peak = step_peak(step)
     plan = spmd.inspect(model)
     return plan.memory("adamw").peak, alive + peak, plan
 

@@ -47,23 +47,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tp  # noqa: E402
+from memory import step_peak  # noqa: E402
 from tp import COLUMN, ROW, _batch, _fresh, _train  # noqa: E402
 
 VARIANTS = ("spmd tp", "spmd tp+sp", "spmd tp+sp+vp", "torch TP", "torch TP+SP")
-
-
-def _step_peak(model, opt, batch) -> int:
-    """Bytes the step allocates beyond what was alive before it, at its highest."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
-        _train(model, opt, [batch])
-    running = peak = 0
-    for _, nbytes in sorted((e.start_ns(), e.nbytes())
-                            for e in prof.profiler.kineto_results.events()
-                            if e.name() == "[memory]"):
-        running += nbytes
-        peak = max(peak, running)
-    return peak
 
 
 def rank_main(rank: int, steps: int, rounds: int, width: int, heads: int, layers: int,
@@ -127,7 +114,7 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, heads: int, layers
     peaks = {}
     for variant, model in models.items():
         tdist.barrier()
-        peaks[variant] = _step_peak(model, opts[variant], batches[0])
+        peaks[variant] = step_peak(lambda: _train(model, opts[variant], batches[:1]))
     predicted = {v: spmd.inspect(models[v]).memory().activations
                  for v in ("spmd tp", "spmd tp+sp")}
     tdist.barrier()
