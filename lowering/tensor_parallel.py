@@ -322,7 +322,10 @@ class _Localizer:
             for dim in self.dims:
                 want = (Replicate() if param is None
                         else self.ctx.strategy.tp_placement(param)[dim])
-                value = self.bring(value, dim, want, output, None)
+                why = ("the caller receives whole tensors" if param is None else
+                       f"{param}'s gradient is placed as {param} is stored ({want!r}); each "
+                       f"rank computed it from its part of the work along {dim!r}")
+                value = self.bring(value, dim, want, output, None, why)
             changed[i] = value
         original = output.args[0]
         output.args = (type(original)(changed) if isinstance(original, (list, tuple))
