@@ -37,7 +37,7 @@ import torch
 from spmd.lowering import redistribute as table
 from spmd.lowering import reduction
 from spmd.lowering.flat import pack_planned
-from spmd.lowering.specs import (CollectiveSpec, PlaceSpec, RankSpec, ShardBucketSpec,
+from spmd.lowering.specs import (CollectiveSpec, RankSpec, ShardBucketSpec,
                                  ShardSpec, TPSpec, gather_rows, lookup, sending)
 from spmd.runtime import collectives
 
@@ -313,15 +313,14 @@ def _tp_grad(grad: torch.Tensor, handle: int) -> torch.Tensor:
 
 
 def _place(x: torch.Tensor, handle: int) -> torch.Tensor:
-    """An activation placed where its :class:`PlaceSpec` says. Eagerly every rank holds
+    """An activation placed where its ``PlaceSpec`` says. Eagerly every rank holds
     the whole value, so this is the value itself (a copy: an op's output may not alias
     its input); a planned graph keeps the piece instead (``tensor_parallel``)."""
     return x.clone()
 
 
 def _fake_place(x: torch.Tensor, handle: int) -> torch.Tensor:
-    s: PlaceSpec = lookup(handle)
-    del s  # (the handle must be live: a graph that outlived its model fails here)
+    lookup(handle)  # a graph that outlived its model fails here, naming why
     return torch.empty_like(x)
 
 

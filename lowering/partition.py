@@ -92,14 +92,15 @@ _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 def save_placed(fw: fx.GraphModule, bw: fx.GraphModule, saved_from: int) -> list[str]:
     """Where the forward saves a reshape (a chain of them) of an ``spmd::place`` output,
-    save the placed value instead and redo the reshapes at the top of the backward; the
-    names of the values no longer saved. ``saved_from``: the index of the first saved
+    save the placed value instead and redo the reshapes where the backward first reads
+    it; the names of the values no longer saved. ``saved_from``: the index of the first saved
     value among the forward's outputs."""
     from spmd.lowering import ops
 
     output = fw.graph.output_node()
     values = list(output.args[0])
     placeholders = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
+    order = {n: k for k, n in enumerate(bw.graph.nodes)}  # (readers are original nodes)
     moved = []
     for i in range(saved_from, len(values)):
         value = values[i]
@@ -116,10 +117,8 @@ def save_placed(fw: fx.GraphModule, bw: fx.GraphModule, saved_from: int) -> list
             continue
         # reshaped where the backward first reads it: a gather made earlier would hold a
         # whole activation of every layer from the backward's start
-        order = {n: k for k, n in enumerate(bw.graph.nodes)}
-        first = min(ph.users, key=order.__getitem__)
-        replacement = None
-        with bw.graph.inserting_before(first):
+        readers = list(ph.users)
+        with bw.graph.inserting_before(min(readers, key=order.__getitem__)):
             current = ph
             for step in reversed(chain):  # innermost reshape first
                 current = bw.graph.call_function(step.target, (current, *step.args[1:]),
@@ -127,9 +126,8 @@ def save_placed(fw: fx.GraphModule, bw: fx.GraphModule, saved_from: int) -> list
                 current.meta.update({k: v for k, v in step.meta.items()
                                      if k in ("val", "tensor_meta", "nn_module_stack",
                                               "stack_trace")})
-                replacement = current
-        ph.replace_all_uses_with(replacement, delete_user_cb=lambda user: user is not
-                                 chain_first(replacement, ph))
+        for reader in readers:
+            reader.replace_input_with(ph, current)
         ph.meta["val"] = node.meta["val"]
         if "tensor_meta" in node.meta:
             ph.meta["tensor_meta"] = node.meta["tensor_meta"]
@@ -144,14 +142,6 @@ def save_placed(fw: fx.GraphModule, bw: fx.GraphModule, saved_from: int) -> list
         bw.graph.lint()
         bw.recompile()
     return moved
-
-
-def chain_first(last: fx.Node, ph: fx.Node) -> fx.Node:
-    """The first node of the reshape chain ending at ``last`` that reads ``ph``."""
-    node = last
-    while node.args[0] is not ph:
-        node = node.args[0]
-    return node
 
 
 def partition(joint: fx.GraphModule, joint_inputs: Any, *, reshard: bool = False,
