@@ -38,7 +38,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from datetime import timedelta
 
 import torch
@@ -48,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tp  # noqa: E402
 from memory import step_peak  # noqa: E402
-from tp import COLUMN, ROW, _batch, _fresh, _train  # noqa: E402
+from tp import COLUMN, ROW, _batch, _fresh, _train, alternate  # noqa: E402
 
 VARIANTS = ("spmd tp", "spmd tp+sp", "spmd tp+sp+vp", "torch TP", "torch TP+SP")
 
@@ -100,17 +99,7 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, heads: int, layers
     batches = [_batch(step, batch, seq) for step in range(steps)]
     models = {v: make[v]() for v in VARIANTS}
     opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-3) for v, m in models.items()}
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    first_loss: dict[str, float] = {}
-    for r in range(rounds + 1):
-        for variant, model in models.items():
-            tdist.barrier()
-            start = time.perf_counter()
-            losses = _train(model, opts[variant], batches)
-            if r:
-                times[variant].append((time.perf_counter() - start) / steps)
-            else:
-                first_loss[variant] = losses[0].item()
+    times, first_loss, _ = alternate(models, opts, batches, rounds, tdist.barrier)
     peaks = {}
     for variant, model in models.items():
         tdist.barrier()

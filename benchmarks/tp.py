@@ -126,6 +126,31 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, batches) -> list[torch.
     return losses
 
 
+def alternate(models: dict, opts: dict, batches, rounds: int, barrier,
+              runs=lambda variant: True) -> tuple[dict, dict, dict]:
+    """Train every variant on ``batches`` in turn, ``rounds`` times after a warm-up round
+    (compilation; not counted), each start behind ``barrier()``: each variant's mean step
+    seconds per round, its step-0 loss (from the warm-up round) and its last loss. A
+    variant ``runs`` says no to on this rank waits at the next barrier."""
+    steps = len(batches)
+    times: dict[str, list[float]] = {v: [] for v in models}
+    first_loss: dict[str, float] = {}
+    last_loss: dict[str, float] = {}
+    for r in range(rounds + 1):
+        for variant, model in models.items():
+            barrier()
+            if not runs(variant):
+                continue
+            start = time.perf_counter()
+            losses = _train(model, opts[variant], batches)
+            if r:
+                times[variant].append((time.perf_counter() - start) / steps)
+            else:
+                first_loss[variant] = losses[0].item()
+            last_loss[variant] = losses[-1].item()
+    return times, first_loss, last_loss
+
+
 def rank_main(rank: int, steps: int, rounds: int, width: int, heads: int, layers: int,
               seq: int, batch: int, local_heads: bool) -> dict | None:
     import torch.distributed as tdist
@@ -156,21 +181,9 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, heads: int, layers
     batches = [_batch(step, batch, seq) for step in range(steps)]
     models = {v: make[v]() for v in VARIANTS}
     opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-3) for v, m in models.items()}
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    first_loss: dict[str, float] = {}
-    last_loss: dict[str, float] = {}
-    for r in range(rounds + 1):  # round 0 warms up (compiles) and is not counted
-        for variant, model in models.items():
-            tdist.barrier()
-            if variant == "1 process" and rank:
-                continue  # rank 0 alone; this rank waits at the next barrier
-            start = time.perf_counter()
-            losses = _train(model, opts[variant], batches)
-            if r:
-                times[variant].append((time.perf_counter() - start) / steps)
-            else:
-                first_loss[variant] = losses[0].item()
-            last_loss[variant] = losses[-1].item()
+    # "1 process" runs on rank 0 alone
+    times, first_loss, last_loss = alternate(models, opts, batches, rounds, tdist.barrier,
+                                             lambda v: v != "1 process" or rank == 0)
     tdist.barrier()
     summary = str(spmd.inspect(models["spmd tp"])).splitlines()[:2]
     dist.destroy_process_group()
