@@ -111,6 +111,8 @@ def save_placed(fw: fx.GraphModule, bw: fx.GraphModule, saved_from: int) -> list
             node = node.args[0]
         if not chain or not isinstance(node, fx.Node) or node.target is not ops.place:
             continue
+        if any(len(step.all_input_nodes) > 1 for step in chain):
+            continue  # sizes computed in the forward (dynamic shapes): saved as it is
         ph = next((p for p in placeholders.values()
                    if p.meta.get(SAVED_AS, p.name) == value.name), None)
         if ph is None or not ph.users:
