@@ -1,6 +1,6 @@
 """Training loops as users write them, on 2 process ranks against one process on the whole
-batch, in float64 (where the parallel arithmetic is exact): batch sizes that change, an
-uneven last batch, ``no_sync()`` around backward only, a gradient that reaches a
+batch, in float64 (where the parallel arithmetic is exact): batch sizes that change (and
+sequence lengths, under sequence and vocabulary parallelism), an uneven last batch, ``no_sync()`` around backward only, a gradient that reaches a
 parameter from eager code late in training, in-place init after sharding, and whole
 steps with scalar arguments, frozen layers, accumulation over calls, an optimizer made
 before sharding and a second step function on the same model."""
@@ -87,6 +87,56 @@ def changing_batch_encoder(rank, strategy):
     """The same loop on another family: torch's transformer encoder (attention, layer
     norms, a sequence built from each row)."""
     return changing_batch(rank, strategy, lambda: MODELS["encoder"]().double())
+
+
+def _llama_small():
+    from ..llama import Llama
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # its rotary tables too
+    try:
+        return Llama(vocab=32, dim=16, layers=2, heads=4, kv_heads=2, hidden=32, length=16)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def sequence_parallel(rank, strategy):
+    """Sequence and vocabulary parallelism (``megatron(sequence_parallel=True,
+    vocab_parallel=True)``, tp=2; both ranks see the whole batch) on our transformer and
+    our LLaMA-style model: gradients accumulated over two backward calls per step, first
+    at one shape (planned graphs), then with batch sizes and sequence lengths that change
+    (a dynamic graph, which tensor parallelism does not plan yet: the model then runs
+    eagerly, and says so)."""
+    from ..models import Transformer, tokens
+
+    out, planned = {}, {}
+    for family, build in (("transformer", lambda: Transformer(layers=2).double()),
+                          ("llama", _llama_small)):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            m = build()
+        if rank is not None:
+            mesh = spmd.Mesh((WORLD,), dim_names=("tp",))
+            m = spmd.parallelize(m, mesh=mesh, strategy=strategy,
+                                 placements=spmd.tp.megatron(sequence_parallel=True,
+                                                             vocab_parallel=True))
+        opt = sgd(m)
+        for i, (n, length) in enumerate(((4, 8), (4, 8), (2, 6), (6, 4))):
+            if i == 2 and rank is not None:  # the fixed-shape steps' plan
+                plan = spmd.inspect(m)
+                planned[family] = (m._spmd.capture_failed,
+                                   [f.param for f in plan.fallbacks],
+                                   sorted({(c.kind, c.mesh_dim) for c in plan.collectives}))
+            opt.zero_grad()
+            for half in range(2):  # accumulation
+                x, y = tokens(step=2 * i + half, rows=n, length=length)
+                logits = m(x)
+                (F.cross_entropy(logits.flatten(0, 1), y.flatten()) / 2).backward()
+            opt.step()
+        out.update({f"{family}.{k}": v for k, v in state(m).items()})
+        if rank is not None:
+            planned[f"{family} after changing shapes"] = m._spmd.capture_failed
+    return out, planned
 
 
 def uneven_last_batch(rank, strategy):
@@ -459,6 +509,7 @@ LOOPS = {
     "inplace_init": (inplace_init, ("fsdp",)),
     "inplace_init_mixed_precision": (inplace_init_mixed_precision, ("fsdp",)),
     "inplace_init_tensor_parallel": (inplace_init_tensor_parallel, ("ddp", "fsdp")),
+    "sequence_parallel": (sequence_parallel, ("ddp",)),
     "step_scalar_argument": (step_scalar_argument, ("ddp", "fsdp")),
     "step_adamw_alternate_freeze": (step_adamw_alternate_freeze, ("ddp", "fsdp")),
     "step_adamw_alternate_freeze_f32": (step_adamw_alternate_freeze_f32, ("ddp", "fsdp")),
@@ -503,6 +554,23 @@ def test_loop_equals_one_process(runs, name, strategy):
         got, _ = out[(name, strategy)]
         for key, value in expected.items():
             assert torch.allclose(got[key], value, rtol=tol, atol=tol), (rank, key)
+
+
+def test_sequence_parallel_loop_runs_planned_graphs(runs):
+    """The loop's fixed-shape steps ran compiled, planned graphs (not eagerly): the
+    sequence shards' reduce-scatters and gathers are in its plans, and no gradient fell
+    back. Its changing shapes make a dynamic graph, which tensor parallelism does not plan
+    yet: the model runs eagerly from there (still equal to one process, above), and its
+    state says why."""
+    for out in runs:
+        _, planned = out[("sequence_parallel", "ddp")]
+        for family in ("transformer", "llama"):
+            failed, fallbacks, kinds = planned[family]
+            assert failed is None, (family, failed)
+            assert fallbacks == [], (family, fallbacks)
+            assert {("reduce_scatter", "tp"), ("all_gather", "tp")} <= set(kinds), family
+            reason = planned[f"{family} after changing shapes"]
+            assert reason is None or "could not be captured" in reason, (family, reason)
 
 
 def test_changing_batch_sizes_compile_few_graphs(runs):
