@@ -36,6 +36,7 @@ import torch
 
 from spmd.lowering import redistribute as table
 from spmd.lowering import reduction
+from spmd.lowering import ring
 from spmd.lowering.flat import pack_planned
 from spmd.lowering.specs import (CollectiveSpec, RankSpec, ShardBucketSpec,
                                  ShardSpec, TPSpec, gather_rows, lookup, sending)
@@ -45,7 +46,7 @@ __all__ = ["bucket_all_reduce", "wait", "wait_cast", "all_gather", "reduce_scatt
            "all_to_all", "local_redistribute", "shard_gather", "shard_reduce",
            "bucket_all_gather", "unpack_gathered", "bucket_reduce_scatter", "tp_param",
            "tp_grad", "place", "vocab_embedding", "vocab_embedding_backward", "Ranked",
-           "RANKED", "define"]
+           "RANKED", "define", "ring_attention", "ring_attention_backward"]
 
 
 def _dim0(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -504,6 +505,121 @@ vocab_embedding_backward = define(
     "int handle) -> Tensor", _vocab_embedding_backward, _fake_vocab_embedding_backward)
 
 
+def _ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attn_mask: torch.Tensor | None, is_causal: bool, scale: float | None,
+                    lse_float: bool, handle: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = ring.ring_forward(query, key, value, is_causal, scale, lookup(handle),
+                                 attn_mask)
+    return out.to(query.dtype), lse.to(_lse_dtype(query, lse_float))
+
+
+def _lse_dtype(query: torch.Tensor, lse_float: bool) -> torch.dtype:
+    return torch.float32 if lse_float else query.dtype
+
+
+def _fake_ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attn_mask: torch.Tensor | None, is_causal: bool,
+                         scale: float | None, lse_float: bool, handle: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    return (query.new_empty((*query.shape[:-1], value.shape[-1])),
+            query.new_empty(query.shape[:-1], dtype=_lse_dtype(query, lse_float)))
+
+
+def _ring_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, out: torch.Tensor, logsumexp: torch.Tensor,
+                             attn_mask: torch.Tensor | None, is_causal: bool,
+                             scale: float | None, handle: int
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = ring.ring_backward(grad_out, query, key, value, out, logsumexp, is_causal, scale,
+                               lookup(handle), attn_mask)
+    return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]
+
+
+def _fake_ring_attention_backward(grad_out: torch.Tensor, query: torch.Tensor,
+                                  key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+                                  logsumexp: torch.Tensor, attn_mask: torch.Tensor | None,
+                                  is_causal: bool, scale: float | None, handle: int
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+ring_attention = define(
+    "ring_attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
+    "bool is_causal, float? scale, bool lse_float, int handle) -> (Tensor, Tensor)", _ring_attention, _fake_ring_attention)
+ring_attention_backward = define(
+    "ring_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, "
+    "Tensor out, Tensor logsumexp, Tensor? attn_mask, bool is_causal, float? scale, "
+    "int handle) -> "
+    "(Tensor, Tensor, Tensor)", _ring_attention_backward, _fake_ring_attention_backward)
+
+
+def _attention_arg(node: Any, name: str, default: Any = None) -> Any:
+    """An attention node's argument by its schema name (positional or keyword); the mask
+    by either name (``attn_mask``, the meta op's ``attn_bias``)."""
+    names = [a.name for a in node.target._schema.arguments]
+    if name == "attn_mask" and name not in names:
+        name = "attn_bias"
+    if name in node.kwargs:
+        return node.kwargs[name]
+    i = names.index(name)
+    return node.args[i] if i < len(node.args) else default
+
+
+def _ring_args(node: Any) -> tuple:
+    val = node.meta["val"]
+    lse_float = val[1].dtype == torch.float32 and val[0].dtype != torch.float32
+    return (_attention_arg(node, "query"), _attention_arg(node, "key"),
+            _attention_arg(node, "value"), _attention_arg(node, "attn_mask"),
+            bool(_attention_arg(node, "is_causal", False)), _attention_arg(node, "scale"),
+            lse_float)
+
+
+def _ring_backward_args(node: Any) -> tuple:
+    return (*(_attention_arg(node, n) for n in ("grad_out", "query", "key", "value", "out",
+                                                "logsumexp", "attn_mask")),
+            bool(_attention_arg(node, "is_causal", False)), _attention_arg(node, "scale"))
+
+
+def _whole_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None, causal: bool, scale: float | None,
+                     lse_float: bool, handle: Any = None) -> tuple:
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    return out, lse.to(_lse_dtype(q, lse_float))
+
+
+def _whole_attention_backward(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                              v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                              mask: torch.Tensor | None, causal: bool, scale: float | None,
+                              handle: Any = None) -> tuple:
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g, q, k, v, out, lse.to(ring._lse_dtype(q, lse)), 0.0, causal, attn_mask=mask,
+        scale=scale)
+
+
+def _ring_local(r: int, size: int, qs: list, ks: list, vs: list, masks: list | None,
+                causal: bool, scale: float | None, lse_float: bool, handle: Any = None
+                ) -> tuple:
+    """Rank ``r``'s part of the whole attention, from every rank's pieces (the mask is
+    whole on each)."""
+    out, lse = _whole_attention(*(torch.cat(t, dim=2) for t in (qs, ks, vs)),
+                                None if masks is None else masks[0], causal, scale,
+                                lse_float)
+    return out.chunk(size, dim=2)[r], lse.chunk(size, dim=2)[r]
+
+
+def _ring_backward_local(r: int, size: int, *args: Any) -> tuple:
+    tensors = [torch.cat(t, dim=2) for t in args[:6]]
+    mask = None if args[6] is None else args[6][0]
+    grads = _whole_attention_backward(*tensors, mask, *args[7:9])
+    return tuple(g.chunk(size, dim=2)[r] for g in grads)
+
+
+def _ring_spec(dim: str, size: int, group: Any, strategy: Any) -> Any:
+    return ring.RingSpec(dim=dim, size=size, group=group,
+                         load_balance=strategy.load_balance.get(dim, True))
+
+
 @dataclass(frozen=True)
 class Ranked:
     """An op whose ranks compute differently, put in place of an aten op by a sharding
@@ -516,12 +632,18 @@ class Ranked:
             verifier compares with).
         local: ``local(rank, size, *args)``: rank ``rank``'s output from its pieces (the
             verifier runs it for every rank).
+        peers: ``local`` takes every rank's pieces (a list per tensor argument): the op
+            communicates along the dimension (ring attention).
+        spec: ``spec(dim, size, group, strategy)``, the handle's object; None: a
+            :class:`RankSpec`.
     """
 
     op: Any
     args: Any
     whole: Any
     local: Any
+    peers: bool = False
+    spec: Any = None
 
 
 RANKED: dict[Any, Ranked] = {
@@ -537,6 +659,11 @@ RANKED: dict[Any, Ranked] = {
             g, i, n, p, False),
         local=lambda r, size, g, i, n, p, h=None: vocab_lookup_backward(r, g, i, n // size,
                                                                        p)),
+    ring_attention: Ranked(op=ring_attention, args=_ring_args, whole=_whole_attention,
+                           local=_ring_local, peers=True, spec=_ring_spec),
+    ring_attention_backward: Ranked(op=ring_attention_backward, args=_ring_backward_args,
+                                    whole=_whole_attention_backward,
+                                    local=_ring_backward_local, peers=True, spec=_ring_spec),
 }
 
 COLLECTIVE_OPS = {"all_reduce": bucket_all_reduce, "all_gather": all_gather,

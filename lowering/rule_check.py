@@ -111,7 +111,8 @@ def on_shards(node: fx.Node, tensors: Sequence[torch.Tensor],
               size: int, generator: torch.Generator, others: dict[fx.Node, Any] | None = None,
               global_shape: list[int] | None = None,
               op: Callable[..., Any] | None = None,
-              rank_op: Callable[[int], Callable[..., Any]] | None = None) -> str | None:
+              rank_op: Callable[[int], Callable[..., Any]] | None = None,
+              peers: bool = False) -> str | None:
     """Whether running ``node``'s op on each of ``size`` ranks' pieces, the inputs placed as
     ``required`` and the output read as ``output``, gives the op's result on the whole
     ``tensors``; None when it does, else what differs.
@@ -131,6 +132,8 @@ def on_shards(node: fx.Node, tensors: Sequence[torch.Tensor],
         rank_op: ``rank_op(r)`` is what rank ``r`` runs on its pieces, where the ranks
             compute differently (``spmd.lowering.ops.RANKED``); ``op`` is then the
             meaning on whole tensors.
+        peers: ``rank_op(r)`` takes every rank's pieces (a list per tensor argument), as
+            an op that communicates along the dimension sees them.
     """
     others = others or {}
     args = rules.tensor_args(node)
@@ -156,8 +159,8 @@ def on_shards(node: fx.Node, tensors: Sequence[torch.Tensor],
         shape = None
         if node.target in rules.SHAPE_ARG and isinstance(wants[0], torch.Tensor):
             shape = local_shape(wants[0].shape, outputs[0], size)
-        out = run_op(node, [pieces[r] for pieces in per_arg], others, shape,
-                     rank_op(r) if rank_op is not None else op)
+        out = run_op(node, [pieces if peers else pieces[r] for pieces in per_arg], others,
+                     shape, rank_op(r) if rank_op is not None else op)
         results.append(tuple(out) if multi else (out,))
     for i, (placement, whole) in enumerate(zip(outputs, wants)):
         if not isinstance(whole, torch.Tensor):

@@ -106,6 +106,9 @@ class Strategy:
             (``shard_placement_fn``).
         activations: module path -> the placement of its output on each tensor-parallel
             dimension (sequence parallelism).
+        load_balance: mesh dimension -> whether causal ring attention along it exchanges
+            halves of the sequence so that every rank does the same work (context
+            parallelism; True where not named).
     """
 
     name: str
@@ -120,6 +123,7 @@ class Strategy:
     shard_dims: Mapping[str, int] = field(default_factory=dict, compare=False)
     activations: Mapping[str, Mapping[str, Placement]] = field(default_factory=dict,
                                                               compare=False)
+    load_balance: Mapping[str, bool] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not self.data_dims and self.data_dim is not None:
@@ -216,10 +220,15 @@ def _without(mesh: Mesh, dims: tuple[str, ...]) -> "_Dims":
 
 
 def tp_dims_of(spec: object) -> tuple[str, ...]:
-    """The mesh dimensions a ``placements`` argument names: a dict's keys, or a preset's
-    ``dims`` (``spmd.tp.megatron()``)."""
+    """The mesh dimensions a ``placements`` argument names: a dict's keys, a preset's
+    ``dims`` (``spmd.tp.megatron()``, ``spmd.cp.ring()``), or those of each in a list."""
     if spec is None:
         return ()
+    if isinstance(spec, (list, tuple)):  # several presets or dicts, each its dimensions
+        found: list[str] = []
+        for one in spec:
+            found += [d for d in tp_dims_of(one) if d not in found]
+        return tuple(found)
     dims = getattr(spec, "dims", None)
     if dims is not None:
         return tuple(dims)

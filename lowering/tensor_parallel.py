@@ -261,7 +261,9 @@ class _Localizer:
                                 f"one is supported")
         dim, op = ranked[0]
         entry = ops.RANKED[op]
-        spec = RankSpec(dim=dim, size=self.ctx.mesh.size(dim), group=self.ctx.group(dim))
+        size, group = self.ctx.mesh.size(dim), self.ctx.group(dim)
+        spec = (entry.spec(dim, size, group, self.ctx.strategy) if entry.spec is not None
+                else RankSpec(dim=dim, size=size, group=group))
         args = entry.args(node)
         node.target, node.args, node.kwargs = op, (*args, self.ctx.handles.add(spec)), {}
 

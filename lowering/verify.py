@@ -461,13 +461,17 @@ class _Verifier:
             if a not in values:
                 values[a] = random_like(s, a.meta["val"].dtype, self.generator)
         ranked = ops.RANKED.get(node.target)
+        # split by rank on this dimension: each rank runs its part (ranked.local); on
+        # another (ring attention's heads split by "tp"): the op's meaning on the pieces
+        by_rank = ranked is not None and choice.decision.ranked is not None
         size = self.mesh.size(dim)
         try:
             verdict = on_shards(
                 node, [values[a] for a in args], need, output, size, self.generator, others,
                 target_shape, op=ranked.whole if ranked is not None else None,
-                rank_op=None if ranked is None else (
-                    lambda r: lambda *a: ranked.local(r, size, *a)))
+                rank_op=None if not by_rank else (
+                    lambda r: lambda *a: ranked.local(r, size, *a)),
+                peers=by_rank and ranked.peers)
         except Exception as e:  # the op will not run on CPU float64 values: unchecked
             self.unchecked.append(f"{node.name} on {dim!r}: {type(e).__name__}: {e}")
             return

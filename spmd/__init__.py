@@ -30,7 +30,8 @@ _EXPORTS: dict[str, str] = {
     "ShardingError": "spmd.lowering.annotate",
     "EmptyBackwardError": "spmd.lowering.annotate",
 }
-_SUBMODULES = ("runtime", "lowering", "kernels", "checkpoint", "tp", "hardware", "roofline")
+_SUBMODULES = ("runtime", "lowering", "kernels", "checkpoint", "tp", "cp", "hardware",
+               "roofline")
 
 __all__ = [*_SUBMODULES, *_EXPORTS]
 

@@ -34,7 +34,8 @@ from spmd.lowering.placements import Partial, Placement, Replicate, Shard
 from spmd.lowering.strategy import tp_dims_of
 
 __all__ = ["megatron", "Preset", "Resolved", "resolve_placements", "resolve_layout",
-           "sequence_modules", "vocabulary_layers", "tp_dims_of", "COLUMN", "ROW"]
+           "sequence_modules", "vocabulary_layers", "tp_dims_of", "layout_options", "COLUMN",
+           "ROW"]
 
 # Megatron-LM's layer names (and the common ones of Hugging Face and torch models):
 # column-parallel layers split their output features, row-parallel their input features.
@@ -288,7 +289,17 @@ def resolve_layout(model: nn.Module, mesh: Any, spec: Any, where: str
     places them; one that matches no parameter but modules places those modules'
     outputs (sequence parallelism: ``{"tp": {"layers.*.norm": spmd.Shard(1)}}``).
     ``ValueError``/``TypeError`` naming the first thing wrong, before anything runs."""
-    if isinstance(spec, Preset):
+    if isinstance(spec, (list, tuple)):  # several: each resolved, merged
+        params: dict[str, dict[str, Placement]] = {}
+        placed: dict[str, dict[str, Placement]] = {}
+        for one in spec:
+            p, a = resolve_layout(model, mesh, one, where)
+            for target, found in ((params, p), (placed, a)):
+                for name, per_dim in found.items():
+                    for dim, placement in per_dim.items():
+                        _put(target, name, dim, placement, where)
+        return params, placed
+    if hasattr(spec, "resolve") and not isinstance(spec, Mapping):
         spec = spec.resolve(model)
     dims = tp_dims_of(spec)
     params = dict(model.named_parameters())
@@ -340,6 +351,16 @@ def resolve_layout(model: nn.Module, mesh: Any, spec: Any, where: str
                     placement = Shard(d)
                 _put(out, name, dim, placement, where)
     return out, activations
+
+
+def layout_options(spec: Any) -> dict[str, dict[str, Any]]:
+    """Options presets in ``spec`` carry for the strategy (``spmd.cp.ring``'s
+    ``load_balance`` per dimension)."""
+    found: dict[str, dict[str, Any]] = {}
+    for one in spec if isinstance(spec, (list, tuple)) else [spec]:
+        for key, per_dim in (one.options() if hasattr(one, "options") else {}).items():
+            found.setdefault(key, {}).update(per_dim)
+    return found
 
 
 def _put(out: dict[str, dict[str, Placement]], name: str, dim: str, placement: Placement,

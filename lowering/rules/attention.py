@@ -136,5 +136,54 @@ def attention(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[D
                           if isinstance(kv, Shard) else "the one key/value head, whole)"))
         decisions.append(Decision(output=tuple(out) if multi else out[0], inputs=needed,
                                   reason=reason))
+    ring = _ring_decision(node, size)
+    if ring is not None:
+        decisions.append(ring)
     decisions.append(replicate_all(node, "queries, keys and values whole"))
     return decisions
+
+
+# the kernels ring attention stands in for (forward -> backward's op): the CPU kernel and
+# the fused node of a GPU plan traced on meta
+_RING = {op("_scaled_dot_product_flash_attention_for_cpu.default"): "forward",
+         op("_scaled_dot_product_flash_attention_for_cpu_backward.default"): "backward",
+         _meta_attention: "forward", _meta_attention_backward: "backward"}
+
+
+def _arg(node: fx.Node, name: str, default: object = None) -> object:
+    names = [a.name for a in node.target._schema.arguments]  # type: ignore[union-attr]
+    if name in node.kwargs:
+        return node.kwargs[name]
+    i = names.index(name)
+    return node.args[i] if i < len(node.args) else default
+
+
+def _ring_decision(node: fx.Node, size: int) -> Decision | None:
+    """Queries, keys and values sharded alike along the sequence (context parallelism):
+    each rank attends its queries to every rank's keys and values, passed around the ring
+    (``spmd::ring_attention``); outputs, log-sum-exps and gradients stay sharded along the
+    sequence. Self-attention without dropout; a causal mask by ``is_causal``, or an
+    explicit mask read whole (each rank applies its rows and each block's columns)."""
+    from spmd.lowering import ops
+
+    phase = _RING.get(node.target)
+    if phase is None or size < 2:
+        return None
+    names = {a.name for a in node.target._schema.arguments}  # type: ignore[union-attr]
+    masked = any(m in names and _arg(node, m) is not None for m in ("attn_mask", "attn_bias"))
+    if float(_arg(node, "dropout_p", 0.0) or 0.0) != 0.0:  # type: ignore[arg-type]
+        return None
+    q, k = shape(_named(node, "query")), shape(_named(node, "key"))
+    if q[2] != k[2] or q[2] % size or q[1] % k[1]:
+        return None
+    roles = _arg_roles(node)
+    count = 2 if phase == "forward" else 3
+    causal = " (causal: load-balanced halves)" if _arg(node, "is_causal", False) else ""
+    if masked:
+        causal = " (the explicit mask whole on each rank, each block its part of it)"
+    inputs = tuple(Replicate() if role == "mask" else Shard(2) for role in roles)
+    return Decision(output=(Shard(2),) * count, inputs=inputs,
+                    reason=f"ring attention: each rank its part of the sequence, keys and "
+                           f"values passed around the ring{causal}",
+                    ranked=ops.ring_attention if phase == "forward"
+                    else ops.ring_attention_backward)
