@@ -9,8 +9,10 @@ Megatron's placements from ``spmd.tp.megatron()``), ``zero1``, ``zero2``, 2-D ``
 (sharded over ``dp`` and ``fsdp`` at once) and the compositions ``dp x tp``,
 ``fsdp x tp``, ``hsdp x tp``, ``zero2 x tp``, 2-D ``fsdp x tp``, and with sequence
 parallelism (``spmd.tp.megatron(sequence_parallel=True)``) ``tp+sp``, ``dp x tp+sp``,
-``fsdp x tp+sp``, and with vocabulary parallelism ``tp+vp``, ``fsdp x tp+sp+vp``. Compared against one process training on the whole batch in
-the test process: every step's output (this rank's rows) and every parameter at the end,
+``fsdp x tp+sp``, with vocabulary parallelism ``tp+vp``, ``fsdp x tp+sp+vp``, and with
+context parallelism (``spmd.cp.ring()``: ring attention, one sequence per data rank)
+``cp``, ``dp x cp``, ``fsdp x cp``, ``cp x tp``, ``fsdp x cp x tp``. Compared against
+one process training on the whole batch in the test process: every step's output (this rank's rows) and every parameter at the end,
 whole (through ``state_dict()``), to 1e-9. In float64 the parallel arithmetic differs
 from one process only by re-associated sums (at most 1.4e-12 measured), so any larger
 difference is a bug. Every plan is also verified as it is made (``SPMD_VERIFY=1``), no
@@ -68,7 +70,16 @@ COMPOSITIONS = {
     "fsdp x tp+sp+vp": ((2, 2), ("fsdp", "tp"), "fsdp", "sp+vp"),
     "fsdp x tp+sp": ((2, 2), ("fsdp", "tp"), "fsdp", "sp"),
     "dp x tp+sp": ((2, 2), ("dp", "tp"), "ddp", "sp"),
+    "cp": ((2,), ("cp",), "ddp", "cp"),
+    "dp x cp": ((2, 2), ("dp", "cp"), "ddp", "cp"),
+    "fsdp x cp": ((2, 2), ("fsdp", "cp"), "fsdp", "cp"),
+    "cp x tp": ((2, 2), ("cp", "tp"), "ddp", "cp+tp"),
+    "fsdp x cp x tp": ((2, 2, 2), ("fsdp", "cp", "tp"), "fsdp", "cp+tp"),
 }
+# context parallelism keeps the sequence split where each data rank has one sequence (a
+# reshape merging several sequences with a split one gathers it): its global batch has
+# one row per data rank
+ROWS_OF = {"cp": 1, "dp x cp": 2, "fsdp x cp": 2, "cp x tp": 1, "fsdp x cp x tp": 2}
 MODELS = [e.name for e in all_entries()]
 
 # the CI profile: every model under tp; each other composition on several families and
@@ -92,6 +103,11 @@ CI = {
     "dp x tp+sp": ["qwen2"],
     "tp+vp": ["transformer", "gpt2", "llama", "llama_complex_expand"],
     "fsdp x tp+sp+vp": ["llama", "gpt2"],
+    "cp": ["transformer", "encoder", "llama", "gpt2", "llama_half_enable_gqa"],
+    "dp x cp": ["qwen2"],
+    "fsdp x cp": ["mistral", "llama_complex_expand"],
+    "cp x tp": ["llama", "transformer"],
+    "fsdp x cp x tp": ["llama_half_repeat_interleave"],
 }
 
 
@@ -104,11 +120,12 @@ def _profile() -> dict[str, list[str]]:
     return CI
 
 
-def _train(model, e, rows: slice, clip) -> tuple[list[torch.Tensor], dict]:
+def _train(model, e, rows: slice, clip, total: int = ROWS
+           ) -> tuple[list[torch.Tensor], dict]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     outputs = []
     for step in range(STEPS):
-        x, y = e.make_batch(step, ROWS)
+        x, y = e.make_batch(step, total)
         out = model(x[rows])
         outputs.append(out.detach().clone())
         e.loss_fn(out, y[rows]).backward()
@@ -133,15 +150,18 @@ def _run(name: str, composition: str) -> dict:
     mesh = spmd.Mesh(shape, dim_names=names)
     start = time.perf_counter()
     placements = e.placements if tp else None
-    if isinstance(tp, str):  # "sp", "vp", "sp+vp"
+    if isinstance(tp, str) and "cp" in tp:  # "cp", "cp+tp"
+        placements = [spmd.cp.ring()] + ([e.placements] if "tp" in tp else [])
+    elif isinstance(tp, str):  # "sp", "vp", "sp+vp"
         placements = dataclasses.replace(placements, sequence_parallel="sp" in tp,
                                          vocab_parallel="vp" in tp)
     model = spmd.parallelize(e.model(), mesh=mesh, strategy=strategy, placements=placements)
     planned = model._spmd.setup.strategy  # (2-D fsdp: on the mesh with "dp_fsdp")
     index, count = _data_index(planned.mesh, planned)
-    per = ROWS // count
+    total = ROWS_OF.get(composition, ROWS)
+    per = total // count
     rows = slice(index * per, (index + 1) * per)
-    outputs, params = _train(model, e, rows, lambda m: m.clip_grad_norm_(CLIP))
+    outputs, params = _train(model, e, rows, lambda m: m.clip_grad_norm_(CLIP), total)
     plan = spmd.inspect(model)
     return {"rows": (rows.start, rows.stop), "outputs": outputs, "params": params,
             "fallbacks": [(f.param, f.reason) for f in plan.fallbacks],
@@ -213,21 +233,22 @@ def report():
 def reference():
     """One process on the whole batch, once per model."""
     torch.set_num_threads(1)
-    cache: dict[str, tuple] = {}
+    cache: dict[tuple[str, int], tuple] = {}
 
-    def get(name: str) -> tuple:
-        if name not in cache:
+    def get(name: str, total: int = ROWS) -> tuple:
+        if (name, total) not in cache:
             e = entry(name)
-            cache[name] = _train(e.model(), e, slice(0, ROWS),
-                                 lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP))
-        return cache[name]
+            cache[name, total] = _train(
+                e.model(), e, slice(0, total),
+                lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP), total)
+        return cache[name, total]
     return get
 
 
 @pytest.mark.parametrize("name,composition", CASES, ids=[f"{c}-{m}" for m, c in CASES])
 def test_every_composition_trains_like_one_process(name, composition, reference):
     runs = _results((name, composition))
-    want_outputs, want_params = reference(name)
+    want_outputs, want_params = reference(name, ROWS_OF.get(composition, ROWS))
     worst = 0.0
     for rank, run in enumerate(runs):
         assert run["fallbacks"] == [], f"rank {rank}: the safety net ran: {run['fallbacks']}"
@@ -245,7 +266,12 @@ def test_every_composition_trains_like_one_process(name, composition, reference)
     _REPORT.append((composition, name, worst, max(r["seconds"] for r in runs)))
     _, _, strategy, tp = COMPOSITIONS[composition]
     collectives = set(runs[0]["collectives"])
-    assert any(d == "tp" for _, d in collectives) == bool(tp)
+    assert any(d == "tp" for _, d in collectives) == (bool(tp) and tp != "cp")
+    if isinstance(tp, str) and "cp" in tp:
+        # the sequence stays split: attention passes blocks around the ring (no all-to-all
+        # onto heads), only the caller's output is gathered, gradients summed over "cp"
+        assert ("all_to_all", "cp") not in collectives
+        assert {("all_gather", "cp"), ("all_reduce", "cp")} <= collectives
     # sequence parallelism: row-parallel layers reduce-scatter into the sequence shards,
     # column-parallel ones gather them
     assert ({("reduce_scatter", "tp"), ("all_gather", "tp")} <= collectives) == (
