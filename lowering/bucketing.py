@@ -25,7 +25,7 @@ from typing import Hashable
 
 import torch.fx as fx
 
-from spmd.lowering.collectives import build_bucket, bucket_results
+from spmd.lowering.collectives import GRADIENT_PASS, build_bucket, bucket_results
 from spmd.lowering import ops
 from spmd.lowering.specs import lookup
 from spmd.lowering.context import LoweringContext
@@ -62,7 +62,10 @@ def plan_buckets(sizes: list[int], keys: list[Hashable], cap: int) -> list[list[
 
 def bucketing(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
     # graph order: the order gradients are ready. Tensor parallelism's and batch-norm
-    # statistics' collectives move values a node needs right away: never merged
+    # statistics' collectives move values a node needs right away: never merged; a
+    # parameter gradient's reduction over a tensor-parallel dimension (a norm's weight
+    # under sequence parallelism, every weight under context parallelism) leaves the
+    # graph: merged as the data dimension's are, and never skipped by no_sync()
     ours = [n for n in collective_nodes(gm) if n.meta["spmd_collective"].provenance.pass_name
             not in ("tensor_parallel", "sync_batchnorm")]
     singles = [n for n in ours if n.meta["spmd_collective"].kind == "all_reduce"]
@@ -85,7 +88,7 @@ def bucketing(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
     if not singles:
         derive(gm, ctx)
         return gm  # no gradient all-reduce to number
-    keys = [(i.dtype, i.wire_dtype, i.mesh_dim, i.src) for i in infos]
+    keys = [(i.dtype, i.wire_dtype, i.mesh_dim, i.src, i.provenance.pass_name) for i in infos]
     groups = plan_buckets([i.bytes for i in infos], keys, cap)
     for members in groups:
         nodes = [singles[i] for i in members]
@@ -98,7 +101,8 @@ def bucketing(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
             nodes[0].meta["spmd_collective"] = replace(first, provenance=why)
             continue
         step = Step(src=first.src, dst=first.dst, kind="all_reduce", mesh_dim=first.mesh_dim)
-        _, reduced = build_bucket(gm, ctx, [n.args[0][0] for n in nodes], params, step, why)
+        _, reduced = build_bucket(gm, ctx, [n.args[0][0] for n in nodes], params, step, why,
+                                  gradients=first.provenance.pass_name != GRADIENT_PASS)
         for node, value in zip(nodes, reduced):
             (old,) = bucket_results(gm, node)
             old.replace_all_uses_with(value)

@@ -149,6 +149,10 @@ def _role_of(node: fx.Node, kind: str, collective: str) -> bool:
     return role is not None and role.kind == kind and role.collective == collective
 
 
+# the provenance pass of a parameter gradient's reduction over a tensor-parallel dimension
+# as it leaves the graph (``bucketing`` merges those)
+GRADIENT_PASS = "tensor_parallel_gradients"
+
 _LAYOUT = {"all_gather": lambda step: step.src.dim, "reduce_scatter": lambda step: step.dst.dim}
 
 
@@ -160,7 +164,9 @@ def insert_redistribution(gm: fx.GraphModule, ctx: LoweringContext, value: fx.No
     src = value.meta["sharding"]
     dst = src.with_placement(step.mesh_dim, step.dst)
     if step.kind == "all_reduce":
-        _, (reduced,) = build_bucket(gm, ctx, [value], [value.name], step, provenance,
+        names = list(provenance.params[:1]) if provenance.pass_name == GRADIENT_PASS else [
+            value.name]
+        _, (reduced,) = build_bucket(gm, ctx, [value], names, step, provenance,
                                      gradients=False)
         return reduced
     spec, handle = _spec(ctx, step)

@@ -118,11 +118,13 @@ attention = ops.define(
     _fake_attention, backward=_attention_grad, setup_context=_keep_attention)
 
 # the fused attention kernels, forward and backward (any device's, and ours)
-ATTENTION_FORWARD = (attention, _aten._scaled_dot_product_flash_attention.default,
+# (ring attention, context parallelism's: each rank's queries against the whole sequence)
+ATTENTION_FORWARD = (attention, ops.ring_attention,
+                     _aten._scaled_dot_product_flash_attention.default,
                      _aten._scaled_dot_product_efficient_attention.default,
                      _aten._scaled_dot_product_cudnn_attention.default,
                      _aten._scaled_dot_product_flash_attention_for_cpu.default)
-ATTENTION_BACKWARD = (attention_backward,
+ATTENTION_BACKWARD = (attention_backward, ops.ring_attention_backward,
                       _aten._scaled_dot_product_flash_attention_backward.default,
                       _aten._scaled_dot_product_efficient_attention_backward.default,
                       _aten._scaled_dot_product_cudnn_attention_backward.default,

@@ -42,7 +42,7 @@ from spmd.lowering import ops, rules
 from spmd.lowering.ops import place, tp_grad, tp_param
 from spmd.lowering.specs import RankSpec, lookup
 from spmd.lowering.annotate import PlanningError, ShardingError, graph_outputs
-from spmd.lowering.collectives import insert_redistribution
+from spmd.lowering.collectives import GRADIENT_PASS, insert_redistribution
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import fill_val
 from spmd.lowering.passes import Provenance
@@ -52,7 +52,8 @@ from spmd.lowering.redistribute import redistribution
 from spmd.lowering.reshard import RESHARDED
 from spmd.lowering.state import Boundary, find, put
 
-__all__ = ["tensor_parallel", "local_shape", "module_of", "USER_OUTPUTS", "SAVED_RENAMES"]
+__all__ = ["tensor_parallel", "local_shape", "module_of", "USER_OUTPUTS", "SAVED_RENAMES",
+           "GRADIENT_PASS"]
 
 aten = torch.ops.aten
 USER_OUTPUTS = "spmd_user_outputs"  # gm.meta: how many forward outputs the caller receives
@@ -124,9 +125,11 @@ class _Localizer:
         return local_shape(tuple(val.shape), spec, self.dims)
 
     def bring(self, value: fx.Node, dim: str, want: Placement, user: fx.Node,
-              choice: TPChoice | None, why: str = "the caller receives whole tensors"
-              ) -> fx.Node:
-        """``value`` redistributed to ``want`` on ``dim`` (cached)."""
+              choice: TPChoice | None, why: str = "the caller receives whole tensors",
+              gradient_of: str | None = None) -> fx.Node:
+        """``value`` redistributed to ``want`` on ``dim`` (cached). ``gradient_of``: the
+        value is that parameter's gradient leaving the graph (``bucketing`` may merge its
+        reduction with others': nothing in the graph waits for it)."""
         spec = value.meta["sharding"]
         have = spec[dim]
         if have == want:
@@ -141,7 +144,8 @@ class _Localizer:
         modules = tuple(dict.fromkeys(m for m in (module_of(value), module_of(user)) if m))
         reason = (f"{user.target} ({user.name}) needs {value.name} {have!r} -> {want!r} on "
                   f"{dim!r}: " + (choice.why() if choice is not None else why))
-        why = Provenance(params=modules or (user.name,), pass_name="tensor_parallel",
+        why = Provenance(params=(gradient_of,) if gradient_of else modules or (user.name,),
+                         pass_name=GRADIENT_PASS if gradient_of else "tensor_parallel",
                          reason=reason)
         node = insert_redistribution(self.gm, self.ctx, value, step, why)
         self._seal(value, node, dim, want)
@@ -327,7 +331,7 @@ class _Localizer:
                 why = ("the caller receives whole tensors" if param is None else
                        f"{param}'s gradient is placed as {param} is stored ({want!r}); each "
                        f"rank computed it from its part of the work along {dim!r}")
-                value = self.bring(value, dim, want, output, None, why)
+                value = self.bring(value, dim, want, output, None, why, gradient_of=param)
             changed[i] = value
         original = output.args[0]
         output.args = (type(original)(changed) if isinstance(original, (list, tuple))

@@ -480,11 +480,59 @@ def plan_from_records(records: list, *, setup: Any, options: Options,
                     provenance=info.provenance, predicted_seconds=seconds,
                     mesh_dim=info.mesh_dim, placements=f"{info.src!r} -> {info.dst!r}",
                     phase=phase))
+            plan.collectives.extend(_rings(graph, record.name, phase, mesh, setup))
             plan.placed.extend(_placed(graph, record.name, phase))
     strategy = setup.strategy
     if strategy.tp_dims:
         plan.tp_placements = {n: strategy.tp_placement(n) for n in strategy.placements}
     return plan
+
+
+def _rings(graph: fx.GraphModule, name: str, phase: str, mesh: Any, setup: Any
+           ) -> list[Collective]:
+    """The key/value blocks ring attention (context parallelism) passes between ranks in
+    ``graph``: one record per attention node, its sends per rank and their predicted
+    time (a ring all-gather of the same blocks moves the same bytes)."""
+    from spmd.lowering import ops
+    from spmd.lowering.propagate import module_of
+    from spmd.lowering.specs import lookup
+
+    found = []
+    for node in graph.graph.nodes:
+        if node.target not in (ops.ring_attention, ops.ring_attention_backward):
+            continue
+        try:
+            spec = lookup(node.args[-1])
+        except RuntimeError:
+            continue
+        backward = node.target is ops.ring_attention_backward
+        k, v = (node.args[i].meta["val"] for i in ((2, 3) if backward else (1, 2)))
+        block = k.numel() * k.element_size() + v.numel() * v.element_size()
+        n = spec.size
+        hops = 2 * n - 1 if backward else n - 1  # (backward: the gradients travel too)
+        model = mesh.cost_model(spec.dim, setup.cost_model)
+        seconds = model.seconds("all_gather", block * n) * (2 if backward else 1)
+        module = module_of(node)
+        causal = bool(node.args[5 if backward else 4])
+        balance = ("; causal, load-balanced: halves of the queries, keys and values "
+                   "exchanged into the zigzag layout and the results back"
+                   if causal and spec.load_balance and node.args[6 if backward else 5] is None
+                   else "")
+        group, ranks = spec.dim, ()
+        if spec.group is not None:
+            group, ranks = spec.group.name, tuple(spec.group.ranks)
+        why = (f"ring attention{' backward' if backward else ''} in {module or name}: queries, "
+               f"keys and values sharded along the sequence on {spec.dim!r}; {n - 1} key/value "
+               f"block(s) of {block} B received from the previous rank, each while the block "
+               f"before computes" + (", and their gradients passed on after it" if backward
+                                      else "") + balance)
+        found.append(Collective(
+            name=node.name, kind="ring", bytes=block * hops, group=group, group_ranks=ranks,
+            bucket=-1, graph=name, provenance=Provenance(params=(), pass_name="tensor_parallel",
+                                                         reason=why),
+            predicted_seconds=seconds, mesh_dim=spec.dim,
+            placements="Shard(2) -> Shard(2)", phase=phase))
+    return found
 
 
 def _spec_of(info: CollectiveInfo) -> Any:

@@ -113,11 +113,27 @@ def _attention_flops(node: fx.Node) -> int:
     q, k, v = arg("query"), arg("key"), arg("value")
     *batch, s_q, d = q.shape
     s_k, d_v = k.shape[-2], v.shape[-1]
+    ring = _ring_size(node)
+    if ring:  # this rank's queries against every rank's keys
+        s_k = int(s_k) * ring
     rows = 1
     for x in batch:
         rows *= int(x)
     forward = 2 * rows * int(s_q) * int(s_k) * (int(d) + int(d_v))
     return forward * 5 // 2 if node.target in ATTENTION_BACKWARD else forward
+
+
+def _ring_size(node: fx.Node) -> int:
+    """Ranks along a ring attention node's dimension (0: not ring attention)."""
+    from spmd.lowering import ops
+    from spmd.lowering.specs import lookup
+
+    if node.target not in (ops.ring_attention, ops.ring_attention_backward):
+        return 0
+    try:
+        return int(lookup(node.args[-1]).size)
+    except RuntimeError:  # a plan whose model is gone
+        return 0
 
 
 def node_bytes(node: fx.Node) -> int:

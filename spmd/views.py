@@ -103,6 +103,10 @@ def explain(plan: Any, x: Any) -> str:
                         f"name, got {type(x).__name__}")
     for c in plan.collectives:
         if c.name == x or f"{c.graph}:{c.name}" == x:
+            if c.bucket < 0:  # ring attention's sends: no bucket
+                return (f"{c.name} ({c.phase}, {c.graph}): {c.kind}, {c.bytes} B sent per rank "
+                        f"on {c.mesh_dim!r}, predicted {c.predicted_seconds * 1e3:.3f} ms "
+                        f"(overlapped with the attention's blocks); {c.provenance.reason}")
             return _explain_bucket(plan, buckets[c.bucket])
     for b in buckets:
         if x in b.params:

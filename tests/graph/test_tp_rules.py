@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from types import SimpleNamespace
 from typing import Callable, Sequence
 
 import torch
@@ -105,15 +106,21 @@ def check_decision(node: fx.Node, values: dict, current: tuple[Placement, ...],
     """The decision run on real shards of the traced values
     (:func:`spmd.lowering.rule_check.on_shards`, what the plan verifier runs too)."""
     rank_op = None
+    entry = None
     if decision.ranked is not None:  # each rank runs its own part (a vocabulary range)
         entry = ops.RANKED[decision.ranked]
-        count = len(entry.args(node))  # the op's arguments, from the node's first ones
 
-        def rank_op(r):
-            return lambda *a, **k: entry.local(r, size, *a[:count])
+        def ranks_part(r):
+            def run(*a, **k):  # the node's arguments, as values -> the op's
+                node_values = SimpleNamespace(args=a, kwargs=k, target=node.target,
+                                              meta=node.meta)
+                return entry.local(r, size, *entry.args(node_values))
+            return run
+        rank_op = ranks_part
     verdict = on_shards(node, [values[a] for a in rules.tensor_args(node)],
                         decision.required(current), decision.output, size, gen,
-                        others=values, op=ON_CPU.get(node.target), rank_op=rank_op)
+                        others=values, op=ON_CPU.get(node.target), rank_op=rank_op,
+                        peers=entry is not None and entry.peers)
     assert verdict is None, f"{node.format_node()} from {current} by {decision}: {verdict}"
 
 
@@ -516,9 +523,12 @@ def test_enable_gqa_traces_to_the_kernels_with_fewer_key_heads():
     assert heads.inputs == (Shard(1), Shard(1), Shard(1)), heads
     heads = rules.lookup(backward.target)(backward, (Shard(1),) * 6, 2)[0]
     assert heads.output == (Shard(1), Shard(1), Shard(1)), heads
-    # 2 key/value heads do not divide over 4 ranks: nothing pairs the heads there
+    # 2 key/value heads do not divide over 4 ranks: nothing pairs the heads there; the
+    # sequence (8 positions) does: ring attention, each rank its 2 positions of each
+    found = rules.lookup(forward.target)(forward, (Shard(1),) * 3, 4)
     assert all(d.inputs[1] == Replicate() and d.inputs[0] != Shard(1)
-               for d in rules.lookup(forward.target)(forward, (Shard(1),) * 3, 4))
+               for d in found if d.ranked is None)
+    assert [d.inputs for d in found if d.ranked is not None] == [(Shard(2),) * 3]
 
 
 def test_every_family_registers_rules():

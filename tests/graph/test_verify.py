@@ -147,10 +147,10 @@ def test_a_partial_brought_to_no_reduction_is_caught(monkeypatch):
     its inputs whole, and the verifier sees them arrive partial."""
     bring = tensor_parallel._Localizer.bring
 
-    def forgetful(self, value, dim, want, user, choice, *args):
+    def forgetful(self, value, dim, want, user, choice, *args, **kwargs):
         if isinstance(value.meta["sharding"][dim], Partial) and isinstance(want, Replicate):
             return value
-        return bring(self, value, dim, want, user, choice, *args)
+        return bring(self, value, dim, want, user, choice, *args, **kwargs)
 
     monkeypatch.setattr(tensor_parallel._Localizer, "bring", forgetful)
     with pytest.raises(PlanVerificationError, match=r"exp.*reads mm_1 as Partial\('sum'\) on "
