@@ -620,6 +620,134 @@ def _ring_spec(dim: str, size: int, group: Any, strategy: Any) -> Any:
                          load_balance=strategy.load_balance.get(dim, True))
 
 
+# -- loss parallelism: cross-entropy over logits split along the classes ---------------
+
+
+def _reduce_over(t: torch.Tensor, spec: RankSpec, op: str) -> torch.Tensor:
+    """``t`` reduced in place over ``spec``'s group (max or sum); as it is on a simulated
+    mesh or inside ``dry_run``."""
+    if spec.group is not None and spec.size > 1 and sending():
+        from spmd.runtime.reduction import ReduceOp
+
+        collectives.all_reduce(t, ReduceOp.MAX if op == "max" else ReduceOp.SUM,
+                               group=spec.group)
+    return t
+
+
+def sharded_log_softmax_local(x: torch.Tensor, dim: int, half_to_float: bool,
+                              reduce: Any) -> torch.Tensor:
+    """``log_softmax`` along ``dim`` of a tensor split along it, from this rank's piece:
+    the row maximum and the sum of exponentials are reduced over the ranks
+    (``reduce(t, op)``), never the logits."""
+    acc = torch.float32 if half_to_float or x.dtype in (torch.float16, torch.bfloat16) \
+        else x.dtype
+    xf = x.to(acc)
+    top = reduce(xf.amax(dim, keepdim=True).detach().clone(), "max")
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    total = reduce((xf - top).exp().sum(dim, keepdim=True), "sum")
+    out = xf - top - total.log()
+    return out if half_to_float else out.to(x.dtype)
+
+
+def sharded_log_softmax_backward_local(grad: torch.Tensor, output: torch.Tensor, dim: int,
+                                       input_dtype: torch.dtype, reduce: Any
+                                       ) -> torch.Tensor:
+    """``log_softmax``'s backward on pieces split along ``dim``: ``grad - exp(output) *
+    sum(grad)``, the sum reduced over the ranks."""
+    total = reduce(grad.sum(dim, keepdim=True).clone(), "sum")
+    return (grad - output.exp() * total).to(input_dtype)
+
+
+def sharded_nll_local(rank: int, logp: torch.Tensor, target: torch.Tensor, reduction: int,
+                      ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s part of ``nll_loss`` over log-probabilities split along the classes
+    (its ``logp.shape[1]`` classes from ``rank * logp.shape[1]``): the targets in its range
+    picked, the others read as 0, so the ranks' losses add up to the loss; the total
+    weight (the targets counted) is every rank's alike."""
+    classes = logp.shape[1]
+    local = target - rank * classes
+    valid = target != ignore_index
+    inside = valid & (local >= 0) & (local < classes)
+    picked = logp.gather(1, torch.where(inside, local, 0).unsqueeze(1)).squeeze(1)
+    picked = torch.where(inside, picked, picked.new_zeros(()))
+    total_weight = valid.sum().to(logp.dtype)
+    if reduction == 0:
+        return -picked, total_weight
+    loss = -picked.sum()
+    return (loss / total_weight if reduction == 1 else loss), total_weight
+
+
+def sharded_nll_backward_local(rank: int, grad: torch.Tensor, logp: torch.Tensor,
+                               target: torch.Tensor, reduction: int, ignore_index: int,
+                               total_weight: torch.Tensor) -> torch.Tensor:
+    """Rank ``rank``'s columns of ``nll_loss``'s input gradient: ``-grad`` (over the total
+    weight for a mean) at each target in its range, zeros elsewhere."""
+    classes = logp.shape[1]
+    local = target - rank * classes
+    valid = target != ignore_index
+    inside = valid & (local >= 0) & (local < classes)
+    scale = -grad if reduction == 0 else (-grad / total_weight if reduction == 1 else -grad)
+    values = torch.where(inside, scale.expand(target.shape).to(logp.dtype),
+                         logp.new_zeros(()))
+    out = torch.zeros_like(logp)
+    return out.scatter_(1, torch.where(inside, local, 0).unsqueeze(1), values.unsqueeze(1))
+
+
+def _spec_reduce(handle: int) -> Any:
+    spec: RankSpec = lookup(handle)
+    return lambda t, op: _reduce_over(t, spec, op)
+
+
+sharded_log_softmax = define(
+    "sharded_log_softmax(Tensor x, int dim, bool half_to_float, int handle) -> Tensor",
+    lambda x, dim, half, handle: sharded_log_softmax_local(x, dim, half, _spec_reduce(handle)),
+    lambda x, dim, half, handle: x.new_empty(
+        x.shape, dtype=torch.float32 if half else x.dtype))
+sharded_log_softmax_backward = define(
+    "sharded_log_softmax_backward(Tensor grad_output, Tensor output, int dim, "
+    "ScalarType input_dtype, int handle) -> Tensor",
+    lambda g, o, dim, dtype, handle: sharded_log_softmax_backward_local(
+        g, o, dim, dtype, _spec_reduce(handle)),
+    lambda g, o, dim, dtype, handle: g.new_empty(g.shape, dtype=dtype))
+sharded_nll_loss = define(
+    "sharded_nll_loss(Tensor logp, Tensor target, int reduction, int ignore_index, "
+    "int handle) -> (Tensor, Tensor)",
+    lambda logp, t, red, ig, handle: sharded_nll_local(lookup(handle).rank(), logp, t, red,
+                                                       ig),
+    lambda logp, t, red, ig, handle: (
+        logp.new_empty(t.shape if red == 0 else ()), logp.new_empty(())))
+sharded_nll_loss_backward = define(
+    "sharded_nll_loss_backward(Tensor grad_output, Tensor logp, Tensor target, "
+    "int reduction, int ignore_index, Tensor total_weight, int handle) -> Tensor",
+    lambda g, logp, t, red, ig, tw, handle: sharded_nll_backward_local(
+        lookup(handle).rank(), g, logp, t, red, ig, tw),
+    lambda g, logp, t, red, ig, tw, handle: logp.new_empty(logp.shape))
+
+
+def _softmax_local(r: int, size: int, xs: list, dim: int, half: bool, h: Any = None) -> Any:
+    whole = torch.ops.aten._log_softmax(torch.cat(xs, dim=dim), dim, half)
+    return whole.chunk(size, dim=dim)[r]
+
+
+def _softmax_backward_local(r: int, size: int, gs: list, outs: list, dim: int,
+                            dtype: torch.dtype, h: Any = None) -> Any:
+    whole = torch.ops.aten._log_softmax_backward_data(torch.cat(gs, dim=dim),
+                                                      torch.cat(outs, dim=dim), dim, dtype)
+    return whole.chunk(size, dim=dim)[r]
+
+
+def _nll_args(n: Any) -> tuple:
+    args = list(n.args) + [None] * 5
+    return (args[0], args[1], int(args[3] if args[3] is not None else
+                                  n.kwargs.get("reduction", 1)),
+            int(args[4] if args[4] is not None else n.kwargs.get("ignore_index", -100)))
+
+
+def _nll_backward_args(n: Any) -> tuple:
+    a = n.args
+    return (a[0], a[1], a[2], int(a[4]), int(a[5]), a[6])
+
+
 @dataclass(frozen=True)
 class Ranked:
     """An op whose ranks compute differently, put in place of an aten op by a sharding
@@ -659,6 +787,27 @@ RANKED: dict[Any, Ranked] = {
             g, i, n, p, False),
         local=lambda r, size, g, i, n, p, h=None: vocab_lookup_backward(r, g, i, n // size,
                                                                        p)),
+    sharded_log_softmax: Ranked(
+        op=sharded_log_softmax, args=lambda n: (n.args[0], int(n.args[1]), bool(n.args[2])),
+        whole=lambda x, dim, half, h=None: torch.ops.aten._log_softmax(x, dim, half),
+        local=_softmax_local, peers=True),
+    sharded_log_softmax_backward: Ranked(
+        op=sharded_log_softmax_backward,
+        args=lambda n: (n.args[0], n.args[1], int(n.args[2]), n.args[3]),
+        whole=lambda g, o, dim, dtype, h=None: torch.ops.aten._log_softmax_backward_data(
+            g, o, dim, dtype),
+        local=_softmax_backward_local, peers=True),
+    sharded_nll_loss: Ranked(
+        op=sharded_nll_loss, args=_nll_args,
+        whole=lambda x, t, red, ig, h=None: torch.ops.aten.nll_loss_forward(x, t, None, red,
+                                                                            ig),
+        local=lambda r, size, x, t, red, ig, h=None: sharded_nll_local(r, x, t, red, ig)),
+    sharded_nll_loss_backward: Ranked(
+        op=sharded_nll_loss_backward, args=_nll_backward_args,
+        whole=lambda g, x, t, red, ig, tw, h=None: torch.ops.aten.nll_loss_backward(
+            g, x, t, None, red, ig, tw),
+        local=lambda r, size, g, x, t, red, ig, tw, h=None: sharded_nll_backward_local(
+            r, g, x, t, red, ig, tw)),
     ring_attention: Ranked(op=ring_attention, args=_ring_args, whole=_whole_attention,
                            local=_ring_local, peers=True, spec=_ring_spec),
     ring_attention_backward: Ranked(op=ring_attention_backward, args=_ring_backward_args,

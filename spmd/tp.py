@@ -87,6 +87,7 @@ class Preset:
     sequence_parallel: bool = False
     sequence_dim: int = 1
     vocab_parallel: bool = False
+    loss_parallel: bool = False
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -95,7 +96,8 @@ class Preset:
     def resolve(self, model: nn.Module) -> dict[str, dict[str, Placement]]:
         if self.name == "megatron":
             return megatron(model, dim=self.dim, sequence_parallel=self.sequence_parallel,
-                            sequence_dim=self.sequence_dim, vocab_parallel=self.vocab_parallel)
+                            sequence_dim=self.sequence_dim, vocab_parallel=self.vocab_parallel,
+                            loss_parallel=self.loss_parallel)
         raise ValueError(f"unknown preset {self.name!r}")
 
 
@@ -142,7 +144,8 @@ def vocabulary_layers(model: nn.Module) -> dict[str, str]:
 
 
 def megatron(model: Any = None, *, dim: str = "tp", sequence_parallel: bool = False,
-             sequence_dim: int = 1, vocab_parallel: bool = False) -> Any:
+             sequence_dim: int = 1, vocab_parallel: bool = False,
+             loss_parallel: bool = False) -> Any:
     """Megatron-LM's tensor parallelism for a transformer: in each block, the query, key
     and value projections and the MLP's first linear layer(s) column-parallel, the
     attention's output projection and the MLP's second linear layer row-parallel.
@@ -195,6 +198,10 @@ def megatron(model: Any = None, *, dim: str = "tp", sequence_parallel: bool = Fa
         sequence_dim: the sequence's dimension in those activations (1 for
             ``(batch, sequence, hidden)``; 0 for ``batch_first=False`` models).
         vocab_parallel: also split the token embedding's table along the vocabulary.
+        loss_parallel: also split the vocabulary head(s) along the vocabulary (weight and
+            bias ``Shard(0)``): logits come out split, and a cross-entropy inside the
+            compiled step runs on them without gathering them (torch's
+            ``loss_parallel``); a module's caller receives them gathered.
 
     Example::
 
@@ -206,6 +213,9 @@ def megatron(model: Any = None, *, dim: str = "tp", sequence_parallel: bool = Fa
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"spmd.tp.megatron: sequence_parallel must be a bool, got "
                         f"{sequence_parallel!r}")
+    if not isinstance(loss_parallel, bool):
+        raise TypeError(f"spmd.tp.megatron: loss_parallel must be a bool, got "
+                        f"{loss_parallel!r}")
     if not isinstance(vocab_parallel, bool):
         raise TypeError(f"spmd.tp.megatron: vocab_parallel must be a bool, got "
                         f"{vocab_parallel!r}")
@@ -213,7 +223,8 @@ def megatron(model: Any = None, *, dim: str = "tp", sequence_parallel: bool = Fa
         raise ValueError(f"spmd.tp.megatron: sequence_dim must be a non-negative int, got "
                          f"{sequence_dim!r}")
     if model is None or isinstance(model, type):
-        return Preset("megatron", dim, sequence_parallel, sequence_dim, vocab_parallel)
+        return Preset("megatron", dim, sequence_parallel, sequence_dim, vocab_parallel,
+                      loss_parallel)
     if not isinstance(model, nn.Module):
         raise TypeError(f"spmd.tp.megatron: expected an nn.Module (or nothing), got "
                         f"{type(model).__name__}")
@@ -267,6 +278,22 @@ def megatron(model: Any = None, *, dim: str = "tp", sequence_parallel: bool = Fa
                 if f"{path}.{local}" in names:
                     placed[f"{path}.{local}"] = Shard(0)
                     source[f"{path}.{local}"] = why
+    if loss_parallel:
+        heads = [path for path in vocabulary_layers(model)
+                 if isinstance(model.get_submodule(path), nn.Linear)]
+        if not heads:
+            raise ValueError(f"spmd.tp.megatron: loss_parallel=True, but "
+                             f"{type(model).__name__} has no vocabulary head (an nn.Linear "
+                             f"named one of {', '.join(_HEADS)} with as many outputs as the "
+                             f"largest nn.Embedding has rows)")
+        by_tensor = {id(t): n for n, t in model.named_parameters()}  # a tied head: the table
+        for path in heads:
+            for local in ("weight", "bias"):
+                t = getattr(model.get_submodule(path), local, None)
+                if t is not None and id(t) in by_tensor:
+                    placed[by_tensor[id(t)]] = Shard(0)
+                    source[by_tensor[id(t)]] = ("loss parallelism: the head split along the "
+                                                "vocabulary, its logits with it")
     if sequence_parallel:
         for path, why in sequence_modules(model).items():
             placed[path] = Shard(sequence_dim)

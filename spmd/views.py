@@ -41,7 +41,8 @@ def to_networkx(plan: Any) -> nx.DiGraph:
             attrs = dict(data, graph=key, cost=node_cost(fx_nodes[name]))
             c = by_collective.get(name)
             if c is not None and key.startswith(f"{c.graph}."):
-                attrs.update(bytes=c.bytes, bucket=c.bucket, kind="communication",
+                attrs.update(bytes=c.bytes, bucket=c.bucket,
+                             kind="communication" if c.bucket >= 0 else "compute",
                              predicted_seconds=c.predicted_seconds,
                              provenance=str(c.provenance))
             sharding = fx_nodes[name].meta.get("sharding")
@@ -163,7 +164,7 @@ def _explain_tensor_parallel(plan: Any, x: str) -> str | None:
 
 
 def _explain_bucket(plan: Any, b: Any) -> str:
-    c = plan.collectives[b.index]
+    c = next(c for c in plan.collectives if c.bucket == b.index)
     shown = ", ".join(b.params[:8]) + (f" and {len(b.params) - 8} more" if len(b.params) > 8
                                        else "")
     wire = "" if b.wire_dtype == b.dtype else f", sent as {b.wire_dtype}"

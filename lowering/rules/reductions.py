@@ -77,11 +77,28 @@ def _softmax_dim(node: fx.Node) -> int:
     return norm_dim(int(node.args[1]), ndim)
 
 
+_LOSS_PARALLEL = {op("_log_softmax.default"): "sharded_log_softmax",
+                  op("_log_softmax_backward_data.default"): "sharded_log_softmax_backward"}
+
+
 @register(op("_softmax.default"), op("_log_softmax.default"), op("_safe_softmax.default"),
           op("_softmax_backward_data.default"), op("_log_softmax_backward_data.default"))
 def softmax(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     dim = _softmax_dim(node)
     decisions = []
+    ranked = _LOSS_PARALLEL.get(node.target)
+    if ranked is not None and all(isinstance(p, Shard) and p.dim == dim for p in inputs) \
+            and shape(tensor_args(node)[0])[dim] % size == 0:
+        # loss parallelism: the row maximum and the sum of exponentials are reduced over
+        # the ranks inside the op, never the logits
+        from spmd.lowering import ops
+
+        decisions.append(Decision(
+            output=Shard(dim), inputs=(Shard(dim),) * len(inputs),
+            reason=f"log-softmax along its sharded dimension {dim} (loss parallelism): "
+                   f"each rank its classes, the row maximum and sum of exponentials "
+                   f"all-reduced inside the op",
+            ranked=getattr(ops, ranked)))
     for p in inputs:
         if isinstance(p, Shard) and p.dim != dim:
             decisions.append(Decision(output=p, inputs=(p,) * len(inputs),
