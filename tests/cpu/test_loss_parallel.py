@@ -5,8 +5,8 @@ exactly as one process on the whole batch does, with ignored targets in every ba
 the logits are never gathered (the step's only forward collectives on "tp" are the
 layers' reductions and the loss's own scalar), and the log-softmax and the loss run as
 their sharded ops. Our transformer, Hugging Face LLaMA and GPT-2 (its head tied to the
-token table, so both split) at tp=2, and LLaMA with sequence and vocabulary parallelism
-under fsdp x tp."""
+token table, so both split) at tp=2, LLaMA with label smoothing (its sum over the classes
+a partial sum too), and LLaMA with sequence and vocabulary parallelism under fsdp x tp."""
 
 from __future__ import annotations
 
@@ -31,22 +31,28 @@ SHARDED = {str(op) for op in (ops.sharded_log_softmax, ops.sharded_log_softmax_b
 RUNS = {  # name -> (model, mesh shape, dimension names, strategy, megatron options)
     "transformer tp": ("transformer", (2,), ("tp",), "ddp", {}),
     "llama tp": ("llama", (2,), ("tp",), "ddp", {}),
+    "llama tp, label smoothing": ("llama", (2,), ("tp",), "ddp", {}),
     "gpt2 tp": ("gpt2", (2,), ("tp",), "ddp", {}),
     "llama fsdp x tp+sp+vp": ("llama", (2, 2), ("fsdp", "tp"), "fsdp",
                               {"sequence_parallel": True, "vocab_parallel": True}),
 }
 
 
+def _smoothing(run: str) -> float:
+    return 0.1 if "smoothing" in run else 0.0
+
+
 class WithLoss(nn.Module):
     """Token ids and targets -> the mean next-token cross-entropy (ignored targets -100)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, smoothing: float = 0.0) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.smoothing = model, smoothing
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = self.model(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                               label_smoothing=self.smoothing)
 
 
 def _train(model: nn.Module, e, rows: slice) -> tuple[list[torch.Tensor], dict]:
@@ -73,7 +79,8 @@ def job(rank: int, runs: list[str]) -> dict:
             name, shape, names, strategy, extra = RUNS[run]
             e = entry(name)
             mesh = spmd.Mesh(shape, dim_names=names)
-            model = spmd.parallelize(WithLoss(e.model()), mesh=mesh, strategy=strategy,
+            model = spmd.parallelize(WithLoss(e.model(), _smoothing(run)), mesh=mesh,
+                                     strategy=strategy,
                                      placements=spmd.tp.megatron(loss_parallel=True, **extra))
             data = "fsdp" if "fsdp" in names else None
             index = mesh.get_group(data).rank() if data else 0
@@ -114,7 +121,8 @@ def test_trains_like_one_process_without_gathering_the_logits(results, run):
     e = entry(name)
     # one process: the mean over every rank's rows (fsdp splits the rows: the mean of the
     # two halves' means, as their targets kept count alike) is the whole batch's
-    want_losses, want_params = _train(WithLoss(e.model()), e, slice(0, ROWS))
+    want_losses, want_params = _train(WithLoss(e.model(), _smoothing(run)), e,
+                                      slice(0, ROWS))
     for rank, got in enumerate(results[run]):
         assert got["fallbacks"] == []
         assert got["ops"] == sorted(SHARDED), f"rank {rank}: {got['ops']}"
