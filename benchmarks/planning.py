@@ -2,6 +2,7 @@
 
     python benchmarks/planning.py [--strategy ddp|fsdp]
     python benchmarks/planning.py --llama      # Llama 3 8B and 70B shapes, 64 H100s
+    python benchmarks/planning.py --long-context   # 70B at 131,072 tokens, (8, 8, 8) H100s
 
 ``--llama``: Llama 3 8B and 70B (``benchmarks/llm.py``) built on the meta device, one
 8,192-token sequence per rank, every block checkpointed, the loss inside the forward,
@@ -81,15 +82,55 @@ def llama() -> None:
               f"{int(rss) / 1024:.0f} | {int(peak) / 2**30:.1f} | {buckets} |", flush=True)
 
 
+_LONG = r"""
+import resource, sys, time, torch
+sys.path.insert(0, {here!r})
+import llm, spmd
+torch.set_num_threads(1)
+config = llm.LLAMA3_70B
+seq = 131072
+with torch.device("meta"):
+    model = llm.build(config, seq, "full")
+tokens = torch.randint(0, config.vocab, (1, seq), device="meta")
+mesh = spmd.Mesh.simulated((8, 8, 8), dim_names=("dp", "cp", "tp"),
+                           hardware=spmd.hardware.H100_SXM())
+start = time.perf_counter()
+plan = spmd.inspect(model, tokens, tokens, mesh=mesh, strategy="fsdp",
+                    placements=[spmd.tp.megatron(loss_parallel=True), spmd.cp.ring()],
+                    param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+print(plan.summary())
+view = plan.memory("adamw")
+print(view)
+print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def long_context() -> None:
+    """Llama 3 70B at 131,072 tokens on (dp 8, cp 8, tp 8) simulated H100s: the plan's
+    summary and memory view, the planning time and the process's peak memory."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", _LONG.format(here=here)],
+                         capture_output=True, text=True, check=True)
+    print(out.stdout)
+
+
 def main() -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
     parser.add_argument("--llama", action="store_true")
+    parser.add_argument("--long-context", action="store_true")
     args = parser.parse_args()
     if args.llama:
         llama()
+        return
+    if args.long_context:
+        long_context()
         return
     strategy = args.strategy
     torch.set_num_threads(1)

@@ -13,6 +13,8 @@ MLP 4x, LayerNorms) with the same weights, batches and AdamW for every variant:
 - ``spmd tp`` / ``spmd tp+sp`` / ``spmd tp+sp+vp``: ``spmd.parallelize(model,
   mesh=Mesh((2,), ("tp",)), placements=spmd.tp.megatron(sequence_parallel=...,
   vocab_parallel=...))``;
+- ``spmd tp+sp+vp+lp``: the same with ``loss_parallel=True`` on the model with its
+  cross-entropy inside (the head split along the vocabulary, the logits never gathered);
 - ``torch TP``: ``ColwiseParallel`` q, k, v, linear1 and ``RowwiseParallel`` o, linear2
   in every block;
 - ``torch TP+SP``: torchtitan's plan for this layout: ``SequenceParallel`` on every norm,
@@ -20,7 +22,9 @@ MLP 4x, LayerNorms) with the same weights, batches and AdamW for every variant:
   attention module to gather once for q, k and v), the row-parallel ones giving
   ``Shard(1)`` output (a reduce-scatter), the embedding ``RowwiseParallel`` (vocabulary-
   parallel, output ``Shard(1)``), the head ``ColwiseParallel`` from ``Shard(1)`` to whole
-  logits.
+  logits;
+- ``torch TP+SP+lp``: the same, the head's logits left split (``use_local_output=False``)
+  and the cross-entropy and its backward under ``loss_parallel()``.
 
 Time: variants alternate in rounds; round 0 warms up (compiles) and is not counted; a
 variant's figure is the median of its rounds' mean step times, with the lowest and
@@ -49,7 +53,45 @@ import tp  # noqa: E402
 from memory import step_peak  # noqa: E402
 from tp import COLUMN, ROW, _batch, _fresh, _train, alternate  # noqa: E402
 
-VARIANTS = ("spmd tp", "spmd tp+sp", "spmd tp+sp+vp", "torch TP", "torch TP+SP")
+VARIANTS = ("spmd tp", "spmd tp+sp", "spmd tp+sp+vp", "spmd tp+sp+vp+lp", "torch TP",
+            "torch TP+SP", "torch TP+SP+lp")
+
+
+class WithLoss(torch.nn.Module):
+    """The model with its cross-entropy inside (as a Hugging Face model given labels):
+    what loss parallelism needs to keep the logits split."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+
+
+def _train_inside(model, opt, batches) -> list[torch.Tensor]:
+    losses = []
+    for x, y in batches:
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def _train_torch_lp(model, opt, batches) -> list[torch.Tensor]:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    losses = []
+    for x, y in batches:
+        with loss_parallel():
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().full_tensor())
+    return losses
 
 
 def rank_main(rank: int, steps: int, rounds: int, width: int, heads: int, layers: int,
@@ -68,7 +110,7 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, heads: int, layers
     mesh = spmd.Mesh((2,), dim_names=("tp",))
     torch_mesh = mesh.to_torch()
 
-    def torch_tp(sequence_parallel: bool):
+    def torch_tp(sequence_parallel: bool, loss_par: bool = False):
         model = _fresh(width, heads, layers)
         if not sequence_parallel:
             plan = {**{n: ColwiseParallel() for n in COLUMN},
@@ -79,7 +121,9 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, heads: int, layers
         parallelize_module(model, torch_mesh, {
             "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
-            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+            "head": ColwiseParallel(input_layouts=Shard(1), use_local_output=False)
+            if loss_par else ColwiseParallel(input_layouts=Shard(1),
+                                             output_layouts=Replicate())})
         plan = {"norm1": SequenceParallel(), "norm2": SequenceParallel(),
                 **{n: ColwiseParallel(input_layouts=Shard(1)) for n in COLUMN},
                 **{n: RowwiseParallel(output_layouts=Shard(1)) for n in ROW}}
@@ -87,23 +131,29 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, heads: int, layers
             parallelize_module(block, torch_mesh, plan)
         return model
 
-    def ours(sequence_parallel: bool, vocab_parallel: bool = False):
-        return spmd.parallelize(_fresh(width, heads, layers), mesh=mesh,
+    def ours(sequence_parallel: bool, vocab_parallel: bool = False, loss_par: bool = False):
+        model = _fresh(width, heads, layers)
+        return spmd.parallelize(WithLoss(model) if loss_par else model, mesh=mesh,
                                 placements=spmd.tp.megatron(
                                     sequence_parallel=sequence_parallel,
-                                    vocab_parallel=vocab_parallel))
+                                    vocab_parallel=vocab_parallel, loss_parallel=loss_par))
 
     make = {"spmd tp": lambda: ours(False), "spmd tp+sp": lambda: ours(True),
             "spmd tp+sp+vp": lambda: ours(True, True),
-            "torch TP": lambda: torch_tp(False), "torch TP+SP": lambda: torch_tp(True)}
+            "spmd tp+sp+vp+lp": lambda: ours(True, True, True),
+            "torch TP": lambda: torch_tp(False), "torch TP+SP": lambda: torch_tp(True),
+            "torch TP+SP+lp": lambda: torch_tp(True, True)}
+    trains = {"spmd tp+sp+vp+lp": _train_inside, "torch TP+SP+lp": _train_torch_lp}
     batches = [_batch(step, batch, seq) for step in range(steps)]
     models = {v: make[v]() for v in VARIANTS}
     opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-3) for v, m in models.items()}
-    times, first_loss, _ = alternate(models, opts, batches, rounds, tdist.barrier)
+    times, first_loss, _ = alternate(models, opts, batches, rounds, tdist.barrier,
+                                     trains=trains)
     peaks = {}
     for variant, model in models.items():
         tdist.barrier()
-        peaks[variant] = step_peak(lambda: _train(model, opts[variant], batches[:1]))
+        train = trains.get(variant, _train)
+        peaks[variant] = step_peak(lambda: train(model, opts[variant], batches[:1]))
     predicted = {v: spmd.inspect(models[v]).memory().activations
                  for v in ("spmd tp", "spmd tp+sp")}
     tdist.barrier()

@@ -127,11 +127,13 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, batches) -> list[torch.
 
 
 def alternate(models: dict, opts: dict, batches, rounds: int, barrier,
-              runs=lambda variant: True) -> tuple[dict, dict, dict]:
+              runs=lambda variant: True, trains: dict | None = None
+              ) -> tuple[dict, dict, dict]:
     """Train every variant on ``batches`` in turn, ``rounds`` times after a warm-up round
     (compilation; not counted), each start behind ``barrier()``: each variant's mean step
     seconds per round, its step-0 loss (from the warm-up round) and its last loss. A
-    variant ``runs`` says no to on this rank waits at the next barrier."""
+    variant ``runs`` says no to on this rank waits at the next barrier; ``trains`` gives
+    a variant its own training loop (``_train``'s arguments; a loss inside the model)."""
     steps = len(batches)
     times: dict[str, list[float]] = {v: [] for v in models}
     first_loss: dict[str, float] = {}
@@ -142,7 +144,7 @@ def alternate(models: dict, opts: dict, batches, rounds: int, barrier,
             if not runs(variant):
                 continue
             start = time.perf_counter()
-            losses = _train(model, opts[variant], batches)
+            losses = (trains or {}).get(variant, _train)(model, opts[variant], batches)
             if r:
                 times[variant].append((time.perf_counter() - start) / steps)
             else:

@@ -29,7 +29,7 @@ from spmd.lowering.collectives import GRADIENT_PASS, build_bucket, bucket_result
 from spmd.lowering import ops
 from spmd.lowering.specs import lookup
 from spmd.lowering.context import LoweringContext
-from spmd.lowering.graph import collective_nodes
+from spmd.lowering.graph import collective_nodes, restore_order
 from spmd.lowering.passes import Provenance
 from spmd.lowering.propagate import derive
 from spmd.lowering.redistribute import Step
@@ -105,7 +105,12 @@ def bucketing(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
                                   gradients=first.provenance.pass_name != GRADIENT_PASS)
         for node, value in zip(nodes, reduced):
             (old,) = bucket_results(gm, node)
+            if "sharding" in old.meta:  # (a later bucket may read it: another dimension's)
+                value.meta.setdefault("sharding", old.meta["sharding"])
             old.replace_all_uses_with(value)
+    # a reduction over another mesh dimension that read a single one now reads the
+    # bucket's result, placed after the bucket's last gradient: moved after it
+    restore_order(gm.graph)
     gm.graph.eliminate_dead_code()  # the single collectives, now unused
     _number_buckets(gm, ctx)
     derive(gm, ctx)

@@ -33,7 +33,8 @@ from spmd.lowering.specs import CollectiveSpec
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import fill_val
 from spmd.lowering.passes import Provenance
-from spmd.lowering.placements import Sharding
+from spmd.lowering.annotate import PlanningError
+from spmd.lowering.placements import Shard, Sharding, StridedShard
 from spmd.lowering.propagate import derive
 from spmd.lowering.redistribute import Step, plan_redistribution
 from spmd.lowering.state import Boundary, CollectiveInfo, Role, needs
@@ -163,6 +164,9 @@ def insert_redistribution(gm: fx.GraphModule, ctx: LoweringContext, value: fx.No
     graph = gm.graph
     src = value.meta["sharding"]
     dst = src.with_placement(step.mesh_dim, step.dst)
+    strided = next((p for p in (step.src, step.dst) if isinstance(p, StridedShard)), None)
+    if strided is not None:
+        return _strided(gm, ctx, value, step, strided, provenance)
     if step.kind == "all_reduce":
         names = list(provenance.params[:1]) if provenance.pass_name == GRADIENT_PASS else [
             value.name]
@@ -198,6 +202,44 @@ def insert_redistribution(gm: fx.GraphModule, ctx: LoweringContext, value: fx.No
                                 step.src.dim + 1), role=unpack)
         dim = _LAYOUT[step.kind](step)
         return new_node(graph, aten.movedim.int, (done, 0, dim), role=unpack)
+
+
+def _strided(gm: fx.GraphModule, ctx: LoweringContext, value: fx.Node, step: Step,
+             strided: StridedShard, provenance: Provenance) -> fx.Node:
+    """A step to or from ``StridedShard(d, k)``: the same step on ``Shard(d + 1)`` of the
+    value reshaped with its ``k`` blocks split out, then reshaped back (each rank's part
+    of every block is one piece of dimension ``d + 1`` there)."""
+    graph = gm.graph
+    d = strided.dim
+    src = value.meta["sharding"]
+
+    def lifted(p: Any, here: bool) -> Any:
+        if here and p == strided:
+            return Shard(d + 1)
+        if isinstance(p, (Shard, StridedShard)) and p.dim == d and p != strided:
+            raise PlanningError(f"{ctx.graph_name}: {value.name} is {p!r} on another mesh "
+                                f"dimension along the same tensor dimension as {strided!r}; "
+                                f"that layout has no redistribution")
+        if isinstance(p, Shard) and p.dim > d:
+            return Shard(p.dim + 1)
+        if isinstance(p, StridedShard) and p.dim > d:
+            return StridedShard(p.dim + 1, p.split)
+        return p
+
+    names = src.mesh.dim_names
+    blocked = Sharding(mesh=src.mesh, placements=tuple(
+        lifted(p, name == step.mesh_dim) for name, p in zip(names, src.placements)))
+    with graph.inserting_after(value):
+        pre = new_node(graph, aten.reshape.default,
+                       (value, strided.blocks(value.meta["val"].shape)), sharding=blocked)
+    inner = replace(step, src=Shard(d + 1) if step.src == strided else step.src,
+                    dst=Shard(d + 1) if step.dst == strided else step.dst)
+    mid = insert_redistribution(gm, ctx, pre, inner, provenance)
+    shape = list(mid.meta["val"].shape)
+    shape[d:d + 2] = [shape[d] * shape[d + 1]]
+    with graph.inserting_after(mid):
+        return new_node(graph, aten.reshape.default, (mid, shape),
+                        sharding=src.with_placement(step.mesh_dim, step.dst))
 
 
 def insert_collectives(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import networkx as nx
 
 __all__ = ["dependency_graph", "is_collective", "is_wait", "fill_val", "tensor_vals",
-           "collective_nodes", "copy_graph"]
+           "collective_nodes", "copy_graph", "restore_order"]
 
 _COLLECTIVES = frozenset([*ops.COLLECTIVE_OPS.values(), *ops.SHARD_OPS.values()])
 
@@ -85,3 +85,40 @@ def dependency_graph(graph: fx.Graph) -> nx.DiGraph:
         for src in node.all_input_nodes:
             g.add_edge(src.name, node.name)
     return g
+
+
+def restore_order(graph: fx.Graph) -> bool:
+    """Move every node that reads a value defined after it to just after its last input
+    (and so on down its readers), keeping every other node in place: the graph's order
+    where a pass rewired readers to a value it placed later (a bucket of gradients
+    reduced after the last of them, read by another mesh dimension's reduction that sat
+    after the first). True if anything moved."""
+    import heapq
+
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    waiting = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [(index[n], n.name) for n in nodes if waiting[n] == 0]
+    heapq.heapify(ready)
+    by_name = {n.name: n for n in nodes}
+    order: list[fx.Node] = []
+    while ready:
+        _, name = heapq.heappop(ready)
+        node = by_name[name]
+        order.append(node)
+        for user in node.users:
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                heapq.heappush(ready, (index[user], user.name))
+    if len(order) != len(nodes):
+        raise RuntimeError("restore_order: the graph has a cycle")
+    if order == nodes:
+        return False
+    output = [n for n in order if n.op == "output"]
+    order = [n for n in order if n.op != "output"] + output
+    anchor = order[0]
+    for node in order[1:]:
+        if anchor.next is not node:
+            anchor.append(node)
+        anchor = node
+    return True

@@ -41,7 +41,7 @@ from spmd.lowering import ops
 
 __all__ = ["rewrite_for_meta", "fused_attention", "cross_entropy", "nll_loss", "ATTENTION",
            "ATTENTION_FORWARD", "ATTENTION_BACKWARD",
-           "attention_causal", "attention", "attention_backward"]
+           "attention_causal", "attention", "attention_backward", "nll", "nll_backward"]
 
 _aten = torch.ops.aten
 
@@ -171,14 +171,67 @@ def _reduction(size_average: Any, reduce: Any, reduction: str) -> str:
     return legacy.legacy_get_string(size_average, reduce)
 
 
+_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+
+
+def _nll(logp: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.aten.nll_loss_forward(logp, target, None, reduction, ignore_index)
+
+
+def _fake_nll(logp: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    return (logp.new_empty(target.shape if reduction == 0 else ()), logp.new_empty(()))
+
+
+def _nll_backward(grad: torch.Tensor, logp: torch.Tensor, target: torch.Tensor,
+                  reduction: int, ignore_index: int, total_weight: torch.Tensor
+                  ) -> torch.Tensor:
+    return torch.ops.aten.nll_loss_backward(grad, logp, target, None, reduction,
+                                            ignore_index, total_weight)
+
+
+def _fake_nll_backward(grad: torch.Tensor, logp: torch.Tensor, target: torch.Tensor,
+                       reduction: int, ignore_index: int, total_weight: torch.Tensor
+                       ) -> torch.Tensor:
+    return logp.new_empty(logp.shape)
+
+
+def _keep_nll(ctx: Any, inputs: tuple, output: Any) -> None:
+    logp, target, reduction, ignore_index = inputs
+    ctx.save_for_backward(logp, target, output[1])
+    ctx.args = (reduction, ignore_index)
+
+
+def _nll_grad(ctx: Any, grad: torch.Tensor, _grad_weight: Any) -> tuple:
+    logp, target, total_weight = ctx.saved_tensors
+    reduction, ignore_index = ctx.args
+    return (nll_backward(grad, logp, target, reduction, ignore_index, total_weight), None,
+            None, None)
+
+
+nll_backward = ops.define(
+    "nll_backward(Tensor grad_output, Tensor logp, Tensor target, int reduction, "
+    "int ignore_index, Tensor total_weight) -> Tensor", _nll_backward, _fake_nll_backward)
+nll = ops.define(
+    "nll(Tensor logp, Tensor target, int reduction, int ignore_index) -> "
+    "(Tensor output, Tensor total_weight)", _nll, _fake_nll, backward=_nll_grad,
+    setup_context=_keep_nll)
+
+
 def nll_loss(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
              size_average: Any = None, ignore_index: int = -100, reduce: Any = None,
              reduction: str = "mean") -> torch.Tensor:
     """``F.nll_loss`` written with differentiable primitives: the picked log-probability
-    per target, weighted, ignored targets masked, then the weighted mean (or sum)."""
+    per target, weighted, ignored targets masked, then the weighted mean (or sum). Rows of
+    classes without class weights: one fused node (``spmd::nll``, torch's kernel; its
+    backward ``spmd::nll_backward``), which loss parallelism splits along the classes
+    like torch's own."""
     reduction = _reduction(size_average, reduce, reduction)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"nll_loss: {reduction} is not a valid value for reduction")
+    if weight is None and input.dim() == 2:
+        return nll(input, target, _REDUCTIONS[reduction], ignore_index)[0]
     channel = 1 if input.dim() > 1 else 0
     keep = target != ignore_index
     safe = torch.where(keep, target, torch.zeros_like(target))

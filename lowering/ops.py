@@ -736,7 +736,15 @@ def _softmax_backward_local(r: int, size: int, gs: list, outs: list, dim: int,
     return whole.chunk(size, dim=dim)[r]
 
 
+def _weightless(n: Any) -> bool:
+    """The meta trace's fused ``spmd::nll`` / ``spmd::nll_backward``: aten's arguments
+    without the class weights."""
+    return "weight" not in [a.name for a in n.target._schema.arguments]
+
+
 def _nll_args(n: Any) -> tuple:
+    if _weightless(n):
+        return (n.args[0], n.args[1], int(n.args[2]), int(n.args[3]))
     args = list(n.args) + [None] * 5
     return (args[0], args[1], int(args[3] if args[3] is not None else
                                   n.kwargs.get("reduction", 1)),
@@ -745,6 +753,8 @@ def _nll_args(n: Any) -> tuple:
 
 def _nll_backward_args(n: Any) -> tuple:
     a = n.args
+    if _weightless(n):
+        return (a[0], a[1], a[2], int(a[3]), int(a[4]), a[5])
     return (a[0], a[1], a[2], int(a[4]), int(a[5]), a[6])
 
 

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Sequence
 if TYPE_CHECKING:
     from spmd.runtime.mesh import Mesh
 
-__all__ = ["Placement", "Replicate", "Shard", "Partial", "Varying", "Sharding"]
+__all__ = ["Placement", "Replicate", "Shard", "StridedShard", "Partial", "Varying",
+           "Sharding", "divides"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,6 +59,38 @@ class Shard(Placement):
 
     def __repr__(self) -> str:
         return f"Shard({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class StridedShard(Placement):
+    """Dimension ``dim`` read as ``split`` equal blocks, each block split across the
+    ranks: rank r holds the r-th part of every block, the blocks in order. What a reshape
+    merging a whole dimension (the batch) with a split one after it (the sequence, under
+    context parallelism) leaves: ``[B, S] Shard(1) -> [B * S] StridedShard(0, split=B)``,
+    and what splitting it back restores. ``StridedShard(d, 1)`` is ``Shard(d)``; it is
+    not a ``Shard`` (rules that do not know it gather it)."""
+
+    dim: int = 0
+    split: int = 1
+
+    def __post_init__(self) -> None:
+        for name, v in (("dim", self.dim), ("split", self.split)):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"StridedShard {name} must be an int, got {v!r}")
+        if self.split < 1:
+            raise ValueError(f"StridedShard split must be at least 1, got {self.split}")
+
+    def __repr__(self) -> str:
+        return f"StridedShard({self.dim}, split={self.split})"
+
+    def blocks(self, shape: tuple[int, ...] | list[int]) -> list[int]:
+        """``shape`` with dimension ``dim`` read as its ``split`` blocks: the shape in
+        which this placement is ``Shard(dim + 1)``."""
+        shape = list(shape)
+        n = shape[self.dim]
+        if n % self.split:
+            raise ValueError(f"{self!r} of a dimension of {n}: the blocks do not divide it")
+        return shape[:self.dim] + [self.split, n // self.split] + shape[self.dim + 1:]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,3 +167,9 @@ class Sharding:
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}: {p!r}" for n, p in zip(self.mesh.dim_names, self.placements))
         return f"Sharding({dims})"
+
+
+def divides(p: Placement) -> bool:
+    """Whether ``p`` splits its tensor across the ranks (``Shard`` or ``StridedShard``):
+    each rank holds 1/size of dimension ``p.dim``."""
+    return isinstance(p, (Shard, StridedShard))

@@ -33,7 +33,8 @@ import torch.fx as fx
 from spmd.lowering import rules
 from spmd.lowering.annotate import ShardingError
 from spmd.lowering.context import LoweringContext
-from spmd.lowering.placements import Partial, Placement, Replicate, Sharding, Varying
+from spmd.lowering.placements import (Partial, Placement, Replicate, Sharding, StridedShard,
+                                     Varying)
 from spmd.lowering.redistribute import redistribution
 from spmd.lowering.state import Boundary, needs
 
@@ -103,9 +104,21 @@ def choose(node: fx.Node, dim: str, incoming: tuple[Placement, ...],
                                              f"inputs are replicated first")
         seconds = _price(decision, args, incoming, dim, ctx) or 0.0
         return TPChoice(decision=decision, inputs=incoming, seconds=seconds, fallback=True)
+    if any(isinstance(p, StridedShard) for p in incoming) and not getattr(rule, "strided",
+                                                                          False):
+        # a rule written before StridedShard would read it as something else: gathered
+        decision = rules.replicate_all(node, f"{node.target}'s rule does not take "
+                                             f"StridedShard inputs: gathered first")
+        seconds = _price(decision, args, incoming, dim, ctx) or 0.0
+        return TPChoice(decision=decision, inputs=incoming, seconds=seconds)
     found = (rule(node, incoming, size, dim) if getattr(rule, "wants_dim", False)  # type: ignore[call-arg]
              else rule(node, incoming, size))
     options = found if isinstance(found, list) else [found]
+    if dim not in ctx.strategy.context_dims:
+        # a strided shard (the batch merged with a split sequence) is context
+        # parallelism's; on a tensor-parallel dimension the one gather of a value that
+        # several layers read is cheaper than each layer's own
+        options = [d for d in options if not _strided_out(d)] or options
     options = _reduce_shared_partials(node, args, incoming, options)
     priced = [(d, _price(d, args, incoming, dim, ctx)) for d in options]
     valid = [(d, s) for d, s in priced if s is not None]
@@ -117,6 +130,11 @@ def choose(node: fx.Node, dim: str, incoming: tuple[Placement, ...],
     decision, seconds = valid[best]
     others = tuple(v for i, v in enumerate(valid) if i != best)
     return TPChoice(decision=decision, inputs=incoming, seconds=seconds, alternatives=others)
+
+
+def _strided_out(decision: rules.Decision) -> bool:
+    out = decision.output
+    return any(isinstance(p, StridedShard) for p in (out if isinstance(out, tuple) else (out,)))
 
 
 def _reduce_shared_partials(node: fx.Node, args: list[fx.Node],

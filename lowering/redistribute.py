@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from spmd.lowering.placements import Partial, Placement, Replicate, Shard, Sharding, Varying
+from spmd.lowering.placements import (Partial, Placement, Replicate, Shard, Sharding,
+                                     StridedShard, Varying)
 
 if TYPE_CHECKING:
     from spmd.lowering.cost_model import CostModel
@@ -78,6 +79,16 @@ def redistribution(src: Placement, dst: Placement) -> Step:
                          f"rank's own, with no global tensor to place")
     if src == dst or isinstance(dst, Varying):
         return Step(src=src, dst=dst, kind="none")
+    if isinstance(src, StridedShard) or isinstance(dst, StridedShard):
+        # as Shard(dim + 1) of the tensor viewed with the blocks split out
+        if isinstance(src, StridedShard) and isinstance(dst, Replicate):
+            return Step(src=src, dst=dst, kind="all_gather")
+        if isinstance(src, Partial) and isinstance(dst, StridedShard):
+            return Step(src=src, dst=dst, kind="reduce_scatter")
+        if isinstance(src, Replicate) and isinstance(dst, StridedShard):
+            return Step(src=src, dst=dst, kind="slice")
+        raise ValueError(f"cannot redistribute {src!r} to {dst!r} in one step; gather it to "
+                         f"Replicate() first")
     if isinstance(src, Partial):
         if isinstance(dst, Replicate):
             return Step(src=src, dst=dst, kind="all_reduce")
@@ -122,6 +133,10 @@ def to_locals(value: torch.Tensor, placement: Placement, ranks: int,
         return [value.clone() for _ in range(ranks)]
     if isinstance(placement, Shard):
         return [c.clone() for c in _chunks(value, ranks, placement.dim)]
+    if isinstance(placement, StridedShard):
+        d = placement.dim
+        blocked = value.reshape(placement.blocks(value.shape))
+        return [c.flatten(d, d + 1).clone() for c in _chunks(blocked, ranks, d + 1)]
     if isinstance(placement, Partial):
         parts = [torch.randn(value.shape, generator=generator, dtype=value.dtype)
                  for _ in range(ranks - 1)]
@@ -140,6 +155,11 @@ def from_locals(locals_: Sequence[torch.Tensor], placement: Placement) -> torch.
         return locals_[0]
     if isinstance(placement, Shard):
         return torch.cat(list(locals_), dim=placement.dim)
+    if isinstance(placement, StridedShard):
+        d = placement.dim
+        blocked = [t.reshape(StridedShard(d, placement.split).blocks(t.shape))
+                   for t in locals_]
+        return torch.cat(blocked, dim=d + 1).flatten(d, d + 1)
     if isinstance(placement, Partial):
         total = sum(locals_[1:], locals_[0].clone())
         return total / len(locals_) if placement.reduce_op == "avg" else total
@@ -160,6 +180,15 @@ def simulate(step: Step, locals_: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     kind, src, dst = step.kind, step.src, step.dst
     if kind == "none":
         return list(locals_)
+    if isinstance(src, StridedShard) or isinstance(dst, StridedShard):
+        if kind == "all_gather":
+            whole = from_locals(locals_, src)
+            return [whole.clone() for _ in range(p)]
+        if kind == "reduce_scatter":
+            return to_locals(from_locals(locals_, src), dst, p)
+        if kind == "slice":
+            return [to_locals(t, dst, p)[i] for i, t in enumerate(locals_)]
+        raise ValueError(f"unknown redistribution step {kind!r} for {src!r} -> {dst!r}")
     if kind == "all_reduce":
         total = sum(locals_[1:], locals_[0].clone())
         value = total / p if src.reduce_op == "avg" else total

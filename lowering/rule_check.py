@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch.fx.node import map_aggregate
 
 from spmd.lowering import rules
-from spmd.lowering.placements import Placement, Replicate, Shard
+from spmd.lowering.placements import Placement, Replicate, divides
 from spmd.lowering.redistribute import from_locals, to_locals
 
 __all__ = ["on_shards", "run_op", "random_like", "is_random", "local_shape"]
@@ -61,7 +61,7 @@ def is_random(node: fx.Node) -> bool:
 
 def local_shape(global_shape: Sequence[int], placement: Placement, size: int) -> list[int]:
     out = list(global_shape)
-    if isinstance(placement, Shard):
+    if divides(placement):
         out[placement.dim] //= size
     return out
 

@@ -129,6 +129,12 @@ class Strategy:
         if not self.data_dims and self.data_dim is not None:
             object.__setattr__(self, "data_dims", (self.data_dim,))
 
+    @property
+    def context_dims(self) -> tuple[str, ...]:
+        """The context-parallel dimensions (``spmd.cp.ring``): where a reshape merging the
+        batch with the split sequence keeps it split (``StridedShard``)."""
+        return tuple(self.load_balance)
+
     def tp_placement(self, param: str) -> dict[str, Placement]:
         """``param``'s placement on each tensor-parallel dimension (``Replicate()`` where
         the user named none)."""

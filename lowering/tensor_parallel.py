@@ -46,7 +46,7 @@ from spmd.lowering.collectives import GRADIENT_PASS, insert_redistribution
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import fill_val
 from spmd.lowering.passes import Provenance
-from spmd.lowering.placements import Partial, Placement, Replicate, Shard, Sharding
+from spmd.lowering.placements import Partial, Placement, Replicate, Sharding, divides
 from spmd.lowering.propagate import TPChoice, derive, module_of
 from spmd.lowering.redistribute import redistribution
 from spmd.lowering.reshard import RESHARDED
@@ -72,7 +72,7 @@ def local_shape(global_shape: tuple[int, ...], sharding: Sharding, dims: tuple[s
     shape = list(global_shape)
     for name in dims:
         p = sharding[name]
-        if isinstance(p, Shard):
+        if divides(p):
             size = sharding.mesh.size(name)
             if shape[p.dim] % size:
                 raise PlanningError(f"dimension {p.dim} of a tensor of shape {global_shape} "

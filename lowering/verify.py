@@ -51,7 +51,8 @@ import torch.fx as fx
 from spmd.lowering import ops, rules
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import is_collective
-from spmd.lowering.placements import Partial, Placement, Replicate, Shard, Sharding, Varying
+from spmd.lowering.placements import (Partial, Placement, Replicate, Sharding, Varying,
+                                     divides)
 from spmd.lowering.propagate import module_of, seeded
 from spmd.lowering.reshard import RESHARDED, forward_name
 from spmd.lowering.rule_check import on_shards, random_like, run_op
@@ -363,7 +364,7 @@ class _Verifier:
         out = list(shape)
         for dim in dims:
             p = s[dim]
-            if isinstance(p, Shard):
+            if divides(p):
                 out[p.dim] *= self.mesh.size(dim)
         return out
 
@@ -411,7 +412,7 @@ class _Verifier:
             want = list(w.shape)
             for dim in dims:
                 p = s[dim]
-                if isinstance(p, Shard):
+                if divides(p):
                     if want[p.dim] % self.mesh.size(dim):
                         self.fail(node, f"output {k} is {p!r} on {dim!r}, but its whole "
                                         f"shape {list(w.shape)} does not divide there")

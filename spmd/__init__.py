@@ -20,6 +20,7 @@ _EXPORTS: dict[str, str] = {
     "Mesh": "spmd.runtime.mesh",
     "Replicate": "spmd.lowering.placements",
     "Shard": "spmd.lowering.placements",
+    "StridedShard": "spmd.lowering.placements",
     "Partial": "spmd.lowering.placements",
     "Options": "spmd.lowering.options",
     "placement_of": "spmd.layout",

@@ -366,7 +366,7 @@ def module_plan(records: list, *, setup: Any, options: Options, layout: Any,
         whole = layout.whole_numel(name, param) * param.element_size()
         plan.parameters[name] = (local, whole, param.requires_grad)
     plan.buffer_bytes = sum(b.numel() * b.element_size() for b in buffers.values())
-    plan.tokens_per_step = tokens_of(records)
+    plan.tokens_per_step = tokens_of(records, setup.strategy)
     plan.sharded = sorted(layout.shards)
     plan.shard_dims = {n: s.dim for n, s in sorted(layout.shards.items()) if s.dim}
     return plan
@@ -402,13 +402,17 @@ def price_on_hardware(plan: Plan, records: list, options: Options, hardware: Any
     return priced
 
 
-def tokens_of(records: list) -> int:
-    """Elements of the first integer data input (token ids) of the first record, if any."""
+def tokens_of(records: list, strategy: Any = None) -> int:
+    """Tokens each device trains on per step: the elements of the first integer data
+    input (token ids) of the first record, if any, shared by the ranks of every
+    tensor-parallel (and context-parallel) dimension, which all see the same batch."""
+    shared = 1 if strategy is None else math.prod(strategy.mesh.size(d)
+                                                  for d in strategy.tp_dims)
     for record in records[:1]:
         ids = [i for i in record.inputs if i.kind == "data" and i.shape
                and not i.dtype.is_floating_point and i.dtype != torch.bool]
         if ids:
-            return math.prod(ids[0].shape)
+            return math.prod(ids[0].shape) // shared
     return 0
 
 

@@ -331,7 +331,7 @@ class ParallelStep:
                                  kernel=kernels.implementation(torch.device("cpu")))
         # on a simulated cluster: the step graph on its roofline (optimizer included)
         price_on_hardware(plan, records, self.options, bound.setup.strategy.mesh.hardware)
-        plan.tokens_per_step = tokens_of(records)
+        plan.tokens_per_step = tokens_of(records, bound.setup.strategy)
         if bound.optimizer is None and self._records:
             plan.optimizer[self._records[-1].name] = f"torch.optim after the graph ({bound.why_not})"
         return plan

@@ -12,10 +12,19 @@ from __future__ import annotations
 import torch.fx as fx
 
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
+from spmd.lowering.meta_trace import nll as _meta_nll
+from spmd.lowering.meta_trace import nll_backward as _meta_nll_backward
 from spmd.lowering.rules import Decision, op, register, replicate_all, shape
 
 
-@register(op("nll_loss_forward.default"))
+def _fused(node: fx.Node) -> bool:
+    """The meta trace's fused ``spmd::nll`` (no weight argument)."""
+    from spmd.lowering.meta_trace import nll, nll_backward
+
+    return node.target in (nll, nll_backward)
+
+
+@register(op("nll_loss_forward.default"), _meta_nll)
 def nll_loss(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     """Log-probabilities ``(rows, classes)`` split along the classes (loss parallelism,
     after a sharded log-softmax): each rank picks the targets in its range, the others
@@ -25,7 +34,8 @@ def nll_loss(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[De
 
     decisions = []
     x = node.args[0]
-    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    weight = None if _fused(node) else (
+        node.args[2] if len(node.args) > 2 else node.kwargs.get("weight"))
     if isinstance(inputs[0], Shard) and inputs[0].dim == 1 and weight is None and len(
             shape(x)) == 2 and shape(x)[1] % size == 0:
         decisions.append(Decision(
@@ -36,7 +46,7 @@ def nll_loss(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[De
     return decisions
 
 
-@register(op("nll_loss_backward.default"))
+@register(op("nll_loss_backward.default"), _meta_nll_backward)
 def nll_loss_backward(node: fx.Node, inputs: tuple[Placement, ...], size: int
                       ) -> list[Decision]:
     """The gradient of the log-probabilities, split along the classes as they are: each
@@ -45,7 +55,8 @@ def nll_loss_backward(node: fx.Node, inputs: tuple[Placement, ...], size: int
 
     decisions = []
     x = node.args[1]
-    if isinstance(inputs[1], Shard) and inputs[1].dim == 1 and node.args[3] is None and len(
+    weight = None if _fused(node) else node.args[3]
+    if isinstance(inputs[1], Shard) and inputs[1].dim == 1 and weight is None and len(
             shape(x)) == 2 and shape(x)[1] % size == 0:
         decisions.append(Decision(
             output=Shard(1), inputs=(Replicate(), Shard(1), Replicate(), Replicate()),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from spmd.lowering.placements import Partial, Placement, Replicate, Shard
+from spmd.lowering.placements import Partial, Placement, Replicate, Shard, StridedShard
 from spmd.lowering.rules import Decision, op, register, shape, tensor_args
 from spmd.lowering.rules.pointwise import aligned_dim
 
@@ -43,7 +43,31 @@ def _product(a: tuple[int, ...], b: tuple[int, ...], inputs: tuple[Placement, ..
     for d in range(batch):
         if a[d] % size == 0:
             ways.append((Shard(d), Shard(d), Shard(d), f"batch dimension {d} sharded"))
+    ways += _strided_ways(a, b, inputs, size)
     ways.append((R(), R(), R(), "whole factors"))
+    return ways
+
+
+def _strided_ways(a: tuple[int, ...], b: tuple[int, ...], inputs: tuple[Placement, ...],
+                  size: int) -> list[tuple[Placement, Placement, Placement, str]]:
+    """The same ways for a factor that is ``StridedShard`` (rows merged from a batch and
+    a split sequence): rows, columns and the contraction dimension read block by block."""
+    batch = len(a) - 2
+    m, k, n = a[-2], a[-1], b[-1]
+    ways: list[tuple[Placement, Placement, Placement, str]] = []
+    for p in inputs:
+        if not isinstance(p, StridedShard):
+            continue
+        blocks = p.split
+        if p == inputs[0] and p.dim == batch and m % (blocks * size) == 0:
+            ways.append((p, R(), p, f"rows of the first factor {p!r}"))
+        contraction = (StridedShard(batch + 1, blocks), StridedShard(batch, blocks))
+        if p in contraction and k % (blocks * size) == 0:
+            ways.append((*contraction, Partial("sum"),
+                         f"contraction dimension {p!r} on both: each rank's product a "
+                         f"partial sum"))
+        if p == inputs[1] and p.dim == batch + 1 and n % (blocks * size) == 0:
+            ways.append((R(), p, p, f"columns of the second factor {p!r}"))
     return ways
 
 
@@ -66,6 +90,9 @@ def addmm(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decis
         if isinstance(prod, Shard):
             k = aligned_dim(shape(bias), out, prod.dim)
             pbias: Placement = R() if k is None else Shard(k)
+        elif isinstance(prod, StridedShard):
+            k = aligned_dim(shape(bias), out, prod.dim)
+            pbias = R() if k is None else StridedShard(k, prod.split)
         elif isinstance(prod, Partial):
             if isinstance(inputs[0], Partial) and inputs[0] != prod:
                 continue
@@ -74,3 +101,6 @@ def addmm(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decis
             pbias = R()
         decisions.append(Decision(output=prod, inputs=(pbias, pa, pb), reason=why))
     return decisions
+
+
+mm.strided = addmm.strided = True  # type: ignore[attr-defined]

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import torch.fx as fx
 
-from spmd.lowering.placements import Partial, Placement, Replicate, Shard
+from spmd.lowering.placements import Partial, Placement, Replicate, Shard, StridedShard
 from spmd.lowering.rules import Decision, op, register, shape, tensor_args
 
 __all__ = ["broadcast_decisions", "aligned_dim"]
@@ -43,24 +43,30 @@ def broadcast_decisions(node: fx.Node, inputs: tuple[Placement, ...], size: int,
     def result(p: Placement) -> Placement | tuple[Placement, ...]:
         return (p,) * outputs if outputs > 1 else p
 
-    if keeps_partial is not None and not any(isinstance(p, Shard) for p in inputs):
+    if keeps_partial is not None and not any(isinstance(p, (Shard, StridedShard))
+                                             for p in inputs):
         reduce_op = keeps_partial(inputs)
         if reduce_op is not None:
             decisions.append(Decision(output=result(Partial(reduce_op)),
                                       reason=f"linear in its Partial({reduce_op!r}) input"))
-    candidates: list[int] = []
+    candidates: list[tuple[int, int]] = []  # (output dimension, blocks: 1 for Shard)
     for s, p in zip(shapes, inputs):
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, StridedShard)):
             od = p.dim + len(out) - len(s)
-            if od not in candidates and out[od] % size == 0 and out[od] > 0:
-                candidates.append(od)
-    for od in candidates:
+            blocks = p.split if isinstance(p, StridedShard) else 1
+            if (od, blocks) not in candidates and out[od] % (size * blocks) == 0 \
+                    and out[od] > 0:
+                candidates.append((od, blocks))
+    for od, blocks in candidates:
         needed = []
         for s in shapes:
             k = aligned_dim(s, out, od)
-            needed.append(Replicate() if k is None else Shard(k))
-        decisions.append(Decision(output=result(Shard(od)), inputs=tuple(needed),
-                                  reason=f"elementwise: output dim {od} sharded like its inputs"))
+            needed.append(Replicate() if k is None else
+                          StridedShard(k, blocks) if blocks > 1 else Shard(k))
+        placed = StridedShard(od, blocks) if blocks > 1 else Shard(od)
+        decisions.append(Decision(output=result(placed), inputs=tuple(needed),
+                                  reason=f"elementwise: output dim {od} {placed!r} like its "
+                                         f"inputs"))
     decisions.append(Decision(output=result(Replicate()), inputs=(Replicate(),) * len(args),
                               reason="elementwise on whole inputs"))
     return decisions
@@ -98,6 +104,7 @@ def _first_partial(inputs: tuple[Placement, ...]) -> str | None:
 def _rule(check: PartialCheck | None) -> Callable:
     def rule(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
         return broadcast_decisions(node, inputs, size, check)
+    rule.strided = True  # type: ignore[attr-defined]
     return rule
 
 
@@ -142,6 +149,9 @@ def additive(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[De
     return broadcast_decisions(node, inputs, size, lambda ps: _same_partial(ps + numbers))
 
 
+additive.strided = True  # type: ignore[attr-defined]
+
+
 register(*[op(n) for n in _MULTIPLICATIVE])(_rule(_one_partial))
 register(*[op(n) for n in _LINEAR_IN_FIRST])(_rule(_first_partial))
 register(*[op(n) for n in _NONLINEAR])(_rule(None))
@@ -153,6 +163,9 @@ def to_copy(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Dec
     not to an integer or boolean one (the parts would round, or clamp, each on its own)."""
     floating = node.meta["val"].is_floating_point() or node.meta["val"].is_complex()
     return broadcast_decisions(node, inputs, size, _first_partial if floating else None)
+
+
+to_copy.strided = True  # type: ignore[attr-defined]
 
 
 @register(op("new_zeros.default"), op("new_ones.default"), op("new_empty.default"),

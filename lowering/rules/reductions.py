@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from spmd.lowering.placements import Partial, Placement, Shard
+from spmd.lowering.placements import Partial, Placement, Shard, StridedShard
 from spmd.lowering.rules import Decision, norm_dim, op, register, replicate_all, shape, tensor_args
 
 
@@ -29,8 +29,11 @@ def _reduced_dims(node: fx.Node) -> tuple[list[int], bool]:
     return [norm_dim(int(d), ndim) for d in dims], keepdim
 
 
-def _kept(p: Shard, dims: list[int], keepdim: bool) -> Shard:
-    return p if keepdim else Shard(p.dim - sum(1 for d in dims if d < p.dim))
+def _kept(p: Shard | StridedShard, dims: list[int], keepdim: bool) -> Shard | StridedShard:
+    if keepdim:
+        return p
+    dim = p.dim - sum(1 for d in dims if d < p.dim)
+    return StridedShard(dim, p.split) if isinstance(p, StridedShard) else Shard(dim)
 
 
 def _linear(kind: str):
@@ -49,8 +52,10 @@ def _linear(kind: str):
     return rule
 
 
-register(op("sum.dim_IntList"), op("sum.default"))(_linear("sum"))
-register(op("mean.dim"), op("mean.default"))(_linear("mean"))
+_sum, _mean = _linear("sum"), _linear("mean")
+_sum.strided = _mean.strided = True  # type: ignore[attr-defined]
+register(op("sum.dim_IntList"), op("sum.default"))(_sum)
+register(op("mean.dim"), op("mean.default"))(_mean)
 
 
 @register(op("amax.default"), op("amin.default"), op("max.dim"), op("min.dim"),

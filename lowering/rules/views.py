@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from spmd.lowering.placements import Partial, Placement, Replicate, Shard
+from spmd.lowering.placements import Partial, Placement, Replicate, Shard, StridedShard
 from spmd.lowering.rules import (Decision, norm_dim, op, outputs_of, register, replicate_all,
                                  shape, tensor_args)
 
@@ -46,24 +46,87 @@ def _whole(node: fx.Node, inputs: tuple[Placement, ...], why: str) -> list[Decis
     return [replicate_all(node, why)]
 
 
+def strided_map(src: Sequence[int], dst: Sequence[int], dim: int, size: int
+                ) -> tuple[int, int] | None:
+    """Where sharded dimension ``dim`` of ``src`` goes when a reshape merges it with
+    dimensions in front of it: ``(e, split)`` for ``StridedShard(e, split)`` of ``dst``
+    (dimension ``e`` read as ``split`` blocks, one per index merged in front, each
+    holding the whole of ``dim`` and split as it is), or None.
+
+    An element at index ``b`` of the ``before`` indices in front of ``dim``, ``s`` along
+    it and ``t`` of the ``T`` after it sits at ``(b * S + s) * T + t``. With ``L`` the
+    product of ``dst``'s dimensions before ``e`` dividing ``before`` and the ones after
+    ``e`` (``P``) dividing ``T``, dimension ``e`` holds ``split = before / L`` blocks of
+    ``S * T / P``, ``s`` outermost in each: rank r's ``s`` are one contiguous range of
+    every block."""
+    if math.prod(src) != math.prod(dst) or src[dim] % size:
+        return None
+    before, tail = math.prod(src[:dim]), math.prod(src[dim + 1:])
+    for e in range(len(dst)):
+        lead, after = math.prod(dst[:e]), math.prod(dst[e + 1:])
+        if before % lead or tail % after:
+            continue
+        split = before // lead
+        if split > 1 and dst[e] == split * src[dim] * (tail // after):
+            return e, split
+    return None
+
+
+def unstride_map(src: Sequence[int], dst: Sequence[int], p: StridedShard, size: int
+                 ) -> Placement | None:
+    """Where ``StridedShard(d, k)`` of ``src`` goes under a reshape: ``Shard(e)`` where the
+    blocks are split back out in front of a dimension ``e`` that divides, the same
+    ``StridedShard`` where dimension ``d`` is untouched, else None."""
+    if math.prod(src) != math.prod(dst):
+        return None
+    d, k = p.dim, p.split
+    before = math.prod(src[:d])
+    rest = math.prod(src[d:]) // k
+    for e in range(len(dst)):
+        if (math.prod(dst[:e]) == before * k and math.prod(dst[e:]) == rest and dst[e] > 1
+                and dst[e] % size == 0):
+            return Shard(e)
+        if math.prod(dst[:e]) == before and dst[e] == src[d] and math.prod(
+                dst[e + 1:]) == math.prod(src[d + 1:]):
+            return StridedShard(e, k)
+    return None
+
+
 @register(op("view.default"), op("_unsafe_view.default"), op("reshape.default"))
 def view(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     p = inputs[0]
+    src, dst = shape(tensor_args(node)[0]), shape(node)
+    if isinstance(p, StridedShard):
+        out = unstride_map(src, dst, p, size)
+        if out is None:
+            return _whole(node, inputs, f"reshape {list(src)} -> {list(dst)} splits the "
+                                        f"blocks of {p!r}")
+        return [Decision(output=out, reason=f"{p!r} becomes {out!r}")]
     if not isinstance(p, Shard):
         return [Decision(output=p, reason="a view of a whole or partial value")]
-    src, dst = shape(tensor_args(node)[0]), shape(node)
     mapped = reshape_map(src, dst, p.dim, size)
     if mapped is None:
+        strided = strided_map(src, dst, p.dim, size)
+        if strided is not None:
+            e, split = strided
+            return [Decision(output=StridedShard(e, split),
+                             reason=f"dimension {p.dim} merged with the {split} indices in "
+                                    f"front of it: each block of {e} split alike"),
+                    replicate_all(node, f"reshape {list(src)} -> {list(dst)} merges sharded "
+                                        f"dimension {p.dim} with those in front: gathered")]
         return _whole(node, inputs, f"reshape {list(src)} -> {list(dst)} splits the pieces "
                                     f"of sharded dimension {p.dim}")
     return [Decision(output=Shard(mapped), reason=f"dimension {p.dim} becomes {mapped}")]
+
+
+view.strided = True  # type: ignore[attr-defined]
 
 
 @register(op("t.default"), op("transpose.int"), op("permute.default"))
 def transpose(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     (p,) = inputs
     ndim = len(shape(node))
-    if not isinstance(p, Shard):
+    if not isinstance(p, (Shard, StridedShard)):
         return [Decision(output=p, reason="a view of a whole or partial value")]
     if node.target is op("permute.default"):
         order = [norm_dim(d, ndim) for d in node.args[1]]
@@ -74,7 +137,11 @@ def transpose(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[D
         else:
             d0, d1 = (norm_dim(d, ndim) for d in node.args[1:3])
         dim = d1 if p.dim == d0 else d0 if p.dim == d1 else p.dim
-    return [Decision(output=Shard(dim), reason=f"dimension {p.dim} moves to {dim}")]
+    moved = StridedShard(dim, p.split) if isinstance(p, StridedShard) else Shard(dim)
+    return [Decision(output=moved, reason=f"dimension {p.dim} moves to {dim}")]
+
+
+transpose.strided = True  # type: ignore[attr-defined]
 
 
 @register(op("expand.default"))

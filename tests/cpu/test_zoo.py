@@ -10,7 +10,7 @@ Megatron's placements from ``spmd.tp.megatron()``), ``zero1``, ``zero2``, 2-D ``
 ``fsdp x tp``, ``hsdp x tp``, ``zero2 x tp``, 2-D ``fsdp x tp``, and with sequence
 parallelism (``spmd.tp.megatron(sequence_parallel=True)``) ``tp+sp``, ``dp x tp+sp``,
 ``fsdp x tp+sp``, with vocabulary parallelism ``tp+vp``, ``fsdp x tp+sp+vp``, and with
-context parallelism (``spmd.cp.ring()``: ring attention, one sequence per data rank)
+context parallelism (``spmd.cp.ring()``: ring attention, 1-2 sequences per data rank)
 ``cp``, ``dp x cp``, ``fsdp x cp``, ``cp x tp``, ``fsdp x cp x tp``. Compared against
 one process training on the whole batch in the test process: every step's output (this rank's rows) and every parameter at the end,
 whole (through ``state_dict()``), to 1e-9. In float64 the parallel arithmetic differs
@@ -76,10 +76,9 @@ COMPOSITIONS = {
     "cp x tp": ((2, 2), ("cp", "tp"), "ddp", "cp+tp"),
     "fsdp x cp x tp": ((2, 2, 2), ("fsdp", "cp", "tp"), "fsdp", "cp+tp"),
 }
-# context parallelism keeps the sequence split where each data rank has one sequence (a
-# reshape merging several sequences with a split one gathers it): its global batch has
-# one row per data rank
-ROWS_OF = {"cp": 1, "dp x cp": 2, "fsdp x cp": 2, "cp x tp": 1, "fsdp x cp x tp": 2}
+# context parallelism: two sequences per data rank (the linear layers' reshapes merge the
+# batch with the split sequence: StridedShard), one under fsdp x cp
+ROWS_OF = {"cp": 2, "dp x cp": 4, "fsdp x cp": 2, "cp x tp": 2, "fsdp x cp x tp": 4}
 MODELS = [e.name for e in all_entries()]
 
 # the CI profile: every model under tp; each other composition on several families and
