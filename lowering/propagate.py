@@ -114,10 +114,11 @@ def choose(node: fx.Node, dim: str, incoming: tuple[Placement, ...],
     found = (rule(node, incoming, size, dim) if getattr(rule, "wants_dim", False)  # type: ignore[call-arg]
              else rule(node, incoming, size))
     options = found if isinstance(found, list) else [found]
-    if dim not in ctx.strategy.context_dims:
-        # a strided shard (the batch merged with a split sequence) is context
-        # parallelism's; on a tensor-parallel dimension the one gather of a value that
-        # several layers read is cheaper than each layer's own
+    if dim not in ctx.strategy.context_dims and getattr(rule, "merges", False):
+        # a reshape merging the batch with a split dimension (StridedShard) is context
+        # parallelism's; on a tensor-parallel dimension a value several layers read (a
+        # sequence-parallel norm's output, read by q, k and v) is gathered once where it
+        # is read rather than strided by each reader and gathered by each
         options = [d for d in options if not _strided_out(d)] or options
     options = _reduce_shared_partials(node, args, incoming, options)
     priced = [(d, _price(d, args, incoming, dim, ctx)) for d in options]

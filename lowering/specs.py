@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import torch
 
 from spmd.lowering import redistribute as table
+from spmd.lowering.placements import StridedShard, divides
 from spmd.runtime import collectives
 
 __all__ = ["CollectiveSpec", "ShardSpec", "ShardBucketSpec", "TPSpec", "PlaceSpec", "RankSpec",
@@ -475,16 +476,21 @@ class TPSpec:
     def local_shape(self) -> tuple[int, ...]:
         shape = list(self.shape)
         for dim, p in self.placements.items():
-            if p.is_shard():
+            if divides(p):
                 shape[p.dim] //= self.sizes[dim]
         return tuple(shape)
 
     def piece(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of a whole tensor laid out like the parameter (a view)."""
+        """This rank's piece of a whole tensor laid out like the parameter (a view; a
+        copy for a ``StridedShard``, whose piece is one part of each block)."""
         out = full
         for dim, p in self.placements.items():
             if p.is_shard():
                 out = out.chunk(self.sizes[dim], dim=p.dim)[self.rank(dim)]
+            elif isinstance(p, StridedShard):
+                blocked = out.reshape(p.blocks(out.shape))
+                out = blocked.chunk(self.sizes[dim], dim=p.dim + 1)[self.rank(dim)].flatten(
+                    p.dim, p.dim + 1)
         return out
 
     def whole(self, local: torch.Tensor) -> torch.Tensor:
@@ -496,6 +502,11 @@ class TPSpec:
                 front = gather_rows(out.movedim(p.dim, 0), self.sizes[dim],
                                     self.groups.get(dim))
                 out = front.movedim(0, p.dim)
+            elif isinstance(p, StridedShard):  # every rank's part of each block, in order
+                blocked = out.reshape(p.blocks(out.shape)).movedim(p.dim + 1, 0)
+                front = gather_rows(blocked.contiguous(), self.sizes[dim],
+                                    self.groups.get(dim))
+                out = front.movedim(0, p.dim + 1).flatten(p.dim, p.dim + 1)
         return out.contiguous()
 
 

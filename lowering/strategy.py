@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from spmd.lowering.state import InputInfo
-from spmd.lowering.placements import Partial, Placement, Replicate, Shard, Sharding
+from spmd.lowering.placements import Partial, Placement, Replicate, Shard, Sharding, divides
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["Strategy", "StrategyKind", "KINDS", "resolve_strategy", "STRATEGIES", "tp_dims_of",
@@ -155,7 +155,7 @@ class Strategy:
 
     @property
     def tensor_parallel(self) -> bool:
-        return any(any(p.is_shard() for p in placed.values())
+        return any(any(divides(p) for p in placed.values())
                    for placed in self.placements.values())
 
     @property

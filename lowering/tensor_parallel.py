@@ -83,6 +83,7 @@ def local_shape(global_shape: tuple[int, ...], sharding: Sharding, dims: tuple[s
 
 
 _VIEWS = {aten.view.default, aten._unsafe_view.default}
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
 
 
 def viewable(val: torch.Tensor, shape: Any) -> bool:
@@ -248,6 +249,17 @@ class _Localizer:
             want = self.expected(node)
         if node.target in rules.SHAPE_ARG:
             node.args = (node.args[0], list(want), *node.args[2:])
+        if node.target in _SPLITS and isinstance(want, list) and want and want[0] is not None:
+            # sizes written for the whole tensor: a split into equal parts along a
+            # dimension the pieces divide (a fused q, k, v output's blocks) is the same
+            # chunk(n) on the whole tensor and on every rank's piece
+            ndim = len(want[0])
+            raw = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+            dim = int(raw) % ndim
+            whole = [tuple(v.shape)[dim] for v in node.meta["val"]]
+            if [int(w[dim]) for w in want] != whole and len(set(whole)) == 1:
+                node.target = aten.chunk.default
+                node.args, node.kwargs = (node.args[0], len(whole), dim), {}
         if node.target in _VIEWS and not viewable(node.args[0].meta["val"], want):
             node.target = aten.reshape.default
         self.check(node, want)

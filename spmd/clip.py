@@ -11,6 +11,8 @@ from typing import Any, Iterable
 
 import torch
 
+from spmd.lowering.placements import divides
+
 __all__ = ["clip_grad_norm_", "total_norm", "install_clip"]
 
 _ORIGINAL_CLIP: Any = None
@@ -24,7 +26,7 @@ def _split_over(param: torch.Tensor) -> tuple[Any, tuple[str, ...]]:
         return None, ()
     mesh = placed.sharding.mesh
     dims = tuple(d for d, p in zip(mesh.dim_names, placed.sharding.placements)
-                 if p.is_shard() and mesh.size(d) > 1)
+                 if divides(p) and mesh.size(d) > 1)
     return mesh, dims
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from spmd.lowering import ops
-from spmd.lowering.placements import Replicate, Shard, Sharding
+from spmd.lowering.placements import Replicate, Shard, Sharding, divides
 from spmd.lowering.specs import Handles, PlaceSpec, ShardSpec, TPSpec, lookup
 from spmd.writethrough import write_through
 
@@ -158,7 +158,7 @@ def shard_dims_for(module: nn.Module, strategy: Any, fn: Any, where: str) -> dic
             shape = list(param.shape)
             split = set()
             for dim, p in placed.items():
-                if p.is_shard():
+                if divides(p):
                     shape[p.dim] //= strategy.mesh.size(dim)
                     split.add(p.dim)
             piece = torch.empty(shape, dtype=param.dtype, device="meta")
@@ -275,7 +275,7 @@ def _place(name: str, param: nn.Parameter, setup: Any, options: Any, handles: Ha
     placed = strategy.tp_placement(name)
     piece = shard = None
     value = param.detach()
-    if any(p.is_shard() for p in placed.values()):
+    if any(divides(p) for p in placed.values()):
         piece = TPSpec(param=name, shape=shape, placements=placed,
                        sizes={d: mesh.size(d) for d in strategy.tp_dims},
                        groups={d: None if mesh.simulated else mesh.get_group(d)

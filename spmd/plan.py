@@ -20,6 +20,7 @@ from spmd.lowering.cost_model import CostModel
 from spmd.lowering.graph import collective_nodes
 from spmd.lowering.options import Options
 from spmd.lowering.passes import Provenance
+from spmd.lowering.placements import divides
 from spmd.lowering.state import CollectiveInfo, OptimizerFusion, find
 
 __all__ = ["Plan", "Bucket", "Collective", "Fallback", "Placed", "Verification",
@@ -195,7 +196,7 @@ class Plan:
             dims = sorted({d for p in self.tp_placements.values() for d in p})
             sizes = ", ".join(f"{d!r} ({self.mesh.size(d)} ranks)" for d in dims)
             split = sum(1 for p in self.tp_placements.values()
-                        if any(q.is_shard() for q in p.values()))
+                        if any(divides(q) for q in p.values()))
             lines.append(f"tensor parallel along {sizes}: {split} parameter(s) stored as "
                          f"pieces; {len(self.placed)} op placement(s) decided by rules")
             missing = sorted({p.op for p in self.placed if p.fallback})

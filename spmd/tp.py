@@ -30,7 +30,7 @@ from typing import Any, Mapping
 import torch.nn as nn
 
 from spmd.hf import inside, layer_kind, plan_entries
-from spmd.lowering.placements import Partial, Placement, Replicate, Shard
+from spmd.lowering.placements import Partial, Placement, Replicate, Shard, StridedShard
 from spmd.lowering.strategy import tp_dims_of
 
 __all__ = ["megatron", "Preset", "Resolved", "resolve_placements", "resolve_layout",
@@ -39,17 +39,20 @@ __all__ = ["megatron", "Preset", "Resolved", "resolve_placements", "resolve_layo
 
 # Megatron-LM's layer names (and the common ones of Hugging Face and torch models):
 # column-parallel layers split their output features, row-parallel their input features.
-# GPT-2's fused query-key-value projection ("c_attn") is not here: q, k and v sit side by
-# side along its output, so a contiguous split would give rank 0 all of q and half of k;
-# that layout needs splitting by head groups (later work), so GPT-2's attention ("c_attn"
-# and its "c_proj", which then has no column-parallel sibling) stays replicated and only
-# its MLP is split. Naming "c_attn" in placements by hand still plans correctly (the
-# compiler gathers what the attention needs), at the cost of that traffic.
+# A fused query-key-value projection (GPT-2's "c_attn", FUSED) holds q, k and v side by
+# side along its output: a contiguous split would give rank 0 all of q and half of k, so
+# it is split by head groups, StridedShard(out, 3): each rank its heads of each of q, k
+# and v. torch's nn.MultiheadAttention is not split: its forward merges the batch with
+# the heads in a reshape, which keeps them split only as a strided shard of the batch
+# (context parallelism's, not planned on a tensor-parallel dimension); its in_proj_weight
+# placed StridedShard(0, 3) by hand is refused, naming the parameter.
 COLUMN = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv", "q", "k",
           "v", "fc1", "linear1", "w1", "w3", "up_proj", "gate_proj", "c_fc",
           "dense_h_to_4h", "ff1", "mlp_in", "in_proj")
 ROW = ("o_proj", "out_proj", "wo", "o", "proj", "fc2", "linear2", "w2", "down_proj", "c_proj",
        "dense_4h_to_h", "ff2", "mlp_out", "dense")
+# fused projections of q, k and v of equal sizes, concatenated along the output
+FUSED = ("c_attn",)
 
 # (role, layer kind) -> the layer's parameters that are split; the others stay replicated.
 # nn.Linear stores its weight (out, in), transformers' Conv1D (GPT-2) (in, out).
@@ -59,6 +62,8 @@ _SPLITS: dict[tuple[str, str], dict[str, Placement]] = {
     ("row", "linear"): {"weight": Shard(1)},
     ("row", "conv1d"): {"weight": Shard(0)},
     ("vocabulary", "embedding"): {"weight": Shard(0)},
+    ("fused", "linear"): {"weight": StridedShard(0, 3), "bias": StridedShard(0, 3)},
+    ("fused", "conv1d"): {"weight": StridedShard(1, 3), "bias": StridedShard(0, 3)},
     ("embedding", "embedding"): {"weight": Shard(1)},
 }
 
@@ -246,20 +251,23 @@ def megatron(model: Any = None, *, dim: str = "tp", sequence_parallel: bool = Fa
     for prefix, module in model.named_modules():
         if inside(prefix, governed):
             continue  # a model's own plan places this part
+        base = f"{prefix}." if prefix else ""
         layers = {name: child for name, child in module.named_children()
                   if layer_kind(child) in ("linear", "conv1d")}
         columns = [n for n in layers if n in COLUMN]
-        if not columns:
+        fused = [n for n in layers if n in FUSED]
+        if not columns and not fused:
             continue
         rows = [n for n in layers if n in ROW]
-        base = f"{prefix}." if prefix else ""
-        for role, names in (("column", columns), ("row", rows)):
+        for role, names in (("column", columns), ("row", rows), ("fused", fused)):
             for name in names:
                 kind = layer_kind(layers[name])
                 for local, placement in _SPLITS[(role, kind)].items():
                     if getattr(layers[name], local, None) is not None:
                         placed[f"{base}{name}.{local}"] = placement
                         source[f"{base}{name}.{local}"] = (
+                            f"name: fused q, k, v {type(layers[name]).__name__} {name!r}, "
+                            f"split by head groups" if role == "fused" else
                             f"name: {role}-parallel {type(layers[name]).__name__} {name!r}")
     if not placed:
         raise ValueError(f"spmd.tp.megatron: no column-parallel layer found in "
@@ -346,9 +354,11 @@ def resolve_layout(model: nn.Module, mesh: Any, spec: Any, where: str
             if not isinstance(pattern, str):
                 raise TypeError(f"{where}: placements[{dim!r}] keys are parameter name "
                                 f"patterns (str), got {pattern!r}")
-            if isinstance(placement, Partial) or not isinstance(placement, (Shard, Replicate)):
+            if isinstance(placement, Partial) or not isinstance(
+                    placement, (Shard, Replicate, StridedShard)):
                 raise TypeError(f"{where}: placements[{dim!r}][{pattern!r}] must be "
-                                f"spmd.Shard(d) or spmd.Replicate(), got {placement!r}")
+                                f"spmd.Shard(d), spmd.StridedShard(d, split) or "
+                                f"spmd.Replicate(), got {placement!r}")
             matched = [n for n in params if fnmatch.fnmatchcase(n, pattern)]
             if not matched:
                 outputs = [m for m in modules if fnmatch.fnmatchcase(m, pattern)]
@@ -356,6 +366,10 @@ def resolve_layout(model: nn.Module, mesh: Any, spec: Any, where: str
                     raise ValueError(f"{where}: placements[{dim!r}] pattern {pattern!r} "
                                      f"matches no parameter of {type(model).__name__} (names "
                                      f"look like {', '.join(list(params)[:3])}) and no module")
+                if isinstance(placement, StridedShard):
+                    raise TypeError(f"{where}: placements[{dim!r}][{pattern!r}] places "
+                                    f"module outputs: spmd.Shard(d) or spmd.Replicate(), got "
+                                    f"{placement!r}")
                 if isinstance(placement, Shard) and placement.dim < 0:
                     raise ValueError(f"{where}: placements[{dim!r}][{pattern!r}] places "
                                      f"module outputs: count the dimension from the front "
@@ -376,6 +390,17 @@ def resolve_layout(model: nn.Module, mesh: Any, spec: Any, where: str
                                          f"dimension {d} ({p.shape[d]}) does not divide over "
                                          f"the {size} ranks of {dim!r}")
                     placement = Shard(d)
+                elif isinstance(placement, StridedShard):
+                    d = placement.dim + p.dim() if placement.dim < 0 else placement.dim
+                    if not 0 <= d < p.dim():
+                        raise ValueError(f"{where}: {name} has {p.dim()} dimensions; "
+                                         f"{placement!r} is out of range")
+                    if p.shape[d] % (placement.split * size):
+                        raise ValueError(f"{where}: {name} has shape {tuple(p.shape)}; "
+                                         f"dimension {d} ({p.shape[d]}) does not divide into "
+                                         f"{placement.split} blocks over the {size} ranks of "
+                                         f"{dim!r}")
+                    placement = StridedShard(d, placement.split)
                 _put(out, name, dim, placement, where)
     return out, activations
 

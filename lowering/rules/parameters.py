@@ -23,6 +23,9 @@ def tp_param(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> Decisio
     return Decision(output=inputs[0], reason="the parameter's stored pieces")
 
 
+tp_param.strided = True  # type: ignore[attr-defined]
+
+
 def tp_grad(node: fx.Node, inputs: tuple[Placement, ...], size: int, dim: str) -> Decision:
     want = lookup(node.args[1]).placements.get(dim, Replicate())
     return Decision(output=want, inputs=(want,),
@@ -30,6 +33,7 @@ def tp_grad(node: fx.Node, inputs: tuple[Placement, ...], size: int, dim: str) -
 
 
 tp_grad.wants_dim = True  # type: ignore[attr-defined]
+tp_grad.strided = True  # type: ignore[attr-defined]
 register(ops.tp_grad)(tp_grad)
 
 

@@ -55,19 +55,22 @@ def strided_map(src: Sequence[int], dst: Sequence[int], dim: int, size: int
 
     An element at index ``b`` of the ``before`` indices in front of ``dim``, ``s`` along
     it and ``t`` of the ``T`` after it sits at ``(b * S + s) * T + t``. With ``L`` the
-    product of ``dst``'s dimensions before ``e`` dividing ``before`` and the ones after
-    ``e`` (``P``) dividing ``T``, dimension ``e`` holds ``split = before / L`` blocks of
-    ``S * T / P``, ``s`` outermost in each: rank r's ``s`` are one contiguous range of
-    every block."""
+    product of ``dst``'s dimensions before ``e`` dividing ``before`` and ``P`` the product
+    of those after it dividing the block ``S * T``, dimension ``e`` holds
+    ``split = before / L`` blocks of ``S * T / P``, ``s`` outermost in each: rank r's
+    ``s`` are one contiguous range of every block where ``P`` divides a rank's part of
+    the block (torch's attention merging the batch with the heads of a split
+    embedding, ``[S, B, E] -> [S, B * H, E / H]``, is such a merge)."""
     if math.prod(src) != math.prod(dst) or src[dim] % size:
         return None
-    before, tail = math.prod(src[:dim]), math.prod(src[dim + 1:])
+    before = math.prod(src[:dim])
+    block = src[dim] * math.prod(src[dim + 1:])
     for e in range(len(dst)):
         lead, after = math.prod(dst[:e]), math.prod(dst[e + 1:])
-        if before % lead or tail % after:
+        if before % lead or block % after or (block // size) % after:
             continue
         split = before // lead
-        if split > 1 and dst[e] == split * src[dim] * (tail // after):
+        if split > 1 and dst[e] == split * (block // after):
             return e, split
     return None
 
@@ -120,6 +123,7 @@ def view(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decisi
 
 
 view.strided = True  # type: ignore[attr-defined]
+view.merges = True  # type: ignore[attr-defined]  (its StridedShard: context parallelism's)
 
 
 @register(op("t.default"), op("transpose.int"), op("permute.default"))
@@ -202,6 +206,8 @@ def cut(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decisio
     sharded as the input (a dimension removed by ``select``/``unbind`` shifts it)."""
     (p,) = inputs
     count = outputs_of(node)
+    if isinstance(p, StridedShard):
+        return _cut_blocks(node, p, count, inputs)
     if not isinstance(p, Shard):
         out: Placement | tuple = (p,) * count if count > 1 or isinstance(
             node.meta.get("val"), (tuple, list)) else p
@@ -216,6 +222,25 @@ def cut(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decisio
     new = Shard(p.dim - 1 if removes and p.dim > dim else p.dim)
     out = (new,) * count if isinstance(node.meta.get("val"), (tuple, list)) else new
     return [Decision(output=out, reason=f"cut along dimension {dim}, sharded along {p.dim}")]
+
+
+def _cut_blocks(node: fx.Node, p: StridedShard, count: int, inputs: tuple[Placement, ...]
+                ) -> list[Decision]:
+    """``StridedShard(d, k)`` cut into its ``k`` blocks along ``d`` (a fused
+    query-key-value projection's output split into q, k and v): each block ``Shard(d)``,
+    every rank its part of each."""
+    dim = _cut_dim(node)
+    src = shape(tensor_args(node)[0])
+    blocks = isinstance(node.meta.get("val"), (tuple, list)) and count == p.split and all(
+        tuple(v.shape)[dim] * p.split == src[dim] for v in node.meta["val"])
+    if dim == p.dim and blocks and node.target in (op("split.Tensor"), op("chunk.default"),
+                                                   op("split_with_sizes.default")):
+        return [Decision(output=(Shard(dim),) * count,
+                         reason=f"{p!r} cut into its {p.split} blocks: each Shard({dim})")]
+    return _whole(node, inputs, f"cut along {dim} other than into the blocks of {p!r}")
+
+
+cut.strided = True  # type: ignore[attr-defined]
 
 
 @register(op("slice_backward.default"), op("select_backward.default"))
@@ -306,6 +331,14 @@ def cat(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decisio
             if all(shape(a)[d] % size == 0 for a in args):
                 decisions.append(Decision(output=Shard(out_dim), inputs=(Shard(d),) * len(args),
                                           reason=f"joined along {dim}, sharded along {d}"))
+        elif not stack and len(args) > 1 and len({shape(a) for a in args}) == 1 and shape(
+                args[0])[d] % size == 0:
+            # blocks each split alike joined along that dimension: every rank its part of
+            # each block (the gradients of q, k and v into a fused projection's)
+            decisions.append(Decision(output=StridedShard(d, len(args)),
+                                      inputs=(Shard(d),) * len(args),
+                                      reason=f"{len(args)} blocks each Shard({d}) joined "
+                                             f"along {d}: StridedShard({d}, {len(args)})"))
     decisions.append(replicate_all(node, "joined along its sharded dimension"))
     return decisions
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import spmd
-from spmd.lowering.placements import Shard
+from spmd.lowering.placements import Shard, StridedShard
 
 from ..zoo import DECODER, ZOO
 
@@ -64,10 +64,11 @@ def test_a_wrapped_model_keeps_its_plan():
     assert placed == {"model": _decoder_placements("hf.model.")}
 
 
-def test_gpt2_splits_its_mlp_conv1d_layers_only():
+def test_gpt2_splits_its_conv1d_layers_and_its_fused_qkv_by_head_groups():
     """GPT-2's Conv1D stores (in, out): column-parallel c_fc is weight Shard(1), bias
-    Shard(0); row-parallel c_proj weight Shard(0). Its fused c_attn is not split, so the
-    attention's c_proj (no column-parallel sibling) is not either."""
+    Shard(0); row-parallel c_proj weight Shard(0); the fused c_attn by head groups
+    (weight StridedShard(1, 3), bias StridedShard(0, 3)), so the attention's c_proj is
+    row-parallel too."""
     model = ZOO["gpt2"].model().hf
     placed = spmd.tp.megatron(model)
     expected = {}
@@ -75,6 +76,9 @@ def test_gpt2_splits_its_mlp_conv1d_layers_only():
         expected[f"transformer.h.{i}.mlp.c_fc.weight"] = Shard(1)
         expected[f"transformer.h.{i}.mlp.c_fc.bias"] = Shard(0)
         expected[f"transformer.h.{i}.mlp.c_proj.weight"] = Shard(0)
+        expected[f"transformer.h.{i}.attn.c_attn.weight"] = StridedShard(1, 3)
+        expected[f"transformer.h.{i}.attn.c_attn.bias"] = StridedShard(0, 3)
+        expected[f"transformer.h.{i}.attn.c_proj.weight"] = Shard(0)
     assert placed == {"tp": expected}
     assert placed.source["transformer.h.0.mlp.c_fc.weight"] == (
         "name: column-parallel Conv1D 'c_fc'")
@@ -144,7 +148,7 @@ def test_name_matching_does_not_import_transformers():
 
 
 @pytest.mark.parametrize("name,blocks_split", [("llama", 2), ("mistral", 2), ("qwen2", 2),
-                                               ("gpt2", 1)])
+                                               ("gpt2", 2)])
 def test_each_model_plans_on_a_simulated_mesh(name, blocks_split):
     """One all-reduce in forward per split part of each block (attention and MLP; GPT-2:
     its MLP), and no op replicated for want of a rule beyond the known ones."""

@@ -4,9 +4,9 @@ one all-reduce on "tp" in forward and one in backward for each split sub-layer, 
 else on "tp" (no gather: every op has a rule that keeps pieces where they are).
 
 Split sub-layers per family: attention and MLP for ours and the LLaMA family (HF LLaMA,
-Mistral, Qwen2: their ``base_model_tp_plan``); the MLP alone for GPT-2 and torch's
-encoder, whose fused query-key-value projections stay replicated until they are split by
-head groups. The backward's all-reduce is the norm's input gradient (RMSNorm written by
+Mistral, Qwen2: their ``base_model_tp_plan``) by name and for GPT-2 through its fused
+query-key-value projection split by head groups (``StridedShard``); the MLP alone for
+torch's encoder, whose ``nn.MultiheadAttention`` stays replicated. The backward's all-reduce is the norm's input gradient (RMSNorm written by
 hand, ``F.rms_norm`` and ``nn.RMSNorm`` alike): reduced once where it forks, not three
 times through the norm's backward.
 """
@@ -21,7 +21,7 @@ from ..zoo import all_entries
 
 pytest.importorskip("transformers")
 
-SPLIT = {"transformer": 2, "llama": 2, "mistral": 2, "qwen2": 2, "gpt2": 1, "encoder": 1}
+SPLIT = {"transformer": 2, "llama": 2, "mistral": 2, "qwen2": 2, "gpt2": 2, "encoder": 1}
 
 
 def _block_of(params: tuple[str, ...], blocks: tuple[str, ...]) -> str | None:
