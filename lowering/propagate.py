@@ -228,7 +228,9 @@ def _rule(node: fx.Node, ctx: LoweringContext) -> Sharding | tuple[Sharding, ...
             placed = (source[node.args[1]] if isinstance(source, tuple) else source
                       ).placements[index]
         elif all(p.is_replicate() for p in incoming) and not _placing(node) \
-                and not _ranked(node):
+                and not (_ranked(node) and dim in node.meta.get("spmd_tp", {})):
+            # (a ranked op keeps the decision that made it on its own dimension; on any
+            # other, whole inputs give a whole output as for every op)
             placed = Replicate()
         else:
             chosen = node.meta.setdefault("spmd_tp", {})

@@ -20,8 +20,8 @@ gradient may fall back to the eager safety net, and no op may lack a sharding ru
 
 Profiles (``SPMD_ZOO``): ``ci`` (the default) runs every model under tensor parallelism
 and every other composition on several families, chosen to cover each model, each
-composition and each of our LLaMA forms in the CI budget (46 runs, about 3 minutes);
-``full`` runs the whole matrix, every model under every composition (204 runs, about 16
+composition and each of our LLaMA forms in the CI budget (57 runs, about 3.5 minutes);
+``full`` runs the whole matrix, every model under every composition (264 runs, about 22
 minutes):
 ``SPMD_ZOO=full .venv/bin/python -m pytest -s tests/cpu/test_zoo.py`` prints each run's
 largest difference and seconds, the figures of README's composition matrix.
