@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from spmd.lowering import ops
+from spmd.lowering import ops, ranked
 
 __all__ = ["rewrite_for_meta", "fused_attention", "cross_entropy", "nll_loss", "ATTENTION",
            "ATTENTION_FORWARD", "ATTENTION_BACKWARD",
@@ -119,12 +119,12 @@ attention = ops.define(
 
 # the fused attention kernels, forward and backward (any device's, and ours)
 # (ring attention, context parallelism's: each rank's queries against the whole sequence)
-ATTENTION_FORWARD = (attention, ops.ring_attention,
+ATTENTION_FORWARD = (attention, ranked.ring_attention,
                      _aten._scaled_dot_product_flash_attention.default,
                      _aten._scaled_dot_product_efficient_attention.default,
                      _aten._scaled_dot_product_cudnn_attention.default,
                      _aten._scaled_dot_product_flash_attention_for_cpu.default)
-ATTENTION_BACKWARD = (attention_backward, ops.ring_attention_backward,
+ATTENTION_BACKWARD = (attention_backward, ranked.ring_attention_backward,
                       _aten._scaled_dot_product_flash_attention_backward.default,
                       _aten._scaled_dot_product_efficient_attention_backward.default,
                       _aten._scaled_dot_product_cudnn_attention_backward.default,

@@ -123,8 +123,10 @@ def save_placed(fw: fx.GraphModule, bw: fx.GraphModule, saved_from: int) -> list
         with bw.graph.inserting_before(min(readers, key=order.__getitem__)):
             current = ph
             for step in reversed(chain):  # innermost reshape first
-                current = bw.graph.call_function(step.target, (current, *step.args[1:]),
-                                                 dict(step.kwargs))
+                # (a reshape: the saved piece's layout at run time is the forward's, which
+                # the backward's inputs do not record; it copies only where a view cannot)
+                current = bw.graph.call_function(aten.reshape.default,
+                                                 (current, *step.args[1:]), dict(step.kwargs))
                 current.meta.update({k: v for k, v in step.meta.items()
                                      if k in ("val", "tensor_meta", "nn_module_stack",
                                               "stack_trace")})

@@ -114,11 +114,11 @@ def choose(node: fx.Node, dim: str, incoming: tuple[Placement, ...],
     found = (rule(node, incoming, size, dim) if getattr(rule, "wants_dim", False)  # type: ignore[call-arg]
              else rule(node, incoming, size))
     options = found if isinstance(found, list) else [found]
-    if dim not in ctx.strategy.context_dims and getattr(rule, "merges", False):
-        # a reshape merging the batch with a split dimension (StridedShard) is context
-        # parallelism's; on a tensor-parallel dimension a value several layers read (a
-        # sequence-parallel norm's output, read by q, k and v) is gathered once where it
-        # is read rather than strided by each reader and gathered by each
+    if dim not in ctx.strategy.context_dims and getattr(rule, "merges", False) and len(
+            args[0].users) > 1:
+        # a value several reshapes read (a sequence-parallel norm's output, read by the q,
+        # k and v projections) is gathered once where it is read, on a tensor-parallel
+        # dimension, rather than strided by each reader and gathered by each
         options = [d for d in options if not _strided_out(d)] or options
     options = _reduce_shared_partials(node, args, incoming, options)
     priced = [(d, _price(d, args, incoming, dim, ctx)) for d in options]
@@ -289,9 +289,9 @@ def _placing(node: fx.Node) -> bool:
 def _ranked(node: fx.Node) -> bool:
     """The node is an op whose ranks compute differently, put there by a decision
     (``Decision.ranked``): its inputs were brought whole, its output is the decision's."""
-    from spmd.lowering import ops
+    from spmd.lowering import ranked
 
-    return node.target in ops.RANKED
+    return node.target in ranked.RANKED
 
 
 def _gathered_piece(node: fx.Node) -> Sharding | None:

@@ -130,7 +130,7 @@ def on_shards(node: fx.Node, tensors: Sequence[torch.Tensor],
         op: what runs in place of the node's target (an op with no CPU kernel: torch's
             decomposition of it).
         rank_op: ``rank_op(r)`` is what rank ``r`` runs on its pieces, where the ranks
-            compute differently (``spmd.lowering.ops.RANKED``); ``op`` is then the
+            compute differently (``spmd.lowering.ranked.RANKED``); ``op`` is then the
             meaning on whole tensors.
         peers: ``rank_op(r)`` takes every rank's pieces (a list per tensor argument), as
             an op that communicates along the dimension sees them.

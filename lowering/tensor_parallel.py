@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_aggregate
 
-from spmd.lowering import ops, rules
+from spmd.lowering import ops, ranked, rules
 from spmd.lowering.ops import place, tp_grad, tp_param
 from spmd.lowering.specs import RankSpec, lookup
 from spmd.lowering.annotate import PlanningError, ShardingError, graph_outputs
@@ -174,7 +174,8 @@ class _Localizer:
         for k, node in enumerate(placeholders):
             # a forward's inputs are what the model holds (parameters as pieces); a
             # backward's are values traced whole
-            if role == "backward" and RESHARDED not in node.meta:  # (resharded: a shard)
+            if role == "backward" and RESHARDED not in node.meta and isinstance(
+                    node.meta.get("val"), torch.Tensor):  # (resharded: a shard; a size)
                 want = self.expected(node)
                 node.meta["val"] = _fake_like(node.meta["val"], want)
         for node in list(graph.nodes):
@@ -267,16 +268,16 @@ class _Localizer:
     def rank_dependent(self, node: fx.Node, choices: dict[str, TPChoice]) -> None:
         """A decision whose ranks compute differently (``Decision.ranked``): the node
         becomes that ``spmd`` op, told its rank's coordinate on the dimension by handle."""
-        ranked = [(dim, c.decision.ranked) for dim, c in choices.items() if c.decision.ranked]
-        if not ranked:
+        split = [(dim, c.decision.ranked) for dim, c in choices.items() if c.decision.ranked]
+        if not split:
             return
-        if len(ranked) > 1:
+        if len(split) > 1:
             raise PlanningError(f"{self.ctx.graph_name}: {node.target} ({node.name}"
-                                f"{_where(node)}) is split by rank on {len(ranked)} mesh "
-                                f"dimensions at once ({', '.join(d for d, _ in ranked)}); "
+                                f"{_where(node)}) is split by rank on {len(split)} mesh "
+                                f"dimensions at once ({', '.join(d for d, _ in split)}); "
                                 f"one is supported")
-        dim, op = ranked[0]
-        entry = ops.RANKED[op]
+        dim, op = split[0]
+        entry = ranked.RANKED[op]
         size, group = self.ctx.mesh.size(dim), self.ctx.group(dim)
         spec = (entry.spec(dim, size, group, self.ctx.strategy) if entry.spec is not None
                 else RankSpec(dim=dim, size=size, group=group))
@@ -368,9 +369,26 @@ def _shapes(val: Any) -> Any:
     return tuple(val.shape)
 
 
+def _symbolic(gm: fx.GraphModule) -> str | None:
+    """The first input whose shape is symbolic (a dynamic graph), by name."""
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt) or (isinstance(val, torch.Tensor) and any(
+                isinstance(d, torch.SymInt) for d in val.shape)):
+            return node.name
+    return None
+
+
 def tensor_parallel(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
     if not ctx.strategy.tp_dims:
         return gm
+    symbolic = _symbolic(gm)
+    if symbolic is not None:  # before any rewrite: the caller runs the model eagerly
+        raise PlanningError(f"{ctx.graph_name}: tensor and context parallelism plan fixed "
+                            f"shapes; {symbolic} has a symbolic one (shapes that changed "
+                            f"between calls make a dynamic graph)")
     try:
         _Localizer(gm, ctx).run()
     except PlanningError as e:  # a graph on whole shapes cannot run on pieces: never

@@ -49,6 +49,7 @@ import torch
 import torch.fx as fx
 
 from spmd.lowering import ops, rules
+from spmd.lowering import ranked as ranked_ops
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import is_collective
 from spmd.lowering.placements import (Partial, Placement, Replicate, Sharding, Varying,
@@ -398,7 +399,7 @@ class _Verifier:
                               device="meta") for s, h, a in zip(shapes, have, args)]
         target_shape = (self.whole_shape(_shape(vals[0]), outs[0], dims)
                         if node.target in rules.SHAPE_ARG else None)
-        ranked = ops.RANKED.get(node.target)  # (its own op computes a rank's part)
+        ranked = ranked_ops.RANKED.get(node.target)  # (its own op computes a rank's part)
         try:
             whole = run_op(node, inputs, others, target_shape,
                            ranked.whole if ranked is not None else None)
@@ -461,7 +462,7 @@ class _Verifier:
         for a, s in zip(args, shapes):
             if a not in values:
                 values[a] = random_like(s, a.meta["val"].dtype, self.generator)
-        ranked = ops.RANKED.get(node.target)
+        ranked = ranked_ops.RANKED.get(node.target)
         # split by rank on this dimension: each rank runs its part (ranked.local); on
         # another (ring attention's heads split by "tp"): the op's meaning on the pieces
         by_rank = ranked is not None and choice.decision.ranked is not None

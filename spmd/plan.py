@@ -498,19 +498,19 @@ def _rings(graph: fx.GraphModule, name: str, phase: str, mesh: Any, setup: Any
     """The key/value blocks ring attention (context parallelism) passes between ranks in
     ``graph``: one record per attention node, its sends per rank and their predicted
     time (a ring all-gather of the same blocks moves the same bytes)."""
-    from spmd.lowering import ops
+    from spmd.lowering import ranked
     from spmd.lowering.propagate import module_of
     from spmd.lowering.specs import lookup
 
     found = []
     for node in graph.graph.nodes:
-        if node.target not in (ops.ring_attention, ops.ring_attention_backward):
+        if node.target not in (ranked.ring_attention, ranked.ring_attention_backward):
             continue
         try:
             spec = lookup(node.args[-1])
         except RuntimeError:
             continue
-        backward = node.target is ops.ring_attention_backward
+        backward = node.target is ranked.ring_attention_backward
         k, v = (node.args[i].meta["val"] for i in ((2, 3) if backward else (1, 2)))
         block = k.numel() * k.element_size() + v.numel() * v.element_size()
         n = spec.size

@@ -125,10 +125,10 @@ def _attention_flops(node: fx.Node) -> int:
 
 def _ring_size(node: fx.Node) -> int:
     """Ranks along a ring attention node's dimension (0: not ring attention)."""
-    from spmd.lowering import ops
+    from spmd.lowering import ranked
     from spmd.lowering.specs import lookup
 
-    if node.target not in (ops.ring_attention, ops.ring_attention_backward):
+    if node.target not in (ranked.ring_attention, ranked.ring_attention_backward):
         return 0
     try:
         return int(lookup(node.args[-1]).size)

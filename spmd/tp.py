@@ -42,10 +42,8 @@ __all__ = ["megatron", "Preset", "Resolved", "resolve_placements", "resolve_layo
 # A fused query-key-value projection (GPT-2's "c_attn", FUSED) holds q, k and v side by
 # side along its output: a contiguous split would give rank 0 all of q and half of k, so
 # it is split by head groups, StridedShard(out, 3): each rank its heads of each of q, k
-# and v. torch's nn.MultiheadAttention is not split: its forward merges the batch with
-# the heads in a reshape, which keeps them split only as a strided shard of the batch
-# (context parallelism's, not planned on a tensor-parallel dimension); its in_proj_weight
-# placed StridedShard(0, 3) by hand is refused, naming the parameter.
+# and v; torch's nn.MultiheadAttention's in_proj_weight the same way (its forward then
+# merges the batch with each rank's heads in a reshape: a StridedShard of the batch).
 COLUMN = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv", "q", "k",
           "v", "fc1", "linear1", "w1", "w3", "up_proj", "gate_proj", "c_fc",
           "dense_h_to_4h", "ff1", "mlp_in", "in_proj")
@@ -252,6 +250,17 @@ def megatron(model: Any = None, *, dim: str = "tp", sequence_parallel: bool = Fa
         if inside(prefix, governed):
             continue  # a model's own plan places this part
         base = f"{prefix}." if prefix else ""
+        if isinstance(module, nn.MultiheadAttention) and module._qkv_same_embed_dim:
+            for local, placement in (("in_proj_weight", StridedShard(0, 3)),
+                                     ("in_proj_bias", StridedShard(0, 3)),
+                                     ("out_proj.weight", Shard(1))):
+                if _has(module, local):
+                    placed[f"{base}{local}"] = placement
+                    source[f"{base}{local}"] = (
+                        "name: nn.MultiheadAttention's fused q, k, v projection, split by "
+                        "head groups" if "in_proj" in local else
+                        "name: row-parallel out_proj of an nn.MultiheadAttention")
+            continue
         layers = {name: child for name, child in module.named_children()
                   if layer_kind(child) in ("linear", "conv1d")}
         columns = [n for n in layers if n in COLUMN]
@@ -413,6 +422,13 @@ def layout_options(spec: Any) -> dict[str, dict[str, Any]]:
         for key, per_dim in (one.options() if hasattr(one, "options") else {}).items():
             found.setdefault(key, {}).update(per_dim)
     return found
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    """Whether ``module`` has a parameter (not None) at dotted ``path``."""
+    owner, _, name = path.rpartition(".")
+    target = module.get_submodule(owner) if owner else module
+    return getattr(target, name, None) is not None
 
 
 def _put(out: dict[str, dict[str, Placement]], name: str, dim: str, placement: Placement,

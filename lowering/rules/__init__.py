@@ -52,7 +52,7 @@ class Decision:
         inputs: the placement each tensor argument must have (:func:`tensor_args` order);
             empty: every argument as it is.
         reason: why, in words, for the plan.
-        ranked: an ``spmd`` op (``spmd.lowering.ops.RANKED``) each rank runs in the
+        ranked: an ``spmd`` op (``spmd.lowering.ranked.RANKED``) each rank runs in the
             node's place, computing its own part (a vocabulary-parallel lookup masks the
             rows outside its range); None: the node's op on the pieces.
     """

@@ -164,7 +164,7 @@ def _ring_decision(node: fx.Node, size: int) -> Decision | None:
     (``spmd::ring_attention``); outputs, log-sum-exps and gradients stay sharded along the
     sequence. Self-attention without dropout; a causal mask by ``is_causal``, or an
     explicit mask read whole (each rank applies its rows and each block's columns)."""
-    from spmd.lowering import ops
+    from spmd.lowering import ranked
 
     phase = _RING.get(node.target)
     if phase is None or size < 2:
@@ -185,5 +185,5 @@ def _ring_decision(node: fx.Node, size: int) -> Decision | None:
     return Decision(output=(Shard(2),) * count, inputs=inputs,
                     reason=f"ring attention: each rank its part of the sequence, keys and "
                            f"values passed around the ring{causal}",
-                    ranked=ops.ring_attention if phase == "forward"
-                    else ops.ring_attention_backward)
+                    ranked=ranked.ring_attention if phase == "forward"
+                    else ranked.ring_attention_backward)

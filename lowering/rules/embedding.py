@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from spmd.lowering import ops
+from spmd.lowering import ops, ranked
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
 from spmd.lowering.rules import Decision, norm_dim, op, register, replicate_all, shape
 from spmd.lowering.specs import lookup
@@ -42,7 +42,7 @@ def embedding(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[D
         decisions.append(Decision(output=Partial("sum"), inputs=(Shard(0), Replicate()),
                                   reason="vocabulary-parallel: each rank looks up its own "
                                          "rows, the others masked to zero",
-                                  ranked=ops.vocab_embedding))
+                                  ranked=ranked.vocab_embedding))
     decisions.append(replicate_all(node, "table sharded along its rows: gathered first"))
     return decisions
 
@@ -69,7 +69,7 @@ def embedding_backward(node: fx.Node, inputs: tuple[Placement, ...], size: int, 
         # (scaled by frequency, a rank's rows need every index's count: not offered)
         return [Decision(output=Shard(0), inputs=(Replicate(), Replicate()),
                          reason="vocabulary-parallel: each rank sums the gradients of its "
-                                "own rows", ranked=ops.vocab_embedding_backward),
+                                "own rows", ranked=ranked.vocab_embedding_backward),
                 replicate_all(node, "whole gradient")]
     decisions = []
     if isinstance(pg, Partial) and isinstance(pi, Replicate):

@@ -30,7 +30,7 @@ def nll_loss(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[De
     after a sharded log-softmax): each rank picks the targets in its range, the others
     read as 0 (``spmd::sharded_nll_loss``): the ranks' losses are partial sums, the
     total weight (the targets counted) every rank's alike. Class weights: whole."""
-    from spmd.lowering import ops
+    from spmd.lowering import ranked
 
     decisions = []
     x = node.args[0]
@@ -41,7 +41,7 @@ def nll_loss(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[De
         decisions.append(Decision(
             output=(Partial("sum"), Replicate()), inputs=(Shard(1), Replicate()),
             reason="loss parallelism: each rank the targets in its range of classes, a "
-                   "partial sum of the loss", ranked=ops.sharded_nll_loss))
+                   "partial sum of the loss", ranked=ranked.sharded_nll_loss))
     decisions.append(replicate_all(node, "a loss reads every class and every row"))
     return decisions
 
@@ -51,7 +51,7 @@ def nll_loss_backward(node: fx.Node, inputs: tuple[Placement, ...], size: int
                       ) -> list[Decision]:
     """The gradient of the log-probabilities, split along the classes as they are: each
     rank writes the targets in its range (``spmd::sharded_nll_loss_backward``)."""
-    from spmd.lowering import ops
+    from spmd.lowering import ranked
 
     decisions = []
     x = node.args[1]
@@ -61,7 +61,7 @@ def nll_loss_backward(node: fx.Node, inputs: tuple[Placement, ...], size: int
         decisions.append(Decision(
             output=Shard(1), inputs=(Replicate(), Shard(1), Replicate(), Replicate()),
             reason="loss parallelism: each rank the gradient of its classes",
-            ranked=ops.sharded_nll_loss_backward))
+            ranked=ranked.sharded_nll_loss_backward))
     decisions.append(replicate_all(node, "a loss reads every class and every row"))
     return decisions
 

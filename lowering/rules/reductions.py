@@ -96,14 +96,14 @@ def softmax(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Dec
             and shape(tensor_args(node)[0])[dim] % size == 0:
         # loss parallelism: the row maximum and the sum of exponentials are reduced over
         # the ranks inside the op, never the logits
-        from spmd.lowering import ops
+        from spmd.lowering import ranked as ranked_ops
 
         decisions.append(Decision(
             output=Shard(dim), inputs=(Shard(dim),) * len(inputs),
             reason=f"log-softmax along its sharded dimension {dim} (loss parallelism): "
                    f"each rank its classes, the row maximum and sum of exponentials "
                    f"all-reduced inside the op",
-            ranked=getattr(ops, ranked)))
+            ranked=getattr(ranked_ops, ranked)))
     for p in inputs:
         if isinstance(p, Shard) and p.dim != dim:
             decisions.append(Decision(output=p, inputs=(p,) * len(inputs),

@@ -19,15 +19,15 @@ import torch.nn.functional as F
 
 import spmd
 from spmd import runtime as dist
-from spmd.lowering import ops
+from spmd.lowering import ranked
 
 from ..zoo import entry
 
 pytest.importorskip("transformers")
 
 STEPS, ROWS, ATOL = 3, 4, 1e-9
-SHARDED = {str(op) for op in (ops.sharded_log_softmax, ops.sharded_log_softmax_backward,
-                              ops.sharded_nll_loss, ops.sharded_nll_loss_backward)}
+SHARDED = {str(op) for op in (ranked.sharded_log_softmax, ranked.sharded_log_softmax_backward,
+                              ranked.sharded_nll_loss, ranked.sharded_nll_loss_backward)}
 RUNS = {  # name -> (model, mesh shape, dimension names, strategy, megatron options)
     "transformer tp": ("transformer", (2,), ("tp",), "ddp", {}),
     "llama tp": ("llama", (2,), ("tp",), "ddp", {}),

@@ -4,7 +4,6 @@ torch's view down too."""
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import pytest
@@ -100,10 +99,9 @@ def test_torch_distributed_sees_our_groups():
     assert torch.equal(runs[1]["ddp_weight"], runs[3]["ddp_weight"])  # DDP's broadcast
 
 
-def _torch_first(rank: int) -> dict:
+def _torch_first(rank: int, port: int) -> dict:
     import torch.distributed as tdist
 
-    port = int(os.environ["MASTER_PORT"]) + 1
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                              world_size=2)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -125,8 +123,19 @@ def _torch_first(rank: int) -> dict:
     return out
 
 
+def _free_port() -> int:
+    """A port the OS just handed out (not MASTER_PORT + 1, which another process's
+    ephemeral socket may hold)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_a_program_that_initialized_torch_first_keeps_its_own_groups():
-    for out in dist.spawn(_torch_first, nprocs=2, start_method="forkserver", timeout=60):
+    for out in dist.spawn(_torch_first, args=(_free_port(),), nprocs=2,
+                          start_method="forkserver", timeout=60):
         assert "not known to torch.distributed" in out["error"]
         assert "default group is not shared" in out["error"]
         assert "a torch.distributed ProcessGroup that spmd.runtime did not make" in out["theirs"]

@@ -139,6 +139,40 @@ def sequence_parallel(rank, strategy):
     return out, planned
 
 
+def context_parallel(rank, strategy):
+    """Context parallelism (``spmd.cp.ring()``, cp=2; both ranks see the whole batch, each
+    its half of every sequence, attention as ring attention) on our transformer and our
+    LLaMA-style model: gradients accumulated over two backward calls per step, at one
+    shape with two sequences (planned graphs), then with batch sizes and sequence lengths
+    that change (run eagerly, as tensor parallelism's dynamic graphs are)."""
+    from ..models import Transformer, tokens
+
+    out, planned = {}, {}
+    for family, build in (("transformer", lambda: Transformer(layers=2).double()),
+                          ("llama", _llama_small)):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            m = build()
+        if rank is not None:
+            mesh = spmd.Mesh((WORLD,), dim_names=("cp",))
+            m = spmd.parallelize(m, mesh=mesh, strategy=strategy, placements=spmd.cp.ring())
+        opt = sgd(m)
+        for i, (n, length) in enumerate(((2, 8), (2, 8), (1, 6), (3, 4))):
+            if i == 2 and rank is not None:  # the fixed-shape steps' plan
+                plan = spmd.inspect(m)
+                planned[family] = (m._spmd.capture_failed,
+                                   [f.param for f in plan.fallbacks],
+                                   sorted({(c.kind, c.mesh_dim) for c in plan.collectives}))
+            opt.zero_grad()
+            for half in range(2):  # accumulation
+                x, y = tokens(step=2 * i + half, rows=n, length=length)
+                logits = m(x)
+                (F.cross_entropy(logits.flatten(0, 1), y.flatten()) / 2).backward()
+            opt.step()
+        out.update({f"{family}.{k}": v for k, v in state(m).items()})
+    return out, planned
+
+
 def uneven_last_batch(rank, strategy):
     """23 samples in batches of 12: the last batch is 6 rows on rank 0 and 5 on rank 1.
     The loss is the sum over the whole batch's rows (scaled by the world size, as the
@@ -510,6 +544,7 @@ LOOPS = {
     "inplace_init_mixed_precision": (inplace_init_mixed_precision, ("fsdp",)),
     "inplace_init_tensor_parallel": (inplace_init_tensor_parallel, ("ddp", "fsdp")),
     "sequence_parallel": (sequence_parallel, ("ddp",)),
+    "context_parallel": (context_parallel, ("ddp",)),
     "step_scalar_argument": (step_scalar_argument, ("ddp", "fsdp")),
     "step_adamw_alternate_freeze": (step_adamw_alternate_freeze, ("ddp", "fsdp")),
     "step_adamw_alternate_freeze_f32": (step_adamw_alternate_freeze_f32, ("ddp", "fsdp")),
@@ -571,6 +606,18 @@ def test_sequence_parallel_loop_runs_planned_graphs(runs):
             assert {("reduce_scatter", "tp"), ("all_gather", "tp")} <= set(kinds), family
             reason = planned[f"{family} after changing shapes"]
             assert reason is None or "could not be captured" in reason, (family, reason)
+
+
+def test_context_parallel_loop_runs_ring_attention(runs):
+    """The loop's fixed-shape steps ran planned graphs with ring attention on "cp" and no
+    gradient fell back (its changing shapes then ran eagerly, equal to one process)."""
+    for out in runs:
+        _, planned = out[("context_parallel", "ddp")]
+        for family in ("transformer", "llama"):
+            failed, fallbacks, kinds = planned[family]
+            assert failed is None, (family, failed)
+            assert fallbacks == [], (family, fallbacks)
+            assert {("ring", "cp"), ("all_reduce", "cp")} <= set(kinds), family
 
 
 def test_changing_batch_sizes_compile_few_graphs(runs):

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import spmd
-from spmd.lowering import ops
+from spmd.lowering import ranked
 from spmd.lowering.annotate import ShardingError
 from spmd.roofline import node_flops
 
@@ -41,7 +41,7 @@ def _on(plan, dim, phase):
 
 def _ring_nodes(plan):
     return [n for g in plan.graphs.values() for n in g.graph.nodes
-            if n.target in (ops.ring_attention, ops.ring_attention_backward)]
+            if n.target in (ranked.ring_attention, ranked.ring_attention_backward)]
 
 
 def test_attention_runs_as_a_ring_and_only_the_output_is_gathered():
@@ -95,7 +95,7 @@ def test_activation_memory_per_rank_shrinks_with_the_ranks():
 
 def test_ring_attention_is_priced_as_each_rank_s_share_of_the_whole():
     plan = _plan(x=tokens(rows=1, length=16)[0], shape=(4,))
-    forward = next(n for n in _ring_nodes(plan) if n.target is ops.ring_attention)
+    forward = next(n for n in _ring_nodes(plan) if n.target is ranked.ring_attention)
     q = forward.args[0].meta["val"]
     b, h, s, d = q.shape
     assert s == 4  # 16 positions over 4 ranks
@@ -111,7 +111,7 @@ def test_composes_with_tensor_parallelism_and_fsdp():
             ("reduce_scatter", "fsdp")} <= kinds
     assert ("all_to_all", "cp") not in kinds
     # the ring runs on each rank's heads (split by "tp") and part of the sequence
-    q = next(n for n in _ring_nodes(plan) if n.target is ops.ring_attention).args[0]
+    q = next(n for n in _ring_nodes(plan) if n.target is ranked.ring_attention).args[0]
     assert tuple(q.meta["val"].shape) == (1, 2, 4, 4)
 
 
@@ -120,7 +120,7 @@ def test_an_explicit_mask_is_read_whole_by_the_ring():
     x, _ = e.make_batch(0, 1)
     plan = spmd.inspect(e.model(), x, mesh=spmd.Mesh.simulated((2,), dim_names=("cp",)),
                         placements=spmd.cp.ring())
-    forward = [n for n in _ring_nodes(plan) if n.target is ops.ring_attention]
+    forward = [n for n in _ring_nodes(plan) if n.target is ranked.ring_attention]
     assert forward and all(n.args[3] is not None for n in forward)
     assert not [c for c in plan.collectives if c.kind == "all_to_all"]
     placed = [p for p in plan.placed if p.node == forward[0].name and p.mesh_dim == "cp"]

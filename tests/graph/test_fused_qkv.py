@@ -1,11 +1,10 @@
 """Fused query-key-value projections split by head groups, planned on simulated meshes:
-GPT-2's ``c_attn`` (Conv1D, weight ``(in, 3 * out)``) is placed ``StridedShard(1, 3)``
-by ``spmd.tp.megatron()``: each rank its heads of each of q, k and v. The attention then
-costs Megatron's one all-reduce each way, the weight is never gathered, and the pieces
-stored are each rank's columns of each block. torch's ``nn.MultiheadAttention`` placed so
-by hand is refused by name. Training equal to one process in float64
-is tests/cpu/test_zoo.py's tp runs of ``gpt2`` (and of ``encoder``, whose attention the
-preset leaves whole)."""
+GPT-2's ``c_attn`` (Conv1D, weight ``(in, 3 * out)``) and torch's
+``nn.MultiheadAttention.in_proj_weight`` are placed ``StridedShard(out, 3)`` by
+``spmd.tp.megatron()``: each rank its heads of each of q, k and v. The attention then costs
+Megatron's one all-reduce each way, the weight is never gathered, and the pieces stored
+are each rank's part of each block. Training equal to one process in float64 is
+tests/cpu/test_zoo.py's tp runs of ``gpt2`` and ``encoder``."""
 
 from __future__ import annotations
 
@@ -31,6 +30,7 @@ def _plan(name: str, placements=None):
 
 @pytest.mark.parametrize("name, fused, placement", [
     ("gpt2", "hf.transformer.h.0.attn.c_attn.weight", StridedShard(1, 3)),
+    ("encoder", "encoder.layers.0.self_attn.in_proj_weight", StridedShard(0, 3)),
 ])
 def test_the_fused_projection_is_split_by_head_groups(name, fused, placement):
     placed = spmd.tp.megatron(entry(name).model())
@@ -68,13 +68,3 @@ def test_bad_strided_placements_are_refused_before_anything_runs():
         _plan("gpt2", {"tp": {name: spmd.StridedShard(1, 5)}})
     with pytest.raises(TypeError, match="places module outputs"):
         _plan("gpt2", {"tp": {"hf.transformer.h.*.ln_1": spmd.StridedShard(1, 2)}})
-
-
-def test_multi_head_attention_placed_by_hand_is_refused_by_name():
-    """``nn.MultiheadAttention`` merges the batch with the heads in a reshape, where the
-    split heads are gathered on a tensor-parallel dimension, and its bias's gradient
-    then comes out whole: refused naming the parameter, never trained wrong."""
-    by_hand = {"tp": {"encoder.layers.*.self_attn.in_proj_weight": spmd.StridedShard(0, 3),
-                      "encoder.layers.*.self_attn.in_proj_bias": spmd.StridedShard(0, 3)}}
-    with pytest.raises(Exception, match="in_proj_bias"):
-        _plan("encoder", by_hand)

@@ -12,12 +12,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spmd
-from spmd.lowering import ops
+from spmd.lowering import ranked
 
 from ..models import Transformer, tokens
 
-SHARDED = (ops.sharded_log_softmax, ops.sharded_log_softmax_backward, ops.sharded_nll_loss,
-           ops.sharded_nll_loss_backward)
+SHARDED = (ranked.sharded_log_softmax, ranked.sharded_log_softmax_backward, ranked.sharded_nll_loss,
+           ranked.sharded_nll_loss_backward)
 
 
 class WithLoss(nn.Module):
@@ -49,13 +49,13 @@ def test_the_loss_runs_on_split_logits():
     assert "all_gather" not in {c.kind for c in forward}  # the logits stay split
     loss = [c for c in forward if c.bytes == 4]  # the float32 scalar: a partial sum
     assert loss and all(c.kind == "all_reduce" for c in loss)
-    placed = [p for p in plan.placed if p.op == str(ops.sharded_log_softmax)]
+    placed = [p for p in plan.placed if p.op == str(ranked.sharded_log_softmax)]
     assert placed and "loss parallelism" in placed[0].reason
 
 
 def test_class_weights_gather_the_logits_and_say_why():
     plan = _plan(WithLoss(weight=torch.rand(32)))
-    assert ops.sharded_nll_loss not in _ops(plan)
+    assert ranked.sharded_nll_loss not in _ops(plan)
     reasons = [c.provenance.reason for c in plan.collectives
                if c.mesh_dim == "tp" and c.kind == "all_gather" and c.phase == "forward"]
     assert any("a loss reads every class and every row" in r for r in reasons)

@@ -36,12 +36,12 @@ def test_megatron_transformer_collectives_per_layer():
 
 def test_every_op_of_the_test_models_has_a_rule():
     """The ops of a transformer block with torch's own layers (nn.TransformerEncoderLayer's
-    fused attention is left replicated, its MLP split) all have rules."""
+    fused attention split by head groups, its MLP by Megatron's layout) all have rules."""
     layer = nn.TransformerEncoderLayer(16, nhead=2, dim_feedforward=32, dropout=0.0,
                                        batch_first=True)
     plan = _plan(layer, torch.randn(2, 4, 16))
     assert not [p for p in plan.placed if p.fallback]
-    assert sum(c.phase == "forward" for c in plan.collectives) == 1  # the MLP's
+    assert sum(c.phase == "forward" for c in plan.collectives) == 2  # attention's, MLP's
     plan = _plan(Transformer(), tokens()[0])
     ops = {p.op for p in plan.placed}
     assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in ops

@@ -28,7 +28,7 @@ from torch._decomp import decomposition_table
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from spmd.lowering import ops, rules
+from spmd.lowering import ranked, rules
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
 from spmd.lowering.rule_check import on_shards
 
@@ -108,7 +108,7 @@ def check_decision(node: fx.Node, values: dict, current: tuple[Placement, ...],
     rank_op = None
     entry = None
     if decision.ranked is not None:  # each rank runs its own part (a vocabulary range)
-        entry = ops.RANKED[decision.ranked]
+        entry = ranked.RANKED[decision.ranked]
 
         def ranks_part(r):
             def run(*a, **k):  # the node's arguments, as values -> the op's

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import spmd
-from spmd.lowering.ops import vocab_lookup, vocab_lookup_backward
+from spmd.lowering.ranked import vocab_lookup, vocab_lookup_backward
 
 from ..models import Transformer, tokens
 

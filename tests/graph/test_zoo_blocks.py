@@ -3,10 +3,10 @@ of the zoo, planned on a simulated tp=2 mesh (no processes): Megatron's block co
 one all-reduce on "tp" in forward and one in backward for each split sub-layer, nothing
 else on "tp" (no gather: every op has a rule that keeps pieces where they are).
 
-Split sub-layers per family: attention and MLP for ours and the LLaMA family (HF LLaMA,
-Mistral, Qwen2: their ``base_model_tp_plan``) by name and for GPT-2 through its fused
-query-key-value projection split by head groups (``StridedShard``); the MLP alone for
-torch's encoder, whose ``nn.MultiheadAttention`` stays replicated. The backward's all-reduce is the norm's input gradient (RMSNorm written by
+Split sub-layers per family: attention and MLP for every family, ours and the LLaMA
+family (HF LLaMA, Mistral, Qwen2: their ``base_model_tp_plan``) by name, GPT-2's and
+torch's encoder's attention through their fused query-key-value projections split by
+head groups (``StridedShard``). The backward's all-reduce is the norm's input gradient (RMSNorm written by
 hand, ``F.rms_norm`` and ``nn.RMSNorm`` alike): reduced once where it forks, not three
 times through the norm's backward.
 """
@@ -21,7 +21,7 @@ from ..zoo import all_entries
 
 pytest.importorskip("transformers")
 
-SPLIT = {"transformer": 2, "llama": 2, "mistral": 2, "qwen2": 2, "gpt2": 2, "encoder": 1}
+SPLIT = {"transformer": 2, "llama": 2, "mistral": 2, "qwen2": 2, "gpt2": 2, "encoder": 2}
 
 
 def _block_of(params: tuple[str, ...], blocks: tuple[str, ...]) -> str | None:
