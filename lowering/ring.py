@@ -414,15 +414,3 @@ def ring_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     if zigzag:
         dq, dk, dv = _swap(spec, [dq, dk, dv], [2, 2, 2], False)
     return dq, dk, dv
-
-
-def reference(rank: int, size: int, qs: Sequence[torch.Tensor], ks: Sequence[torch.Tensor],
-              vs: Sequence[torch.Tensor], causal: bool, scale: float | None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s part of attention over the whole sequence from every rank's pieces
-    (what the verifier compares the sharding decision with)."""
-    q, k, v = (torch.cat(list(t), dim=2) for t in (qs, ks, vs))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, scale=scale)
-    return out.chunk(size, dim=2)[rank], lse.chunk(size, dim=2)[rank]
-
