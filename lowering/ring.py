@@ -29,7 +29,7 @@ inputs and outputs are the contiguous pieces the rest of the graph holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -270,23 +270,15 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     explicit mask over the whole sequence (every block is then computed, its part of
     the mask applied)."""
     live = spec.live()
-    n, r = spec.size, spec.rank()
+    r = spec.rank()
     if mask is not None:
         return _masked_forward(q, k, v, scale, spec, mask)
     zigzag = _layout(spec, causal, q.shape[2])
     if zigzag:
         q, k, v = _swap(spec, [q, k, v], [2, 2, 2], True)
     half = q.shape[2] // 2
-    kv = _flat([k, v]).contiguous()
     out = lse = None
-    ring = _Ring(spec) if live else None
-    for t in range(n):
-        works: list[Any] = []
-        incoming = None
-        if ring is not None and t < n - 1:
-            incoming, works = ring.start(kv, _KV)
-        kt, vt = _unflat(kv, [k, v])
-        src = (r - t) % n
+    for t, src, kt, vt in _ring_blocks(spec, k, v):
         if t == 0 or not live:
             o, s = block_attention(q, kt, vt, causal, scale)
             out, lse = _merge(out, lse, o, s)
@@ -304,37 +296,39 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
         elif src < r:  # contiguous: an earlier block, wholly visible; a later one, not
             o, s = block_attention(q, kt, vt, False, scale)
             out, lse = _merge(out, lse, o, s)
-        if ring is not None and incoming is not None:
-            ring.finish(works)
-            kv = incoming
     assert out is not None and lse is not None
     if zigzag:
         out, lse = _swap(spec, [out, lse], [2, 2], False)
     return out, lse
 
 
-def _masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
-                    spec: RingSpec, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _ring_blocks(spec: RingSpec, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple]:
+    """Each step's ``(step, source rank, keys, values)``: the block of rank
+    ``(r - step) mod n`` (on a simulated mesh, this rank's own every step), the next one
+    received from the previous rank while the caller computes with this one."""
     live = spec.live()
     n, r = spec.size, spec.rank()
-    length = q.shape[2]
     kv = _flat([k, v]).contiguous()
-    out = lse = None
     ring = _Ring(spec) if live else None
     for t in range(n):
-        works: list[Any] = []
-        incoming = None
-        if ring is not None and t < n - 1:
-            incoming, works = ring.start(kv, _KV)
+        incoming, works = (ring.start(kv, _KV) if ring is not None and t < n - 1
+                           else (None, []))
         kt, vt = _unflat(kv, [k, v])
-        src = (r - t) % n if live else r
-        block = _mask_block(mask, r, src, length)
+        yield t, (r - t) % n if live else r, kt, vt
+        if incoming is not None:
+            _Ring.finish(works)
+            kv = incoming
+
+
+def _masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                    spec: RingSpec, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r = spec.rank()
+    out = lse = None
+    for t, src, kt, vt in _ring_blocks(spec, k, v):
+        block = _mask_block(mask, r, src, q.shape[2])
         if t == 0 or not _hides_all(block):  # (a causal mask's later blocks: skipped)
             o, s = block_attention(q, kt, vt, False, scale, block)
             out, lse = _merge(out, lse, o, s)
-        if ring is not None and incoming is not None:
-            ring.finish(works)
-            kv = incoming
     assert out is not None and lse is not None
     return out, lse
 
