@@ -100,13 +100,12 @@ def _llama_small():
         torch.set_default_dtype(default)
 
 
-def sequence_parallel(rank, strategy):
-    """Sequence and vocabulary parallelism (``megatron(sequence_parallel=True,
-    vocab_parallel=True)``, tp=2; both ranks see the whole batch) on our transformer and
-    our LLaMA-style model: gradients accumulated over two backward calls per step, first
-    at one shape (planned graphs), then with batch sizes and sequence lengths that change
-    (a dynamic graph, which tensor parallelism does not plan yet: the model then runs
-    eagerly, and says so)."""
+def _split_loop(rank, strategy, dim, placements, shapes, after_changes):
+    """Our transformer and our LLaMA-style model on a 1-D mesh along ``dim`` (both ranks
+    see the whole batch), gradients accumulated over two backward calls per step at each
+    ``(rows, length)`` of ``shapes``: the first two alike (planned graphs, whose plan is
+    kept), then changing ones (a dynamic graph, run eagerly). The parameters, and per
+    family (its capture failure, fallbacks, collectives)."""
     from ..models import Transformer, tokens
 
     out, planned = {}, {}
@@ -116,12 +115,10 @@ def sequence_parallel(rank, strategy):
             torch.manual_seed(0)
             m = build()
         if rank is not None:
-            mesh = spmd.Mesh((WORLD,), dim_names=("tp",))
-            m = spmd.parallelize(m, mesh=mesh, strategy=strategy,
-                                 placements=spmd.tp.megatron(sequence_parallel=True,
-                                                             vocab_parallel=True))
+            mesh = spmd.Mesh((WORLD,), dim_names=(dim,))
+            m = spmd.parallelize(m, mesh=mesh, strategy=strategy, placements=placements)
         opt = sgd(m)
-        for i, (n, length) in enumerate(((4, 8), (4, 8), (2, 6), (6, 4))):
+        for i, (n, length) in enumerate(shapes):
             if i == 2 and rank is not None:  # the fixed-shape steps' plan
                 plan = spmd.inspect(m)
                 planned[family] = (m._spmd.capture_failed,
@@ -134,43 +131,29 @@ def sequence_parallel(rank, strategy):
                 (F.cross_entropy(logits.flatten(0, 1), y.flatten()) / 2).backward()
             opt.step()
         out.update({f"{family}.{k}": v for k, v in state(m).items()})
-        if rank is not None:
+        if rank is not None and after_changes:
             planned[f"{family} after changing shapes"] = m._spmd.capture_failed
     return out, planned
 
 
-def context_parallel(rank, strategy):
-    """Context parallelism (``spmd.cp.ring()``, cp=2; both ranks see the whole batch, each
-    its half of every sequence, attention as ring attention) on our transformer and our
-    LLaMA-style model: gradients accumulated over two backward calls per step, at one
-    shape with two sequences (planned graphs), then with batch sizes and sequence lengths
-    that change (run eagerly, as tensor parallelism's dynamic graphs are)."""
-    from ..models import Transformer, tokens
+def sequence_parallel(rank, strategy):
+    """Sequence and vocabulary parallelism (``megatron(sequence_parallel=True,
+    vocab_parallel=True)``, tp=2) on our transformer and our LLaMA-style model, gradients
+    accumulated over two backward calls per step, first at one shape (planned graphs),
+    then with batch sizes and sequence lengths that change (a dynamic graph, which tensor
+    parallelism does not plan yet: the model then runs eagerly, and says so)."""
+    return _split_loop(rank, strategy, "tp",
+                       spmd.tp.megatron(sequence_parallel=True, vocab_parallel=True),
+                       ((4, 8), (4, 8), (2, 6), (6, 4)), after_changes=True)
 
-    out, planned = {}, {}
-    for family, build in (("transformer", lambda: Transformer(layers=2).double()),
-                          ("llama", _llama_small)):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            m = build()
-        if rank is not None:
-            mesh = spmd.Mesh((WORLD,), dim_names=("cp",))
-            m = spmd.parallelize(m, mesh=mesh, strategy=strategy, placements=spmd.cp.ring())
-        opt = sgd(m)
-        for i, (n, length) in enumerate(((2, 8), (2, 8), (1, 6), (3, 4))):
-            if i == 2 and rank is not None:  # the fixed-shape steps' plan
-                plan = spmd.inspect(m)
-                planned[family] = (m._spmd.capture_failed,
-                                   [f.param for f in plan.fallbacks],
-                                   sorted({(c.kind, c.mesh_dim) for c in plan.collectives}))
-            opt.zero_grad()
-            for half in range(2):  # accumulation
-                x, y = tokens(step=2 * i + half, rows=n, length=length)
-                logits = m(x)
-                (F.cross_entropy(logits.flatten(0, 1), y.flatten()) / 2).backward()
-            opt.step()
-        out.update({f"{family}.{k}": v for k, v in state(m).items()})
-    return out, planned
+
+def context_parallel(rank, strategy):
+    """Context parallelism (``spmd.cp.ring()``, cp=2; each rank its half of every
+    sequence, attention as ring attention) on the same models and loop: two sequences at
+    one shape (planned graphs), then batch sizes and sequence lengths that change (run
+    eagerly, as tensor parallelism's dynamic graphs are)."""
+    return _split_loop(rank, strategy, "cp", spmd.cp.ring(),
+                       ((2, 8), (2, 8), (1, 6), (3, 4)), after_changes=False)
 
 
 def uneven_last_batch(rank, strategy):
