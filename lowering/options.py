@@ -62,6 +62,8 @@ class Options:
         shard_placement_fn: (sharded strategies) ``fn(param) -> Shard(d) | None``, the
             dimension each parameter is sharded along (FSDP2's name and meaning), or
             ``spmd.shard_evenly``.
+        pipeline: pipeline stages along a mesh dimension (``spmd.pp.schedule(...)``); the
+            strategy and placements then apply to each stage on the other dimensions.
     """
 
     strategy: str = "ddp"
@@ -78,6 +80,7 @@ class Options:
     comm_hook: Any = field(default=None, compare=False)
     comm_state: Any = field(default=None, compare=False)
     shard_placement_fn: Any = field(default=None, compare=False)
+    pipeline: Any = field(default=None, compare=False)
 
     @classmethod
     def from_kwargs(cls, where: str, **kwargs: Any) -> "Options":

@@ -181,6 +181,34 @@ class Mesh:
                                 f"{mesh._slice_index(mesh._coordinate, first)}")
         return mesh
 
+    def __getitem__(self, dims: str | Sequence[str]) -> "Mesh":
+        """The sub-mesh of ``dims`` through this rank (torch's ``mesh["dp", "tp"]``): the
+        ranks that share this rank's coordinates on every other dimension, with the same
+        groups (no new group is made). On a simulated mesh, the slice through rank 0."""
+        names = (dims,) if isinstance(dims, str) else tuple(dims)
+        index = [self._dim(d) for d in names]
+        if not names or len(set(index)) != len(index) or index != sorted(index):
+            raise ValueError(f"Mesh[{names!r}]: name distinct dimensions of {self}, in order")
+        coord = (self._coordinate if self._coordinate is not None
+                 else (0,) * self.ndim)
+        if not self.simulated:
+            self._live("__getitem__")
+        mesh = Mesh.__new__(Mesh)
+        mesh.shape = tuple(self.shape[i] for i in index)
+        mesh.dim_names = names
+        mesh.simulated, mesh.hardware = self.simulated, self.hardware
+        ranks = []
+        for sub in itertools.product(*(range(self.shape[i]) for i in index)):
+            full = list(coord)
+            for i, c in zip(index, sub):
+                full[i] = c
+            ranks.append(self.rank_at(full))
+        mesh.ranks = ranks
+        mesh._groups = {k: self._groups[i] for k, i in enumerate(index) if i in self._groups}
+        mesh._coordinate = (None if self._coordinate is None
+                            else tuple(self._coordinate[i] for i in index))
+        return mesh
+
     @property
     def ndim(self) -> int:
         return len(self.shape)

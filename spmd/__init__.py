@@ -31,7 +31,7 @@ _EXPORTS: dict[str, str] = {
     "ShardingError": "spmd.lowering.annotate",
     "EmptyBackwardError": "spmd.lowering.annotate",
 }
-_SUBMODULES = ("runtime", "lowering", "kernels", "checkpoint", "tp", "cp", "hardware",
+_SUBMODULES = ("runtime", "lowering", "kernels", "checkpoint", "tp", "cp", "pp", "hardware",
                "roofline")
 
 __all__ = [*_SUBMODULES, *_EXPORTS]

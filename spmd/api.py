@@ -55,7 +55,8 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
                 reduce_dtype: Any = None, broadcast_buffers: bool = True,
                 compile_compute: bool | None = None, calibrate: bool = False,
                 placements: Any = None, comm_hook: Any = None, comm_state: Any = None,
-                sync_batchnorm: bool = False, shard_placement_fn: Any = None) -> Any:
+                sync_batchnorm: bool = False, shard_placement_fn: Any = None,
+                pipeline: Any = None) -> Any:
     """Data parallelism and parameter sharding, planned by a compiler: capture, bucket,
     overlap, run.
 
@@ -131,8 +132,29 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         reduce_dtype=reduce_dtype, broadcast_buffers=broadcast_buffers,
         compile_compute=compile_compute, calibrate=calibrate, placements=placements,
         comm_hook=comm_hook, comm_state=comm_state, sync_batchnorm=sync_batchnorm,
-        shard_placement_fn=shard_placement_fn)
-    if mesh is not None:
+        shard_placement_fn=shard_placement_fn, pipeline=pipeline)
+    if mesh is not None and pipeline is not None:
+        from spmd.pp import Schedule
+
+        if not isinstance(pipeline, Schedule):
+            raise TypeError(f"parallelize: pipeline must be an spmd.pp.schedule(...), got "
+                            f"{type(pipeline).__name__}")
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"parallelize: mesh must be an spmd.Mesh or None, got "
+                            f"{type(mesh).__name__}")
+        if pipeline.dim not in mesh.dim_names:
+            raise ValueError(f"parallelize: the pipeline runs along mesh dimension "
+                             f"{pipeline.dim!r}; the mesh has {mesh.dim_names}")
+        others = [(n, s) for n, s in zip(mesh.dim_names, mesh.shape) if n != pipeline.dim]
+        if others:
+            from spmd.lowering.strategy import flatten_data_dims, resolve_strategy
+            from spmd.tp import tp_dims_of
+
+            tp_dims = tp_dims_of(placements)
+            sub = Mesh.simulated([s for _, s in others], [n for n, _ in others])
+            shape = flatten_data_dims(options.strategy, sub, "parallelize", tp_dims)
+            resolve_strategy(options.strategy, shape, "parallelize", tp_dims)
+    elif mesh is not None:
         if not isinstance(mesh, Mesh):
             raise TypeError(f"parallelize: mesh must be an spmd.Mesh or None, got "
                             f"{type(mesh).__name__}")
@@ -146,6 +168,14 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         resolve_strategy(options.strategy, shape, "parallelize", tp_dims)
 
     def apply(target: Any) -> Any:
+        if pipeline is not None:
+            if not isinstance(target, nn.Module):
+                raise TypeError(f"parallelize: pipeline= takes a model instance (its stages "
+                                f"are cut from it), got {type(target).__name__}")
+            from spmd.pipeline import parallelize_pipeline
+
+            return parallelize_pipeline(target, options, mesh,
+                                        f"parallelize({type(target).__name__})")
         if isinstance(target, nn.Module):
             return _parallelize_instance(target, options, mesh)
         if isinstance(target, type) and issubclass(target, nn.Module):

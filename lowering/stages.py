@@ -1,0 +1,460 @@
+"""Cutting a traced training forward into pipeline stages.
+
+The model's forward and its loss are traced once per microbatch shape into one fx graph
+(``make_fx`` above autograd, ``pre_dispatch=True``: the graph holds the ops the model
+wrote, ``aten.linear``, ``aten.scaled_dot_product_attention``, and nothing autograd added,
+so each piece re-runs under autograd exactly as the model would). A forward pre-hook on
+every module that may begin a stage marks the last node before it. The graph is then cut
+at the chosen marks:
+
+- Every op belongs to the stage whose span it was traced in.
+- Values that depend only on the batch, buffers and frozen parameters (a causal mask,
+  position ids, rotary tables) are recomputed in each stage that reads them; every rank
+  holds the batch, so nothing of theirs crosses.
+- A value computed in stage ``s`` and read in a later stage ``t`` crosses: ``s`` sends it
+  to ``t`` in forward, ``t`` sends its gradient back in backward (:class:`Crossing`).
+- A trainable parameter read in two stages (tied embeddings) is refused by name: its
+  gradient would need a reduction between stages.
+
+Each stage becomes an ``fx.GraphModule`` taking its parameters and buffers, the batch
+leaves it reads and the values it receives; it returns the values it sends and, on the
+last stage, the loss. How stages are chosen when the user names no cut:
+:func:`balance`, from each span's FLOPs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+__all__ = ["Crossing", "Stage", "Cut", "Traced", "trace", "cut", "balance", "node_flops",
+           "candidates"]
+
+_aten = torch.ops.aten
+# ops whose result differs between two runs: never recomputed in a second stage
+_RANDOM = {"dropout", "native_dropout", "bernoulli", "rand", "randn", "randint", "rand_like",
+           "randn_like", "randint_like", "normal", "uniform", "multinomial", "randperm",
+           "feature_dropout", "alpha_dropout", "feature_alpha_dropout"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Crossing:
+    """A value one stage computes and later stages read, per microbatch."""
+
+    index: int
+    name: str  # the traced node's
+    src: int
+    dsts: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    grad: bool  # floating and computed from a trainable parameter: its gradient goes back
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(kw_only=True)
+class Stage:
+    """One stage's forward: ``code(*params, *buffers, *inputs, *received)`` returns
+    ``(*sent, loss)`` (the loss on the last stage only)."""
+
+    index: int
+    code: fx.GraphModule
+    params: tuple[str, ...]
+    buffers: tuple[str, ...]
+    inputs: tuple[int, ...]  # indices into the microbatch's flat tensor leaves
+    received: tuple[int, ...]  # crossing indices, in placeholder order
+    sent: tuple[int, ...]  # crossing indices, in output order
+    loss: bool
+    modules: tuple[str, ...]  # the marked modules whose spans it runs
+    flops: float  # forward FLOPs per microbatch
+    param_bytes: int
+    activation_bytes: int  # every value its forward computes, per microbatch (an upper bound)
+
+
+@dataclass(kw_only=True)
+class Cut:
+    stages: list[Stage]
+    crossings: list[Crossing]
+    split_points: tuple[str, ...]
+    chosen: str  # how: "named by the user" or the balance's reason
+
+
+@dataclass(kw_only=True)
+class Traced:
+    """The forward-and-loss graph of one microbatch shape, with the marks of every module
+    that may begin a stage: ``(module path, the last node before its first call)``."""
+
+    gm: fx.GraphModule
+    kinds: list[tuple[str, str]]  # per placeholder: ("param" | "buffer" | "input", name)
+    marks: list[tuple[str, fx.Node | None]]
+    trainable: frozenset[str]
+    flops: dict[str, float] = field(default_factory=dict)  # node name -> forward FLOPs
+
+
+def candidates(model: nn.Module) -> list[str]:
+    """Modules a stage may begin at when the planner chooses: each element of the
+    model's largest ``nn.ModuleList``/``nn.Sequential`` (the repeated blocks), and the
+    model's other direct children."""
+    best, best_size = None, 0
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and path:
+            size = sum(p.numel() for p in module.parameters())
+            if size > best_size:
+                best, best_size = path, size
+    out = [name for name, _ in model.named_children() if name != best]
+    if best is not None:
+        out += [f"{best}.{name}" for name, _ in model.get_submodule(best).named_children()]
+    return out
+
+
+def trace(model: nn.Module, loss_fn: Callable[..., Any] | None, args: tuple, target: Any,
+          marked: Sequence[str], where: str) -> Traced:
+    """``loss_fn(model(*args), target)`` (``model(*args)`` when ``loss_fn`` is None) as one
+    graph on fake tensors, with the marks of the modules in ``marked``."""
+    from torch.func import functional_call
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+
+    modules = dict(model.named_modules())
+    for path in marked:
+        if path not in modules or not path:
+            near = [m for m in modules if m and m.split(".")[0] == path.split(".")[0]][:4]
+            raise ValueError(f"{where}: the model has no module {path!r} to cut at"
+                             + (f" (modules there: {', '.join(near)})" if near else
+                                f" (its children: {', '.join(n for n, _ in model.named_children())})"))
+    marks: list[tuple[str, fx.Node | None]] = []
+    handles = []
+
+    def hook_for(path: str) -> Callable[..., None]:
+        def hook(_module: nn.Module, _args: Any) -> None:
+            mode = get_proxy_mode()
+            if mode is not None:
+                nodes = mode.tracer.graph.nodes
+                marks.append((path, next(reversed(nodes), None)))
+        return hook
+
+    for path in marked:
+        handles.append(modules[path].register_forward_pre_hook(hook_for(path)))
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+
+    def forward_and_loss(p: dict, b: dict, a: tuple, t: Any) -> Any:
+        out = functional_call(model, {**p, **b}, a)
+        return out if loss_fn is None else loss_fn(out, t)
+
+    try:
+        gm = make_fx(forward_and_loss, tracing_mode="fake", pre_dispatch=True)(
+            params, buffers, args, target)
+    finally:
+        for h in handles:
+            h.remove()
+    leaves = ([("param", n) for n in params] + [("buffer", n) for n in buffers]
+              + [("input", str(i)) for i, _ in enumerate(pytree.tree_leaves((args, target)))])
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(leaves):
+        raise RuntimeError(f"{where}: traced {len(placeholders)} inputs for {len(leaves)} "
+                           f"leaves (parameters, buffers, batch)")
+    seen: dict[str, int] = {}
+    for path, _ in marks:
+        seen[path] = seen.get(path, 0) + 1
+    for path in marked:
+        if path not in seen:
+            raise ValueError(f"{where}: module {path!r} does not run in the model's forward; "
+                             f"a stage can only begin at a module that runs")
+        if seen[path] > 1:
+            raise ValueError(f"{where}: module {path!r} runs {seen[path]} times in one "
+                             f"forward; a stage must begin at a module that runs once")
+    traced = Traced(gm=gm, kinds=leaves, marks=marks,
+                    trainable=frozenset(n for n, p in params.items() if p.requires_grad))
+    traced.flops = {n.name: node_flops(n) for n in gm.graph.nodes if n.op == "call_function"}
+    return traced
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def node_flops(node: fx.Node) -> float:
+    """Forward FLOPs of one traced op: matrix products and attention counted as
+    multiply-adds x 2; every other op one per output element (which only breaks ties)."""
+    out = _val(node)
+    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    args = [_val(a) for a in node.args]
+    numel = out.numel() if isinstance(out, torch.Tensor) else 0
+    if name == "linear" and isinstance(args[1], torch.Tensor):
+        return 2.0 * numel * args[1].shape[-1]
+    if name in ("mm", "matmul", "bmm", "addmm", "baddbmm", "addbmm"):
+        a = args[1] if name.startswith("add") or name == "baddbmm" else args[0]
+        return 2.0 * numel * a.shape[-1] if isinstance(a, torch.Tensor) else numel
+    if name == "scaled_dot_product_attention" or "_scaled_dot_product" in name:
+        q, k = args[0], args[1]
+        if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor):
+            return 4.0 * q.numel() // q.shape[-1] * k.shape[-2] * q.shape[-1]
+    if name.startswith("conv") and isinstance(args[1], torch.Tensor):
+        w = args[1]
+        return 2.0 * numel * math.prod(w.shape[1:])
+    return float(numel)
+
+
+def _free_nodes(traced: Traced) -> set[fx.Node]:
+    """Nodes every stage can compute for itself: the batch, buffers, frozen parameters,
+    constants, and deterministic ops on those only."""
+    free: set[fx.Node] = set()
+    kinds = iter(traced.kinds)
+    for node in traced.gm.graph.nodes:
+        if node.op == "placeholder":
+            kind, name = next(kinds)
+            if kind != "param" or name not in traced.trainable:
+                free.add(node)
+        elif node.op == "get_attr":
+            free.add(node)
+        elif node.op == "call_function":
+            name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+            inputs = node.all_input_nodes
+            if name not in _RANDOM and all(i in free for i in inputs):
+                free.add(node)
+    return free
+
+
+def cut(traced: Traced, split_points: Sequence[str], where: str, chosen: str) -> Cut:
+    """The stages that begin at ``split_points`` (the first stage at the graph's start)."""
+    gm = traced.gm
+    graph = gm.graph
+    marks = dict(traced.marks)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    positions = []
+    for path in split_points:
+        mark = marks.get(path)
+        positions.append(-1 if mark is None else order[mark])
+    for (a, pa), (b, pb) in zip(zip(split_points, positions), zip(split_points[1:], positions[1:])):
+        if pb <= pa:
+            raise ValueError(f"{where}: cut points must follow the forward's order: {b!r} "
+                             f"does not run after {a!r}")
+    free = _free_nodes(traced)
+    n_stages = len(split_points) + 1
+    stage_of: dict[fx.Node, int] = {}
+    boundaries = list(positions)
+    current = 0
+    for i, node in enumerate(graph.nodes):
+        while current < len(boundaries) and i > boundaries[current]:
+            current += 1
+        if node.op == "call_function" and node not in free:
+            stage_of[node] = current
+    kinds = dict(zip([n for n in graph.nodes if n.op == "placeholder"], traced.kinds))
+    # every stage reads its own parameters: a trainable one read in two stages is refused
+    param_stage: dict[str, int] = {}
+    for node, (kind, name) in kinds.items():
+        if kind != "param" or name not in traced.trainable:
+            continue
+        stages = sorted({stage_of[u] for u in node.users if u in stage_of})
+        if len(stages) > 1:
+            raise ValueError(
+                f"{where}: parameter {name!r} is read in stages {stages} (tied weights, such "
+                f"as an embedding shared with the output head); its gradient would need a "
+                f"sum across stages. Untie it (a copy per stage) or cut so that one stage "
+                f"holds every use")
+        if stages:
+            param_stage[name] = stages[0]
+    output = next(n for n in graph.nodes if n.op == "output")
+    result = output.args[0]
+    if isinstance(result, (list, tuple)) and len(result) == 1:
+        result = result[0]
+    if not isinstance(result, fx.Node) or not isinstance(_val(result), torch.Tensor):
+        raise ValueError(f"{where}: the loss must be one tensor, got "
+                         f"{type(_val(result)).__name__}")
+    if result.meta["val"].numel() != 1:
+        raise ValueError(f"{where}: the loss must be a scalar (one element), got shape "
+                         f"{tuple(result.meta['val'].shape)}; reduce it in loss_fn")
+    if result not in stage_of or stage_of[result] != n_stages - 1:
+        raise ValueError(f"{where}: the loss is not computed in the last stage; the last cut "
+                         f"point ({split_points[-1]!r}) leaves the last stage empty")
+    for s in range(n_stages):
+        if not any(v == s for v in stage_of.values()):
+            before = "the start" if s == 0 else repr(split_points[s - 1])
+            after = repr(split_points[s]) if s < len(split_points) else "the loss"
+            raise ValueError(f"{where}: stage {s} (from {before} to {after}) computes "
+                             f"nothing that needs a gradient; choose other cut points")
+    # values read across stages
+    crossings: list[Crossing] = []
+    crossing_of: dict[fx.Node, Crossing] = {}
+    trainable_nodes = {n for n, (k, name) in kinds.items()
+                       if k == "param" and name in traced.trainable}
+    needs_grad: set[fx.Node] = set(trainable_nodes)
+    for node in graph.nodes:
+        if node.op == "call_function" and any(i in needs_grad for i in node.all_input_nodes):
+            needs_grad.add(node)
+    for node in graph.nodes:
+        if node not in stage_of:
+            continue
+        dsts = sorted({stage_of[u] for u in node.users if u in stage_of
+                       and stage_of[u] != stage_of[node]})
+        if not dsts:
+            continue
+        val = _val(node)
+        if not isinstance(val, torch.Tensor):
+            raise ValueError(f"{where}: {node.name} ({type(val).__name__}) crosses from stage "
+                             f"{stage_of[node]} to {dsts}; only tensors can cross stages")
+        grad = node in needs_grad and val.dtype.is_floating_point
+        c = Crossing(index=len(crossings), name=node.name, src=stage_of[node],
+                     dsts=tuple(dsts), shape=tuple(val.shape), dtype=val.dtype, grad=grad)
+        crossings.append(c)
+        crossing_of[node] = c
+    stages = [_stage(traced, s, n_stages, stage_of, free, kinds, crossing_of, result,
+                     split_points) for s in range(n_stages)]
+    return Cut(stages=stages, crossings=crossings, split_points=tuple(split_points),
+               chosen=chosen)
+
+
+def _stage(traced: Traced, s: int, n_stages: int, stage_of: dict, free: set, kinds: dict,
+           crossing_of: dict, loss: fx.Node, split_points: Sequence[str]) -> Stage:
+    graph = traced.gm.graph
+    own = [n for n in graph.nodes if stage_of.get(n) == s]
+    own_set = set(own)
+    received = [n for n in graph.nodes if n in crossing_of and n not in own_set
+                and any(stage_of.get(u) == s for u in n.users)]
+    needed: set[fx.Node] = set()
+    stack = [i for n in own for i in n.all_input_nodes if i in free]
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        stack.extend(i for i in n.all_input_nodes if i in free)
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    attrs: dict[str, Any] = {}
+    params, buffers, inputs = [], [], []
+    for node in graph.nodes:  # parameters and buffers, then batch leaves, then received
+        if node.op != "placeholder":
+            continue
+        kind, name = kinds[node]
+        if kind == "param" and any(stage_of.get(u) == s for u in node.users):
+            params.append((name, node))
+        elif kind in ("param", "buffer") and node in needed:
+            buffers.append((name, node))
+        elif kind == "input" and node in needed:
+            inputs.append((int(name), node))
+    for name, node in params + buffers:
+        env[node] = new.placeholder(_safe(name))
+        env[node].meta = dict(node.meta)
+    for _, node in inputs:
+        env[node] = new.placeholder(f"input_{node.name}")
+        env[node].meta = dict(node.meta)
+    for node in received:
+        env[node] = new.placeholder(f"recv_{node.name}")
+        env[node].meta = dict(node.meta)
+    for node in graph.nodes:
+        if node.op == "get_attr" and node in needed:
+            attrs[node.target] = getattr(traced.gm, node.target)
+            env[node] = new.get_attr(node.target)
+            env[node].meta = dict(node.meta)
+        elif node.op == "call_function" and (node in own_set or node in needed):
+            env[node] = new.node_copy(node, lambda a: env[a])
+    sent = [n for n in own if n in crossing_of]
+    outs = [env[n] for n in sent] + ([env[loss]] if s == n_stages - 1 else [])
+    new.output(tuple(outs))
+    new.lint()
+    code = fx.GraphModule(attrs, new, class_name=f"Stage{s}")
+    flops = sum(traced.flops.get(n.name, 0.0) for n in own)
+    param_bytes = sum(_bytes(_val(node)) for _, node in params)
+    activation_bytes = sum(_bytes(_val(n)) for n in own)
+    modules = tuple(p for i, p in enumerate(split_points) if i + 1 == s) if s else ()
+    return Stage(index=s, code=code, params=tuple(n for n, _ in params),
+                 buffers=tuple(n for n, _ in buffers), inputs=tuple(i for i, _ in inputs),
+                 received=tuple(crossing_of[n].index for n in received),
+                 sent=tuple(crossing_of[n].index for n in sent), loss=s == n_stages - 1,
+                 modules=modules, flops=flops, param_bytes=param_bytes,
+                 activation_bytes=activation_bytes)
+
+
+def _safe(name: str) -> str:
+    return "p_" + name.replace(".", "_")
+
+
+def _bytes(val: Any) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(_bytes(v) for v in val)
+    return 0
+
+
+def span_flops(traced: Traced, points: Sequence[str]) -> list[float]:
+    """Forward FLOPs of the spans between consecutive marks of ``points`` (in forward
+    order): ``len(points) + 1`` numbers. What every stage recomputes for itself (masks,
+    positions) is not counted; a span of nothing else is 0."""
+    order = {node: i for i, node in enumerate(traced.gm.graph.nodes)}
+    marks = dict(traced.marks)
+    free = _free_nodes(traced)
+    bounds = [order[marks[p]] if marks[p] is not None else -1 for p in points]
+    spans = [0.0] * (len(points) + 1)
+    current = 0
+    for i, node in enumerate(traced.gm.graph.nodes):
+        while current < len(bounds) and i > bounds[current]:
+            current += 1
+        if node not in free:
+            spans[current] += traced.flops.get(node.name, 0.0)
+    return spans
+
+
+def balance(traced: Traced, n_stages: int, where: str,
+            weight: Callable[[int, float], float] | None = None) -> tuple[list[str], str]:
+    """The cut points (among the traced marks) that minimise the largest stage's forward
+    FLOPs over ``n_stages`` contiguous stages, and why. ``weight(stage, flops)`` may
+    re-weigh a stage (the planner adds the loss's work). Dynamic programming over the
+    spans, exact for this objective."""
+    order = {node: i for i, node in enumerate(traced.gm.graph.nodes)}
+    points = sorted({p for p, _ in traced.marks},
+                    key=lambda p: order.get(dict(traced.marks)[p], -1))
+    # only marks that split the graph somewhere new
+    spans = span_flops(traced, points)
+    # a span with nothing to compute joins the one before it (a stage must compute)
+    kept_points: list[str | None] = []
+    kept_spans: list[float] = []
+    for i, f in enumerate(spans):
+        if f == 0.0 and i + 1 < len(spans):
+            continue
+        kept_spans.append(f)
+        kept_points.append(points[i - 1] if i else None)
+    points = [p for p in kept_points[1:] if p is not None]
+    spans = kept_spans
+    units = len(spans)
+    if units < n_stages:
+        raise ValueError(f"{where}: {n_stages} stages, but the model has only {units} spans "
+                         f"with work to cut between (at {', '.join(points)}); name "
+                         f"split_points yourself or use fewer stages")
+    w = weight or (lambda s, f: f)
+    prefix = [0.0]
+    for f in spans:
+        prefix.append(prefix[-1] + f)
+    inf = float("inf")
+    # best[k][j]: the smallest largest stage cost over the first j spans in k stages
+    best = [[inf] * (units + 1) for _ in range(n_stages + 1)]
+    back = [[0] * (units + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, n_stages + 1):
+        for j in range(k, units - (n_stages - k) + 1):
+            for i in range(k - 1, j):
+                cost = max(best[k - 1][i], w(k - 1, prefix[j] - prefix[i]))
+                if cost < best[k][j]:
+                    best[k][j], back[k][j] = cost, i
+    cuts, j = [], units
+    for k in range(n_stages, 0, -1):
+        i = back[k][j]
+        if k > 1:
+            cuts.append(i)
+        j = i
+    cuts.reverse()
+    chosen = [points[i - 1] for i in cuts]
+    total = prefix[-1]
+    largest = best[n_stages][units]
+    why = (f"balanced by forward FLOPs: the largest stage has {largest / total:.0%} of "
+           f"{total:.3g} (ideal {1 / n_stages:.0%})" if total else "balanced by op count")
+    return chosen, why

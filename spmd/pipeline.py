@@ -1,0 +1,642 @@
+"""Running a pipeline: ``parallelize(model, mesh=, pipeline=spmd.pp.schedule(...))``.
+
+What :class:`PipelineModule` does each ``step(inputs, target, loss_fn)``:
+
+1. Splits every tensor of the batch along dim 0 into the schedule's microbatches.
+2. On the first step of a microbatch shape, traces the model with its loss and cuts the
+   graph into stages (:mod:`spmd.lowering.stages`); the cut points chosen on the first
+   step hold for every later shape, so each stage keeps its parameters. This rank keeps
+   only its stages' parameters; the others are released.
+3. Runs this rank's actions (:mod:`spmd.pp`) in order. ``F``: the stage's forward on the
+   microbatch and what it received, its outputs sent on at once (``isend``); ``B``: the
+   backward from the gradients its consumers sent back (the last stage starts from the
+   loss, scaled by ``1 / microbatches``); ``W``: the weight gradient of a split
+   backward. Receives are posted one action ahead, so the transfer of the next input
+   overlaps this action's compute.
+4. Returns the step's loss (the mean of the microbatches' losses), on every pipeline rank.
+
+Composition: a stage runs as its own module on the other mesh dimensions
+(``parallelize(stage, mesh=mesh[others], strategy=, placements=)``), so ``fsdp``/``hsdp``
+and tensor parallelism apply to it as to any model. ``ddp`` gradients accumulate over the
+microbatches and are averaged once, at the end of the step; sharded gradients are
+reduce-scattered each backward (a gradient must stay a shard), which sums to the same.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from spmd.lowering.stages import Cut, balance, candidates, cut, trace
+from spmd.pp import Action, Schedule, simulate
+
+__all__ = ["PipelineModule", "parallelize_pipeline"]
+
+log = logging.getLogger("spmd")
+
+
+class _Holder(nn.Module):
+    pass
+
+
+class StageModule(nn.Module):
+    """One stage: its parameters under their names in the model, and the stage's traced
+    forward for the current microbatch shape."""
+
+    def __init__(self, index: int, model: nn.Module, params: tuple[str, ...],
+                 buffers: tuple[str, ...]) -> None:
+        super().__init__()
+        self.index = index
+        for name in params:
+            self._place(name, model.get_parameter(name), True)
+        for name in buffers:
+            self._place(name, model.get_buffer(name), False)
+        self.__dict__["_names"] = (params, buffers)
+        self.__dict__["_code"] = None
+
+    def _place(self, name: str, tensor: torch.Tensor, param: bool) -> None:
+        owner: nn.Module = self
+        *path, leaf = name.split(".")
+        for part in path:
+            child = owner._modules.get(part)
+            if child is None:
+                child = _Holder()
+                owner.add_module(part, child)
+            owner = child
+        if param:
+            owner.register_parameter(leaf, tensor)  # type: ignore[arg-type]
+        else:
+            owner.register_buffer(leaf, tensor)
+
+    def set_code(self, code: Any) -> None:
+        self.__dict__["_code"] = code
+
+    def forward(self, *inputs: Any) -> Any:
+        params, buffers = self.__dict__["_names"]
+        tensors = [self.get_parameter(n) for n in params] + [self.get_buffer(n) for n in buffers]
+        return self.__dict__["_code"](*tensors, *inputs)
+
+
+@dataclass(kw_only=True)
+class _Program:
+    """One microbatch shape: the cut and the leaves' layout."""
+
+    cut: Cut
+    spec: Any  # the pytree spec of (args, target)
+
+
+@dataclass(kw_only=True)
+class _StepState:
+    microbatches: list[list[Any]]  # per microbatch: flat leaves of (args, target)
+    saved: dict[tuple[int, int], tuple[list, tuple]] = field(default_factory=dict)
+    local: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
+    grads: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
+    posted: dict[tuple, tuple[Any, torch.Tensor]] = field(default_factory=dict)
+    sends: list[Any] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    weight: dict[tuple[int, int], Any] = field(default_factory=dict)
+
+
+class PipelineModule(nn.Module):
+    """A model split into pipeline stages over a mesh dimension (``"pp"``); see the module
+    docstring. ``module`` is the model (this rank's stages' parameters; the others empty
+    after the first step); ``step`` trains on one batch; ``plan()`` shows the stages, the
+    schedule and its predicted timeline."""
+
+    def __init__(self, module: nn.Module, schedule: Schedule, mesh: Any, options: Any,
+                 where: str) -> None:
+        super().__init__()
+        self.module = module
+        self.schedule = schedule
+        self._where = where
+        self._mesh = mesh
+        self._options = options
+        self._ranks = mesh.size(schedule.dim)
+        schedule.check(self._ranks, where)
+        self._group = None if mesh.simulated else mesh.get_group(schedule.dim)
+        self._pp_rank = 0 if mesh.simulated else mesh.coordinate()[
+            mesh.dim_names.index(schedule.dim)]
+        others = tuple(d for d in mesh.dim_names if d != schedule.dim)
+        self._others = mesh[others] if others else None
+        self._split_points: tuple[str, ...] | None = schedule.split_points
+        self._chosen = "named by the user" if schedule.split_points else ""
+        self._programs: dict[Any, _Program] = {}
+        self._stages: dict[int, nn.Module] = {}  # this rank's, by stage index
+        self._composed = self._others is not None and self._others.size() > 1
+        self._released: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self._last_cut: Cut | None = None
+
+    # -- the stages -----------------------------------------------------------------
+
+    def local_stages(self) -> list[int]:
+        n = self.schedule.stages(self._ranks)
+        return [s for s in range(n) if self.schedule.rank_of(s, self._ranks) == self._pp_rank]
+
+    def _program(self, leaves: list, spec: Any, loss_fn: Any) -> _Program:
+        key = (spec, tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
+                           for t in leaves), loss_fn)
+        program = self._programs.get(key)
+        if program is not None:
+            return program
+        args, target = pytree.tree_unflatten(leaves, spec)
+        n = self.schedule.stages(self._ranks)
+        with _standing_in(self.module, self._released):
+            marked = list(self._split_points) if self._split_points else candidates(self.module)
+            traced = trace(self.module, loss_fn, args, target, marked, self._where)
+        if self._split_points is None:
+            points, why = balance(traced, n, self._where)
+            self._split_points, self._chosen = tuple(points), why
+        result = cut(traced, self._split_points, self._where, self._chosen)
+        if self._stages:
+            for s, module in self._stages.items():
+                names = module.__dict__["_names"]
+                stage = result.stages[s]
+                if names != (stage.params, stage.buffers):
+                    raise RuntimeError(f"{self._where}: stage {s} reads other parameters for "
+                                       f"this input shape than for the first; the model's "
+                                       f"forward must read the same parameters every step")
+        else:
+            self._build(result)
+        for s, module in self._stages.items():
+            _stage_of(module).set_code(result.stages[s].code)
+        program = _Program(cut=result, spec=spec)
+        self._programs[key] = program
+        self._last_cut = result
+        return program
+
+    def _build(self, result: Cut) -> None:
+        local = self.local_stages()
+        kept: set[str] = set()
+        for s in local:
+            stage = result.stages[s]
+            module = StageModule(s, self.module, stage.params, stage.buffers)
+            kept.update(stage.params)
+            if self._composed:
+                module = self._compose(module, stage)
+            self._stages[s] = module
+        # this rank holds only its stages' parameters
+        for name, param in self.module.named_parameters():
+            if name not in kept and param.numel():
+                self._released[name] = (param.shape, param.dtype)
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+                param.grad = None
+
+    def _compose(self, module: StageModule, stage: Any) -> nn.Module:
+        from dataclasses import replace
+
+        from spmd.module import parallelize_module
+        from spmd.setup import prepare_model
+
+        options = self._options
+        placements = options.placements
+        if placements is not None:
+            from spmd.tp import resolve_layout
+
+            params, activations = resolve_layout(self.module, self._mesh, placements,
+                                                 self._where)
+            if activations:
+                raise ValueError(
+                    f"{self._where}: placements that place module outputs (sequence or "
+                    f"context parallelism: {', '.join(sorted(activations)[:3])}) do not "
+                    f"compose with pipeline stages yet; place parameters only")
+            explicit: dict[str, dict[str, Any]] = {}
+            for name, per_dim in params.items():
+                if name in stage.params:
+                    for dim, placement in per_dim.items():
+                        explicit.setdefault(dim, {})[name] = placement
+            dims = {d for d in _tp_dims(placements)}
+            for d in dims:
+                explicit.setdefault(d, {})
+            options = replace(options, placements=explicit or None)
+        where = f"{self._where} stage {stage.index}"
+        setup = prepare_model(module, options, self._others, where)
+        return parallelize_module(module, options, setup)
+
+    # -- running --------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"{self._where}: a pipelined model runs whole steps: loss = model.step(inputs, "
+            f"target, loss_fn) (under torch.no_grad() for evaluation); its forward alone "
+            f"would leave the output on the last stage's ranks")
+
+    def step(self, inputs: Any, target: Any = None,
+             loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> torch.Tensor:
+        """Forward and backward of one batch through the pipeline; the mean of the
+        microbatches' losses, on every pipeline rank. ``inputs``: the model's argument, or
+        a tuple of them; ``target`` and ``loss_fn(output, target)``: the loss (None: the
+        model's output is the loss). Gradients accumulate into ``.grad`` as one
+        ``loss.backward()`` on the whole batch would leave them (for a loss that is a
+        mean over equal microbatches). Under ``torch.no_grad()``: the loss only."""
+        where = f"{self._where}.step"
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        m = self.schedule.microbatches
+        leaves, spec = pytree.tree_flatten((args, target))
+        rows = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim()}
+        if not rows:
+            raise ValueError(f"{where}: the batch holds no tensor with a batch dimension")
+        if len(rows) > 1:
+            raise ValueError(f"{where}: the batch's tensors have different sizes along dim 0 "
+                             f"({sorted(rows)}); microbatches split them all along dim 0")
+        (size,) = rows
+        if size % m:
+            raise ValueError(f"{where}: microbatches={m} do not divide the batch of {size} "
+                             f"rows")
+        pieces = [list(t.chunk(m, 0)) if isinstance(t, torch.Tensor) and t.dim() else [t] * m
+                  for t in leaves]
+        micro = [[p[i] for p in pieces] for i in range(m)]
+        program = self._program(micro[0], spec, loss_fn)
+        state = _StepState(microbatches=micro)
+        training = torch.is_grad_enabled()
+        actions = self.schedule.actions(self._ranks)[self._pp_rank]
+        if not training:
+            actions = [a for a in actions if a.kind == "F"]
+            actions.sort(key=lambda a: (a.microbatch, a.stage))
+        try:
+            for i, action in enumerate(actions):
+                for ahead in actions[i:i + 2]:
+                    self._post(program, state, ahead)
+                if action.kind == "F":
+                    self._forward(program, state, action, training)
+                elif action.kind == "B":
+                    self._backward(program, state, action)
+                else:
+                    self._weight(program, state, action)
+            for work in state.sends:
+                work.wait()
+        finally:
+            state.saved.clear()
+        if training:
+            self._reduce_accumulated()
+        return self._loss(program, state)
+
+    def _rank(self, stage: int) -> int:
+        """The global rank holding ``stage`` (in this rank's pipeline)."""
+        assert self._group is not None
+        return self._group.ranks[self.schedule.rank_of(stage, self._ranks)]
+
+    def _local(self, stage: int) -> bool:
+        return self.schedule.rank_of(stage, self._ranks) == self._pp_rank
+
+    def _tag(self, program: _Program, crossing: int, mb: int, dst: int, backward: bool) -> int:
+        n = len(program.cut.crossings)
+        stages = self.schedule.stages(self._ranks)
+        return (((mb * n + crossing) * stages + dst) * 2) + int(backward)
+
+    def _post(self, program: _Program, state: _StepState, action: Action) -> None:
+        """Post the receives ``action`` needs (once)."""
+        from spmd.runtime.p2p import irecv
+
+        crossings = program.cut.crossings
+        stage = program.cut.stages[action.stage]
+        wanted: list[tuple[int, int, int, bool]] = []  # crossing, from stage, to stage
+        if action.kind == "F":
+            wanted = [(c, crossings[c].src, action.stage, False) for c in stage.received]
+        elif action.kind == "B":
+            wanted = [(c, d, action.stage, True) for c in stage.sent if crossings[c].grad
+                      for d in crossings[c].dsts]
+        for c, frm, to, backward in wanted:
+            peer = frm  # the stage it comes from
+            if self._local(peer):
+                continue
+            key = (c, action.microbatch, to if not backward else frm, backward)
+            if key in state.posted:
+                continue
+            info = crossings[c]
+            buffer = torch.empty(info.shape, dtype=info.dtype)
+            work = irecv(buffer, src=self._rank(peer), group=self._group,
+                         tag=self._tag(program, c, action.microbatch,
+                                       to if not backward else frm, backward))
+            state.posted[key] = (work, buffer)
+
+    def _take(self, state: _StepState, key: tuple) -> torch.Tensor:
+        work, buffer = state.posted.pop(key)
+        work.wait()
+        return buffer
+
+    def _forward(self, program: _Program, state: _StepState, action: Action,
+                 training: bool) -> None:
+        from spmd.runtime.p2p import isend
+
+        crossings = program.cut.crossings
+        stage = program.cut.stages[action.stage]
+        mb = action.microbatch
+        leaves = state.microbatches[mb]
+        received = []
+        for c in stage.received:
+            src = crossings[c].src
+            if self._local(src):
+                value = state.local.pop((c, mb, action.stage))
+            else:
+                value = self._take(state, (c, mb, action.stage, False))
+            if training and crossings[c].grad:
+                value = value.detach().requires_grad_(True)
+            received.append(value)
+        module = self._stages[action.stage]
+        with _no_sync(module, training):
+            outs = module(*[leaves[i] for i in stage.inputs], *received)
+        if not isinstance(outs, (tuple, list)):
+            outs = (outs,)
+        for k, c in enumerate(stage.sent):
+            value = outs[k].detach()
+            for dst in crossings[c].dsts:
+                if self._local(dst):
+                    state.local[(c, mb, dst)] = value
+                else:
+                    state.sends.append(isend(value.contiguous(), dst=self._rank(dst),
+                                             group=self._group,
+                                             tag=self._tag(program, c, mb, dst, False)))
+        if stage.loss:
+            state.losses.append(outs[-1].detach())
+        if training:
+            state.saved[(action.stage, mb)] = (received, tuple(outs))
+
+    def _backward(self, program: _Program, state: _StepState, action: Action) -> None:
+        from spmd.runtime.p2p import isend
+
+        crossings = program.cut.crossings
+        stage = program.cut.stages[action.stage]
+        mb = action.microbatch
+        received, outs = state.saved[(action.stage, mb)]
+        roots, grads = [], []
+        for k, c in enumerate(stage.sent):
+            if not crossings[c].grad or not outs[k].requires_grad:
+                continue
+            total = None
+            for dst in crossings[c].dsts:
+                if self._local(dst):
+                    g = state.grads.pop((c, mb, dst))
+                else:
+                    g = self._take(state, (c, mb, dst, True))
+                total = g if total is None else total + g
+            roots.append(outs[k])
+            grads.append(total)
+        if stage.loss and outs[-1].requires_grad:
+            roots.append(outs[-1])
+            grads.append(torch.full_like(outs[-1], 1.0 / self.schedule.microbatches))
+        needs = [r for r in received if r.requires_grad]
+        module = self._stages[action.stage]
+        split = self.schedule.split_backward and not self._composed
+        if roots:
+            with _no_sync(module, True):
+                if split:
+                    weights = [p for p in module.parameters() if p.requires_grad]
+                    got, groups = backward_input(roots, grads, needs, weights)
+                    state.weight[(action.stage, mb)] = groups
+                    for r, g in zip(needs, got):
+                        r.grad = g
+                else:
+                    torch.autograd.backward(roots, grads, inputs=needs + [
+                        p for p in module.parameters() if p.requires_grad] or None)
+        k = 0
+        for c in stage.received:
+            if not crossings[c].grad:
+                continue
+            value = received[k] if received[k].requires_grad else None
+            k += 1
+            grad = value.grad if value is not None and value.grad is not None else \
+                torch.zeros(crossings[c].shape, dtype=crossings[c].dtype)
+            src = crossings[c].src
+            if self._local(src):
+                state.grads[(c, mb, action.stage)] = grad
+            else:
+                state.sends.append(isend(grad.contiguous(), dst=self._rank(src),
+                                         group=self._group,
+                                         tag=self._tag(program, c, mb, action.stage, True)))
+        if not split:
+            del state.saved[(action.stage, mb)]
+
+    def _weight(self, program: _Program, state: _StepState, action: Action) -> None:
+        key = (action.stage, action.microbatch)
+        groups = state.weight.pop(key, None)
+        if groups is not None:
+            backward_weight(groups)
+        state.saved.pop(key, None)
+
+    def _reduce_accumulated(self) -> None:
+        """``ddp`` stages: the microbatches' summed gradients averaged over the data
+        dimension, once per step."""
+        if not self._composed:
+            return
+        from spmd.runtime.collectives import all_reduce
+
+        for module in self._stages.values():
+            st = getattr(module, "_spmd", None)
+            if st is None or st.sharded or not st.communicates:
+                continue
+            grads = [p.grad for p in module.parameters() if p.grad is not None]
+            for dtype in sorted({g.dtype for g in grads}, key=str):
+                same = [g for g in grads if g.dtype == dtype]
+                flat = torch.cat([g.reshape(-1) for g in same])
+                all_reduce(flat, group=st.group)
+                flat /= st.world_size
+                offset = 0
+                for g in same:
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+
+    def _loss(self, program: _Program, state: _StepState) -> torch.Tensor:
+        last = self.schedule.stages(self._ranks) - 1
+        if state.losses:
+            loss = torch.stack(state.losses).mean()
+        else:
+            val = program.cut.stages[last].code.graph.find_nodes(op="output")[0].args[0][-1]
+            loss = torch.zeros((), dtype=val.meta["val"].dtype)
+        if self._group is not None and self._ranks > 1:
+            from spmd.runtime.collectives import broadcast
+
+            loss = loss.detach().clone().reshape(())
+            broadcast(loss, src=self._rank(last), group=self._group)
+        return loss
+
+    # -- inspection ------------------------------------------------------------------
+
+    def plan(self) -> "PipelinePlan":
+        """The stages (where the graph was cut and why), what crosses between them, the
+        schedule and its predicted timeline; after the first step."""
+        from spmd.pipeline_plan import PipelinePlan
+
+        if self._last_cut is None:
+            raise RuntimeError(f"{self._where}.plan(): the stages are cut at the first step "
+                               f"(they depend on the batch's shape); run model.step(...) "
+                               f"first, or plan without processes with spmd.pp.inspect")
+        return PipelinePlan.build(self._last_cut, self.schedule, self._ranks,
+                                  stage_plans={s: m.plan() for s, m in self._stages.items()
+                                               if hasattr(m, "_spmd")})
+
+
+# -- zero-bubble: a backward split into its input and weight gradients -----------------
+
+def _node_of(t: torch.Tensor) -> Any:
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if t.requires_grad:  # a leaf: its gradient accumulator
+        return t.view_as(t).grad_fn.next_functions[0][0]
+    return None
+
+
+def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor],
+                   inputs: list[torch.Tensor], weights: list[torch.Tensor]
+                   ) -> tuple[list[torch.Tensor | None], list[dict]]:
+    """The B of a split backward: the gradients of ``inputs``, computing no weight
+    gradient. Where the autograd graph turns off towards weights (a node on an input's
+    path whose edge leads to weights only), the gradient flowing into that node is kept,
+    so that :func:`backward_weight` later runs just that node's weights' part (the idea of
+    ``torch.distributed.pipelining``'s ``stage_backward_input``). A weight reached from
+    two such nodes (a weight used twice in the stage) would be summed twice: then the
+    whole backward runs here and W has nothing left to do."""
+    input_nodes = {n for n in (_node_of(t) for t in inputs) if n is not None}
+    weight_of = {n: w for w in weights if (n := _node_of(w)) is not None}
+    reach_input: dict[Any, bool] = {}
+    reach_weights: dict[Any, frozenset] = {}
+    order: list[Any] = []
+    seen: set = set()
+    stack = [(r.grad_fn, False) for r in roots if r.grad_fn is not None]
+    while stack:  # post-order over the autograd graph
+        n, expanded = stack.pop()
+        if expanded:
+            order.append(n)
+            continue
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.append((n, True))
+        stack.extend((c, False) for c, _ in n.next_functions if c is not None and c not in seen)
+    for n in order:
+        children = [c for c, _ in n.next_functions if c is not None]
+        reach_input[n] = n in input_nodes or any(reach_input[c] for c in children)
+        found = frozenset([n]) if n in weight_of else frozenset()
+        reach_weights[n] = found.union(*(reach_weights[c] for c in children))
+    groups: list[dict] = []
+    owner: dict[Any, Any] = {}
+    for n in order:
+        if not reach_input[n]:
+            continue
+        mine = frozenset().union(*(reach_weights[c] for c, _ in n.next_functions
+                                   if c is not None and not reach_input[c]))
+        if mine:
+            groups.append({"node": n, "weights": mine})
+    for r, g in zip(roots, grads):
+        if r.grad_fn is not None and not reach_input[r.grad_fn] and reach_weights[r.grad_fn]:
+            groups.append({"root": r, "grad": g, "weights": reach_weights[r.grad_fn]})
+    for group in groups:
+        for w in group["weights"]:
+            if owner.setdefault(w, id(group)) != id(group):  # shared: no split here
+                torch.autograd.backward(roots, grads, inputs=inputs + weights or None)
+                return [t.grad for t in inputs], []
+    captured: dict[Any, tuple] = {}
+    handles = []
+    for group in groups:
+        if "node" in group:
+            def keep(grad_outputs: tuple, node: Any = group["node"]) -> None:
+                captured[node] = tuple(None if g is None else g.detach() for g in grad_outputs)
+            handles.append(group["node"].register_prehook(keep))
+    try:
+        if inputs:
+            got = list(torch.autograd.grad(roots, inputs, grads, retain_graph=True,
+                                           allow_unused=True))
+        else:  # the first stage: nothing but weights; W runs it all
+            return [], [{"roots": roots, "grads": grads,
+                         "weights": [w for w in weights if _node_of(w) is not None]}]
+    finally:
+        for h in handles:
+            h.remove()
+    out = []
+    for group in groups:
+        params = [weight_of[w] for w in group["weights"]]
+        if "node" in group:
+            kept = captured.get(group["node"], ())
+            edges = [(group["node"], i) for i, g in enumerate(kept) if g is not None]
+            out.append({"edges": edges, "grads": [g for g in kept if g is not None],
+                        "weights": params})
+        else:
+            out.append({"roots": [group["root"]], "grads": [group["grad"]], "weights": params})
+    return got, out
+
+
+def backward_weight(groups: list[dict]) -> None:
+    """The W of a split backward: each group's weight gradients from what B kept,
+    accumulated into ``.grad``."""
+    from torch.autograd.graph import GradientEdge
+
+    for group in groups:
+        weights = group["weights"]
+        if "roots" in group:
+            outputs = group["roots"]
+        else:
+            outputs = [GradientEdge(n, i) for n, i in group["edges"]]
+        if not outputs or not weights:
+            continue
+        got = torch.autograd.grad(outputs, weights, group["grads"], allow_unused=True,
+                                  retain_graph=True)
+        for w, g in zip(weights, got):
+            if g is None:
+                continue
+            if w.grad is None:
+                w.grad = g
+            else:
+                w.grad += g
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+def _stage_of(module: nn.Module) -> StageModule:
+    assert isinstance(module, StageModule)
+    return module
+
+
+def _no_sync(module: nn.Module, training: bool) -> Any:
+    import contextlib
+
+    if training and hasattr(module, "_spmd") and not module._spmd.sharded:
+        return module.no_sync()  # averaged once, at the end of the step
+    return contextlib.nullcontext()
+
+
+def _tp_dims(placements: Any) -> tuple[str, ...]:
+    from spmd.tp import tp_dims_of
+
+    return tuple(tp_dims_of(placements))
+
+
+class _standing_in:
+    """Released parameters get a stand-in of their shape (one element, expanded) while
+    the model is traced again for a new shape."""
+
+    def __init__(self, model: nn.Module, released: dict) -> None:
+        self.model, self.released = model, released
+
+    def __enter__(self) -> None:
+        for name, (shape, dtype) in self.released.items():
+            p = self.model.get_parameter(name)
+            p.data = torch.zeros((), dtype=dtype, device=p.device).expand(shape)
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, (_, dtype) in self.released.items():
+            p = self.model.get_parameter(name)
+            p.data = torch.empty(0, dtype=dtype, device=p.device)
+
+
+def parallelize_pipeline(module: nn.Module, options: Any, mesh: Any, where: str) -> PipelineModule:
+    """``parallelize(module, mesh=, pipeline=)``: checks, then the pipelined model."""
+    from spmd.pp import Schedule
+    from spmd.setup import resolve_mesh
+
+    schedule = options.pipeline
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"{where}: pipeline must be an spmd.pp.schedule(...), got "
+                        f"{type(schedule).__name__}")
+    mesh = resolve_mesh(mesh, where)
+    if schedule.dim not in mesh.dim_names:
+        raise ValueError(f"{where}: the pipeline runs along mesh dimension {schedule.dim!r}; "
+                         f"the mesh has {mesh.dim_names}")
+    if not mesh.simulated:
+        from spmd.setup import _check_materialized
+
+        _check_materialized(module, where)
+    return PipelineModule(module, schedule, mesh, options, where)
