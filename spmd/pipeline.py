@@ -55,11 +55,14 @@ class StageModule(nn.Module):
         for name in params:
             self._place(name, model.get_parameter(name), True)
         for name in buffers:
-            self._place(name, model.get_buffer(name), False)
+            owner, _, leaf = name.rpartition(".")
+            persistent = leaf not in model.get_submodule(owner)._non_persistent_buffers_set
+            self._place(name, model.get_buffer(name), False, persistent)
         self.__dict__["_names"] = (params, buffers)
         self.__dict__["_code"] = None
 
-    def _place(self, name: str, tensor: torch.Tensor, param: bool) -> None:
+    def _place(self, name: str, tensor: torch.Tensor, param: bool,
+               persistent: bool = True) -> None:
         owner: nn.Module = self
         *path, leaf = name.split(".")
         for part in path:
@@ -71,15 +74,22 @@ class StageModule(nn.Module):
         if param:
             owner.register_parameter(leaf, tensor)  # type: ignore[arg-type]
         else:
-            owner.register_buffer(leaf, tensor)
+            owner.register_buffer(leaf, tensor, persistent=persistent)
 
     def set_code(self, code: Any) -> None:
         self.__dict__["_code"] = code
 
     def forward(self, *inputs: Any) -> Any:
         params, buffers = self.__dict__["_names"]
-        tensors = [self.get_parameter(n) for n in params] + [self.get_buffer(n) for n in buffers]
+        # by attribute: a parallelized stage may read its parameters through properties
+        tensors = [_attr(self, n) for n in params + buffers]
         return self.__dict__["_code"](*tensors, *inputs)
+
+
+def _attr(module: nn.Module, name: str) -> Any:
+    for part in name.split("."):
+        module = getattr(module, part)
+    return module
 
 
 @dataclass(kw_only=True)
@@ -213,6 +223,9 @@ class PipelineModule(nn.Module):
             for d in dims:
                 explicit.setdefault(d, {})
             options = replace(options, placements=explicit or None)
+        # buffers are broadcast once per step (PipelineModule.step), not per microbatch:
+        # a microbatch's saved views of them must not change before its backward
+        options = replace(options, broadcast_buffers=False, pipeline=None)
         where = f"{self._where} stage {stage.index}"
         setup = prepare_model(module, options, self._others, where)
         return parallelize_module(module, options, setup)
@@ -253,6 +266,8 @@ class PipelineModule(nn.Module):
         program = self._program(micro[0], spec, loss_fn)
         state = _StepState(microbatches=micro)
         training = torch.is_grad_enabled()
+        if training and self._options.broadcast_buffers:
+            self._broadcast_buffers()
         actions = self.schedule.actions(self._ranks)[self._pp_rank]
         if not training:
             actions = [a for a in actions if a.kind == "F"]
@@ -439,6 +454,17 @@ class PipelineModule(nn.Module):
                 for g in same:
                     g.copy_(flat[offset:offset + g.numel()].view_as(g))
                     offset += g.numel()
+
+    def _broadcast_buffers(self) -> None:
+        """Each stage's buffers from the first rank of its data group, as DDP does before
+        a training forward: once per step."""
+        from spmd.reducer import broadcast_coalesced
+
+        for module in self._stages.values():
+            st = getattr(module, "_spmd", None)
+            buffers = list(module.buffers())
+            if st is not None and st.communicates and buffers:
+                broadcast_coalesced(buffers, st.group.ranks[0], st.group)
 
     def _loss(self, program: _Program, state: _StepState) -> torch.Tensor:
         last = self.schedule.stages(self._ranks) - 1
