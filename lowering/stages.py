@@ -75,6 +75,7 @@ class Stage:
     loss: bool
     modules: tuple[str, ...]  # the marked modules whose spans it runs
     flops: float  # forward FLOPs per microbatch
+    param_numel: int
     param_bytes: int
     activation_bytes: int  # every value its forward computes, per microbatch (an upper bound)
 
@@ -364,13 +365,15 @@ def _stage(traced: Traced, s: int, n_stages: int, stage_of: dict, free: set, kin
     code = fx.GraphModule(attrs, new, class_name=f"Stage{s}")
     flops = sum(traced.flops.get(n.name, 0.0) for n in own)
     param_bytes = sum(_bytes(_val(node)) for _, node in params)
+    param_numel = sum(_val(node).numel() for _, node in params)
     activation_bytes = sum(_bytes(_val(n)) for n in own)
     modules = tuple(p for i, p in enumerate(split_points) if i + 1 == s) if s else ()
     return Stage(index=s, code=code, params=tuple(n for n, _ in params),
                  buffers=tuple(n for n, _ in buffers), inputs=tuple(i for i, _ in inputs),
                  received=tuple(crossing_of[n].index for n in received),
                  sent=tuple(crossing_of[n].index for n in sent), loss=s == n_stages - 1,
-                 modules=modules, flops=flops, param_bytes=param_bytes,
+                 modules=modules, flops=flops, param_numel=param_numel,
+                 param_bytes=param_bytes,
                  activation_bytes=activation_bytes)
 
 

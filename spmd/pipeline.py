@@ -25,6 +25,7 @@ reduce-scattered each backward (a gradient must stay a shard), which sums to the
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -33,7 +34,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from spmd.lowering.stages import Cut, balance, candidates, cut, trace
-from spmd.pp import Action, Schedule, simulate
+from spmd.pp import Action, Schedule
 
 __all__ = ["PipelineModule", "parallelize_pipeline"]
 
@@ -54,9 +55,13 @@ class StageModule(nn.Module):
         self.index = index
         for name in params:
             self._place(name, model.get_parameter(name), True)
-        for name in buffers:
+        for name in buffers:  # buffers, and frozen parameters every stage may read
             owner, _, leaf = name.rpartition(".")
-            persistent = leaf not in model.get_submodule(owner)._non_persistent_buffers_set
+            module = model.get_submodule(owner)
+            if leaf in module._parameters:
+                self._place(name, module._parameters[leaf], True)
+                continue
+            persistent = leaf not in module._non_persistent_buffers_set
             self._place(name, model.get_buffer(name), False, persistent)
         self.__dict__["_names"] = (params, buffers)
         self.__dict__["_code"] = None
@@ -109,6 +114,7 @@ class _StepState:
     posted: dict[tuple, tuple[Any, torch.Tensor]] = field(default_factory=dict)
     sends: list[Any] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
+    spans: list[tuple[Action, float, float]] = field(default_factory=list)
     weight: dict[tuple[int, int], Any] = field(default_factory=dict)
 
 
@@ -140,6 +146,7 @@ class PipelineModule(nn.Module):
         self._composed = self._others is not None and self._others.size() > 1
         self._released: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._last_cut: Cut | None = None
+        self.last_spans: list[tuple[Action, float, float]] = []
 
     # -- the stages -----------------------------------------------------------------
 
@@ -185,7 +192,7 @@ class PipelineModule(nn.Module):
         for s in local:
             stage = result.stages[s]
             module = StageModule(s, self.module, stage.params, stage.buffers)
-            kept.update(stage.params)
+            kept.update(stage.params + stage.buffers)
             if self._composed:
                 module = self._compose(module, stage)
             self._stages[s] = module
@@ -272,20 +279,26 @@ class PipelineModule(nn.Module):
         if not training:
             actions = [a for a in actions if a.kind == "F"]
             actions.sort(key=lambda a: (a.microbatch, a.stage))
+        clock = time.perf_counter
+        begin = clock()
         try:
             for i, action in enumerate(actions):
                 for ahead in actions[i:i + 2]:
                     self._post(program, state, ahead)
+                start = clock()
                 if action.kind == "F":
                     self._forward(program, state, action, training)
                 elif action.kind == "B":
                     self._backward(program, state, action)
                 else:
                     self._weight(program, state, action)
+                state.spans.append((action, start - begin, clock() - begin))
             for work in state.sends:
                 work.wait()
         finally:
             state.saved.clear()
+        if training:
+            self.last_spans = state.spans  # what this rank measured: (action, start, end) s
         if training:
             self._reduce_accumulated()
         return self._loss(program, state)
@@ -482,18 +495,59 @@ class PipelineModule(nn.Module):
 
     # -- inspection ------------------------------------------------------------------
 
-    def plan(self) -> "PipelinePlan":
+    def plan(self) -> Any:
         """The stages (where the graph was cut and why), what crosses between them, the
-        schedule and its predicted timeline; after the first step."""
-        from spmd.pipeline_plan import PipelinePlan
+        schedule and its predicted timeline (:class:`spmd.pipeline_plan.PipelinePlan`);
+        after the first step."""
+        from spmd.lowering.cost_model import CostModel
+        from spmd.pipeline_plan import build, stage_seconds_from_plan
 
-        if self._last_cut is None:
+        cut = self._last_cut
+        if cut is None:
             raise RuntimeError(f"{self._where}.plan(): the stages are cut at the first step "
                                f"(they depend on the batch's shape); run model.step(...) "
-                               f"first, or plan without processes with spmd.pp.inspect")
-        return PipelinePlan.build(self._last_cut, self.schedule, self._ranks,
-                                  stage_plans={s: m.plan() for s, m in self._stages.items()
-                                               if hasattr(m, "_spmd")})
+                               f"first, or plan without processes: spmd.inspect(model, x, "
+                               f"mesh=spmd.Mesh.simulated(...), pipeline=..., loss_fn=..., "
+                               f"target=y)")
+        plans = {s: m.plan() for s, m in self._stages.items() if hasattr(m, "_spmd")}
+        known: dict[int, tuple[float, float]] = {}
+        why: dict[int, str] = {}
+        for s, plan in plans.items():
+            f, b, _ = stage_seconds_from_plan(plan)
+            known[s], why[s] = (f, b), "this rank's plan of the stage"
+        for s in self._stages:
+            if s in known:
+                continue
+            fs = [e - b for a, b, e in self.last_spans if a.stage == s and a.kind == "F"]
+            bs = [e - b for a, b, e in self.last_spans if a.stage == s and a.kind != "F"]
+            if fs:
+                m = self.schedule.microbatches
+                known[s] = (sum(fs) / len(fs), sum(bs) / m)
+                why[s] = "measured on this rank, last step"
+        costs = _scaled(cut, known, why)
+        model = CostModel.default("gloo", 2)
+        return build(cut, self.schedule, self._ranks, costs=costs, source=why,
+                     send=lambda n: model.alpha + model.beta * n, stage_plans=plans,
+                     measured=self.last_spans or None)
+
+
+def _scaled(cut: Cut, known: dict[int, tuple[float, float]], why: dict[int, str]
+            ) -> dict[int, tuple[float, float]]:
+    """Every stage's (forward, backward) seconds: the known ones, the others carried over
+    in proportion to their forward FLOPs (backward twice forward where nothing is known)."""
+    costs = dict(known)
+    flops_known = sum(cut.stages[s].flops for s in known)
+    if known and flops_known:
+        per_f = sum(f for f, _ in known.values()) / flops_known
+        per_b = sum(b for _, b in known.values()) / flops_known
+    else:
+        per_f, per_b = 1e-9, 2e-9  # relative: a GFLOP a millisecond... a unit, said so
+    for st in cut.stages:
+        if st.index not in costs:
+            costs[st.index] = (st.flops * per_f, st.flops * per_b)
+            why[st.index] = ("scaled by FLOPs from the stages this rank measured" if known
+                             else "forward FLOPs in relative units (nothing measured)")
+    return costs
 
 
 # -- zero-bubble: a backward split into its input and weight gradients -----------------
