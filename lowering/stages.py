@@ -13,8 +13,9 @@ at the chosen marks:
   holds the batch, so nothing of theirs crosses.
 - A value computed in stage ``s`` and read in a later stage ``t`` crosses: ``s`` sends it
   to ``t`` in forward, ``t`` sends its gradient back in backward (:class:`Crossing`).
-- A trainable parameter read in two stages (tied embeddings) is refused by name: its
-  gradient would need a reduction between stages.
+- A trainable parameter read in several stages (an embedding tied to the output head) is
+  held by each of them; the runtime sums its gradient across them once per step
+  (:attr:`Cut.tied`), as Megatron-LM does for tied embeddings.
 
 Each stage becomes an ``fx.GraphModule`` taking its parameters and buffers, the batch
 leaves it reads and the values it receives; it returns the values it sends and, on the
@@ -86,6 +87,7 @@ class Cut:
     crossings: list[Crossing]
     split_points: tuple[str, ...]
     chosen: str  # how: "named by the user" or the balance's reason
+    tied: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter -> its stages
 
 
 @dataclass(kw_only=True)
@@ -249,20 +251,15 @@ def cut(traced: Traced, split_points: Sequence[str], where: str, chosen: str) ->
         if node.op == "call_function" and node not in free:
             stage_of[node] = current
     kinds = dict(zip([n for n in graph.nodes if n.op == "placeholder"], traced.kinds))
-    # every stage reads its own parameters: a trainable one read in two stages is refused
-    param_stage: dict[str, int] = {}
+    # a trainable parameter read in several stages (tied weights): each holds a copy, and
+    # the copies' gradients are summed across those stages once per step
+    tied: dict[str, tuple[int, ...]] = {}
     for node, (kind, name) in kinds.items():
         if kind != "param" or name not in traced.trainable:
             continue
         stages = sorted({stage_of[u] for u in node.users if u in stage_of})
         if len(stages) > 1:
-            raise ValueError(
-                f"{where}: parameter {name!r} is read in stages {stages} (tied weights, such "
-                f"as an embedding shared with the output head); its gradient would need a "
-                f"sum across stages. Untie it (a copy per stage) or cut so that one stage "
-                f"holds every use")
-        if stages:
-            param_stage[name] = stages[0]
+            tied[name] = tuple(stages)
     output = next(n for n in graph.nodes if n.op == "output")
     result = output.args[0]
     if isinstance(result, (list, tuple)) and len(result) == 1:
@@ -310,7 +307,7 @@ def cut(traced: Traced, split_points: Sequence[str], where: str, chosen: str) ->
     stages = [_stage(traced, s, n_stages, stage_of, free, kinds, crossing_of, result,
                      split_points) for s in range(n_stages)]
     return Cut(stages=stages, crossings=crossings, split_points=tuple(split_points),
-               chosen=chosen)
+               chosen=chosen, tied=tied)
 
 
 def _stage(traced: Traced, s: int, n_stages: int, stage_of: dict, free: set, kinds: dict,

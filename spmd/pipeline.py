@@ -189,6 +189,14 @@ class PipelineModule(nn.Module):
     def _build(self, result: Cut) -> None:
         local = self.local_stages()
         kept: set[str] = set()
+        for name, stages in result.tied.items():
+            mine = [s for s in stages if s in local]
+            if self._composed and len(mine) > 1:
+                raise ValueError(
+                    f"{self._where}: parameter {name!r} is read in stages {mine}, which "
+                    f"this rank both holds; with a strategy on the other mesh dimensions "
+                    f"each stage is parallelized on its own and cannot share it: cut so "
+                    f"that one stage holds every use, or untie it")
         for s in local:
             stage = result.stages[s]
             module = StageModule(s, self.module, stage.params, stage.buffers)
@@ -301,6 +309,7 @@ class PipelineModule(nn.Module):
             self.last_spans = state.spans  # what this rank measured: (action, start, end) s
         if training:
             self._reduce_accumulated()
+            self._sum_tied(program)
         return self._loss(program, state)
 
     def _rank(self, stage: int) -> int:
@@ -467,6 +476,41 @@ class PipelineModule(nn.Module):
                 for g in same:
                     g.copy_(flat[offset:offset + g.numel()].view_as(g))
                     offset += g.numel()
+
+    def _sum_tied(self, program: _Program) -> None:
+        """A parameter read in stages on several pipeline ranks (tied weights): every
+        holder's gradient summed, in pipeline-rank order, on each holder."""
+        from spmd.runtime.p2p import irecv, isend
+
+        tied = program.cut.tied
+        if not tied or self._group is None:
+            return
+        for k, name in enumerate(sorted(tied)):
+            holders = sorted({self.schedule.rank_of(s, self._ranks) for s in tied[name]})
+            if self._pp_rank not in holders or len(holders) == 1:
+                continue
+            param = self.module.get_parameter(name)
+            mine = param.grad if param.grad is not None else torch.zeros_like(param)
+            mine = mine.detach().contiguous()
+            tag = 2 ** 30 + k  # above every activation's tag
+            works, got = [], {}
+            for r in holders:
+                if r == self._pp_rank:
+                    continue
+                peer = self._group.ranks[r]
+                works.append(isend(mine, dst=peer, group=self._group, tag=tag))
+                got[r] = torch.empty_like(mine)
+                works.append(irecv(got[r], src=peer, group=self._group, tag=tag))
+            for w in works:
+                w.wait()
+            total = None
+            for r in holders:
+                part = mine if r == self._pp_rank else got[r]
+                total = part.clone() if total is None else total + part
+            if param.grad is None:
+                param.grad = total
+            else:
+                param.grad.copy_(total)
 
     def _broadcast_buffers(self) -> None:
         """Each stage's buffers from the first rank of its data group, as DDP does before
