@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-__all__ = ["Config", "Decoder", "build", "LLAMA3_8B", "LLAMA3_70B", "LLAMA2_7B", "MPT_7B",
+__all__ = ["Config", "Decoder", "build", "LLAMA3_8B", "LLAMA3_70B", "LLAMA3_405B", "LLAMA2_7B", "MPT_7B",
            "MPT_13B", "MPT_70B", "GPT3_5B", "GPT3_20B", "TINY", "scaled"]
 
 
@@ -68,6 +68,8 @@ LLAMA3_8B = Config(name="Llama 3 8B", layers=32, dim=4096, heads=32, kv_heads=8,
                    vocab=128256)
 LLAMA3_70B = Config(name="Llama 3 70B", layers=80, dim=8192, heads=64, kv_heads=8,
                     ffn=28672, vocab=128256)
+LLAMA3_405B = Config(name="Llama 3 405B", layers=126, dim=16384, heads=128, kv_heads=8,
+                     ffn=53248, vocab=128256)
 LLAMA2_7B = Config(name="Llama 2 7B", layers=32, dim=4096, heads=32, kv_heads=32, ffn=11008,
                    vocab=32000)
 # MosaicML's MPT (llm-foundry yamls): GELU MLP 4x, LayerNorm, tied embeddings, vocabulary

@@ -294,8 +294,30 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor,
     return (1 - label_smoothing) * loss + label_smoothing / classes * smooth
 
 
-_LOSSES = {F.cross_entropy: cross_entropy, F.nll_loss: nll_loss}
-_SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+_REDUCTION_NAMES = {0: "none", 1: "mean", 2: "sum"}
+
+
+def _aten_cross_entropy(input: torch.Tensor, target: torch.Tensor,
+                        weight: torch.Tensor | None = None, reduction: int = 1,
+                        ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
+    """``aten.cross_entropy_loss`` (what a graph traced above autograd holds, a pipeline
+    stage's) as :func:`cross_entropy`."""
+    return cross_entropy(input, target, weight, ignore_index=ignore_index,
+                         reduction=_REDUCTION_NAMES[reduction], label_smoothing=label_smoothing)
+
+
+def _aten_nll_loss(input: torch.Tensor, target: torch.Tensor,
+                   weight: torch.Tensor | None = None, reduction: int = 1,
+                   ignore_index: int = -100) -> torch.Tensor:
+    return nll_loss(input, target, weight, ignore_index=ignore_index,
+                    reduction=_REDUCTION_NAMES[reduction])
+
+
+_LOSSES = {F.cross_entropy: cross_entropy, F.nll_loss: nll_loss,
+           _aten.cross_entropy_loss.default: _aten_cross_entropy,
+           _aten.nll_loss.default: _aten_nll_loss, _aten.nll_loss_nd.default: _aten_nll_loss}
+_SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention,
+         _aten.scaled_dot_product_attention.default)
 
 
 def rewrite_for_meta(gm: fx.GraphModule, example_inputs: list[Any],

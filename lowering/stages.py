@@ -100,6 +100,8 @@ class Traced:
     marks: list[tuple[str, fx.Node | None]]
     trainable: frozenset[str]
     flops: dict[str, float] = field(default_factory=dict)  # node name -> forward FLOPs
+    # activation-checkpointed calls: (the last node before, the last node inside)
+    regions: list[tuple[fx.Node | None, fx.Node | None]] = field(default_factory=list)
 
 
 def candidates(model: nn.Module) -> list[str]:
@@ -119,9 +121,11 @@ def candidates(model: nn.Module) -> list[str]:
 
 
 def trace(model: nn.Module, loss_fn: Callable[..., Any] | None, args: tuple, target: Any,
-          marked: Sequence[str], where: str) -> Traced:
+          marked: Sequence[str], where: str, cast: torch.dtype | None = None) -> Traced:
     """``loss_fn(model(*args), target)`` (``model(*args)`` when ``loss_fn`` is None) as one
-    graph on fake tensors, with the marks of the modules in ``marked``."""
+    graph on fake tensors, with the marks of the modules in ``marked``. ``cast``: trace as
+    mixed precision runs (floating parameters and model inputs in that dtype: a model's
+    own casts, ``x.type_as(w)``, are recorded for the dtype they will see)."""
     from torch.func import functional_call
     from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
@@ -145,19 +149,29 @@ def trace(model: nn.Module, loss_fn: Callable[..., Any] | None, args: tuple, tar
 
     for path in marked:
         handles.append(modules[path].register_forward_pre_hook(hook_for(path)))
+    regions: list[tuple[fx.Node | None, fx.Node | None]] = []
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
 
     def forward_and_loss(p: dict, b: dict, a: tuple, t: Any) -> Any:
+        if cast is not None:
+            p = {k: v.to(cast) if v.is_floating_point() else v for k, v in p.items()}
+            a = pytree.tree_map_only(
+                torch.Tensor, lambda v: v.to(cast) if v.is_floating_point() else v, a)
         out = functional_call(model, {**p, **b}, a)
         return out if loss_fn is None else loss_fn(out, t)
 
     try:
-        gm = make_fx(forward_and_loss, tracing_mode="fake", pre_dispatch=True)(
-            params, buffers, args, target)
+        with _recording_checkpoints(regions):
+            gm = make_fx(forward_and_loss, tracing_mode="fake", pre_dispatch=True)(
+                params, buffers, args, target)
     finally:
         for h in handles:
             h.remove()
+    if cast is not None:
+        moved = _fold_casts(gm)
+        marks = [(path, moved.get(node, node)) for path, node in marks]
+        regions = [(moved.get(a, a), moved.get(b, b)) for a, b in regions]
     leaves = ([("param", n) for n in params] + [("buffer", n) for n in buffers]
               + [("input", str(i)) for i, _ in enumerate(pytree.tree_leaves((args, target)))])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -174,10 +188,83 @@ def trace(model: nn.Module, loss_fn: Callable[..., Any] | None, args: tuple, tar
         if seen[path] > 1:
             raise ValueError(f"{where}: module {path!r} runs {seen[path]} times in one "
                              f"forward; a stage must begin at a module that runs once")
-    traced = Traced(gm=gm, kinds=leaves, marks=marks,
+    traced = Traced(gm=gm, kinds=leaves, marks=marks, regions=regions,
                     trainable=frozenset(n for n, p in params.items() if p.requires_grad))
     traced.flops = {n.name: node_flops(n) for n in gm.graph.nodes if n.op == "call_function"}
     return traced
+
+
+class _recording_checkpoints:
+    """While tracing: ``torch.utils.checkpoint.checkpoint`` runs its function plainly and
+    records the span of nodes it traced (outermost calls only), so that each stage can
+    checkpoint the same spans again (a trace inlines them: the recomputation would be
+    lost, and with it the memory the model was written to save)."""
+
+    def __init__(self, regions: list) -> None:
+        self.regions = regions
+        self.depth = 0
+
+    def _last(self) -> fx.Node | None:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        mode = get_proxy_mode()
+        return None if mode is None else next(reversed(mode.tracer.graph.nodes), None)
+
+    def __enter__(self) -> None:
+        import torch.utils.checkpoint as ckpt
+
+        recorder = self
+
+        def generator(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            begin = recorder._last()
+            recorder.depth += 1
+            try:
+                yield
+            finally:
+                recorder.depth -= 1
+            if recorder.depth == 0:
+                recorder.regions.append((begin, recorder._last()))
+
+        class Reentrant:
+            @staticmethod
+            def apply(function: Any, preserve: Any, *args: Any) -> Any:
+                gen = generator(function)
+                next(gen)
+                out = function(*args)
+                next(gen, None)
+                return out
+
+        self.saved = (ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction)
+        ckpt._checkpoint_without_reentrant_generator = generator
+        ckpt.CheckpointFunction = Reentrant
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.utils.checkpoint as ckpt
+
+        ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = self.saved
+
+
+def _fold_casts(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """The trace's casts of its inputs (mixed precision's) folded into the inputs: at run
+    time the stage receives them in that dtype already. Each removed node -> the node
+    before it (where a mark on it moves)."""
+    moved: dict[fx.Node, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or len(node.args) < 1:
+            continue
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        source = node.args[0]
+        if name in ("to", "_to_copy") and isinstance(source, fx.Node) \
+                and source.op == "placeholder" and len(source.users) == 1:
+            source.meta["val"] = node.meta["val"]
+            node.replace_all_uses_with(source)
+            before = node.prev
+            moved.update({k: before for k, v in moved.items() if v is node})
+            moved[node] = before
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return moved
 
 
 def _val(node: Any) -> Any:
@@ -358,6 +445,16 @@ def _stage(traced: Traced, s: int, n_stages: int, stage_of: dict, free: set, kin
     sent = [n for n in own if n in crossing_of]
     outs = [env[n] for n in sent] + ([env[loss]] if s == n_stages - 1 else [])
     new.output(tuple(outs))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for k, (begin, end) in enumerate(traced.regions):
+        lo = order[begin] if begin is not None else -1
+        hi = order[end] if end is not None else -1
+        inside = [n for n in graph.nodes if lo < order[n] <= hi and n.op == "call_function"]
+        mine = [n for n in inside if n in env and (n in own_set or n in needed)]
+        if not any(n in own_set for n in inside) or any(
+                n not in free and stage_of.get(n) != s for n in inside):
+            continue  # another stage's, or cut through (then left whole: no recompute)
+        _outline(new, [env[n] for n in mine], f"checkpointed_{k}", attrs)
     new.lint()
     code = fx.GraphModule(attrs, new, class_name=f"Stage{s}")
     flops = sum(traced.flops.get(n.name, 0.0) for n in own)
@@ -372,6 +469,50 @@ def _stage(traced: Traced, s: int, n_stages: int, stage_of: dict, free: set, kin
                  modules=modules, flops=flops, param_numel=param_numel,
                  param_bytes=param_bytes,
                  activation_bytes=activation_bytes)
+
+
+def _outline(graph: fx.Graph, nodes: list[fx.Node], name: str, attrs: dict) -> None:
+    """Replace ``nodes`` (contiguous, in order) by a call of
+    ``torch.utils.checkpoint.checkpoint`` on a graph module of them."""
+    import operator
+
+    import torch.utils.checkpoint as ckpt
+
+    if not nodes:
+        return
+    inside = set(nodes)
+    inputs: list[fx.Node] = []
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in inputs:
+                inputs.append(a)
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in inputs:
+        env[a] = sub.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    sub_attrs = {}
+    for n in nodes:
+        env[n] = sub.node_copy(n, lambda x: env[x])
+        if n.op == "get_attr":
+            sub_attrs[n.target] = attrs[n.target]
+    sub.output(tuple(env[o] for o in outputs))
+    attrs[name] = fx.GraphModule(sub_attrs, sub, class_name="Checkpointed")
+    with graph.inserting_after(nodes[-1]):
+        module = graph.get_attr(name)
+    with graph.inserting_after(module):
+        call = graph.call_function(ckpt.checkpoint, (module, *inputs), {"use_reentrant": False})
+        call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+    last = call
+    for i, o in enumerate(outputs):
+        with graph.inserting_after(last):
+            item = graph.call_function(operator.getitem, (call, i))
+        item.meta = dict(o.meta)
+        o.replace_all_uses_with(item)
+        last = item
+    for n in reversed(nodes):
+        graph.erase_node(n)
 
 
 def _safe(name: str) -> str:
@@ -405,11 +546,13 @@ def span_flops(traced: Traced, points: Sequence[str]) -> list[float]:
 
 
 def balance(traced: Traced, n_stages: int, where: str,
-            weight: Callable[[int, float], float] | None = None) -> tuple[list[str], str]:
-    """The cut points (among the traced marks) that minimise the largest stage's forward
-    FLOPs over ``n_stages`` contiguous stages, and why. ``weight(stage, flops)`` may
-    re-weigh a stage (the planner adds the loss's work). Dynamic programming over the
-    spans, exact for this objective."""
+            seconds: Callable[[str | None, float], float] | None = None
+            ) -> tuple[list[str], str]:
+    """The cut points (among the traced marks) that minimise the largest stage's cost
+    over ``n_stages`` contiguous stages, and why. A span's cost is its forward FLOPs, or
+    ``seconds(the mark it begins at (None: the start), its FLOPs)`` when the planner
+    knows better (what each stage's own plan predicted per FLOP). Dynamic programming over
+    the spans, exact for this objective."""
     order = {node: i for i, node in enumerate(traced.gm.graph.nodes)}
     points = sorted({p for p, _ in traced.marks},
                     key=lambda p: order.get(dict(traced.marks)[p], -1))
@@ -430,7 +573,8 @@ def balance(traced: Traced, n_stages: int, where: str,
         raise ValueError(f"{where}: {n_stages} stages, but the model has only {units} spans "
                          f"with work to cut between (at {', '.join(points)}); name "
                          f"split_points yourself or use fewer stages")
-    w = weight or (lambda s, f: f)
+    if seconds is not None:
+        spans = [seconds(p, f) for p, f in zip(kept_points, spans)]
     prefix = [0.0]
     for f in spans:
         prefix.append(prefix[-1] + f)
@@ -442,7 +586,7 @@ def balance(traced: Traced, n_stages: int, where: str,
     for k in range(1, n_stages + 1):
         for j in range(k, units - (n_stages - k) + 1):
             for i in range(k - 1, j):
-                cost = max(best[k - 1][i], w(k - 1, prefix[j] - prefix[i]))
+                cost = max(best[k - 1][i], prefix[j] - prefix[i])
                 if cost < best[k][j]:
                     best[k][j], back[k][j] = cost, i
     cuts, j = [], units
@@ -455,6 +599,7 @@ def balance(traced: Traced, n_stages: int, where: str,
     chosen = [points[i - 1] for i in cuts]
     total = prefix[-1]
     largest = best[n_stages][units]
-    why = (f"balanced by forward FLOPs: the largest stage has {largest / total:.0%} of "
+    what = "predicted seconds" if seconds is not None else "forward FLOPs"
+    why = (f"balanced by {what}: the largest stage has {largest / total:.0%} of "
            f"{total:.3g} (ideal {1 / n_stages:.0%})" if total else "balanced by op count")
     return chosen, why

@@ -31,6 +31,27 @@ def _planning_mesh(mesh: Mesh | None) -> Mesh:
                      "process group is initialized to take the size from)")
 
 
+def _inspect_pipeline(obj: Any, example_inputs: tuple, mesh: Mesh | None, strategy: str,
+                      options: dict) -> Any:
+    from spmd.lowering.options import Options
+    from spmd.pipeline import inspect_pipeline
+
+    options = dict(options)
+    loss_fn, target = options.pop("loss_fn", None), options.pop("target", None)
+    if options.get("pipeline") is None:
+        raise TypeError("spmd.inspect: loss_fn= and target= plan a pipeline; pass "
+                        "pipeline=spmd.pp.schedule(...) too")
+    if not isinstance(obj, nn.Module):
+        raise TypeError(f"spmd.inspect: a pipeline is cut from a model, got "
+                        f"{type(obj).__name__}")
+    if mesh is None or not mesh.simulated:
+        raise ValueError("spmd.inspect: plan a pipeline on mesh=spmd.Mesh.simulated(shape, "
+                         "dim_names) naming its 'pp' dimension")
+    opts = Options.from_kwargs("spmd.inspect", strategy=strategy, **options)
+    return inspect_pipeline(obj, tuple(example_inputs), target=target, loss_fn=loss_fn,
+                            mesh=mesh, options=opts)
+
+
 def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: str = "ddp",
             **options: Any) -> Plan:
     """The :class:`~spmd.plan.Plan` of ``obj``.
@@ -43,13 +64,24 @@ def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: 
       runs, no collective is sent), with the buckets and predictions of ``mesh``.
     - ``inspect(step_fn, model, batch, opt, mesh=...)``: a whole step, traced on fake
       tensors (nothing runs at all).
+    - ``inspect(model, x, mesh=Mesh.simulated((8, 8), ("pp", "fsdp")), pipeline=
+      spmd.pp.schedule("1f1b", 8), loss_fn=F.cross_entropy, target=y)``: a pipeline's
+      plan (:class:`spmd.pipeline_plan.PipelinePlan`), each stage planned on the other
+      dimensions; ``inspect(pipelined_model)``: a running pipeline's.
 
     Example::
 
         plan = spmd.inspect(Transformer(), tokens, mesh=spmd.Mesh.simulated(1024))
         plan.summary(); plan.timeline(); plan.explain("layers.0.attn.in_proj_weight")
     """
+    pipeline = options.get("pipeline")
+    if pipeline is not None or {"loss_fn", "target"} & set(options):
+        return _inspect_pipeline(obj, example_inputs, mesh, strategy, options)
     if not example_inputs and not options and mesh is None and strategy == "ddp":
+        from spmd.pipeline import PipelineModule
+
+        if isinstance(obj, PipelineModule):
+            return obj.plan()
         state = getattr(obj, "_spmd", None)
         if state is None:
             raise TypeError(f"spmd.inspect: {type(obj).__name__} was not parallelized; pass the "

@@ -19,15 +19,16 @@ the input gradient) and ``W`` (the weight gradient of a split backward). Every s
 below is generated into that one form; :func:`simulate` runs any such form on stage costs
 (the timeline, its bubbles, a deadlock named), and the runtime executes the same lists.
 
-=================== ========================================================== =========
-name                each rank's order                                          bubble
-=================== ========================================================== =========
-``gpipe``           every forward, then every backward                         (P-1)/(M+P-1)
-``1f1b``            P-r-1 forwards, then one forward one backward, then the rest  same, less memory
-``interleaved-1f1b`` Megatron-LM's: V stages per rank in turn, M a multiple of P  (P-1)/(V M+P-1)
-``zb-h1``           1F1B with each backward split into B (input gradient) and W   about a third
-                    (weight gradient); the first P-r-1 Ws of rank r fill its cooldown
-=================== ========================================================== =========
+The schedules, for P pipeline ranks and M microbatches (bubble: idle share of the
+step with equal stages, F = 1 and a backward of 2, free sends):
+
+- ``gpipe``: every forward, then every backward. Bubble (P-1)/(M+P-1); holds all M.
+- ``1f1b``: P-r-1 forwards, then a forward and a backward in turn, then the rest. The same
+  bubble; rank r holds at most P-r microbatches.
+- ``interleaved-1f1b``: Megatron-LM's, V stages per rank taken in turn by groups of P
+  microbatches (M a multiple of P). Bubble (P-1)/(V*M+P-1).
+- ``zb-h1``: 1F1B with each backward split into B (input gradient) and W (weight
+  gradient); the Ws fill the waits. Bubble (P-1)/(3M+P-1); at most P microbatches held.
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ class Schedule:
     def bubble(self, ranks: int) -> float:
         """The schedule's bubble fraction with equal stage costs (F = 1, B = 2, W = 1 of
         B's 2 when split) and free sends: idle rank-time over the step's rank-time."""
-        return simulate(self, ranks, lambda kind, stage: {"F": 1.0, "B": 2.0, "W": 1.0}[kind]
-                        if not self.split_backward else 1.0).bubble
+        split = self.split_backward
+        return simulate(self, ranks, lambda kind, stage: 1.0 if split or kind == "F"
+                        else 2.0).bubble
 
 
 def schedule(name: str, microbatches: int, *, split_points: Sequence[str] | None = None,
@@ -302,15 +304,17 @@ class Simulation:
 
 def simulate(schedule: Schedule, ranks: int, cost: Callable[[str, int], float],
              send: Callable[[int, int], float] | None = None,
-             producers: dict[int, Sequence[int]] | None = None) -> Simulation:
+             producers: dict[int, Sequence[int]] | None = None,
+             actions: list[list[Action]] | None = None) -> Simulation:
     """Run ``schedule`` on ``ranks`` pipeline ranks with ``cost(kind, stage)`` seconds
     per action and ``send(from_stage, to_stage)`` seconds per hop between ranks
     (default: free). ``producers``: stage -> the stages it receives from (default: the
     one before). An action starts when its rank is free and its inputs have arrived:
     ``F`` after its producers' ``F``, ``B`` after its own ``F`` and its consumers' ``B``,
     ``W`` after its ``B``. A schedule whose order can never finish raises ``ValueError``
-    naming the actions each rank is stuck on."""
-    plans = schedule.actions(ranks)
+    naming the actions each rank is stuck on. ``actions``: each rank's order to run
+    instead of the schedule's own (to try an order of your own)."""
+    plans = actions if actions is not None else schedule.actions(ranks)
     n = schedule.stages(ranks)
     if producers is None:
         producers = {s: ([s - 1] if s else []) for s in range(n)}
@@ -319,7 +323,6 @@ def simulate(schedule: Schedule, ranks: int, cost: Callable[[str, int], float],
         for q in ps:
             consumers[q].append(s)
     hop = send or (lambda a, b: 0.0)
-    split = schedule.split_backward
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * ranks
     position = [0] * ranks
@@ -352,10 +355,7 @@ def simulate(schedule: Schedule, ranks: int, cost: Callable[[str, int], float],
                 t = ready(a)
                 if t is None:
                     break
-                kind = "B" if a.kind == "B" and not split else a.kind
-                seconds = cost(kind, a.stage)
-                if a.kind == "B" and not split:
-                    seconds = cost("B", a.stage)
+                seconds = cost(a.kind, a.stage)
                 start = max(free[r], t)
                 end = start + seconds
                 free[r] = end
