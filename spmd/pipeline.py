@@ -139,6 +139,8 @@ class PipelineModule(nn.Module):
             mesh.dim_names.index(schedule.dim)]
         others = tuple(d for d in mesh.dim_names if d != schedule.dim)
         self._others = mesh[others] if others else None
+        if self._others is not None and self._others.size() > 1 and not mesh.simulated:
+            self._others._whole_group = _stage_mesh_group(mesh, schedule.dim)
         self._split_points: tuple[str, ...] | None = schedule.split_points
         self._chosen = "named by the user" if schedule.split_points else ""
         self._programs: dict[Any, _Program] = {}
@@ -766,6 +768,24 @@ class _standing_in:
         for name, (_, dtype) in self.released.items():
             p = self.model.get_parameter(name)
             p.data = torch.empty(0, dtype=dtype, device=p.device)
+
+
+def _stage_mesh_group(mesh: Any, dim: str) -> Any:
+    """A group over this rank's stage mesh (every dimension but the pipeline's), for
+    strategies whose batch spans several of them. Every rank of the world makes every
+    slice's group, in the same order, and keeps its own."""
+    from spmd.runtime.groups import new_group, world
+
+    state = world("parallelize")
+    state.meshes += 1  # every rank counts the same meshes: the names agree
+    d = mesh.dim_names.index(dim)
+    mine = None
+    for i in range(mesh.shape[d]):
+        ranks = [r for r in mesh.ranks if mesh.coordinate_of(r)[d] == i]
+        group = new_group(ranks, group_name=f"mesh{state.meshes}/stages-of-{dim}/{i}")
+        if mesh.coordinate()[d] == i:
+            mine = group
+    return mine
 
 
 def _structure(stage: Any) -> tuple:

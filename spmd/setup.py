@@ -134,6 +134,9 @@ def _data_group(strategy: Strategy) -> Any:
     mesh = strategy.mesh
     if len(strategy.data_dims) == 1:
         return mesh.get_group(strategy.data_dim)
+    whole = getattr(mesh, "_whole_group", None)  # a pipeline's stage mesh: made by all
+    if whole is not None:
+        return whole
     from spmd.runtime import groups
 
     state = groups.world("parallelize")
