@@ -115,6 +115,7 @@ class _StepState:
     sends: list[Any] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
     spans: list[tuple[Action, float, float]] = field(default_factory=list)
+    waited: float = 0.0  # seconds spent waiting for receives
     weight: dict[tuple[int, int], Any] = field(default_factory=dict)
 
 
@@ -317,20 +318,24 @@ class PipelineModule(nn.Module):
             for i, action in enumerate(actions):
                 for ahead in actions[i:i + 2]:
                     self._post(program, state, ahead)
-                start = clock()
+                start, waited = clock(), state.waited
                 if action.kind == "F":
                     self._forward(program, state, action, training)
                 elif action.kind == "B":
                     self._backward(program, state, action)
                 else:
                     self._weight(program, state, action)
-                state.spans.append((action, start - begin, clock() - begin))
+                # an action waits for its inputs first: its span starts when they arrived
+                state.spans.append((action, start - begin + state.waited - waited,
+                                    clock() - begin))
             for work in state.sends:
                 work.wait()
         finally:
             state.saved.clear()
         if training:
-            self.last_spans = state.spans  # what this rank measured: (action, start, end) s
+            # what this rank measured: (action, start, end) seconds from the step's start,
+            # each span from when its inputs had arrived
+            self.last_spans = state.spans
         if training:
             self._reduce_accumulated()
             self._sum_tied(program)
@@ -377,7 +382,9 @@ class PipelineModule(nn.Module):
 
     def _take(self, state: _StepState, key: tuple) -> torch.Tensor:
         work, buffer = state.posted.pop(key)
+        start = time.perf_counter()
         work.wait()
+        state.waited += time.perf_counter() - start
         return buffer
 
     def _forward(self, program: _Program, state: _StepState, action: Action,
