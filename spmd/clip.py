@@ -31,7 +31,12 @@ def _split_over(param: torch.Tensor) -> tuple[Any, tuple[str, ...]]:
 
 
 def _is_split(params: list[torch.Tensor]) -> bool:
-    return any(_split_over(p)[1] for p in params)
+    return any(_split_over(p)[1] or _pipeline_of(p) is not None for p in params)
+
+
+def _pipeline_of(param: torch.Tensor) -> Any:
+    """The pipeline group a parameter's model is split over by stages (None: not)."""
+    return getattr(param, "_spmd_pipeline", None)
 
 
 def _torch_clip_on_shards(parameters: Any, max_norm: float, norm_type: float = 2.0,
@@ -71,16 +76,20 @@ def total_norm(params: Iterable[torch.Tensor], norm_type: float) -> torch.Tensor
     A parameter split along some mesh dimensions (``fsdp`` shards, tensor-parallel
     pieces, both) holds one part of its gradient per rank along them: each such group of
     parameters' local sum of ``|g|^p`` (max for the inf-norm) is summed over those
-    dimensions' groups. Whole parameters count once. Every rank must call it."""
+    dimensions' groups. Whole parameters count once. The stages of a pipeline hold
+    different parameters: their sums are summed over the pipeline's group (a parameter
+    tied across stages counted on its first holder only). Every rank must call it."""
+    params = list(params)
     grads: dict[tuple, list[torch.Tensor]] = {}
+    pipeline = next((g for g in map(_pipeline_of, params) if g is not None), None)
     for p in params:
-        if p.grad is not None:
+        if p.grad is not None and not getattr(p, "_spmd_pipeline_skip", False):
             mesh, dims = _split_over(p)
             grads.setdefault((id(mesh), dims), []).append(p)
-    if not grads:
-        return torch.tensor(0.0)
     norm_type = float(norm_type)
     infinite = math.isinf(norm_type)
+    if not grads and pipeline is None:
+        return torch.tensor(0.0)
     # in the gradients' widest floating dtype, float32 at least (as torch's own, which
     # takes each norm in its gradient's dtype): float64 gradients get a float64 norm
     dtype = torch.float32
@@ -103,6 +112,10 @@ def total_norm(params: Iterable[torch.Tensor], norm_type: float) -> torch.Tensor
                 all_reduce(part, op=ReduceOp.MAX if infinite else ReduceOp.SUM,
                            group=mesh.get_group(dim))
         total = torch.maximum(total, part) if infinite else total + part
+    if pipeline is not None and pipeline.size() > 1:
+        from spmd.runtime.collectives import ReduceOp, all_reduce
+
+        all_reduce(total, op=ReduceOp.MAX if infinite else ReduceOp.SUM, group=pipeline)
     return total if infinite else total ** (1.0 / norm_type)
 
 

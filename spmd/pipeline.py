@@ -229,6 +229,15 @@ class PipelineModule(nn.Module):
             self._stages[s] = module
         if self._planning:
             return
+        from spmd.clip import install_clip
+
+        install_clip()  # torch's clip_grad_norm_ on a stage's parameters: the whole norm
+        first_holder = {name: min(self.schedule.rank_of(s, self._ranks) for s in stages)
+                        for name, stages in result.tied.items()}
+        for name, param in self.module.named_parameters():
+            param._spmd_pipeline = self._group  # type: ignore[attr-defined]
+            if first_holder.get(name, self._pp_rank) != self._pp_rank:
+                param._spmd_pipeline_skip = True  # type: ignore[attr-defined]
         # this rank holds only its stages' parameters
         for name, param in self.module.named_parameters():
             if name not in kept and param.numel():
@@ -567,6 +576,15 @@ class PipelineModule(nn.Module):
             loss = loss.detach().clone().reshape(())
             broadcast(loss, src=self._rank(last), group=self._group)
         return loss
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip every stage's gradients by the norm of the whole model's gradient, as
+        ``torch.nn.utils.clip_grad_norm_`` does on one process (which, on these
+        parameters, is rerouted to do the same); the total norm, on every rank. Every rank
+        must call it, after ``step``."""
+        from spmd.clip import clip_grad_norm_
+
+        return clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
 
     # -- inspection ------------------------------------------------------------------
 

@@ -109,6 +109,18 @@ def _pp2_extras(mesh) -> dict:
     pm = spmd.parallelize(model, mesh=mesh, pipeline=spmd.pp.schedule("1f1b", 2))
     _train(pm, model, batches, e.loss_fn)
     out["tied"] = {"diff": _diff(pm, reference), "tied": dict(pm._last_cut.tied)}
+    # clipping the torch way clips by the whole model's norm (a tied head counted once)
+    x, y = batches[0]
+    pm.step(x, y, e.loss_fn)
+    out["norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).item()
+    ref = _gpt2_at(reference)
+    e.loss_fn(ref(x), y).backward()
+    out["norm_reference"] = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3).item()
+    clipped = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    out["clip_diff"] = max((p.grad - clipped[n]).abs().max().item()
+                           for n, p in model.named_parameters() if p.grad is not None)
+    for p in model.parameters():
+        p.grad = None
     # evaluation: the loss only, no gradient
     x, y = batches[0]
     with torch.no_grad():
@@ -195,6 +207,8 @@ def test_tied_head_eval_errors_and_plan_at_pp2(pp2):
     for out in pp2:
         assert out["tied"]["tied"] == {"hf.transformer.wte.weight": (0, 1)}
         assert out["tied"]["diff"] < 1e-12
+        assert out["norm"] == pytest.approx(out["norm_reference"], rel=1e-12)
+        assert out["clip_diff"] < 1e-15
         assert out["eval"] == pytest.approx(out["eval_reference"], rel=1e-13)
         assert out["eval_grads"] == []
         assert "microbatches=2 do not divide the batch of 3 rows" in out["errors"]["rows"]
