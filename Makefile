@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/fsdp.py
 	$(PY) benchmarks/zero.py
 	$(PY) benchmarks/tp.py
+	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/compressed.py
 	$(PY) benchmarks/hardware.py
 	$(PY) benchmarks/overhead.py

@@ -27,8 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-__all__ = ["Config", "Decoder", "build", "LLAMA3_8B", "LLAMA3_70B", "LLAMA3_405B", "LLAMA2_7B", "MPT_7B",
-           "MPT_13B", "MPT_70B", "GPT3_5B", "GPT3_20B", "TINY", "scaled"]
+__all__ = ["Config", "Decoder", "build", "LLAMA3_8B", "LLAMA3_70B", "LLAMA3_405B", "LLAMA2_7B",
+           "MPT_7B", "MPT_13B", "MPT_70B", "GPT3_5B", "GPT3_20B", "TINY", "scaled"]
 
 
 @dataclass(frozen=True, kw_only=True)

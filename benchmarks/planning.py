@@ -3,6 +3,7 @@
     python benchmarks/planning.py [--strategy ddp|fsdp]
     python benchmarks/planning.py --llama      # Llama 3 8B and 70B shapes, 64 H100s
     python benchmarks/planning.py --long-context   # 70B at 131,072 tokens, (8, 8, 8) H100s
+    python benchmarks/planning.py --pipeline  # 405B on (pp 8, fsdp 8, tp 8) H100s, 1F1B
 
 ``--llama``: Llama 3 8B and 70B (``benchmarks/llm.py``) built on the meta device, one
 8,192-token sequence per rank, every block checkpointed, the loss inside the forward,
@@ -105,6 +106,49 @@ print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_m
 """
 
 
+_PIPELINE = r"""
+import resource, sys, time, torch
+sys.path.insert(0, {here!r})
+import llm, spmd
+torch.set_num_threads(1)
+config = llm.LLAMA3_405B
+seq, microbatches = 8192, {microbatches}
+with torch.device("meta"):
+    model = llm.build(config, seq, "full")
+tokens = torch.randint(0, config.vocab, (microbatches, seq), device="meta")
+mesh = spmd.Mesh.simulated((8, 8, 8), dim_names=("pp", "fsdp", "tp"),
+                           hardware=spmd.hardware.H100_SXM())
+start = time.perf_counter()
+plan = spmd.inspect(model, tokens, tokens, mesh=mesh, strategy="fsdp",
+                    placements=spmd.tp.megatron(), param_dtype=torch.bfloat16,
+                    reduce_dtype=torch.float32,
+                    pipeline=spmd.pp.schedule({schedule!r}, microbatches))
+seconds = time.perf_counter() - start
+print(plan.summary())
+print(plan.timeline())
+tokens_per_gpu = microbatches * seq * 8 / plan.step_seconds / 512
+print(f"tokens/s per GPU {{tokens_per_gpu:.1f}}")
+print(f"planned in {{seconds:.1f}} s, process peak "
+      f"{{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}} MiB")
+"""
+
+
+def pipeline(schedule: str, microbatches: int) -> None:
+    """Llama 3 405B (126 blocks, each checkpointed) on (pp 8, fsdp 8, tp 8) simulated
+    H100s: one 8,192-token sequence per microbatch, bfloat16 gathers and float32
+    reduction; the pipeline plan's stages, timeline and bubble, memory per stage, and the
+    planning time and process peak."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", _PIPELINE.format(
+        here=here, schedule=schedule, microbatches=microbatches)],
+        capture_output=True, text=True, check=True)
+    print(out.stdout)
+
+
 def long_context() -> None:
     """Llama 3 70B at 131,072 tokens on (dp 8, cp 8, tp 8) simulated H100s: the plan's
     summary and memory view, the planning time and the process's peak memory."""
@@ -125,7 +169,13 @@ def main() -> None:
     parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
     parser.add_argument("--llama", action="store_true")
     parser.add_argument("--long-context", action="store_true")
+    parser.add_argument("--pipeline", action="store_true")
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--microbatches", type=int, default=16)
     args = parser.parse_args()
+    if args.pipeline:
+        pipeline(args.schedule, args.microbatches)
+        return
     if args.llama:
         llama()
         return
