@@ -133,9 +133,10 @@ def trace(model: nn.Module, loss_fn: Callable[..., Any] | None, args: tuple, tar
     for path in marked:
         if path not in modules or not path:
             near = [m for m in modules if m and m.split(".")[0] == path.split(".")[0]][:4]
+            children = ", ".join(n for n, _ in model.named_children())
             raise ValueError(f"{where}: the model has no module {path!r} to cut at"
                              + (f" (modules there: {', '.join(near)})" if near else
-                                f" (its children: {', '.join(n for n, _ in model.named_children())})"))
+                                f" (its children: {children})"))
     marks: list[tuple[str, fx.Node | None]] = []
     handles = []
 

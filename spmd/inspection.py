@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
@@ -34,7 +35,6 @@ def _planning_mesh(mesh: Mesh | None) -> Mesh:
 def _inspect_pipeline(obj: Any, example_inputs: tuple, mesh: Mesh | None, strategy: str,
                       options: dict) -> Any:
     from spmd.lowering.options import Options
-    from spmd.pipeline import inspect_pipeline
 
     options = dict(options)
     loss_fn, target = options.pop("loss_fn", None), options.pop("target", None)
@@ -48,8 +48,8 @@ def _inspect_pipeline(obj: Any, example_inputs: tuple, mesh: Mesh | None, strate
         raise ValueError("spmd.inspect: plan a pipeline on mesh=spmd.Mesh.simulated(shape, "
                          "dim_names) naming its 'pp' dimension")
     opts = Options.from_kwargs("spmd.inspect", strategy=strategy, **options)
-    return inspect_pipeline(obj, tuple(example_inputs), target=target, loss_fn=loss_fn,
-                            mesh=mesh, options=opts)
+    return _plan_pipeline(obj, tuple(example_inputs), target=target, loss_fn=loss_fn,
+                          mesh=mesh, options=opts)
 
 
 def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: str = "ddp",
@@ -118,3 +118,143 @@ def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: 
         step = ParallelStep(fn, opts, planning)
         return step.plan_for(*example_inputs)
     raise TypeError(f"spmd.inspect: expected a model or a step function, got {type(obj).__name__}")
+
+
+def _structure(stage: Any) -> tuple:
+    """What makes two stages plan the same: their ops, wiring and shapes (not names)."""
+    index: dict[Any, int] = {}
+    rows = []
+    for i, node in enumerate(stage.code.graph.nodes):
+        index[node] = i
+        val = node.meta.get("val")
+        shape = (tuple(val.shape), str(val.dtype)) if isinstance(val, torch.Tensor) else None
+        args = torch.fx.node.map_aggregate(
+            (node.args, node.kwargs), lambda a: ("n", index[a]) if isinstance(a, torch.fx.Node)
+            else repr(a))
+        rows.append((node.op, str(node.target) if node.op != "placeholder" else "",
+                     repr(args), shape))
+    return (tuple(rows), stage.loss)
+
+
+def _plan_pipeline(model: nn.Module, args: tuple, *, target: Any, loss_fn: Any, mesh: Any,
+                     options: Any) -> Any:
+    """``spmd.inspect(model, *args, mesh=Mesh.simulated(...), pipeline=, loss_fn=,
+    target=)``: the pipeline's plan without processes. The model is cut as a run would
+    cut it; each distinct stage is planned on the other mesh dimensions with the strategy
+    and placements (``spmd.inspect`` of the stage: its collectives, its roofline on the
+    simulated device, its memory); stages of the same structure (the middle ones of a
+    deep model) are planned once. The schedule is simulated on those stage times, with
+    every activation's send priced on the pipeline dimension's link."""
+    from dataclasses import replace
+
+    from spmd.lowering.annotate import PlanningError
+    from spmd.lowering.cost_model import CostModel
+    from spmd.pipeline_plan import build, stage_seconds_from_plan
+
+    where = "spmd.inspect"
+    from spmd.lowering.stages import Cut, balance
+    from spmd.pipeline import _tp_dims, parallelize_pipeline
+
+    pm = parallelize_pipeline(model, options, mesh, where)
+    m = pm.schedule.microbatches
+    leaves, spec = pytree.tree_flatten((args, target))
+    rows = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim()}
+    if len(rows) != 1 or next(iter(rows)) % m:
+        raise ValueError(f"{where}: microbatches={m} must divide the batch's rows along dim "
+                         f"0 (got {sorted(rows)})")
+    micro = [t.chunk(m, 0)[0] if isinstance(t, torch.Tensor) and t.dim() else t
+             for t in leaves]
+    program = pm._program(micro, spec, loss_fn)
+    cut = program.cut
+    others = pm._others
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    stage_options = replace(options, pipeline=None, calibrate=False)
+    if options.placements is not None:
+        from spmd.tp import resolve_layout
+
+        params, activations = resolve_layout(model, mesh, options.placements, where)
+        if activations:
+            raise ValueError(f"{where}: placements that place module outputs (sequence or "
+                             f"context parallelism) do not compose with pipeline stages yet")
+    def plan_stages(cut: "Cut") -> dict[int, Any]:
+        plans: dict[int, Any] = {}
+        done: dict[tuple, Any] = {}
+        for stage in cut.stages:
+            key = _structure(stage)
+            if key in done:
+                plans[stage.index] = done[key]
+                continue
+            module = pm._stages[stage.index]
+            inputs = [micro[i] for i in stage.inputs]
+            for c in stage.received:
+                info = cut.crossings[c]
+                inputs.append(torch.empty(info.shape, dtype=info.dtype, device=device,
+                                          requires_grad=info.grad))
+            opts = stage_options
+            if options.placements is not None:
+                explicit: dict[str, dict[str, Any]] = {
+                    d: {} for d in _tp_dims(options.placements)}
+                for name, per_dim in params.items():
+                    if name in stage.params:
+                        for d, placement in per_dim.items():
+                            explicit[d][name] = placement
+                opts = replace(stage_options, placements=explicit)
+            sub = others if others is not None else type(mesh).simulated(
+                1, hardware=mesh.hardware)
+            kwargs = {f: getattr(opts, f) for f in (
+                "reshard_after_forward", "param_dtype", "bucket_cap_mb", "overlap",
+                "reduce_dtype", "compile_compute", "placements", "shard_placement_fn")}
+            plan = inspect(module, *inputs, mesh=sub, strategy=opts.strategy, **kwargs)
+            plans[stage.index] = done[key] = plan
+        return plans
+
+    plans = plan_stages(cut)
+    if pm.schedule.split_points is None:
+        # balanced again on what the stages' plans predict per FLOP (embedding, head and
+        # loss cost other than blocks do): the cut a second round of planning confirms
+        rate = {}
+        for st in cut.stages:
+            f, b, _ = stage_seconds_from_plan(plans[st.index])
+            rate[st.index] = (f + b) / st.flops if st.flops else 0.0
+        traced = pm._traced
+        marks = dict(traced.marks)
+        position = {n: i for i, n in enumerate(traced.gm.graph.nodes)}
+        starts = [-1] + [position[marks[p]] for p in cut.split_points]
+
+        def seconds(point: str | None, flops: float) -> float:
+            at = -1 if point is None or marks.get(point) is None else position[marks[point]]
+            stage = max(i for i, b in enumerate(starts) if b <= at)
+            return flops * rate[stage]
+
+        points, why = balance(traced, len(cut.stages), where, seconds)
+        if tuple(points) != tuple(cut.split_points):
+            cut = pm._recut(points, why)
+            plans = plan_stages(cut)
+    costs, why = {}, {}
+    optimizer = 0.0
+    for s, plan in plans.items():
+        f, b, opt = stage_seconds_from_plan(plan)
+        costs[s], why[s] = (f, b), "the stage's plan on " + repr(plan.mesh)
+        optimizer = max(optimizer, opt * pm.schedule.virtual_stages)
+    hardware = mesh.hardware
+    if hardware is not None and pm.schedule.dim in mesh.dim_names:
+        link = hardware.cost_model(mesh, pm.schedule.dim)
+    else:
+        link = CostModel.default("gloo", 2)
+    capacity = hardware.device.memory_bytes if hardware is not None else None
+    result = build(cut, pm.schedule, pm._ranks, costs=costs, source=why,
+                   send=lambda n: link.alpha + link.beta * n, stage_plans=plans,
+                   capacity=capacity, optimizer_seconds=optimizer,
+                   hardware=hardware.name if hardware is not None else "")
+    over = [st for st in result.stages if st.fits is False]
+    if over:
+        st = max(over, key=lambda r: r.peak_bytes or 0)
+        raise PlanningError(
+            f"{where}: stage {st.index} (from {st.begins}) does not fit: predicted peak "
+            f"{st.peak_bytes / 2**30:.1f} GiB with {st.in_flight} microbatch(es) in flight, "
+            f"against {capacity / 2**30:.1f} GiB per device. More pipeline ranks or other "
+            f"cut points (split_points), fewer microbatches held (gpipe holds every "
+            f"one; 1f1b at most the number of stages), activation checkpointing, or "
+            f"sharding the stage (strategy='fsdp', tensor parallelism) would fit it\n"
+            + result.summary())
+    return result
