@@ -230,6 +230,16 @@ def _plan_pipeline(model: nn.Module, args: tuple, *, target: Any, loss_fn: Any, 
         if tuple(points) != tuple(cut.split_points):
             cut = pm._recut(points, why)
             plans = plan_stages(cut)
+        capacity = mesh.hardware.device.memory_bytes if mesh.hardware is not None else None
+        fits = _memory_bound(cut, plans, pm.schedule, pm._ranks, capacity)
+        if fits is not None:  # a stage over its memory: the fastest cut where all fit
+            try:
+                points, why = balance(traced, len(cut.stages), where, seconds, fits)
+            except ValueError:
+                points = list(cut.split_points)  # none fits: the check below says so
+            if tuple(points) != tuple(cut.split_points):
+                cut = pm._recut(points, why)
+                plans = plan_stages(cut)
     costs, why = {}, {}
     optimizer = 0.0
     for s, plan in plans.items():
@@ -258,3 +268,30 @@ def _plan_pipeline(model: nn.Module, args: tuple, *, target: Any, loss_fn: Any, 
             f"sharding the stage (strategy='fsdp', tensor parallelism) would fit it\n"
             + result.summary())
     return result
+
+
+def _memory_bound(cut: Any, plans: dict[int, Any], schedule: Any, ranks: int,
+                  capacity: int | None) -> Any:
+    """When some stage's predicted peak exceeds ``capacity``: ``fits(stage, forward
+    FLOPs, parameter bytes)`` for a stage of that size, from what the stages' plans
+    predicted (persistent bytes per parameter byte, saved activations per forward FLOP,
+    times the microbatches the schedule makes the stage hold, and the largest transient
+    on top), each rate the largest any stage showed. None when every stage fits."""
+    from spmd.pipeline_plan import in_flight
+
+    if capacity is None:
+        return None
+    held = in_flight(schedule, ranks)
+    views = {s: plans[s].memory("adamw") for s in plans}
+    peaks = {s: v.peak + max(held.get(s, 1) - 1, 0) * v.activations for s, v in views.items()}
+    if all(p <= capacity for p in peaks.values()):
+        return None
+    per_byte = max(views[st.index].persistent / max(st.param_bytes, 1) for st in cut.stages)
+    per_flop = max(views[st.index].activations / max(st.flops, 1.0) for st in cut.stages)
+    extra = max(max(v.peak - v.persistent - v.activations, 0) for v in views.values())
+
+    def fits(stage: int, flops: float, param_bytes: int) -> bool:
+        return (per_byte * param_bytes + held.get(stage, 1) * per_flop * flops + extra
+                <= capacity)
+
+    return fits

@@ -180,6 +180,7 @@ class PipelineModule(nn.Module):
             points, why = balance(traced, n, self._where)
             self._split_points, self._chosen = tuple(points), why
         result = cut(traced, self._split_points, self._where, self._chosen)
+        self._agree(result)
         if self._stages:
             for s, module in self._stages.items():
                 names = module.__dict__["_names"]
@@ -196,6 +197,29 @@ class PipelineModule(nn.Module):
         self._programs[key] = program
         self._last_cut = result
         return program
+
+    def _agree(self, result: Cut) -> None:
+        """Every pipeline rank must have cut the same graph (the same model, batch shapes
+        and loss): a receive sized by one rank's cut and sent by another's would corrupt or
+        hang. Compared once per microbatch shape; a difference is named by rank."""
+        if self._group is None or self._ranks == 1:
+            return
+        from spmd.runtime.objects import all_gather_object
+
+        mine = (result.split_points, [(c.src, c.dsts, c.shape, str(c.dtype), c.grad)
+                                      for c in result.crossings],
+                sorted(result.tied.items()))
+        every: list[Any] = [None] * self._ranks
+        all_gather_object(every, mine, group=self._group)
+        for r, theirs in enumerate(every):
+            if theirs != every[0]:
+                a, b = self._group.ranks[0], self._group.ranks[r]
+                raise RuntimeError(
+                    f"{self._where}: the pipeline's ranks cut different graphs: rank {a} "
+                    f"cut at {list(every[0][0])} with {len(every[0][1])} values crossing, "
+                    f"rank {b} at {list(theirs[0])} with {len(theirs[1])} (the model, the "
+                    f"batch's shapes and the loss must be the same on every rank of a "
+                    f"pipeline)")
 
     def _recut(self, points: list[str], why: str) -> Cut:
         """Planning: the last traced graph cut again at ``points``, the stages rebuilt."""
@@ -576,6 +600,42 @@ class PipelineModule(nn.Module):
             loss = loss.detach().clone().reshape(())
             broadcast(loss, src=self._rank(last), group=self._group)
         return loss
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """This rank's stages' parameters and buffers, whole, under their names in the
+        model (a pipeline checkpoint is one file per pipeline rank, as with torch's
+        pipelining); before the first step, the whole model's."""
+        if not self._stages:
+            return self.module.state_dict(*args, **kwargs)
+        out: dict[str, Any] = {}
+        for module in self._stages.values():
+            out.update(module.state_dict(*args, **kwargs))
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False
+                        ) -> Any:
+        """Load what this rank's stages hold from ``state_dict`` (entries of other
+        stages are skipped); with ``strict``, every entry of this rank's stages must be
+        there."""
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        if not self._stages:  # not cut yet: what the checkpoint holds (a stage's entries)
+            result = self.module.load_state_dict(state_dict, strict=False, assign=assign)
+            if strict and result.unexpected_keys:
+                raise RuntimeError(f"{self._where}.load_state_dict: entries the model does "
+                                   f"not have: {', '.join(result.unexpected_keys[:5])}")
+            return result
+        missing: list[str] = []
+        for module in self._stages.values():
+            own = module.state_dict()
+            part = {k: v for k, v in state_dict.items() if k in own}
+            missing += [k for k in own if k not in state_dict]
+            module.load_state_dict(part, strict=False, assign=assign)
+        if strict and missing:
+            raise RuntimeError(f"{self._where}.load_state_dict: missing entries of this "
+                               f"rank's stages: {', '.join(missing[:5])}"
+                               + (" ..." if len(missing) > 5 else ""))
+        return _IncompatibleKeys(missing, [])
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every stage's gradients by the norm of the whole model's gradient, as

@@ -137,7 +137,24 @@ def _pp2_extras(mesh) -> dict:
         pm(x)
     except RuntimeError as err:
         errors["forward"] = str(err)
+    # ranks whose models differ: named before anything is sent
+    try:
+        wide = 32 if dist.get_rank() == 1 else 16
+        odd = spmd.parallelize(Llama(vocab=32, dim=wide, layers=2, heads=4, kv_heads=2,
+                                     hidden=32, length=8).double(), mesh=mesh,
+                               pipeline=spmd.pp.schedule("gpipe", 2))
+        odd.step(*_batch(4, 0), _lm_loss)
+    except RuntimeError as err:
+        errors["differ"] = str(err)
     out["errors"] = errors
+    # a checkpoint per pipeline rank: its stages' entries, loaded into a fresh pipeline
+    saved = pm.state_dict()
+    fresh = spmd.parallelize(e.model(), mesh=mesh, pipeline=spmd.pp.schedule("1f1b", 2))
+    fresh.load_state_dict(saved)
+    with torch.no_grad():
+        out["reloaded"] = (fresh.step(x, y, e.loss_fn).item(), pm.step(x, y, e.loss_fn).item())
+    params = dict(model.named_parameters())
+    out["saved"] = sorted(k for k in saved if k in params)
     # the plan of a running pipeline
     plan = pm.plan()
     out["plan"] = {"stages": len(plan.stages), "explain": plan.explain("stages"),
@@ -213,9 +230,15 @@ def test_tied_head_eval_errors_and_plan_at_pp2(pp2):
         assert out["eval_grads"] == []
         assert "microbatches=2 do not divide the batch of 3 rows" in out["errors"]["rows"]
         assert "model.step(inputs, target, loss_fn)" in out["errors"]["forward"]
+        assert "ranks cut different graphs: rank 0 cut at" in out["errors"]["differ"]
+        assert out["reloaded"][0] == out["reloaded"][1]
         plan = out["plan"]
         assert plan["stages"] == 2 and "Cut points:" in plan["explain"]
         assert plan["bubble"] > 0
+    # each rank's checkpoint: its own stage, the tied head in both
+    assert "hf.transformer.wte.weight" in pp2[0]["saved"] and \
+        "hf.transformer.wte.weight" in pp2[1]["saved"]
+    assert not set(pp2[0]["saved"]) - {"hf.transformer.wte.weight"} & set(pp2[1]["saved"])
     assert pp2[0]["plan"]["sources"][0] == "measured on this rank, last step"
     assert pp2[0]["plan"]["sources"][1].startswith("scaled by FLOPs")
 
@@ -231,25 +254,24 @@ def test_each_schedule_at_pp4_is_one_process():
                           else [[0], [1], [2], [3]])
 
 
-def test_pipeline_composes_with_ddp_fsdp_tp():
+def test_pipeline_composes_with_ddp_and_fsdp():
     cases = [("ddp", "own", "1f1b", {"strategy": "ddp"}),
-             ("fsdp", "qwen2", "zb-h1", {"strategy": "fsdp"}),
-             ("tp", "llama", "gpipe", {"strategy": "ddp", "megatron": True})]
-    runs = dist.spawn(compose_job, args=((2, 2), ("pp", "dp"), cases[:2]), nprocs=4,
+             ("fsdp", "qwen2", "zb-h1", {"strategy": "fsdp"})]
+    runs = dist.spawn(compose_job, args=((2, 2), ("pp", "dp"), cases), nprocs=4,
                       start_method="forkserver", timeout=115)
-    runs += dist.spawn(compose_job, args=((2, 2), ("pp", "tp"), cases[2:]), nprocs=4,
-                       start_method="forkserver", timeout=115)
     for out in runs:
         for label, run in out.items():
             assert run["diff"] < 1e-11, (label, run["diff"])
     assert all(shape[0] < 64 for shape in runs[0]["fsdp"]["pieces"].values())  # shards
-    tp = runs[-1]["tp"]["pieces"]
-    assert any(shape[0] == 16 for name, shape in tp.items() if "q_proj" in name)  # split
 
 
 def test_pipeline_fsdp_tp_on_8_ranks():
-    cases = [("fsdp_tp", "transformer", "zb-h1", {"strategy": "fsdp", "megatron": True})]
+    """Hugging Face LLaMA (grouped-query attention), each stage sharded over "fsdp" and
+    split by Megatron's placements over "tp"."""
+    cases = [("fsdp_tp", "llama", "gpipe", {"strategy": "fsdp", "megatron": True})]
     runs = dist.spawn(compose_job, args=((2, 2, 2), ("pp", "fsdp", "tp"), cases), nprocs=8,
                       start_method="forkserver", timeout=115)
     for out in runs:
         assert out["fsdp_tp"]["diff"] < 1e-11, out["fsdp_tp"]["diff"]
+    pieces = runs[0]["fsdp_tp"]["pieces"]  # q_proj (32 x 32): a quarter, split on both
+    assert any(shape == (8, 32) for name, shape in pieces.items() if "q_proj" in name)

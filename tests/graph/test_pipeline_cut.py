@@ -191,6 +191,35 @@ def test_balance_is_optimal(costs, k):
     assert got == pytest.approx(best)
 
 
+@settings(max_examples=30, deadline=None)
+@given(costs=st.lists(st.floats(0.5, 10.0), min_size=3, max_size=7),
+       most=st.lists(st.integers(1, 4), min_size=3, max_size=3))
+def test_balance_within_memory_is_optimal(costs, most):
+    """With a memory bound per stage (here: at most most[k] blocks on stage k, each block
+    the same parameter bytes), the best cut among those that fit, or a refusal."""
+    k = 3
+    model = Chain(len(costs))
+    block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    traced = trace(model, None, (torch.randn(2, 4),), None, candidates(model), "test")
+    names = [f"blocks.{i}" for i in range(len(costs))]
+    cost_of = dict(zip(names, costs))
+    fits = lambda stage, flops, nbytes: nbytes <= most[stage] * block  # noqa: E731
+    feasible = [c for c in itertools.combinations(range(1, len(costs)), k - 1)
+                if all(b - a <= most[i] for i, (a, b) in
+                       enumerate(zip((0, *c), (*c, len(costs)))))]
+    if not feasible:
+        with pytest.raises(ValueError, match="fits every rank's memory"):
+            balance(traced, k, "test", lambda p, f: cost_of.get(p, 0.0), fits)
+        return
+    points, why = balance(traced, k, "test", lambda p, f: cost_of.get(p, 0.0), fits)
+    cuts = [names.index(p) for p in points]
+    bounds = [0, *cuts, len(costs)]
+    assert all(b - a <= most[i] for i, (a, b) in enumerate(zip(bounds, bounds[1:])))
+    assert _largest(costs, cuts) == pytest.approx(min(_largest(costs, list(c))
+                                                      for c in feasible))
+    assert "within each rank's memory" in why
+
+
 def _largest(costs, cuts):
     bounds = [0, *cuts, len(costs)]
     return max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
