@@ -568,15 +568,17 @@ def span_param_bytes(traced: Traced, points: Sequence[str]) -> list[int]:
 
 def balance(traced: Traced, n_stages: int, where: str,
             seconds: Callable[[str | None, float], float] | None = None,
-            fits: Callable[[int, float, int], bool] | None = None
+            fits: Callable[[int, float, float], bool] | None = None,
+            memory: Callable[[str | None, float, int], tuple[float, float]] | None = None
             ) -> tuple[list[str], str]:
     """The cut points (among the traced marks) that minimise the largest stage's cost
     over ``n_stages`` contiguous stages, and why. A span's cost is its forward FLOPs, or
     ``seconds(the mark it begins at (None: the start), its FLOPs)`` when the planner
-    knows better (what each stage's own plan predicted per FLOP). ``fits(stage, forward
-    FLOPs, parameter bytes)``: whether a stage of that much fits its rank's memory; only
-    such cuts are taken (``ValueError`` when none is). Dynamic programming over the
-    spans, exact for this objective."""
+    knows better (what each stage's own plan predicted per FLOP). With ``fits(stage, A,
+    B)`` only cuts whose every stage fits its rank's memory are taken (``ValueError`` when
+    none is): A and B are the sums over the stage's spans of ``memory(the mark it begins
+    at, its FLOPs, its parameter bytes)``, a pair (default: the FLOPs and the parameter
+    bytes themselves). Dynamic programming over the spans, exact for this objective."""
     order = {node: i for i, node in enumerate(traced.gm.graph.nodes)}
     points = sorted({p for p, _ in traced.marks},
                     key=lambda p: order.get(dict(traced.marks)[p], -1))
@@ -607,11 +609,13 @@ def balance(traced: Traced, n_stages: int, where: str,
                          f"split_points yourself or use fewer stages")
     if seconds is not None:
         spans = [seconds(p, f) for p, f in zip(kept_points, spans)]
-    prefix, flops_prefix, bytes_prefix = [0.0], [0.0], [0]
-    for f, raw, b in zip(spans, flops, kept_bytes):
+    measure = memory or (lambda p, f, b: (float(f), float(b)))
+    pairs = [measure(p, f, b) for p, f, b in zip(kept_points, flops, kept_bytes)]
+    prefix, a_prefix, b_prefix = [0.0], [0.0], [0.0]
+    for f, (a, b) in zip(spans, pairs):
         prefix.append(prefix[-1] + f)
-        flops_prefix.append(flops_prefix[-1] + raw)
-        bytes_prefix.append(bytes_prefix[-1] + b)
+        a_prefix.append(a_prefix[-1] + a)
+        b_prefix.append(b_prefix[-1] + b)
     inf = float("inf")
     # best[k][j]: the smallest largest stage cost over the first j spans in k stages
     best = [[inf] * (units + 1) for _ in range(n_stages + 1)]
@@ -620,8 +624,8 @@ def balance(traced: Traced, n_stages: int, where: str,
     for k in range(1, n_stages + 1):
         for j in range(k, units - (n_stages - k) + 1):
             for i in range(k - 1, j):
-                if fits is not None and not fits(k - 1, flops_prefix[j] - flops_prefix[i],
-                                                 bytes_prefix[j] - bytes_prefix[i]):
+                if fits is not None and not fits(k - 1, a_prefix[j] - a_prefix[i],
+                                                 b_prefix[j] - b_prefix[i]):
                     continue
                 cost = max(best[k - 1][i], prefix[j] - prefix[i])
                 if cost < best[k][j]:

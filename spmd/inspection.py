@@ -231,15 +231,23 @@ def _plan_pipeline(model: nn.Module, args: tuple, *, target: Any, loss_fn: Any, 
             cut = pm._recut(points, why)
             plans = plan_stages(cut)
         capacity = mesh.hardware.device.memory_bytes if mesh.hardware is not None else None
-        fits = _memory_bound(cut, plans, pm.schedule, pm._ranks, capacity)
-        if fits is not None:  # a stage over its memory: the fastest cut where all fit
+        margin = 0.0
+        for _ in range(3):  # a stage over its memory: the fastest cut where all fit
+            bound = _memory_bound(cut, plans, pm.schedule, pm._ranks, capacity, traced,
+                                  margin)
+            if bound is None:
+                break
+            fits, memory, over = bound
             try:
-                points, why = balance(traced, len(cut.stages), where, seconds, fits)
+                points, why = balance(traced, len(cut.stages), where, seconds, fits, memory)
             except ValueError:
-                points = list(cut.split_points)  # none fits: the check below says so
-            if tuple(points) != tuple(cut.split_points):
-                cut = pm._recut(points, why)
-                plans = plan_stages(cut)
+                break  # none fits: the check below says so
+            if tuple(points) == tuple(cut.split_points):
+                break
+            cut = pm._recut(points, why)
+            plans = plan_stages(cut)
+            # the estimate missed by what the new plans show: leave that much spare
+            margin += max(_overshoot(cut, plans, pm.schedule, pm._ranks, capacity), 0.0)
     costs, why = {}, {}
     optimizer = 0.0
     for s, plan in plans.items():
@@ -270,28 +278,55 @@ def _plan_pipeline(model: nn.Module, args: tuple, *, target: Any, loss_fn: Any, 
     return result
 
 
+def _peaks(cut: Any, plans: dict[int, Any], schedule: Any, ranks: int) -> dict[int, float]:
+    from spmd.pipeline_plan import in_flight
+
+    held = in_flight(schedule, ranks)
+    views = {s: plans[s].memory("adamw") for s in plans}
+    return {s: v.peak + max(held.get(s, 1) - 1, 0) * v.activations for s, v in views.items()}
+
+
+def _overshoot(cut: Any, plans: dict[int, Any], schedule: Any, ranks: int,
+               capacity: int | None) -> float:
+    """How far the most over-full stage is above ``capacity`` (negative: every one fits)."""
+    if capacity is None:
+        return 0.0
+    return max(_peaks(cut, plans, schedule, ranks).values()) - capacity
+
+
 def _memory_bound(cut: Any, plans: dict[int, Any], schedule: Any, ranks: int,
-                  capacity: int | None) -> Any:
-    """When some stage's predicted peak exceeds ``capacity``: ``fits(stage, forward
-    FLOPs, parameter bytes)`` for a stage of that size, from what the stages' plans
-    predicted (persistent bytes per parameter byte, saved activations per forward FLOP,
-    times the microbatches the schedule makes the stage hold, and the largest transient
-    on top), each rate the largest any stage showed. None when every stage fits."""
+                  capacity: int | None, traced: Any, margin: float = 0.0) -> Any:
+    """When some stage's predicted peak exceeds ``capacity``: ``(fits, memory, by how
+    much)`` for :func:`spmd.lowering.stages.balance`. ``memory(span)`` is the span's persistent bytes
+    and saved activations per microbatch, at the rates its stage's plan predicted (per
+    parameter byte, per forward FLOP); ``fits(stage, persistent, activations)`` adds the
+    activations times the microbatches the schedule makes that stage hold, and the
+    largest transient any stage's plan showed, within ``capacity - margin``. None when
+    every stage fits."""
     from spmd.pipeline_plan import in_flight
 
     if capacity is None:
         return None
     held = in_flight(schedule, ranks)
     views = {s: plans[s].memory("adamw") for s in plans}
-    peaks = {s: v.peak + max(held.get(s, 1) - 1, 0) * v.activations for s, v in views.items()}
+    peaks = _peaks(cut, plans, schedule, ranks)
     if all(p <= capacity for p in peaks.values()):
         return None
-    per_byte = max(views[st.index].persistent / max(st.param_bytes, 1) for st in cut.stages)
-    per_flop = max(views[st.index].activations / max(st.flops, 1.0) for st in cut.stages)
+    per_byte = {st.index: views[st.index].persistent / max(st.param_bytes, 1)
+                for st in cut.stages}
+    per_flop = {st.index: views[st.index].activations / max(st.flops, 1.0)
+                for st in cut.stages}
     extra = max(max(v.peak - v.persistent - v.activations, 0) for v in views.values())
+    marks = dict(traced.marks)
+    position = {n: i for i, n in enumerate(traced.gm.graph.nodes)}
+    starts = [-1] + [position[marks[p]] for p in cut.split_points]
 
-    def fits(stage: int, flops: float, param_bytes: int) -> bool:
-        return (per_byte * param_bytes + held.get(stage, 1) * per_flop * flops + extra
-                <= capacity)
+    def memory(point: str | None, flops: float, param_bytes: int) -> tuple[float, float]:
+        at = -1 if point is None or marks.get(point) is None else position[marks[point]]
+        stage = max(i for i, b in enumerate(starts) if b <= at)
+        return per_byte[stage] * param_bytes, per_flop[stage] * flops
 
-    return fits
+    def fits(stage: int, persistent: float, activations: float) -> bool:
+        return persistent + held.get(stage, 1) * activations + extra <= capacity - margin
+
+    return fits, memory, max(peaks.values()) - capacity
