@@ -152,8 +152,10 @@ def _plan_pipeline(model: nn.Module, args: tuple, *, target: Any, loss_fn: Any, 
     from spmd.pipeline_plan import build, stage_seconds_from_plan
 
     where = "spmd.inspect"
-    from spmd.lowering.stages import Cut, balance
-    from spmd.pipeline import _tp_dims, parallelize_pipeline
+    from spmd.lowering.balance import balance
+    from spmd.lowering.stages import Cut
+    from spmd.pipeline import parallelize_pipeline
+    from spmd.stage_module import stage_placements
 
     pm = parallelize_pipeline(model, options, mesh, where)
     m = pm.schedule.microbatches
@@ -169,13 +171,7 @@ def _plan_pipeline(model: nn.Module, args: tuple, *, target: Any, loss_fn: Any, 
     others = pm._others
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     stage_options = replace(options, pipeline=None, calibrate=False)
-    if options.placements is not None:
-        from spmd.tp import resolve_layout
 
-        params, activations = resolve_layout(model, mesh, options.placements, where)
-        if activations:
-            raise ValueError(f"{where}: placements that place module outputs (sequence or "
-                             f"context parallelism) do not compose with pipeline stages yet")
     def plan_stages(cut: "Cut") -> dict[int, Any]:
         plans: dict[int, Any] = {}
         done: dict[tuple, Any] = {}
@@ -192,13 +188,8 @@ def _plan_pipeline(model: nn.Module, args: tuple, *, target: Any, loss_fn: Any, 
                                           requires_grad=info.grad))
             opts = stage_options
             if options.placements is not None:
-                explicit: dict[str, dict[str, Any]] = {
-                    d: {} for d in _tp_dims(options.placements)}
-                for name, per_dim in params.items():
-                    if name in stage.params:
-                        for d, placement in per_dim.items():
-                            explicit[d][name] = placement
-                opts = replace(stage_options, placements=explicit)
+                opts = replace(stage_options, placements=stage_placements(
+                    model, mesh, options.placements, stage.params, where))
             sub = others if others is not None else type(mesh).simulated(
                 1, hardware=mesh.hardware)
             kwargs = {f: getattr(opts, f) for f in (

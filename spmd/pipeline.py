@@ -24,7 +24,6 @@ reduce-scattered each backward (a gradient must stay a shard), which sums to the
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -33,68 +32,14 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from spmd.lowering.stages import Cut, balance, candidates, cut, trace
+from spmd.lowering.balance import balance
+from spmd.lowering.stages import Cut, candidates, cut, trace
 from spmd.pp import Action, Schedule
+from spmd.split_backward import backward_input, backward_weight
+from spmd.stage_module import (StageModule, stage_mesh_group, stage_of, stage_placements,
+                                standing_in)
 
 __all__ = ["PipelineModule", "parallelize_pipeline"]
-
-log = logging.getLogger("spmd")
-
-
-class _Holder(nn.Module):
-    pass
-
-
-class StageModule(nn.Module):
-    """One stage: its parameters under their names in the model, and the stage's traced
-    forward for the current microbatch shape."""
-
-    def __init__(self, index: int, model: nn.Module, params: tuple[str, ...],
-                 buffers: tuple[str, ...]) -> None:
-        super().__init__()
-        self.index = index
-        for name in params:
-            self._place(name, model.get_parameter(name), True)
-        for name in buffers:  # buffers, and frozen parameters every stage may read
-            owner, _, leaf = name.rpartition(".")
-            module = model.get_submodule(owner)
-            if leaf in module._parameters:
-                self._place(name, module._parameters[leaf], True)
-                continue
-            persistent = leaf not in module._non_persistent_buffers_set
-            self._place(name, model.get_buffer(name), False, persistent)
-        self.__dict__["_names"] = (params, buffers)
-        self.__dict__["_code"] = None
-
-    def _place(self, name: str, tensor: torch.Tensor, param: bool,
-               persistent: bool = True) -> None:
-        owner: nn.Module = self
-        *path, leaf = name.split(".")
-        for part in path:
-            child = owner._modules.get(part)
-            if child is None:
-                child = _Holder()
-                owner.add_module(part, child)
-            owner = child
-        if param:
-            owner.register_parameter(leaf, tensor)  # type: ignore[arg-type]
-        else:
-            owner.register_buffer(leaf, tensor, persistent=persistent)
-
-    def set_code(self, code: Any) -> None:
-        self.__dict__["_code"] = code
-
-    def forward(self, *inputs: Any) -> Any:
-        params, buffers = self.__dict__["_names"]
-        # by attribute: a parallelized stage may read its parameters through properties
-        tensors = [_attr(self, n) for n in params + buffers]
-        return self.__dict__["_code"](*tensors, *inputs)
-
-
-def _attr(module: nn.Module, name: str) -> Any:
-    for part in name.split("."):
-        module = getattr(module, part)
-    return module
 
 
 @dataclass(kw_only=True)
@@ -141,7 +86,7 @@ class PipelineModule(nn.Module):
         others = tuple(d for d in mesh.dim_names if d != schedule.dim)
         self._others = mesh[others] if others else None
         if self._others is not None and self._others.size() > 1 and not mesh.simulated:
-            self._others._whole_group = _stage_mesh_group(mesh, schedule.dim)
+            self._others._whole_group = stage_mesh_group(mesh, schedule.dim)
         self._split_points: tuple[str, ...] | None = schedule.split_points
         self._chosen = "named by the user" if schedule.split_points else ""
         self._programs: dict[Any, _Program] = {}
@@ -171,7 +116,7 @@ class PipelineModule(nn.Module):
             return program
         args, target = pytree.tree_unflatten(leaves, spec)
         n = self.schedule.stages(self._ranks)
-        with _standing_in(self.module, self._released):
+        with standing_in(self.module, self._released):
             marked = list(self._split_points) if self._split_points else candidates(self.module)
             traced = trace(self.module, loss_fn, args, target, marked, self._where,
                            cast=self._options.param_dtype)
@@ -192,7 +137,7 @@ class PipelineModule(nn.Module):
         else:
             self._build(result)
         for s, module in self._stages.items():
-            _stage_of(module).set_code(result.stages[s].code)
+            stage_of(module).set_code(result.stages[s].code)
         program = _Program(cut=result, spec=spec)
         self._programs[key] = program
         self._last_cut = result
@@ -229,7 +174,7 @@ class PipelineModule(nn.Module):
         self._stages = {}
         self._build(result)
         for s, module in self._stages.items():
-            _stage_of(module).set_code(result.stages[s].code)
+            stage_of(module).set_code(result.stages[s].code)
         self._last_cut = result
         return result
 
@@ -276,26 +221,9 @@ class PipelineModule(nn.Module):
         from spmd.setup import prepare_model
 
         options = self._options
-        placements = options.placements
-        if placements is not None:
-            from spmd.tp import resolve_layout
-
-            params, activations = resolve_layout(self.module, self._mesh, placements,
-                                                 self._where)
-            if activations:
-                raise ValueError(
-                    f"{self._where}: placements that place module outputs (sequence or "
-                    f"context parallelism: {', '.join(sorted(activations)[:3])}) do not "
-                    f"compose with pipeline stages yet; place parameters only")
-            explicit: dict[str, dict[str, Any]] = {}
-            for name, per_dim in params.items():
-                if name in stage.params:
-                    for dim, placement in per_dim.items():
-                        explicit.setdefault(dim, {})[name] = placement
-            dims = {d for d in _tp_dims(placements)}
-            for d in dims:
-                explicit.setdefault(d, {})
-            options = replace(options, placements=explicit or None)
+        if options.placements is not None:
+            options = replace(options, placements=stage_placements(
+                self.module, self._mesh, options.placements, stage.params, self._where))
         # buffers are broadcast once per step (PipelineModule.step), not per microbatch:
         # a microbatch's saved views of them must not change before its backward
         options = replace(options, broadcast_buffers=False, pipeline=None)
@@ -652,176 +580,19 @@ class PipelineModule(nn.Module):
         """The stages (where the graph was cut and why), what crosses between them, the
         schedule and its predicted timeline (:class:`spmd.pipeline_plan.PipelinePlan`);
         after the first step."""
-        from spmd.lowering.cost_model import CostModel
-        from spmd.pipeline_plan import build, stage_seconds_from_plan
+        from spmd.pipeline_plan import of_run
 
-        cut = self._last_cut
-        if cut is None:
+        if self._last_cut is None:
             raise RuntimeError(f"{self._where}.plan(): the stages are cut at the first step "
                                f"(they depend on the batch's shape); run model.step(...) "
                                f"first, or plan without processes: spmd.inspect(model, x, "
                                f"mesh=spmd.Mesh.simulated(...), pipeline=..., loss_fn=..., "
                                f"target=y)")
-        plans = {s: m.plan() for s, m in self._stages.items() if hasattr(m, "_spmd")}
-        known: dict[int, tuple[float, float]] = {}
-        why: dict[int, str] = {}
-        for s, plan in plans.items():
-            f, b, _ = stage_seconds_from_plan(plan)
-            known[s], why[s] = (f, b), "this rank's plan of the stage"
-        for s in self._stages:
-            if s in known:
-                continue
-            fs = [e - b for a, b, e in self.last_spans if a.stage == s and a.kind == "F"]
-            bs = [e - b for a, b, e in self.last_spans if a.stage == s and a.kind != "F"]
-            if fs:
-                m = self.schedule.microbatches
-                known[s] = (sum(fs) / len(fs), sum(bs) / m)
-                why[s] = "measured on this rank, last step"
-        costs = _scaled(cut, known, why)
-        model = CostModel.default("gloo", 2)
-        return build(cut, self.schedule, self._ranks, costs=costs, source=why,
-                     send=lambda n: model.alpha + model.beta * n, stage_plans=plans,
-                     measured=self.last_spans or None)
-
-
-def _scaled(cut: Cut, known: dict[int, tuple[float, float]], why: dict[int, str]
-            ) -> dict[int, tuple[float, float]]:
-    """Every stage's (forward, backward) seconds: the known ones, the others carried over
-    in proportion to their forward FLOPs (backward twice forward where nothing is known)."""
-    costs = dict(known)
-    flops_known = sum(cut.stages[s].flops for s in known)
-    if known and flops_known:
-        per_f = sum(f for f, _ in known.values()) / flops_known
-        per_b = sum(b for _, b in known.values()) / flops_known
-    else:
-        per_f, per_b = 1e-9, 2e-9  # relative: a GFLOP a millisecond... a unit, said so
-    for st in cut.stages:
-        if st.index not in costs:
-            costs[st.index] = (st.flops * per_f, st.flops * per_b)
-            why[st.index] = ("scaled by FLOPs from the stages this rank measured" if known
-                             else "forward FLOPs in relative units (nothing measured)")
-    return costs
-
-
-# -- zero-bubble: a backward split into its input and weight gradients -----------------
-
-def _node_of(t: torch.Tensor) -> Any:
-    if t.grad_fn is not None:
-        return t.grad_fn
-    if t.requires_grad:  # a leaf: its gradient accumulator
-        return t.view_as(t).grad_fn.next_functions[0][0]
-    return None
-
-
-def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor],
-                   inputs: list[torch.Tensor], weights: list[torch.Tensor]
-                   ) -> tuple[list[torch.Tensor | None], list[dict]]:
-    """The B of a split backward: the gradients of ``inputs``, computing no weight
-    gradient. Where the autograd graph turns off towards weights (a node on an input's
-    path whose edge leads to weights only), the gradient flowing into that node is kept,
-    so that :func:`backward_weight` later runs just that node's weights' part (the idea of
-    ``torch.distributed.pipelining``'s ``stage_backward_input``). A weight reached from
-    two such nodes (a weight used twice in the stage) would be summed twice: then the
-    whole backward runs here and W has nothing left to do."""
-    input_nodes = {n for n in (_node_of(t) for t in inputs) if n is not None}
-    weight_of = {n: w for w in weights if (n := _node_of(w)) is not None}
-    reach_input: dict[Any, bool] = {}
-    reach_weights: dict[Any, frozenset] = {}
-    order: list[Any] = []
-    seen: set = set()
-    stack = [(r.grad_fn, False) for r in roots if r.grad_fn is not None]
-    while stack:  # post-order over the autograd graph
-        n, expanded = stack.pop()
-        if expanded:
-            order.append(n)
-            continue
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.append((n, True))
-        stack.extend((c, False) for c, _ in n.next_functions if c is not None and c not in seen)
-    for n in order:
-        children = [c for c, _ in n.next_functions if c is not None]
-        reach_input[n] = n in input_nodes or any(reach_input[c] for c in children)
-        found = frozenset([n]) if n in weight_of else frozenset()
-        reach_weights[n] = found.union(*(reach_weights[c] for c in children))
-    groups: list[dict] = []
-    owner: dict[Any, Any] = {}
-    for n in order:
-        if not reach_input[n]:
-            continue
-        mine = frozenset().union(*(reach_weights[c] for c, _ in n.next_functions
-                                   if c is not None and not reach_input[c]))
-        if mine:
-            groups.append({"node": n, "weights": mine})
-    for r, g in zip(roots, grads):
-        if r.grad_fn is not None and not reach_input[r.grad_fn] and reach_weights[r.grad_fn]:
-            groups.append({"root": r, "grad": g, "weights": reach_weights[r.grad_fn]})
-    for group in groups:
-        for w in group["weights"]:
-            if owner.setdefault(w, id(group)) != id(group):  # shared: no split here
-                torch.autograd.backward(roots, grads, inputs=inputs + weights or None)
-                return [t.grad for t in inputs], []
-    captured: dict[Any, tuple] = {}
-    handles = []
-    for group in groups:
-        if "node" in group:
-            def keep(grad_outputs: tuple, node: Any = group["node"]) -> None:
-                captured[node] = tuple(None if g is None else g.detach() for g in grad_outputs)
-            handles.append(group["node"].register_prehook(keep))
-    try:
-        if inputs:
-            got = list(torch.autograd.grad(roots, inputs, grads, retain_graph=True,
-                                           allow_unused=True))
-        else:  # the first stage: nothing but weights; W runs it all
-            return [], [{"roots": roots, "grads": grads,
-                         "weights": [w for w in weights if _node_of(w) is not None]}]
-    finally:
-        for h in handles:
-            h.remove()
-    out = []
-    for group in groups:
-        params = [weight_of[w] for w in group["weights"]]
-        if "node" in group:
-            kept = captured.get(group["node"], ())
-            edges = [(group["node"], i) for i, g in enumerate(kept) if g is not None]
-            out.append({"edges": edges, "grads": [g for g in kept if g is not None],
-                        "weights": params})
-        else:
-            out.append({"roots": [group["root"]], "grads": [group["grad"]], "weights": params})
-    return got, out
-
-
-def backward_weight(groups: list[dict]) -> None:
-    """The W of a split backward: each group's weight gradients from what B kept,
-    accumulated into ``.grad``."""
-    from torch.autograd.graph import GradientEdge
-
-    for group in groups:
-        weights = group["weights"]
-        if "roots" in group:
-            outputs = group["roots"]
-        else:
-            outputs = [GradientEdge(n, i) for n, i in group["edges"]]
-        if not outputs or not weights:
-            continue
-        got = torch.autograd.grad(outputs, weights, group["grads"], allow_unused=True,
-                                  retain_graph=True)
-        for w, g in zip(weights, got):
-            if g is None:
-                continue
-            if w.grad is None:
-                w.grad = g
-            else:
-                w.grad += g
+        return of_run(self._last_cut, self.schedule, self._ranks, self._stages,
+                      self.last_spans)
 
 
 # -- helpers ----------------------------------------------------------------------------
-
-def _stage_of(module: nn.Module) -> StageModule:
-    assert isinstance(module, StageModule)
-    return module
-
 
 def _no_sync(module: nn.Module, training: bool) -> Any:
     import contextlib
@@ -829,48 +600,6 @@ def _no_sync(module: nn.Module, training: bool) -> Any:
     if training and hasattr(module, "_spmd") and not module._spmd.sharded:
         return module.no_sync()  # averaged once, at the end of the step
     return contextlib.nullcontext()
-
-
-def _tp_dims(placements: Any) -> tuple[str, ...]:
-    from spmd.tp import tp_dims_of
-
-    return tuple(tp_dims_of(placements))
-
-
-class _standing_in:
-    """Released parameters get a stand-in of their shape (one element, expanded) while
-    the model is traced again for a new shape."""
-
-    def __init__(self, model: nn.Module, released: dict) -> None:
-        self.model, self.released = model, released
-
-    def __enter__(self) -> None:
-        for name, (shape, dtype) in self.released.items():
-            p = self.model.get_parameter(name)
-            p.data = torch.zeros((), dtype=dtype, device=p.device).expand(shape)
-
-    def __exit__(self, *exc: Any) -> None:
-        for name, (_, dtype) in self.released.items():
-            p = self.model.get_parameter(name)
-            p.data = torch.empty(0, dtype=dtype, device=p.device)
-
-
-def _stage_mesh_group(mesh: Any, dim: str) -> Any:
-    """A group over this rank's stage mesh (every dimension but the pipeline's), for
-    strategies whose batch spans several of them. Every rank of the world makes every
-    slice's group, in the same order, and keeps its own."""
-    from spmd.runtime.groups import new_group, world
-
-    state = world("parallelize")
-    state.meshes += 1  # every rank counts the same meshes: the names agree
-    d = mesh.dim_names.index(dim)
-    mine = None
-    for i in range(mesh.shape[d]):
-        ranks = [r for r in mesh.ranks if mesh.coordinate_of(r)[d] == i]
-        group = new_group(ranks, group_name=f"mesh{state.meshes}/stages-of-{dim}/{i}")
-        if mesh.coordinate()[d] == i:
-            mine = group
-    return mine
 
 
 def parallelize_pipeline(module: nn.Module, options: Any, mesh: Any, where: str) -> PipelineModule:

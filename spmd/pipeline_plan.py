@@ -21,7 +21,8 @@ from typing import Any
 
 from spmd.pp import Schedule, Simulation, simulate
 
-__all__ = ["PipelinePlan", "StageRecord", "in_flight"]
+__all__ = ["PipelinePlan", "StageRecord", "in_flight", "build", "of_run", "scaled_costs",
+           "stage_seconds_from_plan"]
 
 
 @dataclass(kw_only=True)
@@ -281,3 +282,49 @@ def build(cut: Any, schedule: Schedule, ranks: int, *, costs: dict[int, tuple[fl
     plan._params = {n: st.index for st in cut.stages for n in st.params}  # type: ignore
     return plan
 
+
+def scaled_costs(cut: Any, known: dict[int, tuple[float, float]], why: dict[int, str]
+            ) -> dict[int, tuple[float, float]]:
+    """Every stage's (forward, backward) seconds: the known ones, the others carried over
+    in proportion to their forward FLOPs (backward twice forward where nothing is known)."""
+    costs = dict(known)
+    flops_known = sum(cut.stages[s].flops for s in known)
+    if known and flops_known:
+        per_f = sum(f for f, _ in known.values()) / flops_known
+        per_b = sum(b for _, b in known.values()) / flops_known
+    else:
+        per_f, per_b = 1e-9, 2e-9  # relative: a GFLOP a millisecond... a unit, said so
+    for st in cut.stages:
+        if st.index not in costs:
+            costs[st.index] = (st.flops * per_f, st.flops * per_b)
+            why[st.index] = ("scaled by FLOPs from the stages this rank measured" if known
+                             else "forward FLOPs in relative units (nothing measured)")
+    return costs
+
+
+def of_run(cut: Any, schedule: Schedule, ranks: int, stages: dict[int, Any],
+           spans: list) -> PipelinePlan:
+    """The plan of a running pipeline, from this rank's view: its stages' own plans where
+    they are parallelized, else what it measured for them in the last step (``spans``);
+    the other stages' times carried over by FLOPs (:func:`scaled_costs`)."""
+    from spmd.lowering.cost_model import CostModel
+
+    plans = {s: m.plan() for s, m in stages.items() if hasattr(m, "_spmd")}
+    known: dict[int, tuple[float, float]] = {}
+    why: dict[int, str] = {}
+    for s, plan in plans.items():
+        f, b, _ = stage_seconds_from_plan(plan)
+        known[s], why[s] = (f, b), "this rank's plan of the stage"
+    for s in stages:
+        if s in known:
+            continue
+        fs = [e - b for a, b, e in spans if a.stage == s and a.kind == "F"]
+        bs = [e - b for a, b, e in spans if a.stage == s and a.kind != "F"]
+        if fs:
+            known[s] = (sum(fs) / len(fs), sum(bs) / schedule.microbatches)
+            why[s] = "measured on this rank, last step"
+    costs = scaled_costs(cut, known, why)
+    model = CostModel.default("gloo", 2)
+    return build(cut, schedule, ranks, costs=costs, source=why,
+                 send=lambda n: model.alpha + model.beta * n, stage_plans=plans,
+                 measured=spans or None)

@@ -18,8 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spmd
-from spmd.lowering.stages import balance, candidates, cut, trace
-from spmd.pipeline import backward_input, backward_weight
+from spmd.lowering.balance import balance
+from spmd.lowering.stages import candidates, cut, trace
+from spmd.split_backward import backward_input, backward_weight
 from tests.llama import Llama
 from tests.zoo import entry
 

@@ -1,0 +1,140 @@
+"""One pipeline stage as a module: its parameters and buffers under their names in the
+model (so placements, checkpoints and optimizers see the model's names), and the stage's
+traced forward for the current microbatch shape; with what building stages needs
+around it (stand-ins for released parameters while tracing again, a group over the
+stage mesh that every rank makes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = ["StageModule", "stage_of", "standing_in", "stage_mesh_group", "tp_dims",
+           "stage_placements"]
+
+
+class _Holder(nn.Module):
+    pass
+
+
+class StageModule(nn.Module):
+    """One stage: its parameters under their names in the model, and the stage's traced
+    forward for the current microbatch shape."""
+
+    def __init__(self, index: int, model: nn.Module, params: tuple[str, ...],
+                 buffers: tuple[str, ...]) -> None:
+        super().__init__()
+        self.index = index
+        for name in params:
+            self._place(name, model.get_parameter(name), True)
+        for name in buffers:  # buffers, and frozen parameters every stage may read
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner)
+            if leaf in module._parameters:
+                self._place(name, module._parameters[leaf], True)
+                continue
+            persistent = leaf not in module._non_persistent_buffers_set
+            self._place(name, model.get_buffer(name), False, persistent)
+        self.__dict__["_names"] = (params, buffers)
+        self.__dict__["_code"] = None
+
+    def _place(self, name: str, tensor: torch.Tensor, param: bool,
+               persistent: bool = True) -> None:
+        owner: nn.Module = self
+        *path, leaf = name.split(".")
+        for part in path:
+            child = owner._modules.get(part)
+            if child is None:
+                child = _Holder()
+                owner.add_module(part, child)
+            owner = child
+        if param:
+            owner.register_parameter(leaf, tensor)  # type: ignore[arg-type]
+        else:
+            owner.register_buffer(leaf, tensor, persistent=persistent)
+
+    def set_code(self, code: Any) -> None:
+        self.__dict__["_code"] = code
+
+    def forward(self, *inputs: Any) -> Any:
+        params, buffers = self.__dict__["_names"]
+        # by attribute: a parallelized stage may read its parameters through properties
+        tensors = [_attr(self, n) for n in params + buffers]
+        return self.__dict__["_code"](*tensors, *inputs)
+
+
+def _attr(module: nn.Module, name: str) -> Any:
+    for part in name.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def stage_of(module: nn.Module) -> StageModule:
+    assert isinstance(module, StageModule)
+    return module
+
+
+def tp_dims(placements: Any) -> tuple[str, ...]:
+    from spmd.tp import tp_dims_of
+
+    return tuple(tp_dims_of(placements))
+
+
+class standing_in:
+    """Released parameters get a stand-in of their shape (one element, expanded) while
+    the model is traced again for a new shape."""
+
+    def __init__(self, model: nn.Module, released: dict) -> None:
+        self.model, self.released = model, released
+
+    def __enter__(self) -> None:
+        for name, (shape, dtype) in self.released.items():
+            p = self.model.get_parameter(name)
+            p.data = torch.zeros((), dtype=dtype, device=p.device).expand(shape)
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, (_, dtype) in self.released.items():
+            p = self.model.get_parameter(name)
+            p.data = torch.empty(0, dtype=dtype, device=p.device)
+
+
+def stage_mesh_group(mesh: Any, dim: str) -> Any:
+    """A group over this rank's stage mesh (every dimension but the pipeline's), for
+    strategies whose batch spans several of them. Every rank of the world makes every
+    slice's group, in the same order, and keeps its own."""
+    from spmd.runtime.groups import new_group, world
+
+    state = world("parallelize")
+    state.meshes += 1  # every rank counts the same meshes: the names agree
+    d = mesh.dim_names.index(dim)
+    mine = None
+    for i in range(mesh.shape[d]):
+        ranks = [r for r in mesh.ranks if mesh.coordinate_of(r)[d] == i]
+        group = new_group(ranks, group_name=f"mesh{state.meshes}/stages-of-{dim}/{i}")
+        if mesh.coordinate()[d] == i:
+            mine = group
+    return mine
+
+
+def stage_placements(model: nn.Module, mesh: Any, placements: Any, stage_params: Any,
+                     where: str) -> dict[str, dict[str, Any]]:
+    """The tensor-parallel placements of one stage's parameters, by name (a preset such
+    as ``megatron()`` resolved on the whole model, where it can see the layers), for the
+    stage parallelized on its own. Placements of module outputs (sequence and context
+    parallelism) are refused: a stage has its parameters, not the model's modules."""
+    from spmd.tp import resolve_layout
+
+    params, activations = resolve_layout(model, mesh, placements, where)
+    if activations:
+        raise ValueError(
+            f"{where}: placements that place module outputs (sequence or context "
+            f"parallelism: {', '.join(sorted(activations)[:3])}) do not compose with "
+            f"pipeline stages yet; place parameters only")
+    explicit: dict[str, dict[str, Any]] = {d: {} for d in tp_dims(placements)}
+    for name, per_dim in params.items():
+        if name in stage_params:
+            for dim, placement in per_dim.items():
+                explicit.setdefault(dim, {})[name] = placement
+    return explicit
