@@ -84,8 +84,8 @@ class PipelinePlan:
                                                   if s.virtual_stages > 1 else "")
             + (f", on {self.hardware}" if self.hardware else ""),
             f"  cut at {', '.join(self.split_points) or '(nothing)'}: {self.chosen}",
-            f"  predicted step {self.step_seconds * 1e3:.3f} ms"
-            + (f" (optimizer {self.optimizer_seconds * 1e3:.3f} ms)"
+            f"  predicted step {self.step_seconds * 1e3:.4g} ms"
+            + (f" (optimizer {self.optimizer_seconds * 1e3:.4g} ms)"
                if self.optimizer_seconds else "")
             + f", bubble {self.bubble:.1%} (the schedule's on equal stages: "
               f"{self.theoretical_bubble:.1%})",
@@ -99,8 +99,8 @@ class PipelinePlan:
                         f" DOES NOT FIT {st.capacity / 2**30:.1f} GiB")
             lines.append(
                 f"  stage {st.index} (rank {st.rank}) from {st.begins}: {st.params:,} "
-                f"parameters, F {st.forward_seconds * 1e3:.3f} ms, B "
-                f"{st.backward_seconds * 1e3:.3f} ms, holds {st.in_flight} microbatch(es)"
+                f"parameters, F {st.forward_seconds * 1e3:.4g} ms, B "
+                f"{st.backward_seconds * 1e3:.4g} ms, holds {st.in_flight} microbatch(es)"
                 f"{mem}")
         return "\n".join(lines)
 
@@ -143,8 +143,8 @@ class PipelinePlan:
         rows = [f"Stage {st.index}, pipeline rank {st.rank}, from {st.begins}",
                 f"  parameters: {st.params:,} ({st.param_bytes / 2**20:.2f} MiB)",
                 f"  forward FLOPs per microbatch: {st.flops:.4g}",
-                f"  time per microbatch: F {st.forward_seconds * 1e3:.3f} ms, B "
-                f"{st.backward_seconds * 1e3:.3f} ms ({st.source})"]
+                f"  time per microbatch: F {st.forward_seconds * 1e3:.4g} ms, B "
+                f"{st.backward_seconds * 1e3:.4g} ms ({st.source})"]
         for name, frm, shape, nbytes in st.receives:
             rows.append(f"  receives {name} {list(shape)} from stage {frm} "
                         f"({nbytes / 2**10:.1f} KiB per microbatch; its gradient goes back)")
@@ -162,7 +162,7 @@ class PipelinePlan:
 
     def timeline(self, width: int = 72) -> str:
         """Each pipeline rank's row over the predicted step (``.``: the bubble)."""
-        return (f"predicted timeline, {self.predicted.step * 1e3:.3f} ms, bubble "
+        return (f"predicted timeline, {self.predicted.step * 1e3:.4g} ms, bubble "
                 f"{self.bubble:.1%}:\n" + self.predicted.text(width))
 
     def figure(self) -> Any:
@@ -191,7 +191,7 @@ class PipelinePlan:
 
     def __repr__(self) -> str:
         return (f"PipelinePlan({self.schedule.name}, {len(self.stages)} stages, step "
-                f"{self.step_seconds * 1e3:.3f} ms, bubble {self.bubble:.1%})")
+                f"{self.step_seconds * 1e3:.4g} ms, bubble {self.bubble:.1%})")
 
 
 def in_flight(schedule: Schedule, ranks: int) -> dict[int, int]:
