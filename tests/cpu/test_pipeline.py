@@ -175,9 +175,9 @@ def compose_job(rank: int, shape: tuple[int, ...], names: tuple[str, ...], cases
     try:
         out = {}
         mesh = spmd.Mesh(shape, names)
-        data = next((d for d in names if d in ("dp", "fsdp")), None)
-        dp = mesh.size(data) if data else 1
-        me = mesh.coordinate()[names.index(data)] if data else 0
+        dp, me = 1, 0  # this rank's index among the data ranks (hsdp: over both)
+        for d in (d for d in names if d in ("dp", "fsdp")):
+            dp, me = dp * mesh.size(d), me * mesh.size(d) + mesh.coordinate()[names.index(d)]
         for label, family, schedule, options in cases:
             if family == "own":
                 build, loss_fn = (lambda: _llama(4)), _lm_loss
@@ -275,3 +275,15 @@ def test_pipeline_fsdp_tp_on_8_ranks():
         assert out["fsdp_tp"]["diff"] < 1e-11, out["fsdp_tp"]["diff"]
     pieces = runs[0]["fsdp_tp"]["pieces"]  # q_proj (32 x 32): a quarter, split on both
     assert any(shape == (8, 32) for name, shape in pieces.items() if "q_proj" in name)
+
+
+def test_pipeline_hsdp_on_8_ranks():
+    """hsdp on the stage mesh: sharded over "fsdp", replicated over "dp", the batch split
+    over both (a group over the stage mesh that every rank of the world makes)."""
+    cases = [("hsdp", "llama", "1f1b", {"strategy": "hsdp"})]
+    runs = dist.spawn(compose_job, args=((2, 2, 2), ("pp", "dp", "fsdp"), cases), nprocs=8,
+                      start_method="forkserver", timeout=115)
+    for out in runs:
+        assert out["hsdp"]["diff"] < 1e-11, out["hsdp"]["diff"]
+    pieces = runs[0]["hsdp"]["pieces"]  # q_proj (32 x 32): half, sharded over "fsdp"
+    assert any(shape == (16, 32) for name, shape in pieces.items() if "q_proj" in name)
