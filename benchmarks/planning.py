@@ -4,6 +4,7 @@
     python benchmarks/planning.py --llama      # Llama 3 8B and 70B shapes, 64 H100s
     python benchmarks/planning.py --long-context   # 70B at 131,072 tokens, (8, 8, 8) H100s
     python benchmarks/planning.py --pipeline  # 405B on (pp 8, fsdp 8, tp 8) H100s, 1F1B
+        [--schedule 1f1b] [--microbatches 16] [--sequences 16]
 
 ``--llama``: Llama 3 8B and 70B (``benchmarks/llm.py``) built on the meta device, one
 8,192-token sequence per rank, every block checkpointed, the loss inside the forward,
@@ -112,10 +113,10 @@ sys.path.insert(0, {here!r})
 import llm, spmd
 torch.set_num_threads(1)
 config = llm.LLAMA3_405B
-seq, microbatches = 8192, {microbatches}
+seq, microbatches, rows = 8192, {microbatches}, {rows}
 with torch.device("meta"):
     model = llm.build(config, seq, "full")
-tokens = torch.randint(0, config.vocab, (microbatches, seq), device="meta")
+tokens = torch.randint(0, config.vocab, (rows, seq), device="meta")
 mesh = spmd.Mesh.simulated((8, 8, 8), dim_names=("pp", "fsdp", "tp"),
                            hardware=spmd.hardware.H100_SXM())
 start = time.perf_counter()
@@ -126,27 +127,30 @@ plan = spmd.inspect(model, tokens, tokens, mesh=mesh, strategy="fsdp",
 seconds = time.perf_counter() - start
 print(plan.summary())
 print(plan.timeline())
-tokens_per_gpu = microbatches * seq * 8 / plan.step_seconds / 512
+tokens_per_gpu = rows * seq * 8 / plan.step_seconds / 512
 print(f"tokens/s per GPU {{tokens_per_gpu:.1f}}")
 print(f"planned in {{seconds:.1f}} s, process peak "
       f"{{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}} MiB")
 """
 
 
-def pipeline(schedule: str, microbatches: int) -> None:
+def pipeline(schedule: str, microbatches: int, rows: int) -> None:
     """Llama 3 405B (126 blocks, each checkpointed) on (pp 8, fsdp 8, tp 8) simulated
-    H100s: one 8,192-token sequence per microbatch, bfloat16 gathers and float32
-    reduction; the pipeline plan's stages, timeline and bubble, memory per stage, and the
-    planning time and process peak."""
+    H100s: ``rows`` 8,192-token sequences per data rank in ``microbatches`` microbatches,
+    bfloat16 gathers and float32 reduction; the pipeline plan's stages, timeline and
+    bubble, memory per stage, and the planning time and process peak (or the stage that
+    does not fit)."""
     import os
     import subprocess
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
     out = subprocess.run([sys.executable, "-c", _PIPELINE.format(
-        here=here, schedule=schedule, microbatches=microbatches)],
-        capture_output=True, text=True, check=True)
+        here=here, schedule=schedule, microbatches=microbatches, rows=rows)],
+        capture_output=True, text=True)
     print(out.stdout)
+    if out.returncode:
+        print(out.stderr.strip().splitlines()[-1])
 
 
 def long_context() -> None:
@@ -172,9 +176,11 @@ def main() -> None:
     parser.add_argument("--pipeline", action="store_true")
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--microbatches", type=int, default=16)
+    parser.add_argument("--sequences", type=int, default=None,
+                        help="sequences per data rank (default: one per microbatch)")
     args = parser.parse_args()
     if args.pipeline:
-        pipeline(args.schedule, args.microbatches)
+        pipeline(args.schedule, args.microbatches, args.sequences or args.microbatches)
         return
     if args.llama:
         llama()
