@@ -170,36 +170,46 @@ def _gpt2_at(params: dict[str, torch.Tensor]) -> torch.nn.Module:
     return model
 
 
-def compose_job(rank: int, shape: tuple[int, ...], names: tuple[str, ...], cases: list) -> dict:
+def compose_job(rank: int, shape: tuple[int, ...], names: tuple[str, ...], cases: list,
+                more: tuple = ()) -> dict:
+    """Each case trained on ``Mesh(shape, names)``; then, in the same processes, each of
+    ``more``'s ``(shape, names, cases)`` on its own mesh."""
     _init()
     try:
-        out = {}
-        mesh = spmd.Mesh(shape, names)
-        dp, me = 1, 0  # this rank's index among the data ranks (hsdp: over both)
-        for d in (d for d in names if d in ("dp", "fsdp")):
-            dp, me = dp * mesh.size(d), me * mesh.size(d) + mesh.coordinate()[names.index(d)]
-        for label, family, schedule, options in cases:
-            if family == "own":
-                build, loss_fn = (lambda: _llama(4)), _lm_loss
-                batches = [_batch(8, s) for s in range(2)]
-            else:
-                e = entry(family)
-                build, loss_fn = e.model, e.loss_fn
-                batches = [e.make_batch(step=s, rows=8) for s in range(2)]
-            reference = _reference(build, batches, loss_fn)
-            model = build()
-            opts = dict(options)
-            if opts.pop("megatron", False):
-                opts["placements"] = spmd.tp.megatron()
-            pm = spmd.parallelize(model, mesh=mesh, pipeline=spmd.pp.schedule(schedule, 2),
-                                  **opts)
-            per = 8 // dp
-            _train(pm, model, batches, loss_fn, lambda t: t[me * per:(me + 1) * per])
-            pieces = {n: tuple(p.shape) for n, p in model.named_parameters() if p.numel()}
-            out[label] = {"diff": _diff(pm, reference), "pieces": pieces}
+        out = _compose(shape, names, cases)
+        for other in more:
+            out.update(_compose(*other))
         return out
     finally:
         dist.destroy_process_group()
+
+
+def _compose(shape: tuple[int, ...], names: tuple[str, ...], cases: list) -> dict:
+    out = {}
+    mesh = spmd.Mesh(shape, names)
+    dp, me = 1, 0  # this rank's index among the data ranks (hsdp: over both)
+    for d in (d for d in names if d in ("dp", "fsdp")):
+        dp, me = dp * mesh.size(d), me * mesh.size(d) + mesh.coordinate()[names.index(d)]
+    for label, family, schedule, options in cases:
+        if family == "own":
+            build, loss_fn = (lambda: _llama(4)), _lm_loss
+            batches = [_batch(8, s) for s in range(2)]
+        else:
+            e = entry(family)
+            build, loss_fn = e.model, e.loss_fn
+            batches = [e.make_batch(step=s, rows=8) for s in range(2)]
+        reference = _reference(build, batches, loss_fn)
+        model = build()
+        opts = dict(options)
+        if opts.pop("megatron", False):
+            opts["placements"] = spmd.tp.megatron()
+        pm = spmd.parallelize(model, mesh=mesh, pipeline=spmd.pp.schedule(schedule, 2),
+                              **opts)
+        per = 8 // dp
+        _train(pm, model, batches, loss_fn, lambda t: t[me * per:(me + 1) * per])
+        pieces = {n: tuple(p.shape) for n, p in model.named_parameters() if p.numel()}
+        out[label] = {"diff": _diff(pm, reference), "pieces": pieces}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -265,25 +275,21 @@ def test_pipeline_composes_with_ddp_and_fsdp():
     assert all(shape[0] < 64 for shape in runs[0]["fsdp"]["pieces"].values())  # shards
 
 
-def test_pipeline_fsdp_tp_on_8_ranks():
-    """Hugging Face LLaMA (grouped-query attention), each stage sharded over "fsdp" and
-    split by Megatron's placements over "tp"."""
+def test_pipeline_fsdp_tp_and_hsdp_on_8_ranks():
+    """Hugging Face LLaMA (grouped-query attention): each stage sharded over "fsdp" and
+    split by Megatron's placements over "tp"; then, in the same processes, each stage
+    under hsdp (sharded over "fsdp", replicated over "dp", the batch split over both: a
+    group over the stage mesh that every rank of the world makes)."""
     cases = [("fsdp_tp", "llama", "gpipe", {"strategy": "fsdp", "megatron": True})]
-    runs = dist.spawn(compose_job, args=((2, 2, 2), ("pp", "fsdp", "tp"), cases), nprocs=8,
-                      start_method="forkserver", timeout=115)
+    more = (((2, 2, 2), ("pp", "dp", "fsdp"), [("hsdp", "llama", "1f1b",
+                                                  {"strategy": "hsdp"})]),)
+    runs = dist.spawn(compose_job, args=((2, 2, 2), ("pp", "fsdp", "tp"), cases, more),
+                      nprocs=8, start_method="forkserver", timeout=115)
     for out in runs:
-        assert out["fsdp_tp"]["diff"] < 1e-11, out["fsdp_tp"]["diff"]
-    pieces = runs[0]["fsdp_tp"]["pieces"]  # q_proj (32 x 32): a quarter, split on both
+        for label in ("fsdp_tp", "hsdp"):
+            assert out[label]["diff"] < 1e-11, (label, out[label]["diff"])
+    # q_proj (32 x 32): a quarter under fsdp x tp, half under hsdp (sharded over "fsdp")
+    pieces = runs[0]["fsdp_tp"]["pieces"]
     assert any(shape == (8, 32) for name, shape in pieces.items() if "q_proj" in name)
-
-
-def test_pipeline_hsdp_on_8_ranks():
-    """hsdp on the stage mesh: sharded over "fsdp", replicated over "dp", the batch split
-    over both (a group over the stage mesh that every rank of the world makes)."""
-    cases = [("hsdp", "llama", "1f1b", {"strategy": "hsdp"})]
-    runs = dist.spawn(compose_job, args=((2, 2, 2), ("pp", "dp", "fsdp"), cases), nprocs=8,
-                      start_method="forkserver", timeout=115)
-    for out in runs:
-        assert out["hsdp"]["diff"] < 1e-11, out["hsdp"]["diff"]
-    pieces = runs[0]["hsdp"]["pieces"]  # q_proj (32 x 32): half, sharded over "fsdp"
+    pieces = runs[0]["hsdp"]["pieces"]
     assert any(shape == (16, 32) for name, shape in pieces.items() if "q_proj" in name)
