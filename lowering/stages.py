@@ -73,11 +73,9 @@ class Stage:
     received: tuple[int, ...]  # crossing indices, in placeholder order
     sent: tuple[int, ...]  # crossing indices, in output order
     loss: bool
-    modules: tuple[str, ...]  # the marked modules whose spans it runs
     flops: float  # forward FLOPs per microbatch
     param_numel: int
     param_bytes: int
-    activation_bytes: int  # every value its forward computes, per microbatch (an upper bound)
 
 
 @dataclass(kw_only=True)
@@ -391,14 +389,14 @@ def cut(traced: Traced, split_points: Sequence[str], where: str, chosen: str) ->
                      dsts=tuple(dsts), shape=tuple(val.shape), dtype=val.dtype, grad=grad)
         crossings.append(c)
         crossing_of[node] = c
-    stages = [_stage(traced, s, n_stages, stage_of, free, kinds, crossing_of, result,
-                     split_points) for s in range(n_stages)]
+    stages = [_stage(traced, s, n_stages, stage_of, free, kinds, crossing_of, result)
+              for s in range(n_stages)]
     return Cut(stages=stages, crossings=crossings, split_points=tuple(split_points),
                chosen=chosen, tied=tied)
 
 
 def _stage(traced: Traced, s: int, n_stages: int, stage_of: dict, free: set, kinds: dict,
-           crossing_of: dict, loss: fx.Node, split_points: Sequence[str]) -> Stage:
+           crossing_of: dict, loss: fx.Node) -> Stage:
     graph = traced.gm.graph
     own = [n for n in graph.nodes if stage_of.get(n) == s]
     own_set = set(own)
@@ -460,15 +458,11 @@ def _stage(traced: Traced, s: int, n_stages: int, stage_of: dict, free: set, kin
     flops = sum(traced.flops.get(n.name, 0.0) for n in own)
     param_bytes = sum(_bytes(_val(node)) for _, node in params)
     param_numel = sum(_val(node).numel() for _, node in params)
-    activation_bytes = sum(_bytes(_val(n)) for n in own)
-    modules = tuple(p for i, p in enumerate(split_points) if i + 1 == s) if s else ()
     return Stage(index=s, code=code, params=tuple(n for n, _ in params),
                  buffers=tuple(n for n, _ in buffers), inputs=tuple(i for i, _ in inputs),
                  received=tuple(crossing_of[n].index for n in received),
                  sent=tuple(crossing_of[n].index for n in sent), loss=s == n_stages - 1,
-                 modules=modules, flops=flops, param_numel=param_numel,
-                 param_bytes=param_bytes,
-                 activation_bytes=activation_bytes)
+                 flops=flops, param_numel=param_numel, param_bytes=param_bytes)
 
 
 def _outline(graph: fx.Graph, nodes: list[fx.Node], name: str, attrs: dict) -> None:

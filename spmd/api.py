@@ -133,39 +133,27 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         compile_compute=compile_compute, calibrate=calibrate, placements=placements,
         comm_hook=comm_hook, comm_state=comm_state, sync_batchnorm=sync_batchnorm,
         shard_placement_fn=shard_placement_fn, pipeline=pipeline)
-    if mesh is not None and pipeline is not None:
-        from spmd.pp import Schedule
-
-        if not isinstance(pipeline, Schedule):
-            raise TypeError(f"parallelize: pipeline must be an spmd.pp.schedule(...), got "
-                            f"{type(pipeline).__name__}")
-        if not isinstance(mesh, Mesh):
-            raise TypeError(f"parallelize: mesh must be an spmd.Mesh or None, got "
-                            f"{type(mesh).__name__}")
-        if pipeline.dim not in mesh.dim_names:
-            raise ValueError(f"parallelize: the pipeline runs along mesh dimension "
-                             f"{pipeline.dim!r}; the mesh has {mesh.dim_names}")
-        others = [(n, s) for n, s in zip(mesh.dim_names, mesh.shape) if n != pipeline.dim]
-        if others:
-            from spmd.lowering.strategy import flatten_data_dims, resolve_strategy
-            from spmd.tp import tp_dims_of
-
-            tp_dims = tp_dims_of(placements)
-            sub = Mesh.simulated([s for _, s in others], [n for n, _ in others])
-            shape = flatten_data_dims(options.strategy, sub, "parallelize", tp_dims)
-            resolve_strategy(options.strategy, shape, "parallelize", tp_dims)
-    elif mesh is not None:
+    if mesh is not None:
         if not isinstance(mesh, Mesh):
             raise TypeError(f"parallelize: mesh must be an spmd.Mesh or None, got "
                             f"{type(mesh).__name__}")
         from spmd.lowering.strategy import flatten_data_dims, resolve_strategy
         from spmd.tp import tp_dims_of
 
-        # refuse a mesh it cannot use (before any group is made: on a simulated copy)
-        tp_dims = tp_dims_of(placements)
-        shape = flatten_data_dims(options.strategy, Mesh.simulated(mesh.shape, mesh.dim_names),
-                                  "parallelize", tp_dims)
-        resolve_strategy(options.strategy, shape, "parallelize", tp_dims)
+        # refuse a mesh it cannot use (before any group is made: on a simulated copy);
+        # with a pipeline, the dimensions its stages run on
+        dims = [(n, s) for n, s in zip(mesh.dim_names, mesh.shape)]
+        if pipeline is not None:
+            from spmd.pipeline import check_pipeline
+
+            check_pipeline(pipeline, mesh, "parallelize")
+            dims = [(n, s) for n, s in dims if n != pipeline.dim]
+        if dims:
+            tp_dims = tp_dims_of(placements)
+            shape = flatten_data_dims(
+                options.strategy, Mesh.simulated([s for _, s in dims], [n for n, _ in dims]),
+                "parallelize", tp_dims)
+            resolve_strategy(options.strategy, shape, "parallelize", tp_dims)
 
     def apply(target: Any) -> Any:
         if pipeline is not None:

@@ -39,7 +39,7 @@ from spmd.split_backward import backward_input, backward_weight
 from spmd.stage_module import (StageModule, stage_mesh_group, stage_of, stage_placements,
                                 standing_in)
 
-__all__ = ["PipelineModule", "parallelize_pipeline"]
+__all__ = ["PipelineModule", "parallelize_pipeline", "check_pipeline"]
 
 
 @dataclass(kw_only=True)
@@ -327,16 +327,15 @@ class PipelineModule(nn.Module):
         elif action.kind == "B":
             wanted = [(c, d, action.stage, True) for c in stage.sent if crossings[c].grad
                       for d in crossings[c].dsts]
-        for c, frm, to, backward in wanted:
-            peer = frm  # the stage it comes from
-            if self._local(peer):
+        for c, frm, to, backward in wanted:  # frm: the stage it comes from
+            if self._local(frm):
                 continue
             key = (c, action.microbatch, to if not backward else frm, backward)
             if key in state.posted:
                 continue
             info = crossings[c]
             buffer = torch.empty(info.shape, dtype=info.dtype)
-            work = irecv(buffer, src=self._rank(peer), group=self._group,
+            work = irecv(buffer, src=self._rank(frm), group=self._group,
                          tag=self._tag(program, c, action.microbatch,
                                        to if not backward else frm, backward))
             state.posted[key] = (work, buffer)
@@ -602,21 +601,23 @@ def _no_sync(module: nn.Module, training: bool) -> Any:
     return contextlib.nullcontext()
 
 
-def parallelize_pipeline(module: nn.Module, options: Any, mesh: Any, where: str) -> PipelineModule:
-    """``parallelize(module, mesh=, pipeline=)``: checks, then the pipelined model."""
-    from spmd.pp import Schedule
-    from spmd.setup import resolve_mesh
-
-    schedule = options.pipeline
+def check_pipeline(schedule: Any, mesh: Any, where: str) -> None:
+    """``TypeError``/``ValueError`` for a ``pipeline=`` that is not a schedule or whose
+    dimension the mesh lacks, before anything is made."""
     if not isinstance(schedule, Schedule):
         raise TypeError(f"{where}: pipeline must be an spmd.pp.schedule(...), got "
                         f"{type(schedule).__name__}")
-    mesh = resolve_mesh(mesh, where)
     if schedule.dim not in mesh.dim_names:
         raise ValueError(f"{where}: the pipeline runs along mesh dimension {schedule.dim!r}; "
                          f"the mesh has {mesh.dim_names}")
-    if not mesh.simulated:
-        from spmd.setup import _check_materialized
 
+
+def parallelize_pipeline(module: nn.Module, options: Any, mesh: Any, where: str) -> PipelineModule:
+    """``parallelize(module, mesh=, pipeline=)``: checks, then the pipelined model."""
+    from spmd.setup import _check_materialized, resolve_mesh
+
+    mesh = resolve_mesh(mesh, where)
+    check_pipeline(options.pipeline, mesh, where)
+    if not mesh.simulated:
         _check_materialized(module, where)
-    return PipelineModule(module, schedule, mesh, options, where)
+    return PipelineModule(module, options.pipeline, mesh, options, where)

@@ -65,6 +65,7 @@ class PipelinePlan:
     theoretical_bubble: float  # the schedule's, on equal stage costs and free sends
     measured: list[tuple[Any, float, float]] | None = None  # this rank's last step
     stage_plans: dict[int, Any] = field(default_factory=dict)
+    holders: dict[str, int] = field(default_factory=dict)  # parameter -> its (first) stage
     optimizer_seconds: float = 0.0
     hardware: str = ""
 
@@ -131,9 +132,8 @@ class PipelinePlan:
                 if plan is not None and what in plan.parameters:
                     return f"{what}: stage {st.index} (pipeline rank {st.rank})\n" + \
                         plan.explain(what)
-            names = getattr(self, "_params", {})
-            if what in names:
-                st = self.stages[names[what]]
+            if what in self.holders:
+                st = self.stages[self.holders[what]]
                 return (f"{what}: stage {st.index} (pipeline rank {st.rank}), which begins "
                         f"at {st.begins}")
         raise ValueError(f"explain: {what!r} is not 'stages', 'schedule', a stage index or "
@@ -279,7 +279,8 @@ def build(cut: Any, schedule: Schedule, ranks: int, *, costs: dict[int, tuple[fl
                         theoretical_bubble=schedule.bubble(ranks), measured=measured,
                         stage_plans=stage_plans, optimizer_seconds=optimizer_seconds,
                         hardware=hardware)
-    plan._params = {n: st.index for st in cut.stages for n in st.params}  # type: ignore
+    for st in reversed(cut.stages):  # a tied parameter: its first stage
+        plan.holders.update({n: st.index for n in st.params})
     return plan
 
 
