@@ -232,7 +232,7 @@ def solve(problem: Problem, time_limit: float = 60.0) -> Solution:
     r: dict[str, int] = {}
     for item in problem.recompute:
         r[item.name] = column(item.name, item.seconds, -item.saved, 0.0, True, item.count)
-    exposed = column("exposed", 1.0, 0.0, -1.0, False, np.inf)  # >= hidden - hides
+    column("exposed", 1.0, 0.0, -1.0, False, np.inf)  # >= hidden - hides
 
     n = len(cols)
     rows: list[np.ndarray] = []

@@ -209,6 +209,17 @@ class Mesh:
                             else tuple(self._coordinate[i] for i in index))
         return mesh
 
+    def rename(self, dim_names: Sequence[str]) -> "Mesh":
+        """This mesh with its dimensions called ``dim_names`` (the same ranks and groups,
+        no new group): how ``strategy="auto"`` names the roles it gives a mesh's
+        dimensions (``"dp"``, ``"fsdp"``, ``"tp"``) whatever the user called them."""
+        names = _names(dim_names, self.ndim)
+        mesh = Mesh.__new__(Mesh)
+        mesh.shape, mesh.dim_names, mesh.simulated = self.shape, names, self.simulated
+        mesh.hardware, mesh.ranks = self.hardware, list(self.ranks)
+        mesh._groups, mesh._coordinate = dict(self._groups), self._coordinate
+        return mesh
+
     @property
     def ndim(self) -> int:
         return len(self.shape)

@@ -56,7 +56,7 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
                 compile_compute: bool | None = None, calibrate: bool = False,
                 placements: Any = None, comm_hook: Any = None, comm_state: Any = None,
                 sync_batchnorm: bool = False, shard_placement_fn: Any = None,
-                pipeline: Any = None) -> Any:
+                pipeline: Any = None, memory_budget: Any = None) -> Any:
     """Data parallelism and parameter sharding, planned by a compiler: capture, bucket,
     overlap, run.
 
@@ -79,6 +79,11 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
             and ``"fsdp"`` shards over both at once (2-D). ``"zero2"``/``"zero1"``
             (DeepSpeed's ZeRO stages): stored as ``fsdp`` stores, gathered once per
             optimizer step and kept whole; ``zero1`` all-reduces gradients whole.
+            ``"auto"`` (:mod:`spmd.auto`): the compiler chooses among those, Megatron
+            pieces of ``placements`` (each parameter group its piece or replicated) and
+            recomputing blocks, the fastest predicted layout within ``memory_budget``; it
+            searches at the first call (on the first rank, sent to the others), then
+            parallelizes the model in place with the choice.
         reshard_after_forward: (``fsdp``/``hsdp``) free gathered parameters after the
             forward and gather them again in backward (True), or keep them (False).
         param_dtype: (``fsdp``/``hsdp``) gather and compute in this dtype (mixed
@@ -115,6 +120,9 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
             sharded along (None: dim 0, padded where it does not divide); another
             dimension must divide evenly. ``spmd.shard_evenly`` chooses, per parameter,
             dim 0 where it divides, else the first dimension that does (no padding).
+        memory_budget: (``"auto"``) the predicted peak per rank the layout must fit:
+            bytes, or ``"70GiB"``, ``"512MiB"``, ``"80GB"``; None: no limit. Memory is
+            counted with AdamW's state.
 
     Returns:
         The parallelized module, class or step function; with ``obj`` omitted, a decorator.
@@ -126,6 +134,29 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         loss_fn(model(x), y).backward()          # .grad arrives averaged across ranks
         print(spmd.inspect(model))
     """
+    if strategy == "auto":
+        from spmd.auto import parallelize_auto
+
+        if pipeline is not None:
+            raise TypeError("parallelize: strategy='auto' does not search pipeline stages "
+                            "yet; pass a strategy with pipeline=")
+        rest = dict(reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
+                    bucket_cap_mb=bucket_cap_mb, overlap=overlap, reduce_dtype=reduce_dtype,
+                    broadcast_buffers=broadcast_buffers, compile_compute=compile_compute,
+                    calibrate=calibrate, comm_hook=comm_hook, comm_state=comm_state,
+                    sync_batchnorm=sync_batchnorm, shard_placement_fn=shard_placement_fn)
+        Options.from_kwargs("parallelize", strategy="ddp", placements=placements, **rest)
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise TypeError(f"parallelize: mesh must be an spmd.Mesh or None, got "
+                            f"{type(mesh).__name__}")
+
+        def auto(target: Any) -> Any:
+            return parallelize_auto(target, mesh, memory_budget, placements, rest,
+                                    f"parallelize({type(target).__name__})")
+
+        return auto if obj is None else auto(obj)
+    if memory_budget is not None:
+        raise TypeError("parallelize: memory_budget= is the budget of strategy='auto'")
     options = Options.from_kwargs(
         "parallelize", strategy=strategy, reshard_after_forward=reshard_after_forward,
         param_dtype=param_dtype, bucket_cap_mb=bucket_cap_mb, overlap=overlap,

@@ -32,6 +32,27 @@ def _planning_mesh(mesh: Mesh | None) -> Mesh:
                      "process group is initialized to take the size from)")
 
 
+def _inspect_auto(obj: Any, example_inputs: tuple, mesh: Mesh | None, options: dict) -> Plan:
+    from spmd.auto import plan_auto
+
+    if not isinstance(obj, nn.Module):
+        raise TypeError(f"spmd.inspect: strategy='auto' searches a model's layout, got "
+                        f"{type(obj).__name__}")
+    if getattr(obj, "_spmd", None) is not None:
+        raise ValueError("spmd.inspect: this model is already parallelized; plan an "
+                         "unparallelized copy")
+    if not example_inputs:
+        raise TypeError("spmd.inspect: strategy='auto' needs example inputs (one rank's batch)")
+    options = dict(options)
+    auto = plan_auto(obj, tuple(example_inputs), mesh=_planning_mesh(mesh),
+                     memory_budget=options.pop("memory_budget", None),
+                     placements=options.pop("placements", None),
+                     optimizer=options.pop("optimizer", "adamw"), **options)
+    plan = auto.chosen.plan
+    plan.auto = auto
+    return plan
+
+
 def _inspect_pipeline(obj: Any, example_inputs: tuple, mesh: Mesh | None, strategy: str,
                       options: dict) -> Any:
     from spmd.lowering.options import Options
@@ -74,6 +95,10 @@ def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: 
         plan = spmd.inspect(Transformer(), tokens, mesh=spmd.Mesh.simulated(1024))
         plan.summary(); plan.timeline(); plan.explain("layers.0.attn.in_proj_weight")
     """
+    if strategy == "auto":
+        return _inspect_auto(obj, example_inputs, mesh, options)
+    if "memory_budget" in options:
+        raise TypeError("spmd.inspect: memory_budget= is the budget of strategy='auto'")
     pipeline = options.get("pipeline")
     if pipeline is not None or {"loss_fn", "target"} & set(options):
         return _inspect_pipeline(obj, example_inputs, mesh, strategy, options)

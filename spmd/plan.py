@@ -155,6 +155,7 @@ class Plan:
     traced_as: dict[str, list[str]] = field(default_factory=dict)
     measured: Any = None  # a measured Timeline, after spmd.profile
     measured_steps: list = field(default_factory=list)  # every profiled step's Timeline
+    auto: Any = None  # strategy="auto": what was searched and chosen (spmd.auto.AutoPlan)
 
     def fingerprint(self) -> str:
         """A hash of the decisions every rank must share (bucket layout and collectives)."""
@@ -184,7 +185,8 @@ class Plan:
             moved[b.kind] = moved.get(b.kind, 0) + b.bytes
         per_kind = ", ".join(f"{v / 2**20:.2f} MiB {k.replace('_', '-')}"
                              for k, v in moved.items()) or "nothing"
-        lines = [f"Plan: {self.strategy} over {self.world_size} rank(s) (group {self.group!r}), "
+        lines = [] if self.auto is None else [str(self.auto), ""]
+        lines += [f"Plan: {self.strategy} over {self.world_size} rank(s) (group {self.group!r}), "
                  f"{len(regions)} captured region(s), {len(self.buckets)} "
                  f"bucket(s), {len(self.collectives)} collective(s); per step {per_kind}"]
         hook = self.options.comm_hook
@@ -321,6 +323,13 @@ class Plan:
         """Why a collective, a bucket or a parameter's communication exists, and its cost."""
         from spmd.views import explain
 
+        if self.auto is not None and isinstance(x, str):
+            why = self.auto.explain(x)
+            if why is not None:
+                try:
+                    return why + "\n" + explain(self, x)
+                except KeyError:
+                    return why
         return explain(self, x)
 
     def _repr_html_(self) -> str:

@@ -202,7 +202,9 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
         cost_model = mesh.cost_model(strategy.data_dim or mesh.dim_names[0], None)
     else:
         cost_model = cost_model_for(group, world_size, backend, options)
-    index = _next_index()
+    # only live models number their store keys: a plan on a simulated mesh made on one
+    # rank alone (spmd.inspect, strategy="auto"'s search) must not shift the others'
+    index = 0 if mesh.simulated else _next_index()
     if live:
         broadcast_coalesced([*module.parameters(), *module.buffers()], group.ranks[0], group)
     if strategy.tp_dims and not mesh.simulated:
