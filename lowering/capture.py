@@ -340,11 +340,11 @@ def time_forward(record: GraphRecord, repeats: int = 3) -> float | None:
         values = [n.meta["val"] for n in record.forward.graph.nodes if n.op == "placeholder"]
         def make(v: Any) -> Any:
             if isinstance(v, torch.Tensor):
-                shape = [_hint(d) for d in v.shape]
+                shape = [size_hint(d) for d in v.shape]
                 if v.dtype.is_floating_point:
                     return torch.randn(shape, dtype=v.dtype, device=v.device)
                 return torch.zeros(shape, dtype=v.dtype, device=v.device)
-            return _hint(v) if isinstance(v, torch.SymInt) else v
+            return size_hint(v) if isinstance(v, torch.SymInt) else v
         best = float("inf")
         # real tensors, also while Dynamo's fake mode is on (the backward is planned as its
         # forward compiles); a sharded forward's gathers send nothing
@@ -360,7 +360,7 @@ def time_forward(record: GraphRecord, repeats: int = 3) -> float | None:
         return record.forward_seconds
 
 
-def _hint(size: Any) -> int:
+def size_hint(size: Any) -> int:
     """A symbolic size's value for this trace, without the guard ``int()`` would add (a
     guard specialises the graph to this size, and only the rank that timed it would
     then recompile for the next one)."""

@@ -23,7 +23,9 @@ How it chooses:
    parameter group's placement on the tensor-parallel dimension (its piece, as
    ``placements`` or ``spmd.tp.megatron()`` gives it, or replicated; identical blocks'
    parameters are one group); how many blocks of each class of identical blocks are
-   recomputed in backward (torch's ``checkpoint`` around the block). The pairs are
+   recomputed in backward (torch's ``checkpoint`` around the block; searched where the
+   model is not split, as the compiler does not plan checkpointed blocks under tensor
+   parallelism yet). The pairs are
    linked by what their choices move: a column-parallel layer feeding a replicated one
    gathers its output, a row-parallel layer's partial sums are all-reduced, a
    parameter's gradient is reduced along the data dimensions in its strategy's way.
@@ -148,12 +150,14 @@ def _roles(mesh: Mesh, tp_candidates: tuple[str, ...]) -> list[Roles]:
 
 
 def _kinds(roles: Roles, mesh: Mesh) -> list[str]:
+    """The data strategies tried: every one on the data dimensions alone; beside tensor
+    parallelism ddp, fsdp and zero2 (zero1 keeps zero2's memory for more traffic)."""
     several = [d for d in roles.data if mesh.size(d) > 1]
     if not several:
         return ["ddp"]
     if len(several) == 2:
         return ["ddp", "fsdp", "hsdp", "zero2", "zero1"]
-    return list(SEARCHED)
+    return list(SEARCHED) if roles.tp is None else ["ddp", "fsdp", "zero2"]
 
 
 def _strategy_mesh(mesh: Mesh, roles: Roles, kind: str) -> Mesh:
@@ -405,6 +409,8 @@ def _build(model: nn.Module, roles: Roles, mesh: Mesh, base: dict[str, Candidate
     if roles.tp is not None:
         edges += _pair_edges(split, groups, model, tp_cm, inputs_bytes, t)
     recompute = []
+    if roles.tp is not None:
+        blocks = []  # checkpointed blocks under tensor parallelism are not planned yet
     saved = _layer_saved(base[kinds[0]].plan, optimizer)
     numel = sum(p.numel() for p in model.parameters()) or 1
     for cls in blocks:

@@ -136,21 +136,29 @@ def _ring_size(node: fx.Node) -> int:
         return 0
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    """A value's bytes; a symbolic size (a dynamic graph's) at this trace's value, so the
+    prices stay numbers rather than growing sympy expressions."""
+    from spmd.lowering.capture import size_hint
+
+    return size_hint(t.numel()) * t.element_size()
+
+
 def node_bytes(node: fx.Node) -> int:
     """Bytes the node reads (its tensor inputs) and writes (its tensor outputs)."""
     from spmd.lowering.graph import tensor_vals
 
     total = 0
     for arg in node.all_input_nodes:
-        total += sum(t.numel() * t.element_size() for t in tensor_vals(arg.meta.get("val")))
-    total += sum(t.numel() * t.element_size() for t in tensor_vals(node.meta.get("val")))
+        total += sum(_nbytes(t) for t in tensor_vals(arg.meta.get("val")))
+    total += sum(_nbytes(t) for t in tensor_vals(node.meta.get("val")))
     return total
 
 
 def _out_bytes(node: fx.Node) -> int:
     from spmd.lowering.graph import tensor_vals
 
-    return sum(t.numel() * t.element_size() for t in tensor_vals(node.meta.get("val")))
+    return sum(_nbytes(t) for t in tensor_vals(node.meta.get("val")))
 
 
 def matmul_dtype(node: fx.Node, device: Any | None) -> torch.dtype:
