@@ -62,7 +62,7 @@ from spmd.lowering.autolayout import (Choice, Edge, Infeasible, Problem, Recompu
 from spmd.lowering.placements import Replicate, Shard, divides
 from spmd.runtime.mesh import Mesh
 
-__all__ = ["AutoPlan", "Candidate", "Roles", "plan_auto", "parse_budget", "checkpoint_modules",
+__all__ = ["AutoPlan", "Candidate", "Roles", "Searched", "plan_auto", "parse_budget", "checkpoint_modules",
            "parallelize_auto", "SEARCHED"]
 
 SEARCHED = ("ddp", "fsdp", "zero2", "zero1")  # data strategies tried on one data dimension
@@ -149,15 +149,20 @@ def _roles(mesh: Mesh, tp_candidates: tuple[str, ...]) -> list[Roles]:
     return out
 
 
-def _kinds(roles: Roles, mesh: Mesh) -> list[str]:
+def _kinds(roles: Roles, mesh: Mesh, mixed: bool = False) -> list[str]:
     """The data strategies tried: every one on the data dimensions alone; beside tensor
-    parallelism ddp, fsdp and zero2 (zero1 keeps zero2's memory for more traffic)."""
+    parallelism ddp, fsdp and zero2 (zero1 keeps zero2's memory for more traffic).
+    ``mixed`` (``param_dtype=``, which the sharded strategies apply): no ddp."""
     several = [d for d in roles.data if mesh.size(d) > 1]
     if not several:
-        return ["ddp"]
-    if len(several) == 2:
-        return ["ddp", "fsdp", "hsdp", "zero2", "zero1"]
-    return list(SEARCHED) if roles.tp is None else ["ddp", "fsdp", "zero2"]
+        kinds = ["ddp"]
+    elif len(several) == 2:
+        kinds = ["ddp", "fsdp", "hsdp", "zero2", "zero1"]
+    else:
+        kinds = list(SEARCHED) if roles.tp is None else ["ddp", "fsdp", "zero2"]
+    if mixed:
+        kinds = [k for k in kinds if k != "ddp"] or ["fsdp"]
+    return kinds
 
 
 def _strategy_mesh(mesh: Mesh, roles: Roles, kind: str) -> Mesh:
@@ -293,7 +298,7 @@ def _plan_candidate(model: nn.Module, args: tuple, mesh: Mesh, cand: Candidate,
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
         cand.error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         return cand
-    if plan.fallbacks and cand.label != "ddp (reference)":
+    if plan.fallbacks and not cand.label.endswith("(reference)"):
         cand.error = (f"left to the eager safety net ({plan.fallbacks[0].reason[:120]}), "
                       f"which the prediction would not price")
         return cand
@@ -360,7 +365,8 @@ def _build(model: nn.Module, roles: Roles, mesh: Mesh, base: dict[str, Candidate
     from spmd.memory import OPTIMIZER_STATES
 
     states = OPTIMIZER_STATES[optimizer]
-    kinds = [k for k in _kinds(roles, mesh) if k in base and not base[k].error]
+    mixed = options.get("param_dtype") is not None
+    kinds = [k for k in _kinds(roles, mesh, mixed) if k in base and not base[k].error]
     groups = _groups(model, pieces if roles.tp else {})
     blocks = _blocks(model)
     t = mesh.size(roles.tp) if roles.tp else 1
@@ -544,6 +550,9 @@ class AutoPlan:
                  f"data strategy {self.chosen.strategy}" + (
                      f", on the tensor-parallel dimension {self.chosen.roles.tp!r} {here}"
                      if self.chosen.roles.tp else "") + f" ({self.chosen.source})"]
+        own_s, own_b = _own_cost(p, choices, var.name)
+        lines.append(f"  its share of the step: {own_s * 1e3:.3f} ms of compute and "
+                     f"communication (overlappable included), {_gib(own_b)} per rank")
         base_s, base_b = evaluate(p, choices, counts)
         for i, c in enumerate(var.choices):
             if i != choices[var.name]:
@@ -564,6 +573,21 @@ class AutoPlan:
         key = repr((c.strategy, c.roles, sorted((k, repr(v)) for k, v in c.pieces.items()),
                     c.recompute))
         return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _own_cost(problem: Problem, choices: dict[str, int], name: str) -> tuple[float, float]:
+    """Seconds (overlappable communication included) and bytes the program charges to
+    variable ``name`` under ``choices``: its own choice and the edges that touch it."""
+    var = next(v for v in problem.variables if v.name == name)
+    c = var.choices[choices[name]]
+    seconds, nbytes = var.count * (c.seconds + c.hidden), var.count * c.bytes
+    for e in problem.edges:
+        if name in (e.a, e.b):
+            got = e.costs.get((choices[e.a], choices[e.b]))
+            if got is not None:
+                seconds += e.count * (got.seconds + got.hidden)
+                nbytes += e.count * got.bytes
+    return seconds, nbytes
 
 
 def _runner_up(what: str, seconds: float, nbytes: float, fits: bool) -> str:
@@ -665,17 +689,23 @@ def plan_auto(model: nn.Module, args: tuple, *, mesh: Mesh, memory_budget: Any =
     searches: list[_Search] = []
     solve_seconds = 0.0
     all_data = _roles(mesh, ())[0]
+    # the reference: the model replicated (every dimension data): its compute and
+    # activations price the replicated choices; with param_dtype= (which ddp does not
+    # apply) fsdp, whose compute runs in that dtype
+    mixed = options.get("param_dtype") is not None
+    ref_kind = "fsdp" if mixed else "ddp"
     ref = _plan_candidate(model, args, mesh, Candidate(
-        label="ddp (reference)", strategy="ddp", roles=all_data), options, optimizer)
+        label=f"{ref_kind} (reference)", strategy=ref_kind, roles=all_data), options,
+        optimizer)
     if ref.error:
         raise PlanningError(f"{where}: strategy='auto' could not plan {type(model).__name__} "
                             f"replicated to price it: {ref.error}")
     for roles in roles_list:
         base: dict[str, Candidate] = {"@data": ref}
-        for kind in _kinds(roles, mesh):
+        for kind in _kinds(roles, mesh, mixed):
             label = kind if roles.tp is None else f"{kind} x megatron tp on {roles.tp!r}"
-            if roles.tp is None and kind == "ddp" and not named:
-                cand = replace(ref, label="ddp")
+            if roles.tp is None and kind == ref_kind and not named and ref.roles == roles:
+                cand = replace(ref, label=kind)
             else:
                 cand = _plan_candidate(model, args, mesh, Candidate(
                     label=label, strategy=kind, roles=roles,
@@ -750,6 +780,21 @@ def _decode(search: _Search, sol: Solution, pieces: dict[str, Any]) -> Candidate
 # -- on a live mesh -----------------------------------------------------------------------
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Searched:
+    """What a live model's search chose, as the first rank sent it (the plans it made
+    stay there): the table of candidates and the layout's fingerprint."""
+
+    summary: str
+    fingerprint: str
+
+    def explain(self, name: str) -> None:
+        return None  # the program stayed on the first rank: the plan explains the rest
+
+    def __str__(self) -> str:
+        return self.summary
+
+
 def parallelize_auto(module: nn.Module, mesh: Mesh | None, memory_budget: Any,
                      placements: Any, options: dict, where: str) -> nn.Module:
     """``parallelize(module, strategy="auto")``: the layout is searched at the first call
@@ -812,5 +857,5 @@ def _first_call(module: nn.Module, mesh: Mesh | None, memory_budget: Any,
         kwargs["placements"] = {"tp": dict(pieces)}
     opts = Options.from_kwargs(where, strategy=kind, **kwargs)
     _parallelize_instance(module, opts, _strategy_mesh(mesh, roles, kind))
-    module._spmd_auto = summary
+    module._spmd.auto = Searched(summary=summary, fingerprint=fingerprint)
     return module(*args)

@@ -56,6 +56,7 @@ class ModuleState:
         self.communicates = setup.communicates
         self.cost_model = cost_model = setup.cost_model
         self.index = setup.index  # the how-many-th parallelized model of this rank
+        self.auto: Any = None  # strategy="auto": what the search chose (spmd.auto.Searched)
         self.sync = SyncState(comm_hook=options.comm_hook, comm_state=options.comm_state)
         self.handles = Handles()  # the specs this model's graphs refer to
         # one record per parameter: fsdp/hsdp/zero store shards, tensor parallelism pieces
@@ -153,11 +154,13 @@ class ModuleState:
             if record.fallback_reason:  # the cause, where the hook saw only the effect
                 for name in record.trainable:
                     self.fallbacks[name] = record.fallback_reason
-        return module_plan(
+        plan = module_plan(
             self.records, setup=self.setup, options=self.options, layout=self.layout,
             params=self.params, buffers=self.buffers, estimates=self.estimates,
             fallbacks=[Fallback(param=n, reason=r) for n, r in self.fallbacks.items()],
             frozen=frozen, measured=self.measured, measured_steps=self.measured_steps)
+        plan.auto = self.auto  # strategy="auto": what was searched (spmd.auto.Searched)
+        return plan
 
     # -- profiling --------------------------------------------------------------------
 

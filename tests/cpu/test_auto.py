@@ -81,7 +81,7 @@ def auto_job(rank: int, ranks: int) -> dict:
             diff = max((whole[n] - p).abs().max().item()
                        for n, p in reference.state_dict().items())
             plan = spmd.inspect(model)
-            out[family] = {"diff": diff, "strategy": plan.strategy, "summary": model._spmd_auto,
+            out[family] = {"diff": diff, "strategy": plan.strategy, "summary": str(plan.auto),
                            "budget": budget, "peak": plan.memory().peak}
     finally:
         dist.destroy_process_group()
