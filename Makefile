@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/zero.py
 	$(PY) benchmarks/tp.py
 	$(PY) benchmarks/pipeline.py
+	$(PY) benchmarks/auto.py
 	$(PY) benchmarks/compressed.py
 	$(PY) benchmarks/hardware.py
 	$(PY) benchmarks/overhead.py

@@ -72,10 +72,11 @@ class MemoryView:
     comm_buffers: int = 0  # the largest collective's buffer (the peak counts those alive)
     capacity: str = ""  # against the simulated cluster's device memory, when planned for one
     saved_by_layer: tuple[tuple[str, int, bool], ...] = ()
+    kept_whole: int = 0  # zero1/zero2: parameters gathered once per step and kept whole
 
     @property
     def persistent(self) -> int:
-        return self.params + self.grads + self.optimizer_state + self.buffers
+        return self.params + self.grads + self.optimizer_state + self.buffers + self.kept_whole
 
     def __str__(self) -> str:
         def mib(n: int) -> str:
@@ -87,6 +88,8 @@ class MemoryView:
             f"  gradients         {mib(self.grads)}",
             f"  optimizer state   {mib(self.optimizer_state)}",
             f"  buffers           {mib(self.buffers)}",
+            *([f"  kept whole        {mib(self.kept_whole)}   (gathered once per step, held "
+               f"until the shards change)"] if self.kept_whole else []),
             f"  persistent        {mib(self.persistent)}",
             f"  activations saved {mib(self.activations)}",
             f"  peak gathered     {mib(self.peak_gathered)}",
@@ -134,11 +137,13 @@ def _bytes(val: Any) -> int:
     return 0
 
 
-def _walk(gm: fx.GraphModule, label: str, held: dict[str, int], end_held: set[str]
-          ) -> tuple[int, str, int, dict[str, int]]:
+def _walk(gm: fx.GraphModule, label: str, held: dict[str, int], end_held: set[str],
+          kept_gathers: bool = False) -> tuple[int, str, int, dict[str, int]]:
     """Live bytes through ``gm``: (peak, node at the peak, peak gathered bytes, bytes of
     the values named in ``end_held`` that stay alive after the graph). ``held``: bytes
-    alive on entry by placeholder name (freed after their last read here)."""
+    alive on entry by placeholder name (freed after their last read here).
+    ``kept_gathers``: gathered parameters are kept whole across steps (zero1, zero2),
+    counted as persistent by the caller, so not here."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     root: dict[fx.Node, fx.Node] = {}
@@ -165,6 +170,8 @@ def _walk(gm: fx.GraphModule, label: str, held: dict[str, int], end_held: set[st
             size[node] = _bytes(node.meta.get("val"))
         if node.target in (ops.bucket_all_gather, ops.unpack_gathered, ops.shard_gather):
             gathered.add(node)
+            if kept_gathers:
+                size[node] = 0
     alive = sum(size[n] for n in nodes if n.op == "placeholder")
     live_gathered = 0
     peak, peak_at, peak_gathered = alive, f"{label}:start", 0
@@ -245,6 +252,10 @@ def memory_view(plan: Any, optimizer: str | None = "adamw") -> MemoryView:
     trainable = sum(local for local, _, grad in plan.parameters.values() if grad)
     transient, at, gathered, activations = 0, "-", 0, 0
     layers: dict[str, list] = {}
+    # zero1/zero2: the gathered parameters stay whole from one optimizer step to the next
+    kept = plan.options is not None and plan.options.gathered == "per step"
+    held_whole = sum(b.bytes for b in plan.buckets
+                     if kept and b.kind == "all_gather" and b.phase == "forward")
     regions = sorted({name.rsplit(".", 1)[0] for name in plan.graphs})
     for region in regions:
         forward = plan.graphs.get(f"{region}.forward")
@@ -253,7 +264,7 @@ def memory_view(plan: Any, optimizer: str | None = "adamw") -> MemoryView:
         if forward is not None:
             names = ({n.name for n in backward.graph.nodes if n.op == "placeholder"}
                      if backward is not None else set())
-            peak, where, g, saved = _walk(forward, f"{region}.forward", {}, names)
+            peak, where, g, saved = _walk(forward, f"{region}.forward", {}, names, kept)
             if peak > transient:
                 transient, at = peak, where
             gathered = max(gathered, g)
@@ -267,12 +278,12 @@ def memory_view(plan: Any, optimizer: str | None = "adamw") -> MemoryView:
             for node in backward.graph.nodes:  # a resharded input holds a forward shard
                 if node.op == "placeholder" and "spmd_resharded" in node.meta:
                     held[node.name] = _bytes(node.meta.get("val"))
-            peak, where, g, _ = _walk(backward, f"{region}.backward", held, set())
+            peak, where, g, _ = _walk(backward, f"{region}.backward", held, set(), kept)
             if peak > transient:
                 transient, at = peak, where
             gathered = max(gathered, g)
     state = OPTIMIZER_STATES[optimizer] * trainable
-    persistent = params + trainable + state + plan.buffer_bytes
+    persistent = params + trainable + state + plan.buffer_bytes + held_whole
     peak = persistent + transient
     hardware = plan.mesh.hardware if plan.mesh is not None else None
     capacity = "" if hardware is None else hardware.check_fits(peak, "device memory")
@@ -282,4 +293,5 @@ def memory_view(plan: Any, optimizer: str | None = "adamw") -> MemoryView:
                       peak_transient=transient, peak=peak, peak_at=at,
                       unsharded_params=whole, capacity=capacity,
                       comm_buffers=max((b.bytes for b in plan.buckets), default=0),
-                      saved_by_layer=tuple((k, n, c) for k, (n, c) in layers.items()))
+                      saved_by_layer=tuple((k, n, c) for k, (n, c) in layers.items()),
+                      kept_whole=held_whole)
