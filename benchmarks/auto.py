@@ -9,7 +9,8 @@ one thread each. The budget is ddp's predicted peak less one byte, so plain ddp 
 fit. Variants: ``auto`` (``spmd.parallelize(model, strategy="auto",
 memory_budget=budget)``) and every hand-written strategy whose predicted peak fits
 (``fsdp``, ``zero2``, ``zero1``), each a fresh model from the same weights. They
-alternate in rounds; round 0 warms up (compiles, and auto's search) and is not counted.
+alternate in rounds, the order rotated each round; round 0 warms up (compiles, and
+auto's search and measurement of its finalists) and is not counted.
 A variant's figure is the median over rounds of its mean step time, with the lowest and
 highest round; the ratio is auto's median over the best hand-written one's.
 
@@ -98,8 +99,10 @@ def job(rank: int, family: str, rounds: int, steps: int) -> dict:
             model = spmd.parallelize(build(family), **kwargs)
             runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
         times: dict[str, list[float]] = {name: [] for name in runs}
+        names = list(runs)
         for r in range(rounds + 1):
-            for name, (model, opt) in runs.items():
+            for name in names[r % len(names):] + names[:r % len(names)]:  # rotated
+                model, opt = runs[name]
                 dist.barrier()
                 start = time.perf_counter()
                 for s in range(steps):
@@ -110,7 +113,7 @@ def job(rank: int, family: str, rounds: int, steps: int) -> dict:
                 seconds = (time.perf_counter() - start) / steps
                 if r:
                     times[name].append(seconds)
-        chosen = str(spmd.inspect(runs["auto"][0]).auto).splitlines()[0]
+        chosen = spmd.inspect(runs["auto"][0]).auto.runs
         return {"times": times, "budget": budget, "peaks": peaks, "chosen": chosen}
     finally:
         dist.destroy_process_group()
@@ -129,7 +132,7 @@ def measured(rounds: int, steps: int) -> None:
         hand = [n for n in med if n != "auto"]
         best = min(hand, key=med.get)
         ratios = [a / b for a, b in zip(out["times"]["auto"], out["times"][best])]
-        chose = out["chosen"].split("chose ", 1)[1]
+        chose = out["chosen"]
         print(f"| {family} | {out['budget'] / 2**20:.2f} MiB | {chose} | "
               f"{med['auto'] * 1e3:.2f} | {best} | {med[best] * 1e3:.2f} | "
               f"{med['auto'] / med[best]:.3f} ({min(ratios):.3f}-{max(ratios):.3f}) |",
