@@ -350,6 +350,7 @@ class _Search:
     blocks: list[tuple[str, ...]]
     kinds: list[str]
     solution: Solution | None = None
+    target: float = math.inf  # the budget the solution was solved for (tightened rounds)
     error: str = ""
 
 
@@ -726,7 +727,7 @@ def plan_auto(model: nn.Module, args: tuple, *, mesh: Mesh, memory_budget: Any =
                 search.error = str(e)
                 break
             solve_seconds += sol.solve_seconds
-            search.solution = sol
+            search.solution, search.target = sol, target
             cand = _decode(search, sol, pieces)
             same = next((c for c in candidates if c.strategy == cand.strategy
                          and c.roles == cand.roles and c.pieces == cand.pieces
@@ -742,8 +743,7 @@ def plan_auto(model: nn.Module, args: tuple, *, mesh: Mesh, memory_budget: Any =
     if not fitting:
         planned = [c for c in candidates if not c.error]
         least = min(planned, key=lambda c: c.peak, default=None)
-        hint = ("more ranks along a data dimension (fsdp shards the state over them), "
-                "recomputing blocks, or a smaller batch per rank")
+        hint = _what_would_fit(least, budget, optimizer, mesh)
         table = "\n".join(c.row(budget, False) for c in candidates)
         raise PlanningError(
             f"{where}: no layout of {type(model).__name__} on {mesh} fits the memory budget of "
@@ -755,6 +755,36 @@ def plan_auto(model: nn.Module, args: tuple, *, mesh: Mesh, memory_budget: Any =
     return AutoPlan(budget=budget, mesh=mesh, chosen=chosen, candidates=candidates,
                     searches=searches, solve_seconds=solve_seconds,
                     seconds=time.perf_counter() - started, optimizer=optimizer)
+
+
+def _what_would_fit(least: Candidate | None, budget: float, optimizer: str, mesh: Mesh
+                    ) -> str:
+    """What would make the least-memory layout fit, with figures where its memory view
+    gives them: more data ranks (its sharded state divides over them), a smaller batch
+    (its activations shrink with it), recomputing blocks."""
+    if least is None or least.plan is None:
+        return ("more ranks along a data dimension (fsdp shards the state over them), "
+                "recomputing blocks, or a smaller batch per rank")
+    view = least.plan.memory(optimizer)
+    state = view.params + view.grads + view.optimizer_state
+    rest = view.peak - state
+    data = math.prod(mesh.size(d) for d in least.roles.data)
+    hints = []
+    if least.strategy != "ddp" and budget > rest:
+        ranks = math.ceil(state * data / (budget - rest))
+        hints.append(f"about {ranks} data ranks instead of {data} (the sharded state "
+                     f"divides over them)")
+    else:
+        hints.append("more ranks along a data dimension with fsdp")
+    if view.activations and view.peak - view.activations < budget:
+        share = (budget - (view.peak - view.activations)) / view.activations
+        hints.append(f"at most {share:.0%} of this batch per rank (activations "
+                     f"{_gib(view.activations)})")
+    else:
+        hints.append("a smaller batch per rank")
+    hints.append("recomputing more of the model (blocks already recomputed: "
+                 f"{len(least.recompute)})")
+    return "; ".join(hints)
 
 
 def _decode(search: _Search, sol: Solution, pieces: dict[str, Any]) -> Candidate:
