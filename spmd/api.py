@@ -24,13 +24,9 @@ __all__ = ["parallelize"]
 
 
 def _parallelize_instance(module: nn.Module, options: Options, mesh: Mesh | None) -> nn.Module:
-    from spmd.module import DataParallel, parallelize_module
-    from spmd.setup import prepare_model
+    from spmd.module import parallelize_instance
 
-    if isinstance(module, DataParallel):
-        raise ValueError("parallelize: this module is already parallelized")
-    setup = prepare_model(module, options, mesh, f"parallelize({type(module).__name__})")
-    return parallelize_module(module, options, setup)
+    return parallelize_instance(module, options, mesh)
 
 
 def _parallelize_class(cls: type, options: Options, mesh: Mesh | None) -> type:
@@ -135,11 +131,13 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         print(spmd.inspect(model))
     """
     if strategy == "auto":
-        from spmd.auto import parallelize_auto
+        from spmd.auto_live import parallelize_auto
 
         if pipeline is not None:
-            raise TypeError("parallelize: strategy='auto' does not search pipeline stages "
-                            "yet; pass a strategy with pipeline=")
+            raise TypeError("parallelize: strategy='auto' with pipeline= is searched by "
+                            "spmd.inspect(model, x, mesh=Mesh.simulated(...), strategy='auto', "
+                            "pipeline=..., loss_fn=, target=); parallelize the pipeline with "
+                            "the strategy it chooses")
         rest = dict(reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
                     bucket_cap_mb=bucket_cap_mb, overlap=overlap, reduce_dtype=reduce_dtype,
                     broadcast_buffers=broadcast_buffers, compile_compute=compile_compute,

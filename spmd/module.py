@@ -56,7 +56,7 @@ class ModuleState:
         self.communicates = setup.communicates
         self.cost_model = cost_model = setup.cost_model
         self.index = setup.index  # the how-many-th parallelized model of this rank
-        self.auto: Any = None  # strategy="auto": what the search chose (spmd.auto.Searched)
+        self.auto: Any = None  # strategy="auto": what the search chose (spmd.auto_live.Searched)
         self.sync = SyncState(comm_hook=options.comm_hook, comm_state=options.comm_state)
         self.handles = Handles()  # the specs this model's graphs refer to
         # one record per parameter: fsdp/hsdp/zero store shards, tensor parallelism pieces
@@ -159,7 +159,7 @@ class ModuleState:
             params=self.params, buffers=self.buffers, estimates=self.estimates,
             fallbacks=[Fallback(param=n, reason=r) for n, r in self.fallbacks.items()],
             frozen=frozen, measured=self.measured, measured_steps=self.measured_steps)
-        plan.auto = self.auto  # strategy="auto": what was searched (spmd.auto.Searched)
+        plan.auto = self.auto  # strategy="auto": what was searched (spmd.auto_live.Searched)
         return plan
 
     # -- profiling --------------------------------------------------------------------
@@ -424,3 +424,14 @@ def parallelize_module(module: nn.Module, options: Options, setup: Setup) -> nn.
     module.__class__ = _parallel_class(type(module))
     module._spmd = state
     return module
+
+
+def parallelize_instance(module: nn.Module, options: Options, mesh: Any) -> nn.Module:
+    """``parallelize(module, ...)`` of an instance, in place: its setup on ``mesh`` (the
+    strategy resolved, every rank's copy checked and broadcast), then its parallel class."""
+    from spmd.setup import prepare_model
+
+    if isinstance(module, DataParallel):
+        raise ValueError("parallelize: this module is already parallelized")
+    setup = prepare_model(module, options, mesh, f"parallelize({type(module).__name__})")
+    return parallelize_module(module, options, setup)

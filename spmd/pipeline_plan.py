@@ -68,6 +68,7 @@ class PipelinePlan:
     holders: dict[str, int] = field(default_factory=dict)  # parameter -> its (first) stage
     optimizer_seconds: float = 0.0
     hardware: str = ""
+    auto: Any = None  # strategy="auto": the layouts tried (spmd.auto_pipeline.PipelineSearch)
 
     @property
     def step_seconds(self) -> float:
@@ -79,7 +80,8 @@ class PipelinePlan:
 
     def summary(self) -> str:
         s = self.schedule
-        lines = [
+        lines = [] if self.auto is None else [str(self.auto), ""]
+        lines += [
             f"Pipeline: {s.name}, {s.microbatches} microbatches, {len(self.stages)} stages on "
             f"{self.ranks} ranks of {s.dim!r}" + (f" ({s.virtual_stages} per rank)"
                                                   if s.virtual_stages > 1 else "")

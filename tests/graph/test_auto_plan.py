@@ -122,7 +122,7 @@ def test_auto_arguments_are_checked_before_anything_runs():
         spmd.parallelize(_llama(), mesh=_mesh(), strategy="fsdp", memory_budget="1GiB")
     with pytest.raises(TypeError, match="memory_budget= is the budget of strategy='auto'"):
         spmd.inspect(_llama(), _tokens(), mesh=_mesh(), memory_budget="1GiB")
-    with pytest.raises(TypeError, match="pipeline stages"):
+    with pytest.raises(TypeError, match="with pipeline= is searched by spmd.inspect"):
         spmd.parallelize(_llama(), mesh=_mesh(), strategy="auto",
                          pipeline=spmd.pp.schedule("1f1b", 2))
     with pytest.raises(TypeError, match="takes a model instance"):
@@ -134,3 +134,33 @@ def test_auto_arguments_are_checked_before_anything_runs():
                      placements={"a": {"x": spmd.Shard(0)}, "b": {"x": spmd.Shard(0)}})
     with pytest.raises(TypeError, match="example inputs"):
         spmd.inspect(_llama(), mesh=_mesh(), strategy="auto")
+
+
+def _lm_loss(out, y):
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def test_pipeline_stages_are_searched_with_the_layout_beside_them():
+    model = Llama(vocab=64, dim=32, layers=4, heads=4, kv_heads=2, hidden=64, length=16)
+    seq = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
+    x, y = seq[:, :-1], seq[:, 1:]
+    schedule = spmd.pp.schedule("1f1b", 2)
+    plan = spmd.inspect(model, x, mesh=_mesh((2, 2), ("pp", "b")), strategy="auto",
+                        pipeline=schedule, loss_fn=_lm_loss, target=y)
+    auto = plan.auto
+    labels = [c.label for c in auto.candidates]
+    assert labels == ["ddp", "fsdp", "zero2", "zero1", "megatron tp on 'b'"], labels
+    fitting = [c for c in auto.candidates if c.fits(auto.budget)]
+    assert auto.chosen in fitting and all(auto.chosen.seconds <= c.seconds for c in fitting)
+    assert plan.step_seconds == auto.chosen.seconds and "<- chosen" in plan.summary()
+    # the same as the hand-written pipeline of that layout (stages cut by the planner)
+    if not auto.chosen.tp:
+        hand = spmd.inspect(model, x, mesh=_mesh((2, 2), ("pp", "dp")),
+                            strategy=auto.chosen.strategy, pipeline=schedule,
+                            loss_fn=_lm_loss, target=y)
+        assert hand.step_seconds == plan.step_seconds
+        assert hand.split_points == plan.split_points
+    # a budget below every layout's largest stage is refused, naming the least
+    with pytest.raises(PlanningError, match="no pipeline layout of Llama .* the least is"):
+        spmd.inspect(model, x, mesh=_mesh((2, 2), ("pp", "b")), strategy="auto",
+                     pipeline=schedule, loss_fn=_lm_loss, target=y, memory_budget="1KiB")
