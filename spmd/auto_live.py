@@ -22,8 +22,6 @@ from spmd.runtime.mesh import Mesh
 
 __all__ = ["Searched", "parallelize_auto"]
 
-# -- on a live mesh -----------------------------------------------------------------------
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Searched:
@@ -156,9 +154,10 @@ def _first_call(module: nn.Module, mesh: Mesh | None, memory_budget: Any,
     if groups.get_rank() == first:
         planning = Mesh.simulated(mesh.shape, mesh.dim_names)
         try:
-            auto = plan_auto(module, args, mesh=planning, memory_budget=memory_budget,
-                             placements=placements, search_roles=False, where=where,
-                             **options)
+            with torch.enable_grad():  # (a first call under no_grad plans training too)
+                auto = plan_auto(module, args, mesh=planning, memory_budget=memory_budget,
+                                 placements=placements, search_roles=False, where=where,
+                                 **options)
             model_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
             finalists = _finalists(auto, model_bytes, _free_bytes(module))
             choice[0] = ("ok", [_layout(c) for c in finalists],
@@ -178,7 +177,8 @@ def _first_call(module: nn.Module, mesh: Mesh | None, memory_budget: Any,
     _, layouts, summary = choice[0]
     pick = 0
     if len(layouts) > 1:
-        measured = _measure(module, mesh, layouts, args, options, where)
+        with torch.enable_grad():
+            measured = _measure(module, mesh, layouts, args, options, where)
         pick = min(range(len(layouts)), key=lambda i: (measured[i], i))
         summary += ("\n  measured here, the slowest rank's median of "
                     f"{_STEPS} steps (the predictions within {_WITHIN}x of the best): "

@@ -120,8 +120,8 @@ def _layer_saved(plan: Any, optimizer: str) -> dict[str, int]:
 
 
 def build_program(model: nn.Module, roles: Roles, mesh: Mesh, base: dict[str, Candidate],
-           pieces: dict[str, Any], budget: float, optimizer: str, options: dict,
-           inputs_bytes: dict[str, int]) -> Search:
+                  pieces: dict[str, Any], budget: float, optimizer: str, options: dict,
+                  inputs_bytes: dict[str, int]) -> Search:
     """The integer program of one role assignment from its planned candidates ``base``
     (kind -> the candidate: every parameter its piece on the tp dimension, if any) and
     the all-data ddp candidate's compute (``base["@data"]``)."""
@@ -168,15 +168,13 @@ def build_program(model: nn.Module, roles: Roles, mesh: Mesh, base: dict[str, Ca
             for c_i in range(len(choices)):
                 per = g.numel / (t if c_i else 1)
                 stored, comm = _data_costs(k, cm, size, g.itemsize, gsize, states)
-                if k == "hsdp":  # the shards' average across the replicas
-                    rep = renamed.size("dp")
-                    stored, comm = stored, comm + (_slope(renamed.cost_model("dp", ref.cost_model),
-                                                          "all_reduce") * g.itemsize / size
-                                                   if rep > 1 else 0.0)
+                if k == "hsdp" and renamed.size("dp") > 1:  # shards averaged over replicas
+                    replicas = renamed.cost_model("dp", ref.cost_model)
+                    comm += _slope(replicas, "all_reduce") * g.itemsize / size
                 costs[(k_i, c_i)] = Choice(name="", bytes=per * stored, hidden=per * comm)
         edges.append(Edge(a="data", b=g.pattern, costs=costs, count=len(g.names)))
     if roles.tp is not None:
-        edges += _pair_edges(split, groups, model, tp_cm, inputs_bytes, t)
+        edges += _pair_edges(split, tp_cm, inputs_bytes, t)
     recompute = []
     if roles.tp is not None:
         blocks = []  # checkpointed blocks under tensor parallelism are not planned yet
@@ -191,15 +189,15 @@ def build_program(model: nn.Module, roles: Roles, mesh: Mesh, base: dict[str, Ca
             continue
         block = sum(q.numel() for q in model.get_submodule(cls[0]).parameters())
         recompute.append(Recompute(name=cls[0], count=len(cls), saved=gain,
-                                   seconds=r_forward * block / numel / (t if split else 1)))
+                                   seconds=r_forward * block / numel))
     problem = Problem(variables=tuple(variables), edges=tuple(edges),
                       recompute=tuple(recompute), budget=budget)
-    problem = _calibrate(problem, kinds, base, split)
+    problem = _calibrate(problem, kinds, base)
     return Search(roles=roles, problem=problem, groups=groups, blocks=blocks, kinds=kinds)
 
 
-def _pair_edges(split: list[Group], groups: list[Group], model: nn.Module, cm: Any,
-                inputs_bytes: dict[str, int], t: int) -> list[Edge]:
+def _pair_edges(split: list[Group], cm: Any, inputs_bytes: dict[str, int], t: int
+                ) -> list[Edge]:
     """Column-parallel and row-parallel layers of one module (Megatron's pairs): what
     each pair of their choices moves on the tensor-parallel dimension."""
     edges = []
@@ -235,8 +233,7 @@ def _is_column(g: Group) -> bool:
     return isinstance(g.piece, Shard) and g.piece.dim == 0 or "Strided" in repr(g.piece)
 
 
-def _calibrate(problem: Problem, kinds: list[str], base: dict[str, Candidate],
-               split: list[Group]) -> Problem:
+def _calibrate(problem: Problem, kinds: list[str], base: dict[str, Candidate]) -> Problem:
     """Each data strategy's choice corrected so that the program gives its planned
     candidate's predicted seconds and peak exactly (every split group its piece)."""
     choices = {v.name: len(v.choices) - 1 for v in problem.variables}
