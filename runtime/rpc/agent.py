@@ -41,7 +41,7 @@ from spmd.runtime.rpc.serialize import (DumpState, Encoded, LoadState, decode, e
                                         pack_exception, unpack_exception)
 from spmd.runtime.rpc.transport import Transport
 from spmd.runtime.rpc.wire import (FLAG_LENT, HEADER, LENT_HEAD, LENT_ITEM, REQUESTS, RETRIED,
-                                   UNCOUNTED, VERSION, Kind)
+                                   ROUTED, UNCOUNTED, VERSION, Kind)
 
 __all__ = ["RpcAgent"]
 
@@ -110,6 +110,8 @@ class RpcAgent:
         self._cma_threshold = config.rpc_cma_threshold()
         self.probe = cma.Probe()
         self.pool: queue.SimpleQueue = queue.SimpleQueue()
+        self._inboxes: dict[int, queue.SimpleQueue] = {}  # see take_requests
+        self._inbox_lock = threading.Lock()
         self.members: Any = None  # a dynamic group's membership (rpc.membership)
         self.transport = Transport(rank=rank, host=host, token=config.rpc_auth_token(),
                                    describe=self.describe, grant_cma=self._grant_cma,
@@ -185,8 +187,9 @@ class RpcAgent:
 
     def request(self, dest: int, kind: Kind, func: Callable, args: tuple, kwargs: dict, *,
                 timeout: float, sync: bool, what: str | Callable[[], str],
-                ctx: Any = None) -> _Entry:
+                ctx: Any = None, route: int = -1) -> _Entry:
         """Pickle and send a request; its entry (``.future`` or, with ``sync``, ``.waiter``).
+        ``route``: the context id a ``ROUTED`` request is for (``take_requests``).
 
         Raises TypeError when the call cannot be pickled (nothing is sent), DistError
         when the peer is gone or the agent is shut down.
@@ -202,7 +205,7 @@ class RpcAgent:
         except TypeError as e:
             label = what() if callable(what) else what
             raise WrongTypeError(f"{label}: {e}") from e.__cause__
-        ctx_id = grad_msg = -1
+        ctx_id, grad_msg = route, -1
         if ctx is not None:
             ctx_id = ctx.context_id
             grad_msg = ctx.record_send(dest, state.grad_tensors)
@@ -305,7 +308,14 @@ class RpcAgent:
             return
         frames = (first, rest)
         if kind in REQUESTS:
-            self.pool.put((self._serve, (peer, kind, flags, rid, ctx_id, grad_msg, frames)))
+            task = (self._serve, (peer, kind, flags, rid, ctx_id, grad_msg, frames))
+            if kind in ROUTED and self._inboxes:
+                with self._inbox_lock:
+                    inbox = self._inboxes.get(ctx_id)
+                    if inbox is not None:
+                        inbox.put(task)
+                        return
+            self.pool.put(task)
             return
         entry = self.pending.get(rid)
         if entry is None or entry.dest != peer or self.pending.pop(rid, None) is None:
@@ -375,6 +385,35 @@ class RpcAgent:
 
     # -- the worker pool -------------------------------------------------------------------
 
+    def take_requests(self, context_id: int) -> queue.SimpleQueue | None:
+        """The ``ROUTED`` requests of context ``context_id`` go to the returned queue (the
+        tasks the pool would run) until ``give_requests_back``: the thread that waits in
+        ``dist_autograd.backward`` runs the passes that come back to it, which saves
+        two thread hand-offs each (the pool thread's wake, then the waiter's). None when
+        another thread takes them already."""
+        with self._inbox_lock:
+            if context_id in self._inboxes:
+                return None
+            inbox = self._inboxes[context_id] = queue.SimpleQueue()
+            return inbox
+
+    def give_requests_back(self, context_id: int) -> None:
+        """Requests of the context go to the pool again, with any not taken yet."""
+        with self._inbox_lock:
+            inbox = self._inboxes.pop(context_id, None)
+        while inbox is not None and not inbox.empty():
+            task = inbox.get_nowait()
+            if task is not None:
+                self.pool.put(task)
+
+    def run_task(self, task: tuple) -> None:
+        """A task of the pool's, on this thread."""
+        fn, args = task
+        try:
+            fn(*args)
+        except BaseException:
+            log.exception("rpc: a worker task failed")
+
     def _work(self) -> None:
         with rank_context(self.rank_ctx):
             while True:
@@ -401,7 +440,7 @@ class RpcAgent:
         ctx = None
         pending: list = []
         try:
-            if ctx_id >= 0:
+            if ctx_id >= 0 and kind not in ROUTED:
                 ctx = _autograd().join_context(self, ctx_id, peer)
             func, args, kwargs = self._load(peer, flags, frames, ctx, grad_msg, pending)
         except Exception as e:

@@ -2,8 +2,8 @@
 
 Faults act on this worker's outgoing messages, chosen by message type (``wire.Kind``
 names: ``CALL``, ``REMOTE``, ``FETCH``, ``RREF_FORK``, ``RREF_ACCEPT``, ``RREF_DELETE``,
-``RELEASE``, ``AUTOGRAD_BACKWARD``, ``AUTOGRAD_CLEANUP``, ``SHUTDOWN``, ``RESPONSE``,
-``ERROR``). A dropped message is never sent: a retried type goes out again after the
+``RELEASE``, ``AUTOGRAD_BACKWARD``, ``AUTOGRAD_DONE``, ``AUTOGRAD_CLEANUP``, ``SHUTDOWN``,
+``RESPONSE``, ``ERROR``). A dropped message is never sent: a retried type goes out again after the
 retry interval, any other leaves its caller to time out. A delayed message is sent that
 many seconds later from a timer thread, its order with other messages not kept.
 

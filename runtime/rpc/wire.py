@@ -57,6 +57,7 @@ class Kind(enum.IntEnum):
     AUTOGRAD_BACKWARD = 8  # gradients for the tensors of one recorded send
     AUTOGRAD_CLEANUP = 9  # a distributed autograd context ended
     SHUTDOWN = 10  # the graceful-shutdown rounds
+    AUTOGRAD_DONE = 11  # a part of a backward ended: its credit (or failure) to the root
     RESPONSE = 20
     ERROR = 21
 
@@ -66,6 +67,10 @@ REQUESTS = frozenset(k for k in Kind if k < Kind.RESPONSE)
 # again until answered, as PyTorch's agent does with its RRef and cleanup messages.
 RETRIED = frozenset({Kind.RREF_FORK, Kind.RREF_ACCEPT, Kind.RREF_DELETE, Kind.RELEASE,
                      Kind.AUTOGRAD_CLEANUP})
+# Requests that a thread waiting in their distributed autograd context runs itself, not
+# the pool (the header's context id routes them; they join no context): a backward's
+# passes and ends, on the worker whose ``backward`` waits for them.
+ROUTED = frozenset({Kind.AUTOGRAD_BACKWARD, Kind.AUTOGRAD_DONE})
 # Requests that graceful shutdown does not wait for (they are the shutdown itself).
 UNCOUNTED = frozenset({Kind.SHUTDOWN})
 

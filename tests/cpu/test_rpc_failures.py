@@ -207,3 +207,69 @@ def test_shutdown_names_a_worker_that_never_shuts_down(stubborn, tmp_path):
         assert name == "DistTimeoutError" and is_timeout, message
         assert f"worker 'w{stubborn}' (rank {stubborn})" in message, message
         assert not stubborn_had_left  # the shutdown timed out; it did not wait for the exit
+
+
+class _DieInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        _die()
+
+
+def _dies_in_backward(t):
+    return _DieInBackward.apply(t)
+
+
+def _through_dying(t):
+    from spmd.runtime import rpc
+
+    return rpc.rpc_sync("w2", _dies_in_backward, args=(t * 3.0,))
+
+
+def _failing_backward_rank(rank, outbox):
+    from spmd.runtime import autograd as dist_autograd
+    from spmd.runtime.rpc import faults
+
+    rpc = _init(rank, 3)
+    if rank != 0:
+        time.sleep(60)  # w2 is killed in its backward; w1 is stopped with the job
+    x = torch.ones(2, requires_grad=True)
+    out = {}
+    with dist_autograd.context() as cid:  # the caller's backward message is never delivered
+        loss = rpc.rpc_sync("w1", torch.mul, args=(x, 2.0)).sum()
+        rpc._set_rpc_timeout(1.0)
+        faults.inject(drop={"AUTOGRAD_BACKWARD": 1})
+        start = time.monotonic()
+        out["lost"] = (_attempt(lambda: dist_autograd.backward(cid, [loss])),
+                       time.monotonic() - start)
+        faults.clear()
+        rpc._set_rpc_timeout(20.0)
+    with dist_autograd.context() as cid:  # w0 -> w1 -> w2, and w2 dies in its backward
+        loss = rpc.rpc_sync("w1", _through_dying, args=(x,)).sum()
+        start = time.monotonic()
+        out["dead"] = (_attempt(lambda: dist_autograd.backward(cid, [loss])),
+                       time.monotonic() - start)
+    _report(outbox, rank, out)
+    time.sleep(60)
+
+
+def test_a_lost_message_or_a_dead_worker_in_a_backward_is_named_on_the_caller(tmp_path):
+    # The caller waits for the whole backward's credit. A message that is not answered
+    # fails on its sender (the caller itself, or a worker in between, which tells the
+    # caller), naming the worker: a timeout after the timeout, a death when it is seen.
+    ctx = spawn(_failing_backward_rank, args=(str(tmp_path),), nprocs=3,
+                start_method="forkserver", join=False, timeout=60)
+    out = _answer(str(tmp_path), 0)
+    (name, message, is_timeout), seconds = out["lost"]
+    assert name == "DistTimeoutError" and is_timeout, message
+    assert "worker 'w1' (rank 1)" in message and "timed out after 1s" in message, message
+    assert 0.9 < seconds < 2.0, seconds
+    (name, message, is_timeout), seconds = out["dead"]
+    assert name == "DistError" and not is_timeout, message
+    assert "worker 'w2' (rank 2) is gone" in message, message
+    assert seconds < 10.0, seconds  # seen, not the 20 s timeout waited out
+    with pytest.raises(SpawnError, match="rank 2 was killed by SIGKILL"):
+        ctx.join()
