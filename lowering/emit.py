@@ -207,9 +207,89 @@ def _without_no_ops(gm: fx.GraphModule) -> fx.GraphModule:
                 with graph.inserting_before(view):
                     piece = graph.call_function(operator.getitem, (pieces, k))
                 view.replace_all_uses_with(piece)
+    _stack_scattered_sums(graph, outputs)
     graph.eliminate_dead_code()
     copy.recompile()
     return copy
+
+
+def _stack_scattered_sums(graph: fx.Graph, outputs: set[fx.Node]) -> None:
+    """A sum of ``select_backward`` (or ``slice_backward``) pieces that together cover a
+    dimension becomes one ``stack`` (``cat``) of the pieces.
+
+    The backward of ``unbind``/``chunk`` of a fused projection (``nn.MultiheadAttention``'s
+    in_proj output split into q, k and v) is written that way: each piece scattered into
+    zeros of the whole, then added up. Eager autograd does the same. On a transformer
+    encoder of width 256 the three scatters and two adds took 230 µs a block against 40
+    for the stack (measured here, one thread). The values are the same (x + 0 is x; only
+    the sign of a zero may differ).
+    """
+    aten = torch.ops.aten
+    for root in reversed(list(graph.nodes)):
+        if root.target is not aten.add.Tensor or root.graph is not graph:
+            continue
+        users = list(root.users)
+        if len(users) == 1 and users[0].target is aten.add.Tensor:
+            continue  # inside a larger sum: handled from its top
+        leaves, stack = [], list(root.args)
+        if len(stack) != 2 or root.kwargs:
+            continue
+        while stack:
+            n = stack.pop()
+            if not isinstance(n, fx.Node):
+                leaves = []
+                break
+            if (n.target is aten.add.Tensor and len(n.users) == 1 and n not in outputs
+                    and len(n.args) == 2 and not n.kwargs):
+                stack.extend(n.args)
+            else:
+                leaves.append(n)
+        order = _covering(leaves, outputs)
+        if order is None:
+            continue
+        op, dim, pieces = order
+        with graph.inserting_before(root):
+            whole = graph.call_function(op, (pieces, dim))
+        root.replace_all_uses_with(whole)
+
+
+def _covering(leaves: list[fx.Node], outputs: set[fx.Node]) -> tuple | None:
+    """(stack or cat, dim, the pieces in order) when ``leaves`` are scatters of one shape
+    along one dimension that cover it exactly once; else None."""
+    aten = torch.ops.aten
+    if len(leaves) < 2 or any(n in outputs or len(n.users) != 1 for n in leaves):
+        return None
+    target = leaves[0].target
+    if target not in (aten.select_backward.default, aten.slice_backward.default):
+        return None
+    if any(n.target is not target or n.kwargs for n in leaves):
+        return None
+    sizes = list(leaves[0].args[1])
+    dim = leaves[0].args[2] % len(sizes)
+    spans = []
+    for n in leaves:
+        if list(n.args[1]) != sizes or n.args[2] % len(sizes) != dim:
+            return None
+        if target is aten.select_backward.default:
+            index = n.args[3] % sizes[dim]
+            spans.append((index, index + 1, n.args[0]))
+        else:
+            start, end, step = n.args[3:6]
+            start = max(0, start + sizes[dim] if start < 0 else start)
+            end = min(sizes[dim], end + sizes[dim] if end < 0 else end)
+            if step != 1:
+                return None
+            spans.append((start, end, n.args[0]))
+    spans.sort(key=lambda span: span[0])
+    at = 0
+    for start, end, _ in spans:
+        if start != at or end <= start:
+            return None
+        at = end
+    if at != sizes[dim]:
+        return None
+    op = aten.stack.default if target is aten.select_backward.default else aten.cat.default
+    return op, dim, [piece for _, _, piece in spans]
 
 
 # views of a flat buffer shaped like each of a list of tensors, in one C++ call (1.1 µs

@@ -137,3 +137,47 @@ def test_a_graph_with_nothing_to_reduce_is_left_as_it_was():
     before = [n.target for n in gm.graph.nodes]
     planned = lower(gm, infos)
     assert [n.target for n in planned.graph.nodes] == before
+
+
+def _scatter_sum(kind: str, spans: list) -> fx.GraphModule:
+    """sum of g_i scattered into zeros of (3, 4, 5) along dim 1 (select: index; slice:
+    start, end); output the sum and, to keep it honest, one piece's own use."""
+    aten = torch.ops.aten
+    graph = fx.Graph()
+    total = None
+    for i, span in enumerate(spans):
+        g = graph.placeholder(f"g{i}")
+        if kind == "select":
+            piece = graph.call_function(aten.select_backward.default, (g, [3, 4, 5], 1, span))
+        else:
+            piece = graph.call_function(aten.slice_backward.default,
+                                        (g, [3, 4, 5], 1, span[0], span[1], 1))
+        total = piece if total is None else graph.call_function(aten.add.Tensor, (total, piece))
+    graph.output((total,))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize("kind,spans,fused", [
+    ("select", [0, 1, 2, 3], "stack"),
+    ("select", [2, -1, 0, 1], "stack"),  # any order, negative indices
+    ("slice", [(0, 1), (1, 3), (3, 9223372036854775807)], "cat"),
+    ("select", [0, 1, 2], None),  # index 3 missing: zeros there, left as it is
+    ("select", [0, 1, 1, 3], None),  # one index twice: a real sum
+    ("slice", [(0, 2), (1, 4)], None),  # overlapping
+])
+def test_scattered_pieces_that_cover_a_dimension_are_stacked(kind, spans, fused):
+    gm = _scatter_sum(kind, spans)
+    inputs = []
+    for span in spans:
+        width = 1 if kind == "select" else min(span[1], 4) - span[0]
+        shape = (3, 5) if kind == "select" else (3, width, 5)
+        inputs.append(torch.randn(shape, dtype=torch.float64))
+    expected = gm(*inputs)[0]
+    run = emit(gm)
+    got = run(list(inputs))[0]
+    assert torch.equal(got, expected)
+    source = run.spmd_source
+    if fused:
+        assert f"# {fused}" in source and "_backward" not in source
+    else:
+        assert "# stack" not in source and "# cat" not in source
