@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/fsdp.py
 	$(PY) benchmarks/zero.py
 	$(PY) benchmarks/tp.py
+	$(PY) benchmarks/tp.py --model llama
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/auto.py
 	$(PY) benchmarks/compressed.py

@@ -1,13 +1,15 @@
 """Where a compiled step's time goes, against the same model run eagerly, in one process.
 
-    python benchmarks/overhead.py [--rounds 15] [--steps 20] [--cases mlp,d256]
+    python benchmarks/overhead.py [--rounds 15] [--steps 20] [--cases mlp,d256] [--inductor]
 
 No communication: ``spmd.parallelize`` on a simulated 2-rank mesh with one bucket, so the
 graphs run their packing and every op as in a real step but no collective is sent. Each
 step is timed in three parts (forward, backward, ``opt.step() + zero_grad()``), for the
 compiled model and for the plain one, alternating, one thread; the figure is the fastest
 round's mean (the least disturbed by the machine), and "extra" is the compiled minus the
-eager time: what the compiler's path costs beyond the arithmetic.
+eager time: what the compiler's path costs beyond the arithmetic. ``--inductor`` adds
+``compile_compute=True`` (Inductor's kernels for the graphs' compute) beside the default
+(generated Python calling ATen).
 
 Cases: ``mlp`` (60 Linear(64, 64) + Tanh, batch 32, SGD) and ``d256`` (a 4-layer
 transformer encoder of width 256, 8 sequences of 32 tokens, SGD), those of
@@ -49,12 +51,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--cases", default="mlp,d256")
+    parser.add_argument("--inductor", action="store_true",
+                        help="also compile_compute=True (Inductor)")
     args = parser.parse_args()
     import spmd
 
     torch.set_num_threads(1)
-    print("| case | part | eager ms | spmd ms | extra ms |")
-    print("|---|---|---:|---:|---:|")
+    variants = ("eager", "spmd", "inductor") if args.inductor else ("eager", "spmd")
+    print("| case | part | eager ms | " + " | ".join(
+        f"{v} ms | {v} extra ms" for v in variants[1:]) + " |")
+    print("|---|---|---:|" + "---:|---:|" * (len(variants) - 1))
     for name in args.cases.split(","):
         case = CASES[name]
         batches = []
@@ -62,12 +68,13 @@ def main() -> None:
             x, y = case.data(torch.Generator().manual_seed(step), 1)
             batches.append((x, y))
         models = {}
-        for variant in ("eager", "spmd"):
+        for variant in variants:
             with torch.random.fork_rng():
                 torch.manual_seed(0)
                 model = case.model()
-            if variant == "spmd":
-                model = spmd.parallelize(model, mesh=spmd.Mesh.simulated(2), bucket_cap_mb=1e4)
+            if variant != "eager":
+                model = spmd.parallelize(model, mesh=spmd.Mesh.simulated(2), bucket_cap_mb=1e4,
+                                         compile_compute=variant == "inductor")
             models[variant] = (model, case.optimizer(list(model.parameters())))
         for variant, (model, opt) in models.items():
             timed(model, opt, case, batches[:3])  # compile, warm up
@@ -79,9 +86,11 @@ def main() -> None:
                     best[variant] = parts
         for i, part in enumerate(("forward", "backward", "optimizer", "step")):
             e = best["eager"][i] if i < 3 else sum(best["eager"])
-            s = best["spmd"][i] if i < 3 else sum(best["spmd"])
-            print(f"| {case.label} | {part} | {e * 1e3:.3f} | {s * 1e3:.3f} | "
-                  f"{(s - e) * 1e3:+.3f} |")
+            cells = []
+            for v in variants[1:]:
+                s = best[v][i] if i < 3 else sum(best[v])
+                cells.append(f"{s * 1e3:.3f} | {(s - e) * 1e3:+.3f}")
+            print(f"| {case.label} | {part} | {e * 1e3:.3f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Step time of tensor parallelism (``spmd.tp.megatron()``) against torch's
 ``parallelize_module``, and planning time for a simulated 8 x 128 mesh.
 
-    python benchmarks/tp.py [--quick] [--steps 20] [--rounds 5] [--layers 4] [--width 256]
-                            [--heads 8] [--seq 64] [--batch 4] [--plan-width 1024]
-                            [--plan-heads 128] [--plan-layers 4] [--plan-seq 16] [--plan-batch 8]
-                            [--global-heads]
+    python benchmarks/tp.py [--quick] [--model encoder|llama] [--steps 20] [--rounds 5]
+                            [--layers 4] [--width 256] [--heads 8] [--seq 64] [--batch 4]
+                            [--variants ...] [--plan-width 1024] [--plan-heads 128]
+                            [--plan-layers 4] [--plan-seq 16] [--plan-batch 8] [--global-heads]
 
 Two local ranks (processes), one thread each, Gloo over loopback; the same model, initial
 weights, batches (every rank the same ones: one tensor-parallel group) and optimizer
@@ -13,17 +13,24 @@ weights, batches (every rank the same ones: one tensor-parallel group) and optim
 - ``spmd tp``: ``spmd.parallelize(model, mesh=Mesh((2,), dim_names=("tp",)),
   placements=spmd.tp.megatron())``: q/k/v and ``linear1`` column-parallel, ``o`` and
   ``linear2`` row-parallel, the rest replicated;
+- ``spmd tp (Inductor)``: the same with ``compile_compute=True`` (Inductor's C++ kernels
+  for the graphs' compute; the planner's default on a CPU is generated Python);
 - ``torch TP``: ``torch.distributed.tensor.parallel.parallelize_module`` on each block
-  (``ColwiseParallel`` for q, k, v, linear1; ``RowwiseParallel`` for o, linear2) on
-  ``mesh.to_torch()``, a ``DeviceMesh`` over the same Gloo group;
+  (``ColwiseParallel`` for q, k, v and the MLP's first linear(s); ``RowwiseParallel`` for
+  the attention output and the MLP's last linear) on ``mesh.to_torch()``, a
+  ``DeviceMesh`` over the same Gloo group;
+- ``torch TP (compiled)``: the same model under ``torch.compile`` (Dynamo traces DTensor's
+  dispatch away; Inductor compiles the compute);
 - ``1 process``: the model unparallelized on rank 0 alone (rank 1 waits at a barrier),
   for context.
 
-The model: token embedding, ``--layers`` pre-norm blocks (separate q/k/v/o linears,
-causal ``scaled_dot_product_attention``, GELU MLP 4x), a final LayerNorm and a vocabulary
-head. Attention splits heads with ``view(b, t, -1, head_dim)``, so one class serves both:
-spmd traces whole shapes (-1 is every head), torch's TP runs on local ones (-1 is this
-rank's heads).
+The models (``--model``): token embedding, ``--layers`` pre-norm blocks, a final norm and a
+vocabulary head. ``encoder``: separate q/k/v/o linears, causal
+``scaled_dot_product_attention``, LayerNorm, GELU MLP 4x. ``llama``: RMSNorm, rotary
+embeddings (rotate-half), ``wq``/``wk``/``wv``/``wo``, a SwiGLU MLP (``w1``, ``w3``, ``w2``)
+of 8/3 the width rounded up to 256. Attention splits heads with ``view(b, t, -1,
+head_dim)``, so one class serves both: spmd traces whole shapes (-1 is every head),
+torch's TP runs on local ones (-1 is this rank's heads).
 
 Time: variants alternate in rounds so all see the same machine; round 0 warms up
 (compiles) and is not counted. A round's figure is its mean step time; the variant's is
@@ -53,8 +60,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 VOCAB = 256
-VARIANTS = ("spmd tp", "torch TP", "1 process")
-COLUMN, ROW = ("q", "k", "v", "linear1"), ("o", "linear2")
+VARIANTS = ("spmd tp", "spmd tp (Inductor)", "torch TP", "torch TP (compiled)", "1 process")
+DEFAULT_VARIANTS = ("spmd tp", "torch TP", "torch TP (compiled)", "1 process")
+SPLIT = {"encoder": (("q", "k", "v", "linear1"), ("o", "linear2")),  # (column, row)
+         "llama": (("wq", "wk", "wv", "w1", "w3"), ("wo", "w2"))}
 
 
 class Block(nn.Module):
@@ -87,25 +96,74 @@ class Block(nn.Module):
         return x + self.linear2(F.gelu(self.linear1(self.norm2(x))))
 
 
-class Transformer(nn.Module):
-    def __init__(self, width: int, heads: int, layers: int, local_heads: bool = True) -> None:
+def _rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    """LLaMA-style pre-norm block (RMSNorm, rotary q/k, SwiGLU); heads as in ``Block``."""
+
+    def __init__(self, width: int, heads: int, local_heads: bool = True) -> None:
         super().__init__()
+        self.heads, self.head_dim, self.local_heads = heads, width // heads, local_heads
+        hidden = -(-8 * width // 3 // 256) * 256
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(width), nn.RMSNorm(width)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(width, width, bias=False)
+                                              for _ in range(4))
+        self.w1 = nn.Linear(width, hidden, bias=False)
+        self.w3 = nn.Linear(width, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x, cos, sin):
+        d = x.shape[-1]
+        heads = -1 if self.local_heads else self.heads
+        y = self.attention_norm(x)
+        q = self.wq(y)
+        b, t = q.shape[:2]
+
+        def split(z, rotate):
+            z = z.view(b, t, heads, self.head_dim)
+            if rotate:
+                z = z * cos[:, None] + _rotate_half(z) * sin[:, None]
+            return z.transpose(1, 2)
+
+        a = F.scaled_dot_product_attention(split(q, True), split(self.wk(y), True),
+                                           split(self.wv(y), False), is_causal=True)
+        x = x + self.wo(a.transpose(1, 2).reshape(b, t, -1 if heads < 0 else d))
+        z = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(z)) * self.w3(z))
+
+
+class Transformer(nn.Module):
+    def __init__(self, width: int, heads: int, layers: int, local_heads: bool = True,
+                 model: str = "encoder", seq: int = 64) -> None:
+        super().__init__()
+        self.model = model
+        block = LlamaBlock if model == "llama" else Block
         self.embed = nn.Embedding(VOCAB, width)
-        self.layers = nn.ModuleList(Block(width, heads, local_heads) for _ in range(layers))
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, VOCAB)
+        self.layers = nn.ModuleList(block(width, heads, local_heads) for _ in range(layers))
+        self.norm = nn.RMSNorm(width) if model == "llama" else nn.LayerNorm(width)
+        self.head = nn.Linear(width, VOCAB, bias=model != "llama")
+        head_dim = width // heads
+        inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        angles = torch.outer(torch.arange(seq).float(), inv)
+        self.register_buffer("cos", torch.cat([angles.cos()] * 2, -1), persistent=False)
+        self.register_buffer("sin", torch.cat([angles.sin()] * 2, -1), persistent=False)
 
     def forward(self, tokens):
         h = self.embed(tokens)
+        t = tokens.shape[1]
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h, self.cos[:t], self.sin[:t]) if self.model == "llama" else layer(h)
         return self.head(self.norm(h))
 
 
-def _fresh(width: int, heads: int, layers: int, local_heads: bool = True) -> nn.Module:
+def _fresh(width: int, heads: int, layers: int, local_heads: bool = True,
+           model: str = "encoder", seq: int = 64) -> nn.Module:
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        return Transformer(width, heads, layers, local_heads)
+        return Transformer(width, heads, layers, local_heads, model, seq)
 
 
 def _batch(step: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +212,8 @@ def alternate(models: dict, opts: dict, batches, rounds: int, barrier,
 
 
 def rank_main(rank: int, steps: int, rounds: int, width: int, heads: int, layers: int,
-              seq: int, batch: int, local_heads: bool) -> dict | None:
+              seq: int, batch: int, local_heads: bool, model: str,
+              variants: tuple[str, ...]) -> dict | None:
     import torch.distributed as tdist
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
@@ -167,21 +226,30 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, heads: int, layers
     mesh = spmd.Mesh((2,), dim_names=("tp",))
     torch_mesh = mesh.to_torch()  # the same Gloo group, seen by torch.distributed
 
+    column, row = SPLIT[model]
+
+    def fresh(local: bool = True) -> nn.Module:
+        return _fresh(width, heads, layers, local, model, seq)
+
     def torch_tp() -> nn.Module:
-        model = _fresh(width, heads, layers)  # torch runs local shapes: -1 heads always
-        plan = {**{n: ColwiseParallel() for n in COLUMN}, **{n: RowwiseParallel() for n in ROW}}
-        for block in model.layers:
+        tp = fresh()  # torch runs local shapes: -1 heads always
+        plan = {**{n: ColwiseParallel() for n in column}, **{n: RowwiseParallel() for n in row}}
+        for block in tp.layers:
             parallelize_module(block, torch_mesh, plan)
-        return model
+        return tp
 
     make = {
-        "spmd tp": lambda: spmd.parallelize(_fresh(width, heads, layers, local_heads),
-                                            mesh=mesh, placements=spmd.tp.megatron()),
+        "spmd tp": lambda: spmd.parallelize(fresh(local_heads), mesh=mesh,
+                                            placements=spmd.tp.megatron()),
+        "spmd tp (Inductor)": lambda: spmd.parallelize(fresh(local_heads), mesh=mesh,
+                                                      placements=spmd.tp.megatron(),
+                                                      compile_compute=True),
         "torch TP": torch_tp,
-        "1 process": lambda: _fresh(width, heads, layers),
+        "torch TP (compiled)": lambda: torch.compile(torch_tp()),
+        "1 process": lambda: fresh(),
     }
     batches = [_batch(step, batch, seq) for step in range(steps)]
-    models = {v: make[v]() for v in VARIANTS}
+    models = {v: make[v]() for v in variants}
     opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-3) for v, m in models.items()}
     # "1 process" runs on rank 0 alone
     times, first_loss, last_loss = alternate(models, opts, batches, rounds, tdist.barrier,
@@ -194,11 +262,12 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, heads: int, layers
     return {"times": times, "loss": first_loss, "last": last_loss, "plan": summary}
 
 
-def plan_simulated(width: int, heads: int, layers: int, seq: int, batch: int) -> dict:
+def plan_simulated(width: int, heads: int, layers: int, seq: int, batch: int,
+                   model_kind: str) -> dict:
     import spmd
 
     torch.set_num_threads(1)
-    model = _fresh(width, heads, layers)
+    model = _fresh(width, heads, layers, model=model_kind, seq=seq)
     tokens, _ = _batch(0, batch, seq)
     mesh = spmd.Mesh.simulated((8, 128), dim_names=("dp", "tp"))
     start = time.perf_counter()
@@ -212,24 +281,31 @@ def plan_simulated(width: int, heads: int, layers: int, seq: int, batch: int) ->
 
 def report(res: dict, plan: dict, args: argparse.Namespace) -> None:
     times, loss = res["times"], res["loss"]
-    print(f"\n### 2 ranks, tp=2: {args.layers} layers of width {args.width}, {args.heads} "
-          f"heads, {args.batch} x {args.seq} tokens, AdamW, {args.steps} steps x "
+    print(f"\n### 2 ranks, tp=2, {args.model}: {args.layers} layers of width {args.width}, "
+          f"{args.heads} heads, {args.batch} x {args.seq} tokens, AdamW, {args.steps} steps x "
           f"{args.rounds} rounds\n")
+    compiled = "torch TP (compiled)" in times
     print("| variant | ms/step (median) | rounds min–max ms | vs torch TP (x faster) "
-          "| step-0 loss |")
-    print("|---|---:|---:|---:|---:|")
+          + ("| vs compiled torch TP (x of its time) " if compiled else "") + "| step-0 loss |")
+    print("|---|---:|---:|---:|" + ("---:|" if compiled else "") + "---:|")
     ref = statistics.median(times["torch TP"])
-    for variant in VARIANTS:
+    for variant in args.variants:
         t = statistics.median(times[variant])
+        ratios = [f"{ref / t:.2f}"]
+        if compiled:
+            ratios.append(f"{t / statistics.median(times['torch TP (compiled)']):.3f}")
+            per_round = [a / b for a, b in zip(times[variant], times["torch TP (compiled)"])]
+            ratios[-1] += f" ({min(per_round):.3f}–{max(per_round):.3f})"
         print(f"| {variant} | {t * 1e3:.2f} | {min(times[variant]) * 1e3:.2f}–"
-              f"{max(times[variant]) * 1e3:.2f} | {ref / t:.2f} | {loss[variant]:.7f} |")
+              f"{max(times[variant]) * 1e3:.2f} | {' | '.join(ratios)} | {loss[variant]:.7f} |")
     gap = abs(loss["spmd tp"] - loss["torch TP"])
     print(f"\nstep-0 loss |spmd tp - torch TP| = {gap:.2e} "
           f"({'ok' if gap < 1e-4 else 'MISMATCH'}, tolerance 1e-4); "
-          f"|spmd tp - 1 process| = {abs(loss['spmd tp'] - loss['1 process']):.2e}")
+          + (f"|spmd tp - 1 process| = {abs(loss['spmd tp'] - loss['1 process']):.2e}"
+             if "1 process" in loss else ""))
     last, trained = res["last"], (args.rounds + 1) * args.steps
     print(f"after {trained} identical steps, last loss: " + ", ".join(
-        f"{v} {last[v]:.7f}" for v in VARIANTS)
+        f"{v} {last[v]:.7f}" for v in args.variants)
         + f"; |spmd tp - torch TP| = {abs(last['spmd tp'] - last['torch TP']):.2e}")
     print("spmd tp plan: " + " / ".join(res["plan"]))
     where = (f"planning, simulated (dp=8, tp=128): {args.plan_layers} layers of width "
@@ -249,6 +325,10 @@ def report(res: dict, plan: dict, args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 steps x 2 rounds, a small plan")
+    parser.add_argument("--model", choices=sorted(SPLIT), default="encoder")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma-separated, of: {', '.join(VARIANTS)} (spmd tp and torch TP "
+                             f"always run)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layers", type=int, default=4)
@@ -266,6 +346,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.steps, args.rounds, args.plan_layers = 3, 2, 1
+    wanted = {v.strip() for v in args.variants.split(",") if v.strip()} | {"spmd tp", "torch TP"}
+    if wanted - set(VARIANTS):
+        parser.error(f"--variants: unknown {sorted(wanted - set(VARIANTS))}; "
+                     f"choose from {', '.join(VARIANTS)}")
+    args.variants = tuple(v for v in VARIANTS if v in wanted)
     if args.width % args.heads or args.heads % 2:
         parser.error("--width must divide by --heads, and --heads by 2 (tp=2)")
     if args.plan_width % args.plan_heads or args.plan_heads % 128:
@@ -274,10 +359,11 @@ def main() -> None:
     from spmd.runtime import spawn
 
     res = spawn(rank_main, args=(args.steps, args.rounds, args.width, args.heads, args.layers,
-                                 args.seq, args.batch, not args.global_heads),
+                                 args.seq, args.batch, not args.global_heads, args.model,
+                                 args.variants),
                 nprocs=2, start_method="forkserver", timeout=1200)[0]
     plan = plan_simulated(args.plan_width, args.plan_heads, args.plan_layers, args.plan_seq,
-                          args.plan_batch)
+                          args.plan_batch, args.model)
     report(res, plan, args)
 
 
