@@ -194,7 +194,7 @@ def _give_back(agent: Any, context_id: int, job: tuple[int, int], credit: Fracti
     """Return ``credit`` (and the failure, if any) to the root of ``job``."""
     root, number = job
     if root == agent.rank:
-        _credit(context_id, number, credit, None if error is None else error)
+        _credit(context_id, number, credit, error)
         return
     packed = None if error is None else pack_exception(error)
     try:

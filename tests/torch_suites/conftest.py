@@ -107,11 +107,11 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
 }
 
 # run by `make test` (and CI): one to three representative tests of each suite; each
-# spawns fresh processes (7-12 s here), and the 15-minute CI budget holds about eight.
+# spawns fresh processes (7-12 s here), and the 15-minute CI budget holds about seven
+# (test_wait_all_with_exception, of the private rpc._wait_all, left for the full run).
 # SPMD_TORCH_SUITES=all runs the rest
 SAMPLE: tuple[str, ...] = (
     "TensorPipeRpcTest::test_rref_forward_chain",
-    "TensorPipeRpcTest::test_wait_all_with_exception",
     "TensorPipeDistAutogradTest::test_backward_simple",
     "TensorPipeDistOptimizerTest::test_dist_optim",
     "TensorPipeDdpComparisonTest::test_ddp_comparison",
