@@ -127,6 +127,13 @@ class BackwardJob:
                 continue
             if task is not None:
                 self._agent.run_task(task)
+        while self._inbox is not None:  # what came meanwhile (answers to its messages)
+            try:
+                task = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if task is not None:
+                self._agent.run_task(task)
         if self.error is not None:
             raise self.error
 

@@ -291,21 +291,23 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     inbox = agent.take_requests(context_id)
     number, job = ctx.start_job(inbox)
     try:
-        answers = _run_pass(agent, ctx, list(roots), [torch.ones_like(r) for r in roots],
-                            (agent.rank, number), Fraction(1))
-        # a message that is not answered fails on its sender after the timeout and names
-        # the worker; the root's own limit comes a little later, for what nobody reports
-        job.wait(time.monotonic() + agent.timeout + _GRACE, lambda: _stalled(agent, ctx))
+        try:
+            answers = _run_pass(agent, ctx, list(roots), [torch.ones_like(r) for r in roots],
+                                (agent.rank, number), Fraction(1))
+            # a message that is not answered fails on its sender after the timeout and
+            # names the worker; the root's own limit comes a little later, for what
+            # nobody reports
+            job.wait(time.monotonic() + agent.timeout + _GRACE, lambda: _stalled(agent, ctx))
+        finally:
+            ctx.end_job(number)
+            if inbox is not None:  # answers still to come go to the pool from here on
+                agent.give_requests_back(context_id)
         for answer in answers:  # here already, or failed (and reported) by their deadline
             answer.wait()
     except RuntimeError:
         raise
     except Exception as e:  # torch's engine raises every backward failure as a RuntimeError
         raise also_runtime_error(e) from None
-    finally:
-        ctx.end_job(number)
-        if inbox is not None:
-            agent.give_requests_back(context_id)
 
 
 def _stalled(agent: Any, ctx: DistAutogradContext) -> str:

@@ -51,7 +51,7 @@ _SEEN_KEEP = 600.0  # seconds a retried request's id is remembered (retries stop
 
 class _Entry:
     __slots__ = ("rid", "kind", "dest", "_what", "future", "waiter", "reply", "error",
-                 "deadline", "timeout", "resend", "gap")
+                 "deadline", "timeout", "resend", "gap", "route")
 
     def __init__(self, rid: int, kind: Kind, dest: int, what: str | Callable[[], str],
                  deadline: float, timeout: float, sync: bool) -> None:
@@ -65,6 +65,7 @@ class _Entry:
         self.error: BaseException | None = None
         self.resend: tuple | None = None  # (header, encoded) of a retried message
         self.gap = 0.0
+        self.route = -1  # the context whose waiting thread takes the answer (take_requests)
 
     @property
     def what(self) -> str:
@@ -211,6 +212,7 @@ class RpcAgent:
             grad_msg = ctx.record_send(dest, state.grad_tensors)
         rid = next(self._ids)
         entry = _Entry(rid, kind, dest, what, time.monotonic() + timeout, timeout, sync)
+        entry.route = route
         header = HEADER.pack(VERSION, kind, 0, 0, rid, ctx_id, grad_msg)
         self.pending[rid] = entry
         if kind in RETRIED:
@@ -309,13 +311,8 @@ class RpcAgent:
         frames = (first, rest)
         if kind in REQUESTS:
             task = (self._serve, (peer, kind, flags, rid, ctx_id, grad_msg, frames))
-            if kind in ROUTED and self._inboxes:
-                with self._inbox_lock:
-                    inbox = self._inboxes.get(ctx_id)
-                    if inbox is not None:
-                        inbox.put(task)
-                        return
-            self.pool.put(task)
+            if kind not in ROUTED or not self._route(ctx_id, task):
+                self.pool.put(task)
             return
         entry = self.pending.get(rid)
         if entry is None or entry.dest != peer or self.pending.pop(rid, None) is None:
@@ -327,7 +324,7 @@ class RpcAgent:
         entry.reply = (kind, flags, ctx_id, grad_msg, frames)
         if entry.waiter is not None:
             entry.waiter.release()
-        else:
+        elif not self._route(entry.route, (self._complete, (entry,))):
             self.pool.put((self._complete, (entry,)))
 
     def _fail(self, entry: _Entry, error: BaseException) -> None:
@@ -386,16 +383,29 @@ class RpcAgent:
     # -- the worker pool -------------------------------------------------------------------
 
     def take_requests(self, context_id: int) -> queue.SimpleQueue | None:
-        """The ``ROUTED`` requests of context ``context_id`` go to the returned queue (the
-        tasks the pool would run) until ``give_requests_back``: the thread that waits in
+        """The ``ROUTED`` requests of context ``context_id``, and the answers to requests
+        sent with ``route=context_id``, go to the returned queue (the tasks the pool would
+        run) until ``give_requests_back``: the thread that waits in
         ``dist_autograd.backward`` runs the passes that come back to it, which saves
-        two thread hand-offs each (the pool thread's wake, then the waiter's). None when
-        another thread takes them already."""
+        two thread hand-offs each (the pool thread's wake, then the waiter's), and takes
+        its messages' answers when it is free, not a pool thread beside its pass. None
+        when another thread takes them already."""
         with self._inbox_lock:
             if context_id in self._inboxes:
                 return None
             inbox = self._inboxes[context_id] = queue.SimpleQueue()
             return inbox
+
+    def _route(self, context_id: int, task: tuple) -> bool:
+        """Hand ``task`` to the thread waiting in ``context_id``, if one is."""
+        if context_id < 0 or not self._inboxes:
+            return False
+        with self._inbox_lock:
+            inbox = self._inboxes.get(context_id)
+            if inbox is None:
+                return False
+            inbox.put(task)
+            return True
 
     def give_requests_back(self, context_id: int) -> None:
         """Requests of the context go to the pool again, with any not taken yet."""
