@@ -18,16 +18,13 @@ the request a worker thread is serving.
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
-import time
 from contextlib import contextmanager
-from fractions import Fraction
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
-__all__ = ["BackwardJob", "DistAutogradContext", "context", "current_context", "join_context",
+__all__ = ["DistAutogradContext", "context", "current_context", "join_context",
            "find_context", "running_in"]
 
 
@@ -42,15 +39,15 @@ class DistAutogradContext:
         self.sends: dict[int, tuple[int, list[torch.Tensor]]] = {}
         self.recvs: dict[int, tuple[torch.Tensor, int, int, int]] = {}
         self.grads: dict[torch.Tensor, torch.Tensor] = {}
-        self.jobs: dict[int, BackwardJob] = {}
+        self.jobs: dict[int, Any] = {}  # engine.BackwardJob by number
 
-    def start_job(self, inbox: Any = None) -> tuple[int, BackwardJob]:
-        """A backward started here: its number (sent with its messages) and record;
-        ``inbox``: the agent's queue of this context's passes, for its waiting thread."""
-        number, job = next(_job_numbers), BackwardJob(inbox, self.agent)
+    def start_job(self, job: Any) -> int:
+        """A backward started here (``engine.BackwardJob``): its number, which its
+        messages carry."""
+        number = next(_job_numbers)
         with self.lock:
             self.jobs[number] = job
-        return number, job
+        return number
 
     def end_job(self, number: int) -> None:
         with self.lock:
@@ -83,59 +80,6 @@ class DistAutogradContext:
         which DDP overwrites at its next backward, is copied)."""
         with self.lock:
             return {t: g.clone() if g._is_view() else g for t, g in self.grads.items()}
-
-
-class BackwardJob:
-    """The root's record of one backward: the credit given back so far, the first failure.
-    Done when the credit adds up to exactly 1 (see ``engine``) or something failed. With
-    an ``inbox`` (``RpcAgent.take_requests``) the waiting thread runs the context's passes
-    that come to this worker itself."""
-
-    def __init__(self, inbox: Any, agent: Any) -> None:
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._inbox, self._agent = inbox, agent
-        self.credit = Fraction(0)
-        self.error: BaseException | None = None
-
-    def give_back(self, credit: Fraction, error: BaseException | None) -> None:
-        with self._lock:
-            self.credit += credit
-            if error is not None and self.error is None:
-                self.error = error
-            if self.error is None and self.credit != 1:
-                return
-            self._done.set()
-        if self._inbox is not None:
-            self._inbox.put(None)  # wakes the waiting thread
-
-    def wait(self, deadline: float, what: Callable[[], str]) -> None:
-        """Until done; raises the first failure, or DistTimeoutError past ``deadline``."""
-        while not self._done.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                from spmd.runtime.errors import DistTimeoutError
-
-                raise DistTimeoutError(f"{what()} did not finish on every worker before its "
-                                       f"timeout (RPC ran for more than its timeout)")
-            if self._inbox is None:
-                self._done.wait(left)
-                continue
-            try:
-                task = self._inbox.get(timeout=left)
-            except queue.Empty:
-                continue
-            if task is not None:
-                self._agent.run_task(task)
-        while self._inbox is not None:  # what came meanwhile (answers to its messages)
-            try:
-                task = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if task is not None:
-                self._agent.run_task(task)
-        if self.error is not None:
-            raise self.error
 
 
 _message_ids = itertools.count(1)

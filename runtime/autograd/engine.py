@@ -37,14 +37,17 @@ lock, so passes on one worker take turns.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from fractions import Fraction
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from spmd.runtime.autograd.contexts import DistAutogradContext
-from spmd.runtime.errors import InvalidArgumentError, also_runtime_error
+from spmd.runtime.errors import DistTimeoutError, InvalidArgumentError, also_runtime_error
+from spmd.runtime.rpc.inbox import run_task
 from spmd.runtime.rpc.serialize import pack_exception, unpack_exception
 from spmd.runtime.rpc.wire import Kind
 
@@ -71,6 +74,57 @@ def _context(agent: Any, context_id: Any, op: str) -> DistAutogradContext:
             f"{agent.describe(agent.rank)} (it ended, or never started here): Could not find "
             f"autograd context with id: {context_id}")
     return ctx
+
+
+class BackwardJob:
+    """The root's record of one backward: the credit given back so far, the first failure.
+    Done when the credit adds up to exactly 1 (see the module) or something failed. With
+    an ``inbox`` (``spmd.runtime.rpc.inbox``) the waiting thread runs the context's passes
+    that come to this worker itself."""
+
+    def __init__(self, inbox: Any) -> None:
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._inbox = inbox
+        self.credit = Fraction(0)
+        self.error: BaseException | None = None
+
+    def give_back(self, credit: Fraction, error: BaseException | None) -> None:
+        with self._lock:
+            self.credit += credit
+            if error is not None and self.error is None:
+                self.error = error
+            if self.error is None and self.credit != 1:
+                return
+            self._done.set()
+        if self._inbox is not None:
+            self._inbox.put(None)  # wakes the waiting thread
+
+    def wait(self, deadline: float, what: Callable[[], str]) -> None:
+        """Until done; raises the first failure, or DistTimeoutError past ``deadline``."""
+        while not self._done.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DistTimeoutError(f"{what()} did not finish on every worker before its "
+                                       f"timeout (RPC ran for more than its timeout)")
+            if self._inbox is None:
+                self._done.wait(left)
+                continue
+            try:
+                task = self._inbox.get(timeout=left)
+            except queue.Empty:
+                continue
+            if task is not None:
+                run_task(task)
+        while self._inbox is not None:  # what came meanwhile (answers to its messages)
+            try:
+                task = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if task is not None:
+                run_task(task)
+        if self.error is not None:
+            raise self.error
 
 
 def _leaves(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -288,8 +342,9 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
                 f"valid gradient function to start the backward from")
     if not isinstance(retain_graph, bool):
         raise TypeError("dist_autograd.backward: retain_graph must be a bool")
-    inbox = agent.take_requests(context_id)
-    number, job = ctx.start_job(inbox)
+    inbox = agent.inboxes.take(context_id)
+    job = BackwardJob(inbox)
+    number = ctx.start_job(job)
     try:
         try:
             answers = _run_pass(agent, ctx, list(roots), [torch.ones_like(r) for r in roots],
@@ -301,7 +356,7 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
         finally:
             ctx.end_job(number)
             if inbox is not None:  # answers still to come go to the pool from here on
-                agent.give_requests_back(context_id)
+                agent.inboxes.give_back(context_id)
         for answer in answers:  # here already, or failed (and reported) by their deadline
             answer.wait()
     except RuntimeError:

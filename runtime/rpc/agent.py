@@ -36,6 +36,7 @@ from spmd.runtime import config
 from spmd.runtime.rpc import cma
 from spmd.runtime.rpc.faults import Faults
 from spmd.runtime.rpc.futures import AsyncResult, is_async, not_a_future_error
+from spmd.runtime.rpc.inbox import Inboxes, run_task
 from spmd.runtime.rpc.options import RpcBackendOptions, WorkerInfo
 from spmd.runtime.rpc.serialize import (DumpState, Encoded, LoadState, decode, encode,
                                         pack_exception, unpack_exception)
@@ -65,7 +66,7 @@ class _Entry:
         self.error: BaseException | None = None
         self.resend: tuple | None = None  # (header, encoded) of a retried message
         self.gap = 0.0
-        self.route = -1  # the context whose waiting thread takes the answer (take_requests)
+        self.route = -1  # the context whose waiting thread takes the answer (rpc.inbox)
 
     @property
     def what(self) -> str:
@@ -111,8 +112,7 @@ class RpcAgent:
         self._cma_threshold = config.rpc_cma_threshold()
         self.probe = cma.Probe()
         self.pool: queue.SimpleQueue = queue.SimpleQueue()
-        self._inboxes: dict[int, queue.SimpleQueue] = {}  # see take_requests
-        self._inbox_lock = threading.Lock()
+        self.inboxes = Inboxes(self.pool)  # a context's messages for its waiting thread
         self.members: Any = None  # a dynamic group's membership (rpc.membership)
         self.transport = Transport(rank=rank, host=host, token=config.rpc_auth_token(),
                                    describe=self.describe, grant_cma=self._grant_cma,
@@ -190,7 +190,7 @@ class RpcAgent:
                 timeout: float, sync: bool, what: str | Callable[[], str],
                 ctx: Any = None, route: int = -1) -> _Entry:
         """Pickle and send a request; its entry (``.future`` or, with ``sync``, ``.waiter``).
-        ``route``: the context id a ``ROUTED`` request is for (``take_requests``).
+        ``route``: the context id a ``ROUTED`` request is for (``rpc.inbox``).
 
         Raises TypeError when the call cannot be pickled (nothing is sent), DistError
         when the peer is gone or the agent is shut down.
@@ -311,7 +311,7 @@ class RpcAgent:
         frames = (first, rest)
         if kind in REQUESTS:
             task = (self._serve, (peer, kind, flags, rid, ctx_id, grad_msg, frames))
-            if kind not in ROUTED or not self._route(ctx_id, task):
+            if kind not in ROUTED or not self.inboxes.route(ctx_id, task):
                 self.pool.put(task)
             return
         entry = self.pending.get(rid)
@@ -324,7 +324,7 @@ class RpcAgent:
         entry.reply = (kind, flags, ctx_id, grad_msg, frames)
         if entry.waiter is not None:
             entry.waiter.release()
-        elif not self._route(entry.route, (self._complete, (entry,))):
+        elif not self.inboxes.route(entry.route, (self._complete, (entry,))):
             self.pool.put((self._complete, (entry,)))
 
     def _fail(self, entry: _Entry, error: BaseException) -> None:
@@ -382,62 +382,16 @@ class RpcAgent:
 
     # -- the worker pool -------------------------------------------------------------------
 
-    def take_requests(self, context_id: int) -> queue.SimpleQueue | None:
-        """The ``ROUTED`` requests of context ``context_id``, and the answers to requests
-        sent with ``route=context_id``, go to the returned queue (the tasks the pool would
-        run) until ``give_requests_back``: the thread that waits in
-        ``dist_autograd.backward`` runs the passes that come back to it, which saves
-        two thread hand-offs each (the pool thread's wake, then the waiter's), and takes
-        its messages' answers when it is free, not a pool thread beside its pass. None
-        when another thread takes them already."""
-        with self._inbox_lock:
-            if context_id in self._inboxes:
-                return None
-            inbox = self._inboxes[context_id] = queue.SimpleQueue()
-            return inbox
-
-    def _route(self, context_id: int, task: tuple) -> bool:
-        """Hand ``task`` to the thread waiting in ``context_id``, if one is."""
-        if context_id < 0 or not self._inboxes:
-            return False
-        with self._inbox_lock:
-            inbox = self._inboxes.get(context_id)
-            if inbox is None:
-                return False
-            inbox.put(task)
-            return True
-
-    def give_requests_back(self, context_id: int) -> None:
-        """Requests of the context go to the pool again, with any not taken yet."""
-        with self._inbox_lock:
-            inbox = self._inboxes.pop(context_id, None)
-        while inbox is not None and not inbox.empty():
-            task = inbox.get_nowait()
-            if task is not None:
-                self.pool.put(task)
-
-    def run_task(self, task: tuple) -> None:
-        """A task of the pool's, on this thread."""
-        fn, args = task
-        try:
-            fn(*args)
-        except BaseException:
-            log.exception("rpc: a worker task failed")
-
     def _work(self) -> None:
         with rank_context(self.rank_ctx):
             while True:
                 task = self.pool.get()
                 if task is None:
                     return
-                fn, args = task
-                try:
-                    fn(*args)
-                except BaseException:
-                    log.exception("rpc: a worker task failed")
+                run_task(task)
                 # an idle thread must not keep its last task's arguments (RRefs among
                 # them) alive while it waits for the next
-                del task, fn, args
+                del task
 
     def _serve(self, peer: int, kind: int, flags: int, rid: int, ctx_id: int, grad_msg: int,
                frames: tuple) -> None:
