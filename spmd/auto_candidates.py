@@ -148,16 +148,11 @@ def checkpoint_modules(model: nn.Module, paths: tuple[str, ...]) -> None:
 
 
 @dataclass(kw_only=True)
-class Candidate:
-    """One layout planned for real: its strategy, placements on the tensor-parallel
-    dimension, recomputed blocks, and its predicted step and peak."""
+class Planned:
+    """A layout the search planned (or failed to plan): its predicted step and peak."""
 
     label: str
     strategy: str
-    roles: Roles
-    pieces: dict[str, Any] = field(default_factory=dict)  # parameter -> tp placement
-    recompute: tuple[str, ...] = ()
-    source: str = "hand-written"  # or "solver"
     plan: Any = None
     seconds: float = math.inf
     peak: float = math.inf
@@ -165,6 +160,17 @@ class Candidate:
 
     def fits(self, budget: float) -> bool:
         return not self.error and self.peak <= budget
+
+
+@dataclass(kw_only=True)
+class Candidate(Planned):
+    """One layout planned for real: its strategy, placements on the tensor-parallel
+    dimension, recomputed blocks, and its predicted step and peak."""
+
+    roles: Roles
+    pieces: dict[str, Any] = field(default_factory=dict)  # parameter -> tp placement
+    recompute: tuple[str, ...] = ()
+    source: str = "hand-written"  # or "solver"
 
     def row(self, budget: float, chosen: bool) -> str:
         if self.error:

@@ -26,27 +26,18 @@ from typing import Any
 
 import torch.nn as nn
 
-from spmd.auto_candidates import SEARCHED, gib, parse_budget, tiled
+from spmd.auto_candidates import SEARCHED, Planned, gib, parse_budget, tiled
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["PipelineSearch", "PipelineCandidate", "plan_pipeline_auto"]
 
 
 @dataclass(kw_only=True)
-class PipelineCandidate:
+class PipelineCandidate(Planned):
     """One pipeline layout planned: the stages' strategy and tensor parallelism, the
     predicted step and the largest stage peak."""
 
-    label: str
-    strategy: str
     tp: bool
-    plan: Any = None
-    seconds: float = math.inf
-    peak: float = math.inf
-    error: str = ""
-
-    def fits(self, budget: float) -> bool:
-        return not self.error and self.peak <= budget
 
 
 @dataclass(kw_only=True)
