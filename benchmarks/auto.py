@@ -146,10 +146,7 @@ import resource, sys, time, torch
 sys.path.insert(0, {here!r})
 import llm, spmd
 torch.set_num_threads(1)
-config = getattr(llm, {name!r})
-with torch.device("meta"):
-    model = llm.build(config, 8192, "full")
-tokens = torch.randint(0, config.vocab, (1, 8192), device="meta")
+config, model, tokens = llm.on_meta({name!r})
 mesh = spmd.Mesh.simulated({shape!r}, ("a", "b"), hardware=spmd.hardware.H100_SXM())
 start = time.perf_counter()
 plan = spmd.inspect(model, tokens, tokens, mesh=mesh, strategy="auto",

@@ -197,6 +197,17 @@ def build(config: Config, length: int, checkpoint: str = "none", seed: int = 0) 
     return model
 
 
+def on_meta(name: str, length: int = 8192, checkpoint: str = "full"
+            ) -> tuple[Config, Decoder, torch.Tensor]:
+    """The published model ``name`` (``"LLAMA3_8B"``...) built on the meta device, every
+    block checkpointed, and one sequence of ``length`` meta tokens: what the planning
+    benchmarks plan in a fresh process."""
+    config = globals()[name]
+    with torch.device("meta"):
+        model = build(config, length, checkpoint)
+    return config, model, torch.randint(0, config.vocab, (1, length), device="meta")
+
+
 def scaled(config: Config, **changes: int) -> Config:
     """``config`` with some sizes changed (a smaller model of the same form)."""
     return replace(config, **changes)
