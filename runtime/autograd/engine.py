@@ -31,7 +31,9 @@ torch's distributed engine. That is where torch's ``DistributedDataParallel`` ho
 C++ reducer: with ``grad`` its all-reduce never ran, and a DDP module inside a context
 got this rank's own gradients, silently. For the pass, the leaves' ``.grad`` holds the
 context's gradients (see ``_accumulate``) and is put back after it, under the agent's
-lock, so passes on one worker take turns.
+lock, so passes on one worker take turns. (A pass that reaches only received tensors,
+whose gradients go back to their senders and accumulate nothing here, takes ``grad``.)
+The root's waiting thread runs the passes that come back to it (``rpc.inbox``).
 """
 
 from __future__ import annotations
