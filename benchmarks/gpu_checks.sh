@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The checks a lent GPU runs (never part of CI): the GPU test tier at full size (Triton
 # kernels against torch, the NCCL backend at world size 1, @spmd.parallelize on CUDA),
-# then the kernels' bandwidth against a device-to-device copy on the same card, then a
-# compiled training step per strategy against the plan's predicted time and memory, then
+# then the kernels' bandwidth against a device-to-device copy on the same card and the
+# host work of a pack launch with and without a bucket's kept tables, then a compiled
+# training step per strategy against the plan's predicted time and memory, then
 # a ~1B Llama-style bfloat16 step against the plan for that card (benchmarks/gpu_llama.py).
 #
 #   bash benchmarks/gpu_checks.sh            # writes logs to $OUT (or /tmp/spmd-gpu)
@@ -24,6 +25,7 @@ status=0
 python3 -m pytest -q -p no:cacheprovider tests/gpu -rA 2>&1 | tee "$out/gpu_tests.log" \
     || status=1
 python3 benchmarks/kernels.py "$@" 2>&1 | tee "$out/kernels.md" || status=1
+python3 benchmarks/kernels.py --host 2>&1 | tee "$out/kernels_host.md" || status=1
 python3 benchmarks/gpu_step.py ${GPU_STEP_ARGS:-} 2>&1 | tee "$out/gpu_step.md" || status=1
 python3 benchmarks/gpu_llama.py ${GPU_LLAMA_ARGS:-} 2>&1 | tee "$out/gpu_llama.md" || status=1
 exit $status

@@ -4,6 +4,14 @@ a device-to-device copy measured on that card.
     python benchmarks/kernels.py [--layers 2] [--dim 1024] [--tiny 10000]
     python benchmarks/kernels.py --device cpu --layers 1 --dim 64 --tiny 200   # checks the
                                                                 # script; figures mean nothing
+    python benchmarks/kernels.py --host [--device cpu]   # host work per pack launch
+
+``--host`` times what a pack launch costs the host before any kernel starts, for buckets
+of 10 to 10,000 tiny tensors: the launch plan built from every tensor (``pack``'s path),
+against a planned bucket's kept ``BucketTables`` (one address per tensor looked at). On
+CPU that is all it times (the figures are the host's, whatever the device); on CUDA it
+adds the whole ``pack`` call, launch included, each way (host time: a loop of calls, one
+synchronize at its end).
 
 Workloads (gradient buckets):
 
@@ -146,14 +154,63 @@ def _torch_step(cls, params, grads, flavour, hyper):
     return opt.step
 
 
+def host_loop(fn, device: torch.device, seconds: float = 0.3) -> float:
+    """Host seconds per call of ``fn``, the median of 5 rounds of repeated calls."""
+    fn()
+    rounds = []
+    for _ in range(5):
+        start, calls = time.perf_counter(), 0
+        while time.perf_counter() - start < seconds / 5:
+            fn()
+            calls += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        rounds.append((time.perf_counter() - start) / calls)
+    return sorted(rounds)[2]
+
+
+def host(device: torch.device, counts=(10, 100, 1000, 10000)) -> None:
+    """Print the ``--host`` table (see the module docstring)."""
+    from spmd.kernels import packing_triton
+    from spmd.kernels.layout import BucketTables
+    from spmd.lowering.flat import pack_planned
+
+    print("\n| tensors | plan from every tensor (µs) | kept tables (µs) | ratio |"
+          + (" pack, no tables (µs) | pack, kept tables (µs) |" if device.type == "cuda"
+             else ""))
+    print("|---:|---:|---:|---:|" + ("---:|---:|" if device.type == "cuda" else ""))
+    for n in counts:
+        g = torch.Generator().manual_seed(n)
+        tensors = [torch.randn(s, generator=g).to(device) for s in tiny(n)]
+        flat = torch.empty(sum(t.numel() for t in tensors), device=device)
+        tables = BucketTables()
+        every = host_loop(lambda: packing_triton.host_plan(tensors, flat), device)
+        kept = host_loop(lambda: packing_triton.host_plan(tensors, flat, tables), device)
+        line = f"| {n:,} | {every * 1e6:,.1f} | {kept * 1e6:,.1f} | {every / kept:.1f}x |"
+        if device.type == "cuda":
+            whole = host_loop(lambda: pack_planned(tensors, 1.0, torch.float32, flat), device)
+            ours = host_loop(lambda: pack_planned(tensors, 1.0, torch.float32, flat, tables),
+                             device)
+            line += f" {whole * 1e6:,.1f} | {ours * 1e6:,.1f} |"
+        print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--host", action="store_true",
+                        help="time the host work of a pack launch per number of tensors")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--tiny", type=int, default=10000)
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.host and device.type == "cuda" and not torch.cuda.is_available():
+        device = torch.device("cpu")
+    if args.host:
+        print(f"# host work per pack launch on {device} ({time.strftime('%Y-%m-%d')})")
+        host(device)
+        return
     if device.type == "cuda" and not torch.cuda.is_available():
         print("benchmarks/kernels.py: no CUDA device here; nothing measured")
         sys.exit(0)

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from spmd.kernels.dispatch import launchable, on_device
-from spmd.kernels.layout import MAX_DIMS, aligned, collapse, launch_layout, offsets
+from spmd.kernels.layout import (MAX_DIMS, BucketTables, aligned, collapse, launch_layout,
+                                 offsets)
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -91,11 +92,10 @@ def copy_kernel(rows, chunks, flat, scale,
             tl.store(tensor + where, cast(x, DTYPE), mask=mask)
 
 
-def copy(tensors: list[torch.Tensor], flat: torch.Tensor, scale: float, *, to_flat: bool,
-         accumulate: bool) -> None:
-    """Launch ``copy_kernel`` once per group of ``tensors`` that share a dtype and a way
-    of being walked (strided, aligned or neither): pack when ``to_flat``, unpack otherwise.
-    Arguments are already checked."""
+def plan(tensors: list[torch.Tensor], flat: torch.Tensor) -> tuple[tuple, ...]:
+    """The launches that copy ``tensors`` to or from ``flat``: one ``(Launch, dtype,
+    strided, aligned)`` per group of tensors that share a dtype and a way of being walked
+    (strided, aligned or neither), its device tables cached by content."""
     groups: dict[tuple[torch.dtype, bool, bool], list[list[int]]] = {}
     flat_aligned = flat.data_ptr() % 16 == 0
     for t, start in zip(tensors, offsets([t.numel() for t in tensors])):
@@ -109,10 +109,30 @@ def copy(tensors: list[torch.Tensor], flat: torch.Tensor, scale: float, *, to_fl
             row += [*((1,) * pad + sizes)[1:], *((0,) * pad + strides)]
         is_aligned = flat_aligned and not is_strided and aligned(row[:1], row[1], row[2])
         groups.setdefault((t.dtype, is_strided, is_aligned), []).append(row)
+    return tuple((launch_layout(rows, flat.device), *key) for key, rows in groups.items())
+
+
+def host_plan(tensors: list[torch.Tensor], flat: torch.Tensor,
+              tables: BucketTables | None = None) -> tuple[tuple, ...]:
+    """A launch's host work before the kernels start: :func:`plan`, or with the bucket's
+    ``tables`` its kept plan when no address moved (``benchmarks/kernels.py --host`` times
+    both)."""
+    if tables is None:
+        return plan(tensors, flat)
+    addresses = [t.data_ptr() for t in tensors]
+    addresses.append(flat.data_ptr())
+    return tables.get(addresses, lambda: plan(tensors, flat))
+
+
+def copy(tensors: list[torch.Tensor], flat: torch.Tensor, scale: float, *, to_flat: bool,
+         accumulate: bool, tables: BucketTables | None = None) -> None:
+    """Launch ``copy_kernel`` once per group of ``tensors`` (see :func:`plan`): pack when
+    ``to_flat``, unpack otherwise. Arguments are already checked. ``tables``: the bucket's
+    kept plan, for a caller whose tensors keep their shapes, strides and dtypes from call
+    to call (then only their addresses are looked at)."""
     kernel = launchable(copy_kernel, flat.device)
     with on_device(flat.device):
-        for (dtype, is_strided, is_aligned), rows in groups.items():
-            launch = launch_layout(rows, flat.device)
+        for launch, dtype, is_strided, is_aligned in host_plan(tensors, flat, tables):
             kernel[(launch.grid,)](
                 launch.rows, launch.chunks, flat, scale,
                 WIDTH=launch.width, DTYPE=TL_DTYPES[dtype], STRIDED=is_strided,

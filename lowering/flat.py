@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 import spmd.kernels as kernels
-from spmd.kernels.layout import SUPPORTED_DTYPES
+from spmd.kernels.layout import SUPPORTED_DTYPES, BucketTables
 
 __all__ = ["pack", "pack_planned", "unpack", "views"]
 
@@ -44,13 +44,16 @@ def views(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Ten
 
 
 def pack_planned(tensors: list[torch.Tensor], scale: float, dtype: torch.dtype,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None,
+                 tables: BucketTables | None = None) -> torch.Tensor:
     """:func:`pack` for a bucket a planned graph describes (one device, one dtype, shapes
     fixed when it was planned), without checking each tensor on every step: the kernel
     straight away on CUDA; on CPU one ``torch.cat`` of their flat views (``kernels.pack``'s
     checks and reshapes cost ~3 µs a tensor here, more than the copy of a small one).
     ``out``: a buffer of the right size and dtype to write into (last step's, reused), or
-    None for a new one; never a view of one of ``tensors``.
+    None for a new one; never a view of one of ``tensors``. ``tables``: the bucket's kept
+    launch plan (its spec's), so that a step's host work on CUDA is one address per
+    tensor.
 
     Numerics are ``kernels.pack``'s: values converted to float32 when scaled or cast,
     multiplied by ``scale``, rounded once to ``dtype``.
@@ -61,7 +64,7 @@ def pack_planned(tensors: list[torch.Tensor], scale: float, dtype: torch.dtype,
 
         if out is None:
             out = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
-        packing_triton.copy(tensors, out, scale, to_flat=True, accumulate=False)
+        packing_triton.copy(tensors, out, scale, to_flat=True, accumulate=False, tables=tables)
         return out
     # torch.flatten is a view of a contiguous tensor; measured here, one cat of them is as
     # fast as a plain torch.cat for 51 tensors of 192 KiB (flatten_dense_tensors took twice

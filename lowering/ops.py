@@ -99,7 +99,8 @@ def _bucket_all_reduce(grads: list[torch.Tensor], handle: int) -> torch.Tensor:
         dtype = grads[0].dtype  # the hook chooses what goes on the wire
     numel = sum(g.numel() for g in grads)
     out = s.buffer("flat", numel, dtype, grads[0].device)
-    flat = s.keep("flat", pack_planned(grads, 1.0 / s.size if average else 1.0, dtype, out))
+    flat = s.keep("flat", pack_planned(grads, 1.0 / s.size if average else 1.0, dtype, out,
+                                       s.tables))
     if active:
         issued = time.perf_counter()
         s.started(flat, reduction.start_bucket(s, flat, grads), issued)
@@ -227,7 +228,7 @@ def _bucket_all_gather(shards: list[torch.Tensor], handle: int) -> torch.Tensor:
     if held is not None:
         return held
     dtype = s.shards[0].gather_dtype
-    flat = pack_planned(shards, 1.0, dtype)
+    flat = pack_planned(shards, 1.0, dtype, tables=s.tables)
     if not s.live:
         held = s.hold(shards, flat.repeat(s.size))
         return held.clone() if s.copy_held and s.shards[0].persistent else held

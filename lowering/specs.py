@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
+from spmd.kernels.layout import BucketTables
 from spmd.lowering import redistribute as table
 from spmd.lowering.placements import StridedShard, divides
 from spmd.runtime import collectives
@@ -159,6 +160,7 @@ class CollectiveSpec:
     pending: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # storage -> work
     lock: threading.Lock = field(default_factory=threading.Lock)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    tables: BucketTables = field(default_factory=BucketTables, repr=False)  # kernel launches
 
     @property
     def live(self) -> bool:

@@ -31,3 +31,32 @@ def test_pack_planned_equals_kernels_pack(src, dst, scale, count):
     got.add_(1)  # the buffer is its own: the inputs stay as they were
     for t, b in zip(tensors, before):
         assert torch.equal(t, b)
+
+
+def test_a_buckets_kept_tables_are_rebuilt_when_an_address_moves(monkeypatch):
+    """With the bucket's ``BucketTables`` (the Triton path, interpreted here), a step over
+    the same tensors reuses the launch plan, and a step where one gradient was allocated
+    anew builds a new one: the kernel reads the new tensor, not the old address (kept
+    alive here, so a stale plan would read its values and fail the comparison)."""
+    from spmd.kernels.layout import BucketTables
+
+    monkeypatch.setenv("SPMD_KERNELS", "triton")
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(3, 5, generator=g), torch.randn(8, generator=g),
+             torch.randn(4, 2, generator=g).t()]
+    tables = BucketTables()
+    out = torch.empty(31, dtype=torch.bfloat16)
+    for _ in range(3):  # the same tensors and buffer, step after step
+        got = pack_planned(grads, 0.5, torch.bfloat16, out, tables)
+        assert same(got, kernels.pack(grads, scale=0.5, dtype=torch.bfloat16))
+    assert tables.builds == 1
+    old = grads[1]
+    grads[1] = torch.randn(8, generator=g)  # a new allocation: another address
+    got = pack_planned(grads, 0.5, torch.bfloat16, out, tables)
+    assert tables.builds == 2
+    assert same(got, kernels.pack(grads, scale=0.5, dtype=torch.bfloat16))
+    assert not torch.equal(old, grads[1])
+    other = torch.empty(31, dtype=torch.bfloat16)  # a new buffer is an address too
+    assert same(pack_planned(grads, 1.0, torch.bfloat16, other, tables),
+                kernels.pack(grads, dtype=torch.bfloat16))
+    assert tables.builds == 3
