@@ -1,7 +1,7 @@
 """Low-precision gradient all-reduce: accuracy and DDP step time, ours against torch's
 ``bf16_compress_hook``.
 
-    python benchmarks/compressed.py [--part accuracy|speed|all] [--quick]
+    python benchmarks/compressed.py [--part accuracy|speed|call|all] [--quick]
                                     [--worlds 2,4,8] [--elements 1048576]
                                     [--nprocs 2,3] [--steps 20] [--rounds 5]
 
@@ -49,6 +49,14 @@ the lowest and highest per-round ratio. After the rounds, every variant has trai
 the same weights on the same batches: the largest difference of its weights from plain
 DDP's. More ranks than cores (3 on a 2-core machine) time the machine's scheduler as
 much as the all-reduce: read those ratios with their spread.
+
+**Call** (``--part call``, not in ``all``): the time of one call on ``--elements``
+float32 (default 2^22, a 16 MiB bucket) over each of ``--nprocs``, the three methods that
+communicate alternating call by call after a barrier (``--steps`` calls a round,
+``--rounds`` rounds, the first call of each not counted): ours with the bfloat16 wire,
+torch's ``bf16_compress_hook`` and the float32 all-reduce. The figure is the median of
+the per-round medians; the ratio is the hook's time over ours, with its spread over the
+rounds.
 
 ``--quick``: 2^18 elements, 2 ranks for speed, 10 steps x 3 rounds. Prints markdown
 tables.
@@ -279,6 +287,68 @@ def speed(worlds: list[int], steps: int, rounds: int) -> None:
                     print(f"  reduction: {reason}")
 
 
+CALLS = ("ours, bf16 wire", "torch bf16_compress_hook", "fp32 all_reduce / p")
+
+
+def call_main(rank: int, n: int, calls: int, rounds: int) -> dict | None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from spmd import runtime as dist
+    from spmd.lowering.reduction import GradBucket, _combine
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    try:
+        x = _gradients(rank, n)
+        p = dist.get_world_size()
+
+        def ours(y):
+            dist.all_reduce_compressed(y, dist.ReduceOp.AVG, wire_dtype=torch.bfloat16,
+                                       combine=_combine)
+
+        def hook(y):
+            default_hooks.bf16_compress_hook(None, GradBucket(0, y, [], [y], True)).wait()
+
+        def fp32(y):
+            dist.all_reduce(y)
+            y.div_(p)
+
+        run = dict(zip(CALLS, (ours, hook, fp32)))
+        medians: dict[str, list[float]] = {name: [] for name in CALLS}
+        for _ in range(rounds):
+            times: dict[str, list[float]] = {name: [] for name in CALLS}
+            for _ in range(calls + 1):
+                for name in CALLS:
+                    y = x.clone()
+                    dist.barrier()
+                    start = time.perf_counter()
+                    run[name](y)
+                    times[name].append(time.perf_counter() - start)
+            for name in CALLS:
+                medians[name].append(statistics.median(times[name][1:]))
+        return medians if rank == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+def call(worlds: list[int], n: int, calls: int, rounds: int) -> None:
+    from spmd.runtime import spawn
+
+    for p in worlds:
+        medians = spawn(call_main, args=(n, calls, rounds), nprocs=p,
+                        start_method="forkserver", timeout=1200)[0]
+        print(f"\n### One call, {p} ranks, {n:,} float32 ({n * 4 / 2**20:.0f} MiB), {calls} "
+              f"calls x {rounds} rounds\n")
+        print("| method | ms/call | hook's time / this (x) | spread over rounds |")
+        print("|---|---:|---:|---|")
+        hook = medians["torch bf16_compress_hook"]
+        for name in CALLS:
+            ratios = [h / t for h, t in zip(hook, medians[name])]
+            spread = f"{min(ratios):.2f}–{max(ratios):.2f}" if name != CALLS[1] else ""
+            t = statistics.median(medians[name])
+            print(f"| {name} | {t * 1e3:.1f} | {statistics.median(hook) / t:.2f} | {spread} |")
+
+
 def _sizes(text: str, flag: str, parser: argparse.ArgumentParser) -> list[int]:
     sizes = [int(s) for s in text.split(",") if s.strip()]
     if not sizes or min(sizes) < 2:
@@ -288,7 +358,7 @@ def _sizes(text: str, flag: str, parser: argparse.ArgumentParser) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("accuracy", "speed", "all"), default="all")
+    parser.add_argument("--part", choices=("accuracy", "speed", "call", "all"), default="all")
     parser.add_argument("--quick", action="store_true",
                         help="2^18 elements, 2 ranks for speed, 10 steps x 3 rounds")
     parser.add_argument("--worlds", default="2,4,8", help="accuracy: comma-separated ranks")
@@ -311,6 +381,8 @@ def main() -> None:
         accuracy(worlds, elements)
     if args.part in ("speed", "all"):
         speed(speed_worlds, steps, rounds)
+    if args.part == "call":
+        call(speed_worlds, args.elements or (1 << 18 if quick else 1 << 22), steps, rounds)
 
 
 if __name__ == "__main__":

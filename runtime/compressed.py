@@ -149,9 +149,14 @@ def all_reduce_compressed(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     combine = combine or combine_rows
     p, n = pg.size(), tensor.numel()
     m = max(1, math.ceil(n / p))
-    flat = torch.zeros(p * m, dtype=torch.float32, device=tensor.device)
-    flat[:n] = tensor.reshape(-1)
-    q, scales = quantize_rows(flat.view(p, m), wire_dtype)
+    if wire_dtype in FLOAT8_DTYPES:  # a scale per chunk: from the float32 values
+        flat = torch.zeros(p * m, dtype=torch.float32, device=tensor.device)
+        flat[:n] = tensor.reshape(-1)
+        q, scales = quantize_rows(flat.view(p, m), wire_dtype)
+    else:  # a plain cast: into the send buffer in the same pass as the copy
+        q, scales = torch.empty((p, m), dtype=wire_dtype, device=tensor.device), None
+        q.view(-1)[:n].view(tensor.shape).copy_(tensor)
+        q.view(-1)[n:].zero_()
     recv_scales = None
     if scales is not None:  # the scale of every piece this rank receives
         recv_scales = torch.empty_like(scales)
@@ -166,10 +171,11 @@ def all_reduce_compressed(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
         mine, mine_scale = quantize_rows(reduced, wire_dtype)
         gathered = torch.empty((p, m), dtype=wire_dtype, device=tensor.device)
         all_gather_into_tensor(_bytes(gathered).view(-1), _bytes(mine).view(-1), group=pg)
-        every_scale = None
-        if mine_scale is not None:
-            every_scale = torch.empty(p, dtype=torch.float32, device=tensor.device)
-            all_gather_into_tensor(every_scale, mine_scale, group=pg)
+        if mine_scale is None:  # cast back in the same pass as the copy into the result
+            tensor.copy_(gathered.view(-1)[:n].view(tensor.shape))
+            return
+        every_scale = torch.empty(p, dtype=torch.float32, device=tensor.device)
+        all_gather_into_tensor(every_scale, mine_scale, group=pg)
         whole = dequantize_rows(gathered, every_scale).view(-1)[:n]
         tensor.copy_(whole.view(tensor.shape))
 

@@ -35,6 +35,9 @@ def collective_job(rank: int) -> dict:
             y = x.clone()
             dist.all_reduce_compressed(y, dist.ReduceOp.AVG, wire_dtype=wire)
             out[name] = y
+        y = x.to(torch.float16)  # cast to the wire and back in the copies themselves
+        dist.all_reduce_compressed(y, dist.ReduceOp.AVG, wire_dtype=torch.bfloat16)
+        out["fp16 in bf16"] = y
         y = x.clone().view(7, 11, 13)[:, ::2]  # a non-contiguous view, written in place
         work = dist.all_reduce_compressed(y, async_op=True)
         work.wait()
@@ -75,6 +78,13 @@ def test_the_result_is_the_float32_sum_rounded_once(collective_runs):
         ulp = torch.finfo(wire).eps
         bound = (ulp * (exact.abs() + sum(x.abs().double() for x in xs) / p)).max()
         assert (runs[0][name].double() - exact).abs().max() <= bound + 1e-30, name
+    # a float16 tensor sent as bfloat16: each value rounded once on the way out, the sum
+    # rounded once to bfloat16, then exactly to float16
+    total = sum(x.half().to(torch.bfloat16).float() for x in xs)
+    want = (total * (1.0 / p)).to(torch.bfloat16).to(torch.float16)
+    for run in runs:
+        assert run["fp16 in bf16"].dtype == torch.float16
+        assert torch.equal(run["fp16 in bf16"], want)
 
 
 def test_fp8_wire_is_within_its_precision(collective_runs):
