@@ -185,7 +185,7 @@ def host(device: torch.device, counts=(10, 100, 1000, 10000)) -> None:
         flat = torch.empty(sum(t.numel() for t in tensors), device=device)
         tables = BucketTables()
         every = host_loop(lambda: packing_triton.host_plan(tensors, flat), device)
-        kept = host_loop(lambda: packing_triton.host_plan(tensors, flat, tables), device)
+        kept = host_loop(lambda: packing_triton.host_plan(tensors, flat, True, tables), device)
         line = f"| {n:,} | {every * 1e6:,.1f} | {kept * 1e6:,.1f} | {every / kept:.1f}x |"
         if device.type == "cuda":
             whole = host_loop(lambda: pack_planned(tensors, 1.0, torch.float32, flat), device)

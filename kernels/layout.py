@@ -9,6 +9,12 @@ A launch gets two small int64 tables instead of one argument per tensor:
 - ``chunks``: one ``(row, first element)`` pair per program. Every tensor is cut into
   chunks of ``chunk`` elements, so a 100M-element weight spreads over many programs and a
   1-element bias takes one; each program walks its chunk ``block`` elements at a time.
+  On the flat buffer's grid (``on_flat_grid``, for packing tensors at unaligned offsets)
+  the chunks are instead the multiples of ``chunk`` of the flat buffer that a tensor's
+  slice touches: the first may start before the tensor (a negative first element) and
+  the last run past its end, and the kernel masks what is not the tensor's. Every
+  whole chunk then stores whole, aligned blocks of the flat buffer, whatever the
+  tensor's offset.
 
 The flat buffer has no padding: tensor ``i`` occupies ``[offset_i, offset_i + numel_i)``
 with ``offset_i`` the sum of the element counts before it, in logical (row-major) order.
@@ -140,29 +146,39 @@ def aligned(addresses: Sequence[int], numel: int, offset: int) -> bool:
     return numel % 8 == 0 and offset % 8 == 0 and all(a % 16 == 0 for a in addresses)
 
 
-def launch_layout(rows: Sequence[Sequence[int]], device: torch.device) -> Launch:
-    """The device tables for ``rows`` (column 1 of each row is its tensor's element count),
-    cached by content. Example::
+def launch_layout(rows: Sequence[Sequence[int]], device: torch.device,
+                  on_flat_grid: bool = False) -> Launch:
+    """The device tables for ``rows`` (column 1 of each row is its tensor's element count,
+    column 2 its offset in the flat buffer), cached by content; ``on_flat_grid``: chunks
+    on the flat buffer's multiples of ``chunk`` (see the module docstring). Example::
 
         >>> a, b = torch.ones(5000), torch.ones(3)
         >>> launch = launch_layout([(a.data_ptr(), 5000, 0), (b.data_ptr(), 3, 5000)], a.device)
         >>> launch.block, launch.chunk, launch.grid
         (1024, 4096, 3)
     """
-    return _cached(tuple(map(tuple, rows)), torch.device(device))
+    return _cached(tuple(map(tuple, rows)), torch.device(device), on_flat_grid)
 
 
 @functools.lru_cache(maxsize=256)
-def _cached(rows: tuple[tuple[int, ...], ...], device: torch.device) -> Launch:
+def _cached(rows: tuple[tuple[int, ...], ...], device: torch.device,
+            on_flat_grid: bool) -> Launch:
     width = len(rows[0]) if rows else 3
     numels = torch.tensor([row[1] for row in rows], dtype=torch.int64)
     biggest = int(numels.max()) if rows else 0
     block = min(MAX_BLOCK, max(MIN_BLOCK, 1 << max(0, biggest - 1).bit_length()))
     chunk = block * max(1, min(MAX_STEPS, math.ceil(biggest / block)))
-    counts = (numels + chunk - 1) // chunk
+    if on_flat_grid:  # the flat buffer's chunks [lo, hi) that the slice touches
+        offsets = torch.tensor([row[2] for row in rows], dtype=torch.int64)
+        lo = offsets // chunk
+        counts = torch.where(numels > 0, (offsets + numels + chunk - 1) // chunk - lo, 0)
+    else:
+        counts = (numels + chunk - 1) // chunk
     row_of = torch.repeat_interleave(torch.arange(len(rows)), counts)
     first_chunk = torch.cumsum(counts, 0) - counts
     start = (torch.arange(len(row_of)) - first_chunk[row_of]) * chunk
+    if on_flat_grid:
+        start += lo[row_of] * chunk - offsets[row_of]
     chunks = torch.stack([row_of, start], 1)
     table = torch.cat([torch.tensor(rows, dtype=torch.int64).reshape(-1), chunks.reshape(-1)])
     table = table.to(device)  # one host-to-device copy for both tables

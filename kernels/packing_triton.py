@@ -4,7 +4,15 @@ in one launch, scaled and cast on the way.
 Tensors reach the kernel through the pointer table of ``spmd.kernels.layout``; each program
 copies one chunk of one tensor. The flat side is always contiguous; the tensor side is
 either contiguous (the fast path) or walked through up to four merged dimensions
-(``STRIDED``), so transposed or sliced gradients need no staging copy. Imported only when a
+(``STRIDED``), so transposed or sliced gradients need no staging copy.
+
+Where a tensor and its slice of the bucket are both 16-byte aligned (``ALIGNED``), loads
+and stores move 16 bytes at a time. Where they are not, an unpack's stores still start at
+the tensor's aligned first element, but a pack's would straddle every 16-byte boundary of
+the bucket (68% of a copy's bandwidth on an H200, against 93% for the same unpack). So
+a pack of such tensors is chunked on the bucket's own grid (``FLAT_GRID``): each chunk is
+an aligned stretch of the flat buffer, stored whole, 16 bytes at a time, with only the
+tensor's first and last chunk masked; the tensor side is read an element at a time. Imported only when a
 Triton kernel is launched (``spmd.kernels.dispatch``); the torch reference is in
 ``spmd.kernels.packing`` and the benchmark in ``benchmarks/kernels.py``.
 
@@ -57,45 +65,75 @@ def chunk_of(rows, chunks, WIDTH: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl
 
 
 @triton.jit
+def where_of(row, idx, STRIDED: tl.constexpr):
+    """Element offsets in memory of logical elements ``idx`` of the row's tensor."""
+    if STRIDED:
+        # row[3:6]: sizes of merged dims 1..3; row[6:10]: strides of dims 0..3
+        # (padded at the front with size 1, stride 0).
+        rest = idx
+        where = (rest % tl.load(row + 5)) * tl.load(row + 9)
+        rest = rest // tl.load(row + 5)
+        where += (rest % tl.load(row + 4)) * tl.load(row + 8)
+        rest = rest // tl.load(row + 4)
+        where += (rest % tl.load(row + 3)) * tl.load(row + 7)
+        where += (rest // tl.load(row + 3)) * tl.load(row + 6)
+        return where
+    else:
+        return idx
+
+
+@triton.jit
+def move(tensor, where, flat, at, mask, scale, DTYPE: tl.constexpr, TO_FLAT: tl.constexpr,
+         ACCUMULATE: tl.constexpr):
+    """One block: ``tensor + where`` to ``flat + at`` (or back), scaled and cast."""
+    if TO_FLAT:
+        x = tl.load(tensor + where, mask=mask).to(tl.float32) * scale
+        tl.store(flat + at, cast(x, flat.dtype.element_ty), mask=mask)
+    else:
+        x = tl.load(flat + at, mask=mask).to(tl.float32) * scale
+        if ACCUMULATE:
+            x = tl.load(tensor + where, mask=mask).to(tl.float32) + x
+        tl.store(tensor + where, cast(x, DTYPE), mask=mask)
+
+
+@triton.jit
 def copy_kernel(rows, chunks, flat, scale,
                 WIDTH: tl.constexpr, DTYPE: tl.constexpr, STRIDED: tl.constexpr,
-                ALIGNED: tl.constexpr, TO_FLAT: tl.constexpr, ACCUMULATE: tl.constexpr,
-                CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                ALIGNED: tl.constexpr, FLAT_GRID: tl.constexpr, TO_FLAT: tl.constexpr,
+                ACCUMULATE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     # Which tensor (a row of the table) and which of its chunks this program copies.
     row, first, numel, offset = chunk_of(rows, chunks, WIDTH, ALIGNED, BLOCK)
     tensor = tl.load(row).to(tl.pointer_type(DTYPE))
     if ALIGNED:
         tensor = tl.multiple_of(tensor, 16)
-    flat += offset
-    for step in range(0, CHUNK, BLOCK):
-        idx = first + step + tl.arange(0, BLOCK)  # logical index within the tensor
-        mask = idx < numel
-        if STRIDED:
-            # row[3:6]: sizes of merged dims 1..3; row[6:10]: strides of dims 0..3
-            # (padded at the front with size 1, stride 0).
-            rest = idx
-            where = (rest % tl.load(row + 5)) * tl.load(row + 9)
-            rest = rest // tl.load(row + 5)
-            where += (rest % tl.load(row + 4)) * tl.load(row + 8)
-            rest = rest // tl.load(row + 4)
-            where += (rest % tl.load(row + 3)) * tl.load(row + 7)
-            where += (rest // tl.load(row + 3)) * tl.load(row + 6)
-        else:
-            where = idx
-        if TO_FLAT:
-            x = tl.load(tensor + where, mask=mask).to(tl.float32) * scale
-            tl.store(flat + idx, cast(x, flat.dtype.element_ty), mask=mask)
-        else:
-            x = tl.load(flat + idx, mask=mask).to(tl.float32) * scale
-            if ACCUMULATE:
-                x = tl.load(tensor + where, mask=mask).to(tl.float32) + x
-            tl.store(tensor + where, cast(x, DTYPE), mask=mask)
+    if FLAT_GRID:
+        # The chunk is the flat buffer's [base, base + CHUNK), base a multiple of CHUNK
+        # (``launch_layout(on_flat_grid=True)``): a whole chunk stores aligned blocks with
+        # no mask, so 16 bytes at a time; the tensor's first and last chunk are masked.
+        base = tl.multiple_of(offset + first, BLOCK)
+        whole = (first >= 0) & (first + CHUNK <= numel)
+        for step in range(0, CHUNK, BLOCK):
+            idx = first + step + tl.arange(0, BLOCK)  # logical index within the tensor
+            at = base + step + tl.arange(0, BLOCK)
+            if whole:
+                move(tensor, where_of(row, idx, STRIDED), flat, at, None, scale, DTYPE,
+                     TO_FLAT, ACCUMULATE)
+            else:
+                move(tensor, where_of(row, idx, STRIDED), flat, at, (idx >= 0) & (idx < numel),
+                     scale, DTYPE, TO_FLAT, ACCUMULATE)
+    else:
+        for step in range(0, CHUNK, BLOCK):
+            idx = first + step + tl.arange(0, BLOCK)  # logical index within the tensor
+            move(tensor, where_of(row, idx, STRIDED), flat + offset, idx, idx < numel, scale,
+                 DTYPE, TO_FLAT, ACCUMULATE)
 
 
-def plan(tensors: list[torch.Tensor], flat: torch.Tensor) -> tuple[tuple, ...]:
-    """The launches that copy ``tensors`` to or from ``flat``: one ``(Launch, dtype,
-    strided, aligned)`` per group of tensors that share a dtype and a way of being walked
-    (strided, aligned or neither), its device tables cached by content."""
+def plan(tensors: list[torch.Tensor], flat: torch.Tensor, to_flat: bool) -> tuple[tuple, ...]:
+    """The launches that copy ``tensors`` to (``to_flat``) or from ``flat``: one ``(Launch,
+    dtype, strided, aligned, flat grid)`` per group of tensors that share a dtype and a way
+    of being walked (strided, aligned or neither), its device tables cached by content.
+    Packing a group that is not aligned lays its chunks on the flat buffer's grid, so that
+    the stores, at least, are whole and aligned."""
     groups: dict[tuple[torch.dtype, bool, bool], list[list[int]]] = {}
     flat_aligned = flat.data_ptr() % 16 == 0
     for t, start in zip(tensors, offsets([t.numel() for t in tensors])):
@@ -109,19 +147,21 @@ def plan(tensors: list[torch.Tensor], flat: torch.Tensor) -> tuple[tuple, ...]:
             row += [*((1,) * pad + sizes)[1:], *((0,) * pad + strides)]
         is_aligned = flat_aligned and not is_strided and aligned(row[:1], row[1], row[2])
         groups.setdefault((t.dtype, is_strided, is_aligned), []).append(row)
-    return tuple((launch_layout(rows, flat.device), *key) for key, rows in groups.items())
+    return tuple((launch_layout(rows, flat.device, to_flat and not key[2]), *key,
+                  to_flat and not key[2]) for key, rows in groups.items())
 
 
-def host_plan(tensors: list[torch.Tensor], flat: torch.Tensor,
+def host_plan(tensors: list[torch.Tensor], flat: torch.Tensor, to_flat: bool = True,
               tables: BucketTables | None = None) -> tuple[tuple, ...]:
     """A launch's host work before the kernels start: :func:`plan`, or with the bucket's
     ``tables`` its kept plan when no address moved (``benchmarks/kernels.py --host`` times
     both)."""
     if tables is None:
-        return plan(tensors, flat)
+        return plan(tensors, flat, to_flat)
     addresses = [t.data_ptr() for t in tensors]
     addresses.append(flat.data_ptr())
-    return tables.get(addresses, lambda: plan(tensors, flat))
+    addresses.append(-1 if to_flat else -2)  # the direction is part of the plan
+    return tables.get(addresses, lambda: plan(tensors, flat, to_flat))
 
 
 def copy(tensors: list[torch.Tensor], flat: torch.Tensor, scale: float, *, to_flat: bool,
@@ -132,9 +172,10 @@ def copy(tensors: list[torch.Tensor], flat: torch.Tensor, scale: float, *, to_fl
     to call (then only their addresses are looked at)."""
     kernel = launchable(copy_kernel, flat.device)
     with on_device(flat.device):
-        for launch, dtype, is_strided, is_aligned in host_plan(tensors, flat, tables):
+        for launch, dtype, is_strided, is_aligned, flat_grid in host_plan(tensors, flat, to_flat,
+                                                                          tables):
             kernel[(launch.grid,)](
                 launch.rows, launch.chunks, flat, scale,
                 WIDTH=launch.width, DTYPE=TL_DTYPES[dtype], STRIDED=is_strided,
-                ALIGNED=is_aligned, TO_FLAT=to_flat, ACCUMULATE=accumulate,
+                ALIGNED=is_aligned, FLAT_GRID=flat_grid, TO_FLAT=to_flat, ACCUMULATE=accumulate,
                 CHUNK=launch.chunk, BLOCK=launch.block, enable_fp_fusion=False)

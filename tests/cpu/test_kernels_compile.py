@@ -48,12 +48,17 @@ def memory_ops(ptx: list[str]) -> set[str]:
 @pytest.mark.parametrize("strided, aligned", [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("to_flat, accumulate", [(True, False), (False, False), (False, True)])
 def test_copy_kernel_compiles(strided, aligned, to_flat, accumulate):
+    flat_grid = to_flat and not aligned  # as packing_triton.plan chooses
     ptx = compile_ptx(packing_triton.copy_kernel, "*bf16", dict(
         WIDTH=10 if strided else 3, DTYPE=tl.float32, STRIDED=strided, ALIGNED=aligned,
-        TO_FLAT=to_flat, ACCUMULATE=accumulate, CHUNK=4096, BLOCK=1024))
+        FLAT_GRID=flat_grid, TO_FLAT=to_flat, ACCUMULATE=accumulate, CHUNK=4096,
+        BLOCK=1024))
     ops = memory_ops(ptx)
     # fp32 tensor side and bf16 flat side both move 16 bytes per instruction when aligned
     assert ({"ld.global.v4.b32", "st.global.v4.b32"} <= ops) == aligned, ops
+    # packing on the flat buffer's grid: whole chunks store 8 bf16 (16 bytes) at a time
+    # whatever the tensor's offset, while the tensor side is read an element at a time
+    assert ("st.global.v4.b32" in ops) == (aligned or flat_grid), ops
 
 
 @pytest.mark.parametrize("aligned", [False, True])

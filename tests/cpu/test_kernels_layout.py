@@ -76,6 +76,27 @@ def test_chunks_cover_every_element_once(numels):
         assert count.eq(1).all()
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 9000), min_size=1, max_size=20), st.integers(0, 5000))
+def test_chunks_on_the_flat_grid_cover_every_element_once(numels, start):
+    """On the flat buffer's grid every chunk starts at a multiple of ``chunk`` in the flat
+    buffer, and the chunks still cover each element of each tensor exactly once."""
+    rows, at = [], start
+    for i, n in enumerate(numels):
+        rows.append((1000 * i, n, at))
+        at += n
+    launch = launch_layout(rows, torch.device("cpu"), on_flat_grid=True)
+    table = launch.rows.view(-1, launch.width)
+    seen = [torch.zeros(n, dtype=torch.int64) for n in numels]
+    for row, first in launch.chunks.view(-1, 2).tolist():
+        assert (int(table[row, 2]) + first) % launch.chunk == 0
+        n = int(table[row, 1])
+        assert first > -launch.chunk and first < n  # the chunk holds some of the tensor
+        seen[row][max(first, 0):min(n, first + launch.chunk)] += 1
+    for count in seen:
+        assert count.eq(1).all()
+
+
 def test_tiny_tensors_get_small_blocks_and_one_program_each():
     launch = launch_layout([(8 * i, 1 + i % 3, 0) for i in range(100)], torch.device("cpu"))
     assert (launch.block, launch.chunk, launch.grid) == (16, 16, 100)

@@ -102,7 +102,12 @@ def test_unpack(impl, dtype, flat_dtype, accumulate):
 def test_one_launch_per_group_aligned_strided_or_neither(monkeypatch):
     """``mixed`` holds three aligned tensors (16-byte addresses, counts and offsets that are
     multiples of 8: the first two, and the 16 elements at offset 96), three unaligned
-    contiguous ones and three strided views: one program each, in three launches."""
+    contiguous ones and three strided views: three launches each way. Unpacking, every
+    tensor is cut into chunks of its own. Packing, the unaligned and
+    strided groups are chunked on the flat buffer's grid: the strided views (63, 13 and
+    120 elements at offsets 112, 175 and 188, 128-element chunks) touch flat chunks
+    0-1, 1 and 1-2, five programs; the unaligned ones (15, 1 and 1 at 80, 95 and 308,
+    16-element chunks) one each."""
     monkeypatch.setenv("SPMD_KERNELS", "triton")
     launches = []
     real = packing_triton.launchable
@@ -113,15 +118,42 @@ def test_one_launch_per_group_aligned_strided_or_neither(monkeypatch):
         class Recorder:
             def __getitem__(self, grid):
                 def run(*args, **kw):
-                    launches.append((grid[0], kw["STRIDED"], kw["ALIGNED"]))
+                    launches.append((grid[0], kw["STRIDED"], kw["ALIGNED"], kw["FLAT_GRID"]))
                     return launch[grid](*args, **kw)
                 return run
         return Recorder()
 
     monkeypatch.setattr(packing_triton, "launchable", spy)
     tensors = mixed(torch.float32)
-    assert same(pack(tensors), expected_pack(tensors, 1.0, torch.float32))
-    assert sorted(launches) == [(3, False, False), (3, False, True), (3, True, False)]
+    flat = pack(tensors)
+    assert same(flat, expected_pack(tensors, 1.0, torch.float32))
+    assert sorted(launches) == [(3, False, False, True), (3, False, True, False),
+                                (5, True, False, True)]
+    launches.clear()
+    targets = [torch.zeros_like(t) for t in tensors]
+    unpack(flat, targets)
+    # zeros_like keeps the transposed and permuted views' strides; the every-third-element
+    # slice's target is contiguous, so unaligned (13 at 175): four, three and two programs
+    assert sorted(launches) == [(2, True, False, False), (3, False, True, False),
+                                (4, False, False, False)]
+    assert all(torch.equal(t, u) for t, u in zip(tensors, targets))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packing_large_tensors_at_odd_offsets(impl, dtype):
+    """Tensors of several 4096-element chunks at odd offsets: on the flat buffer's grid,
+    whole chunks in the middle, masked first and last ones that share a flat chunk with
+    the tensor before or after (which they must not touch), and nothing written past the
+    end of the bucket."""
+    g = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(3, generator=g), torch.randn(20001, generator=g),
+               torch.randn(90, 130, generator=g).t(), torch.randn(7, generator=g),
+               torch.randn(9000, generator=g)[1::2]]
+    total = sum(t.numel() for t in tensors)
+    out = torch.full((total + 100,), 7.0, dtype=dtype)
+    pack(tensors, out, scale=0.5)
+    assert same(out[:total], expected_pack(tensors, 0.5, dtype))
+    assert out[total:].eq(7.0).all()
 
 
 def test_unpack_then_pack_round_trips(impl):
