@@ -9,8 +9,9 @@ either contiguous (the fast path) or walked through up to four merged dimensions
 Where a tensor and its slice of the bucket are both 16-byte aligned (``ALIGNED``), loads
 and stores move 16 bytes at a time. Where they are not, an unpack's stores still start at
 the tensor's aligned first element, but a pack's would straddle every 16-byte boundary of
-the bucket (68% of a copy's bandwidth on an H200, against 93% for the same unpack). So
-a pack of such tensors is chunked on the bucket's own grid (``FLAT_GRID``): each chunk is
+the bucket. On an H200 such a pack reached 68% of a copy's bandwidth, against 93% for
+the unaligned unpack (BENCHMARKS.md), and the stores are the likely difference. So a
+pack of such tensors is chunked on the bucket's own grid (``FLAT_GRID``): each chunk is
 an aligned stretch of the flat buffer, stored whole, 16 bytes at a time, with only the
 tensor's first and last chunk masked; the tensor side is read an element at a time. Imported only when a
 Triton kernel is launched (``spmd.kernels.dispatch``); the torch reference is in
