@@ -60,7 +60,8 @@ plan = spmd.inspect(model, tokens, tokens, mesh=mesh, strategy="fsdp",
 plan.summary()
 view = plan.memory("adamw")
 print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-      sum(p.numel() for p in model.parameters()), view.peak, len(plan.buckets))
+      sum(p.numel() for p in model.parameters()), view.peak, len(plan.buckets),
+      len(plan.collectives))
 """
 
 
@@ -71,14 +72,15 @@ def llama() -> None:
 
     here = os.path.dirname(os.path.abspath(__file__))
     print("| model | parameters | ranks | planning s | process peak MiB | predicted peak "
-          "GiB per device | collectives |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          "GiB per device | buckets | collectives |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in ("LLAMA3_8B", "LLAMA3_70B"):
         out = subprocess.run([sys.executable, "-c", _LLAMA.format(here=here, name=name)],
                              capture_output=True, text=True, check=True)
-        seconds, rss, params, peak, buckets = out.stdout.split()[-5:]
+        seconds, rss, params, peak, buckets, collectives = out.stdout.split()[-6:]
         print(f"| {name} | {int(params):,} | 64 | {float(seconds):.1f} | "
-              f"{int(rss) / 1024:.0f} | {int(peak) / 2**30:.1f} | {buckets} |", flush=True)
+              f"{int(rss) / 1024:.0f} | {int(peak) / 2**30:.1f} | {buckets} | {collectives} |",
+              flush=True)
 
 
 _LONG = r"""
