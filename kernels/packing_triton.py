@@ -13,9 +13,10 @@ the bucket. On an H200 such a pack reached 68% of a copy's bandwidth, against 93
 the unaligned unpack (BENCHMARKS.md), and the stores are the likely difference. So a
 pack of such tensors is chunked on the bucket's own grid (``FLAT_GRID``): each chunk is
 an aligned stretch of the flat buffer, stored whole, 16 bytes at a time, with only the
-tensor's first and last chunk masked; the tensor side is read an element at a time. Imported only when a
-Triton kernel is launched (``spmd.kernels.dispatch``); the torch reference is in
-``spmd.kernels.packing`` and the benchmark in ``benchmarks/kernels.py``.
+tensor's first and last chunk masked; the tensor side is read an element at a time.
+
+Imported only when a Triton kernel is launched (``spmd.kernels.dispatch``); the torch
+reference is in ``spmd.kernels.packing`` and the benchmark in ``benchmarks/kernels.py``.
 
 Bytes moved: ``numel * (itemsize(tensor) + itemsize(flat))``, plus ``numel *
 itemsize(tensor)`` more when unpacking with ``accumulate``.
