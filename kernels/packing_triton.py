@@ -149,8 +149,12 @@ def plan(tensors: list[torch.Tensor], flat: torch.Tensor, to_flat: bool) -> tupl
             row += [*((1,) * pad + sizes)[1:], *((0,) * pad + strides)]
         is_aligned = flat_aligned and not is_strided and aligned(row[:1], row[1], row[2])
         groups.setdefault((t.dtype, is_strided, is_aligned), []).append(row)
-    return tuple((launch_layout(rows, flat.device, to_flat and not key[2]), *key,
-                  to_flat and not key[2]) for key, rows in groups.items())
+    launches = []
+    for (dtype, is_strided, is_aligned), rows in groups.items():
+        flat_grid = to_flat and not is_aligned
+        launches.append((launch_layout(rows, flat.device, flat_grid), dtype, is_strided,
+                         is_aligned, flat_grid))
+    return tuple(launches)
 
 
 def host_plan(tensors: list[torch.Tensor], flat: torch.Tensor, to_flat: bool = True,
