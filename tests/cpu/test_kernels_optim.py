@@ -186,6 +186,34 @@ def test_adamw_matches_torch_optim(impl, hyper, grad_scale, flat_dtype):
         assert_same(vmax, [s["max_exp_avg_sq"] for s in state])
 
 
+@pytest.mark.parametrize("kind, hyper", [("sgd", SGD_CASES[3]), ("sgd", SGD_CASES[4]),
+                                         ("adamw", ADAMW_CASES[0]), ("adamw", ADAMW_CASES[-1])])
+def test_small_tensors_in_foreach_calls_and_large_ones_in_the_loop(monkeypatch, kind, hyper):
+    """The torch path takes float32 tensors of up to ``FOREACH_MAX`` elements in foreach
+    calls and larger ones in its loop: with both in one bucket, every tensor still equals
+    torch.optim's (foreach=False) bit for bit, step after step (SGD's momentum buffers
+    start as None, which the loop takes on the first step)."""
+    monkeypatch.setenv("SPMD_KERNELS", "torch")
+    limit = optim.FOREACH_MAX
+    shapes = [(limit + 1,), (16,), (limit,), (3, 5), (), (2, limit // 2 + 1)]
+    params, flats = make(shapes=shapes, seed=4)
+    cls = torch.optim.SGD if kind == "sgd" else torch.optim.AdamW
+    expected, opt = torch_optim(cls, params, flats, 0.5, foreach=False, **hyper)
+    state = [opt.state[p] for p in opt.param_groups[0]["params"]]
+    if kind == "sgd":
+        buffers = [None] * len(params)
+        for flat in flats:
+            sgd_step(params, flat, buffers, grad_scale=0.5, **hyper)
+        assert_same(buffers, [s["momentum_buffer"] for s in state])
+    else:
+        m, v, _ = adamw_state(params, False)
+        for step, flat in enumerate(flats, 1):
+            adamw_step(params, flat, m, v, step=step, grad_scale=0.5, **hyper)
+        assert_same(m, [s["exp_avg"] for s in state])
+        assert_same(v, [s["exp_avg_sq"] for s in state])
+    assert_same(params, expected)
+
+
 def test_adamw_takes_over_torch_optim_state(impl):
     """Two steps of torch.optim, its state handed to adamw_step for two more, equals four
     steps of torch.optim."""
