@@ -6,6 +6,9 @@ Two local ranks, one thread each, Gloo over loopback, the same model, data and o
 for every variant of a case:
 
 - ``spmd``: ``spmd.parallelize`` with its defaults (cost-model buckets, overlap on);
+- ``spmd, whole step``: the training step itself under ``@spmd.parallelize`` (forward,
+  backward, ``opt.step()``, ``opt.zero_grad()`` in one graph; SGD and AdamW then run
+  from each reduced bucket);
 - ``spmd, bucketing off``: one all-reduce per parameter (``bucket_cap_mb=0``);
 - ``spmd, overlap off``: every all-reduce waited right after it starts;
 - ``torch DDP``: ``DistributedDataParallel`` with its defaults;
@@ -16,7 +19,7 @@ Cases (``--cases``, all by default):
 
 - ``encoder``: a 3-layer transformer encoder of width 128 on token ids, AdamW, 32
   sequences in all (every variant);
-- ``small``: 60 residual blocks of Linear(32, 32) + LayerNorm, 240 small parameters,
+- ``small``: 60 residual blocks of Linear(32, 32) + LayerNorm, 244 small parameters,
   AdamW (every variant);
 - ``mlp``: 60 Linear(64, 64) + Tanh layers, plain SGD, a batch of 32 per rank (spmd,
   DDP, limit);
@@ -79,7 +82,8 @@ def deep_mlp() -> nn.Module:
     return nn.Sequential(*layers)
 
 
-ALL_VARIANTS = ("spmd", "spmd, bucketing off", "spmd, overlap off", "torch DDP", "limit")
+ALL_VARIANTS = ("spmd", "spmd, whole step", "spmd, bucketing off", "spmd, overlap off",
+                "torch DDP", "limit")
 SHORT_VARIANTS = ("spmd", "torch DDP", "limit")
 
 
@@ -138,18 +142,40 @@ def _batch(case: Case, step: int, rank: int, world: int):
     return x[rows], y[rows]
 
 
+def whole_step(loss: Callable) -> Callable:
+    """A training step under ``@spmd.parallelize``: ``step(model, x, y, opt)``."""
+    import spmd
+
+    @spmd.parallelize
+    def step(model, x, y, opt):
+        value = loss(model(x), y)
+        value.backward()
+        opt.step()
+        opt.zero_grad()
+        return value
+
+    return step
+
+
 def time_rounds(models: dict, opts: dict, batches: list, loss: Callable, rounds: int,
-                barrier: Callable[[], Any]) -> dict[str, list[float]]:
+                barrier: Callable[[], Any], steps: dict | None = None
+                ) -> dict[str, list[float]]:
     """Each variant's mean step time per round, the variants alternating within each round
     (all see the same machine), after a round 0 that warms up (compiles) and is not
-    counted; every rank starts each variant's run together (``barrier``)."""
+    counted; every rank starts each variant's run together (``barrier``). ``steps``: a
+    variant's own ``step(model, x, y, opt)`` (a whole step), instead of the loop's."""
+    steps = steps or {}
     times: dict[str, list[float]] = {v: [] for v in models}
     for r in range(rounds + 1):
         for variant, model in models.items():
             opt = opts[variant]
+            run = steps.get(variant)
             barrier()
             start = time.perf_counter()
             for x, y in batches:
+                if run is not None:
+                    run(model, x, y, opt)
+                    continue
                 loss(model(x), y).backward()
                 opt.step()
                 opt.zero_grad()
@@ -184,6 +210,7 @@ def rank_main(rank: int, steps: int, rounds: int, names: list[str]) -> dict | No
     world = init_groups(rank)
     make = {
         "spmd": lambda c: spmd.parallelize(_fresh(c)),
+        "spmd, whole step": _fresh,  # its step is parallelized (whole_step)
         "spmd, bucketing off": lambda c: spmd.parallelize(_fresh(c), bucket_cap_mb=0),
         "spmd, overlap off": lambda c: spmd.parallelize(_fresh(c), overlap=False),
         "torch DDP": lambda c: DistributedDataParallel(_fresh(c)),
@@ -195,7 +222,9 @@ def rank_main(rank: int, steps: int, rounds: int, names: list[str]) -> dict | No
         models = {v: make[v](case) for v in case.variants}
         opts = {v: case.optimizer(list(m.parameters())) for v, m in models.items()}
         batches = [_batch(case, step, rank, world) for step in range(steps)]
-        times = time_rounds(models, opts, batches, case.loss, rounds, tdist.barrier)
+        own = {"spmd, whole step": whole_step(case.loss)} if "spmd, whole step" in models \
+            else None
+        times = time_rounds(models, opts, batches, case.loss, rounds, tdist.barrier, own)
         results[name] = {"times": times,
                          "plan": str(spmd.inspect(models["spmd"])).splitlines()[0]}
     tdist.destroy_process_group()
