@@ -105,10 +105,10 @@ def _static(value: Any) -> Any:
     return (type(value), value)
 
 
-def _held(model: nn.Module, opt: Any) -> list[torch.Tensor]:
-    """The tensors whose .grad a step's optimizer may read: the model's parameters and
-    the optimizer's."""
-    held = list(model.parameters())
+def _held(params: list[torch.Tensor], opt: Any) -> list[torch.Tensor]:
+    """The tensors whose .grad a step's optimizer may read: the model's parameters
+    (``params``) and the optimizer's."""
+    held = list(params)
     if opt is not None:
         held += [p for g in opt.param_groups for p in g["params"]]
     return held
@@ -253,7 +253,7 @@ class ParallelStep:
                tuple(_static(x) for x in leaves if not isinstance(x, torch.Tensor)))
         program = self._program(key, model, opt, args, kwargs)
         if program.fused and not program.clears_first and any(
-                p.grad is not None for p in _held(model, opt)):
+                p.grad is not None for p in _held(params, opt)):
             # gradients accumulated by earlier calls (or held by a frozen layer the
             # optimizer would still step): the buckets alone are not what opt.step() would
             # read, so the gradients go to .grad and torch's step runs, as recorded
