@@ -192,6 +192,9 @@ def host(device: torch.device, counts=(10, 100, 1000, 10000)) -> None:
             ours = host_loop(lambda: pack_planned(tensors, 1.0, torch.float32, flat, tables),
                              device)
             line += f" {whole * 1e6:,.1f} | {ours * 1e6:,.1f} |"
+            # the kept plan's result is the bucket itself, bit for bit
+            if not torch.equal(flat, torch.cat([t.reshape(-1) for t in tensors])):
+                raise SystemExit(f"--host: the pack with kept tables differs ({n} tensors)")
         print(line)
 
 
