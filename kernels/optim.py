@@ -26,7 +26,7 @@ parameters and state are computed in float32 and rounded once per step, as torch
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Any
 
 import torch
@@ -196,7 +196,7 @@ def _check_state(fn: str, name: str, params: list[torch.Tensor], state: Any, *,
 
 
 def _grads(params: list[torch.Tensor], flat_grad: torch.Tensor, grad_scale: float,
-           maximize: bool, skip: set[int] = frozenset()):
+           maximize: bool, skip: Container[int] = ()):
     """(index, param, its float32 gradient) for every parameter not in ``skip``, gradients
     read as the kernels read them. The buffer itself is never written."""
     for i, (p, start) in enumerate(zip(params, offsets([p.numel() for p in params]))):
