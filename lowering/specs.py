@@ -297,6 +297,14 @@ class ShardSpec:
     def rank(self) -> int:
         return self.group.rank() if self.live else 0
 
+    def follow(self, stored: torch.Tensor) -> None:
+        """Take the dtype of the tensor this rank stores, after the module was converted
+        (``model.double()``, ``model.to(dtype)``): gathers come out, and gradients are
+        reduced into, the new dtype; a kept gather of the old values is dropped."""
+        if stored.dtype != self.dtype:
+            self.dtype = stored.dtype
+            self.held = None
+
     def valid_rows(self) -> int:
         """How many of this rank's shard rows hold the parameter (the rest is padding)."""
         return max(0, min(self.rows, self.rows_global - self.rank() * self.rows))

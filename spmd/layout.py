@@ -303,8 +303,32 @@ def _placed_class(cls: type, names: tuple[str, ...]) -> type:
     if sub is None:
         props = {n: _computed_property(n) for n in names}
         sub = type(f"Placed{cls.__name__}", (cls,), {**props, "__module__": cls.__module__})
+        sub._apply = _converting(sub)
         _CLASSES[key] = sub
     return sub
+
+
+def _converting(cls: type) -> Any:
+    """``cls._apply``: ``nn.Module._apply`` (what ``.double()``, ``.to(dtype)``,
+    ``.half()`` run), then each stored shard's spec takes its new dtype, so gathers and
+    gradient reductions follow the conversion; the next forward re-traces (its guards
+    see the new dtype)."""
+    def _apply(self: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
+        out = super(cls, self)._apply(fn, recurse)
+        for name, (shard_handle, _) in self._spmd_handles.items():
+            stored = self._parameters[name]
+            if getattr(stored, "_spmd_placement", None) is None:
+                raise RuntimeError(
+                    f"{type(self).__name__}.{name} was replaced by a new tensor when the "
+                    f"module was converted (torch.__future__."
+                    f"set_overwrite_module_params_on_conversion(True)); a parallelized "
+                    f"model's parameters must stay the same objects: turn that off, or "
+                    f"convert the model before spmd.parallelize")
+            if shard_handle:
+                lookup(shard_handle).follow(stored)
+        return out
+
+    return _apply
 
 
 def _computed_property(name: str) -> property:

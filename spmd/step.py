@@ -19,8 +19,8 @@ bucket inside the graph; otherwise the averaged (and, say, clipped) gradients ar
 
 Like ``jax.jit``, the step must be traceable: no ``.item()`` or data-dependent Python
 control flow on tensors; other Python side effects run once, while tracing. A new
-trace happens when the input shapes or dtypes, the training mode or the set of
-trainable parameters change.
+trace happens when the input shapes or dtypes, the training mode, the set of
+trainable parameters or the model's dtypes change.
 """
 
 from __future__ import annotations
@@ -112,6 +112,20 @@ def _held(params: list[torch.Tensor], opt: Any) -> list[torch.Tensor]:
     if opt is not None:
         held += [p for g in opt.param_groups for p in g["params"]]
     return held
+
+
+def _hooked(opt: Any) -> tuple:
+    """What about ``opt`` may change between calls and stop its step running from the
+    buckets (its hooks, its groups' flags): part of the trace key."""
+    if opt is None:
+        return ()
+    from torch.optim import optimizer as torch_optimizer
+
+    hooks = (opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks,
+             getattr(torch_optimizer, "_global_optimizer_pre_hooks", {}),
+             getattr(torch_optimizer, "_global_optimizer_post_hooks", {}))
+    return (any(hooks), *(bool(g.get(f)) for g in opt.param_groups
+                          for f in ("differentiable", "capturable", "fused")))
 
 
 def _fusable_calls(calls: list[tuple[str, dict]]) -> bool:
@@ -216,6 +230,9 @@ class ParallelStep:
         except PlanningError as e:
             raise RuntimeError(f"{self._where}: {e}") from None
         name = f"step{len(self._records)}"
+        # fusable when bound, and still (a dtype changed by model.double(), hooks or flags
+        # set since change that: torch's own step() runs then)
+        fuse = fuse and bound.optimizer is not None and not why_not_fusable(opt)
         ctx = LoweringContext(strategy=bound.setup.strategy, options=self.options,
                               cost_model=bound.setup.cost_model, inputs=traced.inputs,
                               role="step", graph_name=name, sync=bound.sync,
@@ -246,10 +263,13 @@ class ParallelStep:
         leaves, _ = pytree.tree_flatten((args, kwargs))
         data = [x for x in leaves if isinstance(x, torch.Tensor)]
         params = list(model.parameters())
+        buffers = list(model.buffers())
         # the trace bakes in every non-tensor argument (a loss weight, a flag): its value
-        # is part of the key, as the shapes are
+        # is part of the key, as the shapes are; and the model's dtypes (model.double()
+        # between calls traces again)
         key = (model.training, tuple((tuple(t.shape), t.dtype) for t in data),
-               tuple(p.requires_grad for p in params),
+               tuple((p.requires_grad, p.dtype) for p in params),
+               tuple(b.dtype for b in buffers), _hooked(opt),
                tuple(_static(x) for x in leaves if not isinstance(x, torch.Tensor)))
         program = self._program(key, model, opt, args, kwargs)
         if program.fused and not program.clears_first and any(
@@ -262,7 +282,6 @@ class ParallelStep:
             raise ValueError(f"{self._where}: the step reads the gradients (to clip them, say) "
                              f"while .grad already holds gradients from before the step, which "
                              f"it would leave out; call opt.zero_grad() before backward()")
-        buffers = list(model.buffers())
         setup = bound.setup
         if self.options.broadcast_buffers and buffers and setup.communicates:
             broadcast_coalesced(buffers, setup.group.ranks[0], setup.group)

@@ -1,0 +1,147 @@
+"""Changes after ``parallelize``: a model converted (``model.double()``,
+``model.to(dtype)``) before its first step or between steps trains as one process
+converted at the same point does, under ddp and every strategy that stores parameters as
+shards, as a module and through a whole step; an optimizer hook registered after a whole
+step's first call runs."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd
+from spmd import runtime as dist
+
+STRATEGIES = ["ddp", "fsdp", "hsdp", "zero1", "zero2"]
+STEPS = 3
+
+
+class Scaled(nn.Module):
+    """Parameters on the root itself (its class is swapped twice: placed, then parallel)
+    and in children; 5 output rows, which 2 ranks' shards pad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 10), nn.Linear(10, 5)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x))) * self.scale
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 5, generator=g)
+
+
+def _train(model: nn.Module, rank: int, world: int, convert_at: int, how: str) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0)
+    for step in range(STEPS):
+        if step == convert_at:
+            model.double() if how == "double" else model.to(torch.float64)
+        dtype = next(model.parameters()).dtype
+        x, y = (t.to(dtype) for t in _data(step))
+        rows = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+        F.mse_loss(model(x[rows]), y[rows]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _mesh(strategy: str) -> spmd.Mesh | None:
+    return spmd.Mesh((1, 2), dim_names=("dp", "fsdp")) if strategy == "hsdp" else None
+
+
+def _whole_step(model: nn.Module, rank: int, world: int, strategy: str) -> list[int]:
+    """Three calls of a parallelized step, an optimizer hook registered after the first and
+    the model converted before the third; the steps the hook saw."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[int] = []
+
+    @spmd.parallelize(strategy=strategy, mesh=_mesh(strategy))
+    def train_step(model, x, y, opt):
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for step in range(STEPS):
+        if step == 1:
+            opt.register_step_post_hook(lambda *_: seen.append(step))
+        if step == 2:
+            model.double()
+        dtype = next(model.parameters()).dtype
+        x, y = (t.to(dtype) for t in _data(step))
+        rows = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+        train_step(model, x[rows], y[rows], opt)
+    return seen
+
+
+def converted(rank: int) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
+    out = {}
+    try:
+        for strategy in STRATEGIES:
+            for convert_at, how in ((0, "double"), (1, "to")):
+                torch.manual_seed(0)
+                model = spmd.parallelize(Scaled(), strategy=strategy, mesh=_mesh(strategy))
+                _train(model, rank, 2, convert_at, how)
+                grads_dtype = {p.dtype for p in model.parameters()}
+                out[strategy, convert_at] = (
+                    {k: v.clone() for k, v in model.state_dict().items()}, grads_dtype)
+            torch.manual_seed(0)
+            model = Scaled()
+            seen = _whole_step(model, rank, 2, strategy)
+            out[strategy, "step"] = ({k: v.clone() for k, v in model.state_dict().items()},
+                                     seen)
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return dist.spawn(converted, nprocs=2, start_method="forkserver", timeout=110)
+
+
+def _reference(convert_at: int) -> dict:
+    torch.manual_seed(0)
+    model = Scaled()
+    _train(model, 0, 1, convert_at, "double")
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_converted_before_the_first_step_equals_one_process(runs, strategy):
+    want = _reference(0)
+    for run in runs:
+        got, dtypes = run[strategy, 0]
+        assert dtypes == {torch.float64}
+        for key, value in want.items():
+            assert got[key].dtype == torch.float64, key
+            torch.testing.assert_close(got[key], value, rtol=0, atol=1e-12, msg=key)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_converted_between_steps_equals_one_process(runs, strategy):
+    want = _reference(1)  # one float32 step (its all-reduce rounds), then float64
+    for run in runs:
+        got, dtypes = run[strategy, 1]
+        assert dtypes == {torch.float64}
+        for key, value in want.items():
+            assert got[key].dtype == torch.float64, key
+            torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_whole_step_traces_again_after_a_conversion_and_runs_later_hooks(runs, strategy):
+    want = _reference(2)
+    for run in runs:
+        got, seen = run[strategy, "step"]
+        assert seen == [1, 2]  # registered before the second call, it ran at every step
+        for key, value in want.items():
+            assert got[key].dtype == torch.float64, key
+            torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6, msg=key)
