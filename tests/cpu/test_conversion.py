@@ -1,8 +1,9 @@
 """Changes after ``parallelize``: a model converted (``model.double()``,
 ``model.to(dtype)``) before its first step or between steps trains as one process
 converted at the same point does, under ddp and every strategy that stores parameters as
-shards, as a module and through a whole step; an optimizer hook registered after a whole
-step's first call runs."""
+shards, as a module and through a whole step; so does a plain attribute the forward
+reads, changed by the loop; an optimizer hook registered after a whole step's first call
+runs."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ import spmd
 from spmd import runtime as dist
 
 STRATEGIES = ["ddp", "fsdp", "hsdp", "zero1", "zero2"]
-STEPS = 3
+STEPS = 4
+# the forward's plain attribute, changed by the loop (at a step where nothing else changes)
+GAINS = (1.0, 1.0, 1.0, 0.5)
 
 
 class Scaled(nn.Module):
@@ -28,9 +31,10 @@ class Scaled(nn.Module):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(6, 10), nn.Linear(10, 5)
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 5))
+        self.gain = 1.0  # a plain attribute the loop changes (read by the forward)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x))) * self.scale
+        return self.fc2(torch.tanh(self.fc1(x))) * self.scale * self.gain
 
 
 def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +45,7 @@ def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _train(model: nn.Module, rank: int, world: int, convert_at: int, how: str) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0)
     for step in range(STEPS):
+        model.gain = GAINS[step]
         if step == convert_at:
             model.double() if how == "double" else model.to(torch.float64)
         dtype = next(model.parameters()).dtype
@@ -56,8 +61,9 @@ def _mesh(strategy: str) -> spmd.Mesh | None:
 
 
 def _whole_step(model: nn.Module, rank: int, world: int, strategy: str) -> list[int]:
-    """Three calls of a parallelized step, an optimizer hook registered after the first and
-    the model converted before the third; the steps the hook saw."""
+    """Calls of a parallelized step: an optimizer hook registered after the first, the
+    model converted before the third, its plain attribute changed before the fourth; the
+    steps the hook saw."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen: list[int] = []
 
@@ -68,6 +74,7 @@ def _whole_step(model: nn.Module, rank: int, world: int, strategy: str) -> list[
         opt.zero_grad()
 
     for step in range(STEPS):
+        model.gain = GAINS[step]
         if step == 1:
             opt.register_step_post_hook(lambda *_: seen.append(step))
         if step == 2:
@@ -141,7 +148,7 @@ def test_a_whole_step_traces_again_after_a_conversion_and_runs_later_hooks(runs,
     want = _reference(2)
     for run in runs:
         got, seen = run[strategy, "step"]
-        assert seen == [1, 2]  # registered before the second call, it ran at every step
+        assert seen == [1, 2, 3]  # registered before the second call, it ran at every step
         for key, value in want.items():
             assert got[key].dtype == torch.float64, key
             torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6, msg=key)
