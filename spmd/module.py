@@ -419,10 +419,13 @@ def parallelize_module(module: nn.Module, options: Options, setup: Setup) -> nn.
     set it up on every rank first (``spmd.setup.prepare_model``)."""
     from spmd.batchnorm import prepare_batchnorms
 
+    from spmd.ownership import own
+
     options = prepare_batchnorms(module, options, setup)
     state = ModuleState(module, options, setup)
     module.__class__ = _parallel_class(type(module))
     module._spmd = state
+    own(module, f"parallelize({type(module).__name__.removeprefix('Parallel')})")
     return module
 
 

@@ -249,7 +249,10 @@ class ParallelStep:
         state made for whole parameters cannot be cut the same way silently."""
         from spmd.layout import place_module
 
+        from spmd.ownership import own
+
         model._spmd_step_shards = place_module(model, setup, self.options, handles).shards
+        own(model, self._where)
 
     # -- tracing ----------------------------------------------------------------------
 
