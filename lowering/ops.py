@@ -181,6 +181,7 @@ def _shard_gather(shard: torch.Tensor, handle: int) -> torch.Tensor:
     all-gather (the eager form; compiled graphs bucket and overlap it instead). A
     persistent spec (zero1/zero2) gathers only when the shard changed since the last."""
     s: ShardSpec = lookup(handle)
+    s.check_stored(shard)
     s.eager = True  # planned graphs run bucket_all_gather instead: this read is eager
     if not s.persistent:
         return s.gather(shard, s.gather_dtype)
@@ -336,6 +337,7 @@ def _fake_tp_grad(grad: torch.Tensor, handle: int) -> torch.Tensor:
 
 def _fake_shard_gather(shard: torch.Tensor, handle: int) -> torch.Tensor:
     s: ShardSpec = lookup(handle)
+    s.check_stored(shard)
     return shard.new_empty(s.shape, dtype=s.gather_dtype)
 
 

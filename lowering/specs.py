@@ -305,6 +305,19 @@ class ShardSpec:
             self.dtype = stored.dtype
             self.held = None
 
+    def check_stored(self, stored: torch.Tensor) -> None:
+        """``stored`` is this rank's shard as the spec says, in shape; its dtype is followed
+        (``p.data = p.data.double()``). ``ValueError`` naming the parameter otherwise: a
+        whole tensor assigned to the stored shard's ``.data`` would be cut wrongly."""
+        if tuple(stored.shape) != self.local_shape:
+            raise ValueError(
+                f"{self.param} stores a tensor of shape {tuple(stored.shape)}, where this "
+                f"rank stores its shard {self.local_shape} of the whole {self.shape}: set the "
+                f"whole parameter through the module attribute (model.{self.param}.data = w, "
+                f"or copy_ under torch.no_grad()) or load_state_dict, not through the "
+                f".data of model.parameters(), which are the shards")
+        self.follow(stored)
+
     def valid_rows(self) -> int:
         """How many of this rank's shard rows hold the parameter (the rest is padding)."""
         return max(0, min(self.rows, self.rows_global - self.rank() * self.rows))

@@ -3,7 +3,8 @@
 With ``fsdp``/``hsdp`` or tensor parallelism ``model.fc.weight`` is the whole parameter
 gathered from every rank's piece: a new tensor. Code that writes into it in place after
 ``parallelize`` (``nn.init.*_``, ``reset_parameters()``, ``weight.zero_()`` or
-``weight.data.copy_(w)`` under ``no_grad``) would change that copy and lose the write.
+``weight.data.copy_(w)`` under ``no_grad``, ``weight.data = w``) would change that copy and
+lose the write.
 In eager code the attribute is therefore a :class:`WriteThrough` tensor: every in-place
 op on it, or on a view of it (``weight[0].fill_(1)``, ``weight.data``, ``weight.t()``),
 is written back to this rank's piece. Every rank runs the same code on the same whole
@@ -49,6 +50,9 @@ class WriteThrough(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if (getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__"
+                and isinstance(args[0], WriteThrough)):
+            return _set_data(*args)
         # the tensor written: a method's self, or (``nn.init`` passes it by keyword) the
         # first keyword's
         target = args[0] if args else next(iter(kwargs.values()), None)
@@ -71,6 +75,28 @@ class WriteThrough(torch.Tensor):
         if isinstance(target, WriteThrough):
             out = pytree.tree_map_only(torch.Tensor, lambda o: _alias(o, target), out)
         return out
+
+
+_DATA = torch.Tensor.data  # its setter reaches __torch_function__ as _DATA.__set__
+
+
+def _set_data(target: WriteThrough, value: Any) -> None:
+    """``weight.data = tensor`` (loading weights the old way): the whole parameter's new
+    values, stored into this rank's piece; a view's ``.data`` or another shape is
+    refused, naming the parameter (the assignment would otherwise replace a temporary
+    gathered copy and be lost)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        root = target._spmd_root
+        whole = (target.shape == root.shape and target.data_ptr() == root.data_ptr()
+                 and target.stride() == root.stride())
+        if not isinstance(value, torch.Tensor) or not whole or value.shape != root.shape:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+            raise RuntimeError(
+                f"{target._spmd_name}.data = {shape}: a parameter stored in pieces takes a "
+                f"new value for the whole tensor {tuple(root.shape)} through .data (or "
+                f"copy_ under torch.no_grad()); assigning .data to a view or another "
+                f"shape would be lost")
+        target._spmd_store(value.detach().to(root.dtype), None)
 
 
 def _alias(out: torch.Tensor, source: WriteThrough) -> torch.Tensor:

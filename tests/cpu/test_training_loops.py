@@ -272,6 +272,8 @@ def inplace_init(rank, strategy):
         m.fc2.weight[0].fill_(3.0)  # a view of the parameter
         m.fc2.weight.data[1].copy_(torch.arange(16.0, dtype=torch.float64))
         m.fc2.bias.add_(1.0)
+        # the whole tensor assigned (old-style weight loading): stored into each piece
+        m.fc2.bias.data = torch.linspace(-1.0, 1.0, m.fc2.bias.numel(), dtype=torch.float64)
     torch.manual_seed(5)
     m.fc1.reset_parameters()
     nn.init.constant_(m.out.bias, 0.25)
@@ -294,6 +296,7 @@ def _writes(m: nn.Module) -> None:
         m.fc2.weight[0].fill_(3.0)
         m.fc2.weight.data[1].copy_(torch.arange(16.0, dtype=torch.float64))
         m.fc1.weight[:, 2] = 0.5  # across every rank's rows
+        m.fc1.bias.data = torch.linspace(-1.0, 1.0, m.fc1.bias.numel(), dtype=torch.float64)
     torch.manual_seed(5)
     m.fc2.reset_parameters()
 
