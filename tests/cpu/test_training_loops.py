@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import spmd
 from spmd import runtime as dist
 
+from ..jobs import Jobs, pack
 from ..models import MODELS
 
 WORLD = 2
@@ -100,8 +101,8 @@ def _llama_small():
         torch.set_default_dtype(default)
 
 
-def _split_loop(rank, strategy, dim, placements, shapes, after_changes):
-    """Our transformer and our LLaMA-style model on a 1-D mesh along ``dim`` (both ranks
+def _split_loop(rank, strategy, dim, placements, shapes, after_changes, family):
+    """Our transformer or our LLaMA-style model (``family``) on a 1-D mesh along ``dim`` (both ranks
     see the whole batch), gradients accumulated over two backward calls per step at each
     ``(rows, length)`` of ``shapes``: the first two alike (planned graphs, whose plan is
     kept), then changing ones (a dynamic graph, run eagerly). The parameters, and per
@@ -109,8 +110,8 @@ def _split_loop(rank, strategy, dim, placements, shapes, after_changes):
     from ..models import Transformer, tokens
 
     out, planned = {}, {}
-    for family, build in (("transformer", lambda: Transformer(layers=2).double()),
-                          ("llama", _llama_small)):
+    builds = {"transformer": lambda: Transformer(layers=2).double(), "llama": _llama_small}
+    for build in [builds[family]]:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             m = build()
@@ -136,7 +137,7 @@ def _split_loop(rank, strategy, dim, placements, shapes, after_changes):
     return out, planned
 
 
-def sequence_parallel(rank, strategy):
+def sequence_parallel(rank, strategy, family="transformer"):
     """Sequence and vocabulary parallelism (``megatron(sequence_parallel=True,
     vocab_parallel=True)``, tp=2) on our transformer and our LLaMA-style model, gradients
     accumulated over two backward calls per step, first at one shape (planned graphs),
@@ -144,16 +145,24 @@ def sequence_parallel(rank, strategy):
     parallelism does not plan yet: the model then runs eagerly, and says so)."""
     return _split_loop(rank, strategy, "tp",
                        spmd.tp.megatron(sequence_parallel=True, vocab_parallel=True),
-                       ((4, 8), (4, 8), (2, 6), (6, 4)), after_changes=True)
+                       ((4, 8), (4, 8), (2, 6), (6, 4)), after_changes=True, family=family)
 
 
-def context_parallel(rank, strategy):
+def sequence_parallel_llama(rank, strategy):
+    return sequence_parallel(rank, strategy, "llama")
+
+
+def context_parallel(rank, strategy, family="transformer"):
     """Context parallelism (``spmd.cp.ring()``, cp=2; each rank its half of every
     sequence, attention as ring attention) on the same models and loop: two sequences at
     one shape (planned graphs), then batch sizes and sequence lengths that change (run
     eagerly, as tensor parallelism's dynamic graphs are)."""
     return _split_loop(rank, strategy, "cp", spmd.cp.ring(),
-                       ((2, 8), (2, 8), (1, 6), (3, 4)), after_changes=False)
+                       ((2, 8), (2, 8), (1, 6), (3, 4)), after_changes=False, family=family)
+
+
+def context_parallel_llama(rank, strategy):
+    return context_parallel(rank, strategy, "llama")
 
 
 def uneven_last_batch(rank, strategy):
@@ -530,7 +539,9 @@ LOOPS = {
     "inplace_init_mixed_precision": (inplace_init_mixed_precision, ("fsdp",)),
     "inplace_init_tensor_parallel": (inplace_init_tensor_parallel, ("ddp", "fsdp")),
     "sequence_parallel": (sequence_parallel, ("ddp",)),
+    "sequence_parallel_llama": (sequence_parallel_llama, ("ddp",)),
     "context_parallel": (context_parallel, ("ddp",)),
+    "context_parallel_llama": (context_parallel_llama, ("ddp",)),
     "step_scalar_argument": (step_scalar_argument, ("ddp", "fsdp")),
     "step_adamw_alternate_freeze": (step_adamw_alternate_freeze, ("ddp", "fsdp")),
     "step_adamw_alternate_freeze_f32": (step_adamw_alternate_freeze_f32, ("ddp", "fsdp")),
@@ -541,51 +552,71 @@ LOOPS = {
 CASES = [(name, s) for name, (_, strategies) in LOOPS.items() for s in strategies]
 
 
-def job(rank: int) -> dict:
-    torch.set_num_threads(1)
-    # a hang would show as this timeout naming the rank, not as the test's
-    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
-    out: dict = {}
-    for name, strategy in CASES:
-        out[(name, strategy)] = LOOPS[name][0](rank, strategy)
-    for strategy in ("ddp", "fsdp"):
-        out[("checkpointed_plan", strategy)] = _checkpointed_plan(rank, strategy)
+def _meta(rank, strategy):
     with torch.device("meta"):
         meta = Net()
     try:
         spmd.parallelize(meta, strategy="fsdp")
-        out["meta"] = "accepted"
+        return "accepted"
     except ValueError as e:
-        out["meta"] = str(e)
-    dist.destroy_process_group()
-    return out
+        return str(e)
 
 
-@pytest.fixture(scope="module")
-def runs():
-    return dist.spawn(job, nprocs=WORLD, start_method="forkserver", timeout=110)
+EXTRA = {"checkpointed_plan": _checkpointed_plan, "meta": _meta}
+
+
+def job(rank: int, cases: list[tuple[str, str]]) -> dict:
+    torch.set_num_threads(1)
+    # a hang would show as this timeout naming the rank, not as the test's (with room for
+    # a peer still compiling on a loaded machine)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
+    try:
+        return {(name, strategy): (LOOPS[name][0] if name in LOOPS else EXTRA[name])(
+            rank, strategy) for name, strategy in cases}
+    finally:
+        dist.destroy_process_group()
+
+
+# quiet seconds each case took on 2 ranks (2 cores), packed into jobs of tests.jobs.BUDGET
+COST = {**{case: 0.5 for case in CASES}, ("meta", "fsdp"): 0.1,
+        ("checkpointed_plan", "ddp"): 2.0, ("checkpointed_plan", "fsdp"): 2.0,
+        ("sequence_parallel", "ddp"): 14.5, ("sequence_parallel_llama", "ddp"): 14.5,
+        ("context_parallel", "ddp"): 13.0, ("context_parallel_llama", "ddp"): 13.0,
+        ("activation_checkpointing_llama", "ddp"): 10.5,
+        ("activation_checkpointing_llama", "fsdp"): 12.0,
+        ("changing_batch_encoder", "ddp"): 7.0, ("changing_batch_encoder", "fsdp"): 10.5,
+        ("activation_checkpointing", "ddp"): 3.7, ("activation_checkpointing", "fsdp"): 4.1,
+        ("recompile_limit", "ddp"): 3.4, ("recompile_limit", "fsdp"): 3.1,
+        ("changing_batch", "ddp"): 2.8, ("changing_batch", "fsdp"): 1.9,
+        ("changing_batch", "zero2"): 1.6, ("step_accumulation_over_calls", "zero2"): 1.4,
+        ("uneven_last_batch", "fsdp"): 1.3}
+JOBS = Jobs(job, pack(COST), nprocs=WORLD)
+
+
+def runs(case: tuple[str, str]) -> list:
+    """Each rank's result of ``case``."""
+    return JOBS.results(case)
 
 
 @pytest.mark.parametrize("name,strategy", CASES, ids=[f"{n}-{s}" for n, s in CASES])
-def test_loop_equals_one_process(runs, name, strategy):
+def test_loop_equals_one_process(name, strategy):
     expected, _ = LOOPS[name][0](None, strategy)
     exact = all(v.dtype == torch.float64 for v in expected.values())
     tol = 1e-12 if exact else 1e-5  # float32: the fused kernels round differently
-    for rank, out in enumerate(runs):
-        got, _ = out[(name, strategy)]
+    for rank, (got, _) in enumerate(runs((name, strategy))):
         for key, value in expected.items():
             assert torch.allclose(got[key], value, rtol=tol, atol=tol), (rank, key)
 
 
-def test_sequence_parallel_loop_runs_planned_graphs(runs):
+def test_sequence_parallel_loop_runs_planned_graphs():
     """The loop's fixed-shape steps ran compiled, planned graphs (not eagerly): the
     sequence shards' reduce-scatters and gathers are in its plans, and no gradient fell
     back. Its changing shapes make a dynamic graph, which tensor parallelism does not plan
     yet: the model runs eagerly from there (still equal to one process, above), and its
     state says why."""
-    for out in runs:
-        _, planned = out[("sequence_parallel", "ddp")]
-        for family in ("transformer", "llama"):
+    for family, loop in (("transformer", "sequence_parallel"),
+                         ("llama", "sequence_parallel_llama")):
+        for _, planned in runs((loop, "ddp")):
             failed, fallbacks, kinds = planned[family]
             assert failed is None, (family, failed)
             assert fallbacks == [], (family, fallbacks)
@@ -594,64 +625,58 @@ def test_sequence_parallel_loop_runs_planned_graphs(runs):
             assert reason is None or "could not be captured" in reason, (family, reason)
 
 
-def test_context_parallel_loop_runs_ring_attention(runs):
+def test_context_parallel_loop_runs_ring_attention():
     """The loop's fixed-shape steps ran planned graphs with ring attention on "cp" and no
     gradient fell back (its changing shapes then ran eagerly, equal to one process)."""
-    for out in runs:
-        _, planned = out[("context_parallel", "ddp")]
-        for family in ("transformer", "llama"):
+    for family, loop in (("transformer", "context_parallel"),
+                         ("llama", "context_parallel_llama")):
+        for _, planned in runs((loop, "ddp")):
             failed, fallbacks, kinds = planned[family]
             assert failed is None, (family, failed)
             assert fallbacks == [], (family, fallbacks)
             assert {("ring", "cp"), ("all_reduce", "cp")} <= set(kinds), family
 
 
-def test_changing_batch_sizes_compile_few_graphs(runs):
+def test_changing_batch_sizes_compile_few_graphs():
     """Sizes 12, 8, 4, ... per step: a static graph, then one for dynamic sizes (and one
     for the size-1 specialisation Dynamo makes), not one per size."""
-    for out in runs:
-        for strategy in ("ddp", "fsdp", "zero2"):
-            _, graphs = out[("changing_batch", strategy)]
+    for strategy in ("ddp", "fsdp", "zero2"):
+        for _, graphs in runs(("changing_batch", strategy)):
             assert 2 <= len(graphs) <= 3, graphs
             reasons = list(graphs.values())
             assert reasons[0].startswith("first call; data (6,8)")
             assert reasons[1].startswith("recompiled for new input sizes, dynamic"), reasons
 
 
-def test_checkpointed_blocks_are_planned_not_left_to_the_safety_net(runs):
-    for out in runs:
-        for strategy in ("ddp", "fsdp"):
-            fallbacks, failed, collectives = out[("checkpointed_plan", strategy)]
+def test_checkpointed_blocks_are_planned_not_left_to_the_safety_net():
+    for strategy in ("ddp", "fsdp"):
+        for fallbacks, failed, collectives in runs(("checkpointed_plan", strategy)):
             assert fallbacks == [] and failed is None and collectives > 0, strategy
 
 
-def test_late_eager_gradient_is_averaged_and_listed(runs):
-    for out in runs:
-        _, fallbacks = out[("late_eager_gradient", "ddp")]
+def test_late_eager_gradient_is_averaged_and_listed():
+    for _, fallbacks in runs(("late_eager_gradient", "ddp")):
         assert fallbacks == ["fc1.weight"]
 
 
-def test_forward_past_the_recompile_limit_is_listed(runs):
-    for out in runs:
-        for strategy in ("ddp", "fsdp"):
-            _, reasons = out[("recompile_limit", strategy)]
+def test_forward_past_the_recompile_limit_is_listed():
+    for strategy in ("ddp", "fsdp"):
+        for _, reasons in runs(("recompile_limit", strategy)):
             assert len(reasons) == 1 and "recompile limit" in reasons[0], reasons
 
 
-def test_inplace_write_with_autograd_on_is_refused_by_name(runs):
-    for out in runs:
-        _, refused = out[("inplace_init", "fsdp")]
+def test_inplace_write_with_autograd_on_is_refused_by_name():
+    for _, refused in runs(("inplace_init", "fsdp")):
         assert refused is not None and "fc1.bias" in refused and "no_grad" in refused
 
 
-def test_fused_adamw_keeps_per_parameter_step_counts(runs):
-    for out in runs:
-        for strategy in ("ddp", "fsdp"):
-            _, how = out[("step_adamw_alternate_freeze_f32", strategy)]
+def test_fused_adamw_keeps_per_parameter_step_counts():
+    for strategy in ("ddp", "fsdp"):
+        for _, how in runs(("step_adamw_alternate_freeze_f32", strategy)):
             assert all(v.startswith("fused") for v in how.values()), how
 
 
-def test_meta_model_is_refused_before_anything_is_sent(runs):
-    for out in runs:
-        assert "'fc1.weight' is on the meta device" in out["meta"]
-        assert "to_empty" in out["meta"]
+def test_meta_model_is_refused_before_anything_is_sent():
+    for refused in runs(("meta", "fsdp")):
+        assert "'fc1.weight' is on the meta device" in refused
+        assert "to_empty" in refused

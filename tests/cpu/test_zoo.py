@@ -42,6 +42,7 @@ import torch
 import spmd
 from spmd import runtime as dist
 
+from ..jobs import Jobs
 from ..zoo import ZOO, all_entries, entry
 
 pytest.importorskip("transformers")
@@ -179,43 +180,28 @@ def zoo_job(rank: int, runs: list[tuple[str, str]]) -> dict:
         dist.destroy_process_group()
 
 
-# runs per spawned job, by world size: each job well inside the 115 s a spawn may take on
-# 2 cores (a run took 1-2 s on 2 ranks, 2-9 s on 4, about 20 s on 8, compilation included;
-# the CI profile's 18 two-rank runs took 31 s as one job, 8 four-rank runs up to 60 s)
-CHUNK = {2: 20, 4: 8, 8: 2}
+def _world(run: tuple[str, str]) -> int:
+    return math.prod(COMPOSITIONS[run[1]][0])
 
 
-def _jobs() -> list[tuple[int, list[tuple[str, str]]]]:
-    """(world size, its runs) for each job to spawn, a composition's runs together."""
+# runs per spawned job, by world size, each job inside tests.jobs.BUDGET quiet (a run took
+# 1-2 s on 2 ranks, 2-9 s on 4, about 20 s on 8, compilation included)
+CHUNK = {2: 6, 4: 2, 8: 1}
+
+
+def _groups() -> list[list[tuple[str, str]]]:
+    """Each job's runs, a composition's runs together."""
     by_world: dict[int, list[tuple[str, str]]] = {}
     for composition, models in _profile().items():
-        world = math.prod(COMPOSITIONS[composition][0])
-        by_world.setdefault(world, []).extend((m, composition) for m in models)
-    return [(world, runs[i:i + CHUNK[world]]) for world, runs in sorted(by_world.items())
+        runs = [(m, composition) for m in models]
+        by_world.setdefault(_world(runs[0]), []).extend(runs)
+    return [runs[i:i + CHUNK[world]] for world, runs in sorted(by_world.items())
             for i in range(0, len(runs), CHUNK[world])]
 
 
-JOBS = _jobs()
-CASES = [run for _, runs in JOBS for run in runs]
-_RESULTS: dict[int, object] = {}  # job index -> its ranks' results, or what it raised
+JOBS = Jobs(zoo_job, _groups(), nprocs=lambda runs: _world(runs[0]))
+CASES = JOBS.cases
 _REPORT: list[tuple[str, str, float, float]] = []  # composition, model, difference, seconds
-
-
-def _results(run: tuple[str, str]) -> list[dict]:
-    """The ranks' results of ``run``, its job spawned once for the module (every run of a
-    job shares it, and a failure: a job is not spawned again for each of its runs)."""
-    index = next(i for i, (_, runs) in enumerate(JOBS) if run in runs)
-    if index not in _RESULTS:
-        world, runs = JOBS[index]
-        try:
-            _RESULTS[index] = dist.spawn(zoo_job, args=(runs,), nprocs=world,
-                                         start_method="forkserver", timeout=115)
-        except Exception as e:
-            _RESULTS[index] = e
-    found = _RESULTS[index]
-    if isinstance(found, Exception):
-        raise found
-    return [ranks[run] for ranks in found]  # type: ignore[union-attr]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -247,7 +233,7 @@ def reference():
 
 @pytest.mark.parametrize("name,composition", CASES, ids=[f"{c}-{m}" for m, c in CASES])
 def test_every_composition_trains_like_one_process(name, composition, reference):
-    runs = _results((name, composition))
+    runs = JOBS.results((name, composition))
     want_outputs, want_params = reference(name, ROWS_OF.get(composition, ROWS))
     worst = 0.0
     for rank, run in enumerate(runs):
