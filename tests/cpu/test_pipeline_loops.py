@@ -44,13 +44,13 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """Embedding, two blocks, a head tied to the embedding; a non-persistent buffer."""
+    """Embedding, blocks, a head tied to the embedding; a non-persistent buffer."""
 
-    def __init__(self, bn: bool = False, tied: bool = True, frozen: tuple[str, ...] = ()
-                 ) -> None:
+    def __init__(self, bn: bool = False, tied: bool = True, frozen: tuple[str, ...] = (),
+                 layers: int = 2) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList([Block(bn) for _ in range(2)])
+        self.layers = nn.ModuleList([Block(bn) for _ in range(layers)])
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         if tied:
             self.head.weight = self.embed.weight
@@ -85,11 +85,13 @@ def run(schedule: str, ops: list[tuple], **kw: Any) -> dict:
 
     ops: ``("step", i)`` a training step on batch i (``("eval", i)``: under no_grad),
     ``("opt",)``, ``("zero",)``, ``("mode", training)``, ``("grad", name, flag)``
-    (requires_grad), ``("set", module, attribute, value)``."""
+    (requires_grad), ``("set", module, attribute, value)``. A stage per block (2 on 2
+    ranks; 4 for interleaved-1f1b), the embedding in the first, the head in the last."""
     mesh = spmd.Mesh((2,), ("pp",))
+    kw.setdefault("layers", 4 if schedule == "interleaved-1f1b" else 2)
     ref, model = build(**kw), build(**kw)
     pm = spmd.parallelize(model, mesh=mesh, pipeline=spmd.pp.schedule(
-        schedule, MICRO, split_points=["layers.1"]))
+        schedule, MICRO, split_points=[f"layers.{i}" for i in range(1, kw["layers"])]))
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
     losses = []
     for op in ops:
@@ -102,7 +104,8 @@ def run(schedule: str, ops: list[tuple], **kw: Any) -> dict:
                          for a, b in zip(x.chunk(MICRO), y.chunk(MICRO))]
                 if kind == "step":
                     for p in parts:
-                        p.backward()
+                        if p.requires_grad:
+                            p.backward()
             losses.append((got, sum(p.item() for p in parts)))
         elif kind == "opt":
             for o in opts:
