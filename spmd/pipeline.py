@@ -525,11 +525,15 @@ class PipelineModule(nn.Module):
         """A parameter read in stages on several pipeline ranks (tied weights): what this
         step added to every holder's gradient summed, in pipeline-rank order, on each
         holder, and added to what ``.grad`` held before the step (``before``). A
-        parameter no holder computed a gradient for keeps what it held."""
+        parameter no holder computed a gradient for keeps what it held; a frozen one sends
+        nothing (every rank of a pipeline runs the same loop: they agree)."""
         from spmd.runtime.p2p import irecv, isend
 
         for k, name, holders in self._tied_here(program):
             param = self.module.get_parameter(name)
+            if not param.requires_grad and param.grad is None:
+                param.grad = before.get(name)
+                continue
             # the gradient, flattened, and one element more: whether it was computed
             mine = torch.zeros(param.numel() + 1, dtype=param.dtype, device=param.device)
             if param.grad is not None:
