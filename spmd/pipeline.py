@@ -123,7 +123,7 @@ class PipelineModule(nn.Module):
         return [s for s in range(n) if self.schedule.rank_of(s, self._ranks) == self._pp_rank]
 
     def _program(self, leaves: list, spec: Any, loss_fn: Any) -> _Program:
-        from spmd.step import _attributes, _changed
+        from spmd.step import RETRACE_WARNING, _attributes, _changed
 
         # a trace bakes in the shapes, the loss, grad mode and every module's training
         # flag (dropout, BatchNorm, anything reading self.training): one program for each
@@ -134,6 +134,13 @@ class PipelineModule(nn.Module):
         if program is not None and _changed(program.attributes) is None:
             return program
         self._traces += 1
+        if self._traces == RETRACE_WARNING:
+            import warnings
+
+            warnings.warn(f"{self._where} has been traced {RETRACE_WARNING} times (each new "
+                          f"microbatch shape, loss function, grad mode, train/eval mode or "
+                          f"module attribute traces again); pass values that change every "
+                          f"step, such as a loss weight, as tensors", stacklevel=3)
         args, target = pytree.tree_unflatten(leaves, spec)
         n = self.schedule.stages(self._ranks)
         with standing_in(self.module, self._released):
