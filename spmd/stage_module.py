@@ -21,10 +21,10 @@ class _Holder(nn.Module):
 
 class StageModule(nn.Module):
     """One stage: its parameters under their names in the model, its buffers (those its
-    code reads, and every other buffer of the modules that own them or its parameters:
-    a BatchNorm's ``num_batches_tracked`` with its running statistics, even where an
-    evaluation step traced first reads only those), and the stage's traced forward for
-    the current program (microbatch shape, mode)."""
+    code reads, and every other buffer of the modules that own them: a BatchNorm's
+    ``num_batches_tracked`` with its running statistics, even where an evaluation step
+    traced first reads only those), and the stage's traced forward for the current
+    program (microbatch shape, mode)."""
 
     def __init__(self, index: int, model: nn.Module, params: tuple[str, ...],
                  buffers: tuple[str, ...]) -> None:
@@ -32,7 +32,7 @@ class StageModule(nn.Module):
         self.index = index
         for name in params:
             self._place(name, model.get_parameter(name), True)
-        self.hold(model, buffers + siblings(model, params + buffers))
+        self.hold(model, buffers + siblings(model, buffers))
         self.__dict__["_params"] = params
         self.__dict__["_names"] = (params, buffers)
         self.__dict__["_code"] = None
