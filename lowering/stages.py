@@ -8,13 +8,19 @@ every module that may begin a stage marks the last node before it. The graph is 
 at the chosen marks:
 
 - Every op belongs to the stage whose span it was traced in.
-- Values that depend only on the batch, buffers and frozen parameters (a causal mask,
-  position ids, rotary tables) are recomputed in each stage that reads them; every rank
-  holds the batch, so nothing of theirs crosses.
+- Values that depend only on the batch and buffers (a causal mask, position ids, rotary
+  tables) are recomputed in each stage that reads them; every rank holds the batch, so
+  nothing of theirs crosses. Parameters are never recomputed this way, frozen or not:
+  the cut does not depend on ``requires_grad``, so a layer unfrozen later trains in the
+  stage that holds it, and its gradient flows back across the cut.
+- An op that writes the model's state in place (BatchNorm's running statistics and
+  ``num_batches_tracked``, a counter buffer) runs in the stage it was traced in, once per
+  microbatch, as on one process; a buffer written in one stage and read in another is
+  refused by name (each pipeline rank holds its own copy).
 - A value computed in stage ``s`` and read in a later stage ``t`` crosses: ``s`` sends it
   to ``t`` in forward, ``t`` sends its gradient back in backward (:class:`Crossing`).
-- A trainable parameter read in several stages (an embedding tied to the output head) is
-  held by each of them; the runtime sums its gradient across them once per step
+- A parameter read in several stages (an embedding tied to the output head), frozen or
+  not, is held by each of them; the runtime sums its gradient across them once per step
   (:attr:`Cut.tied`), as Megatron-LM does for tied embeddings.
 
 Each stage becomes an ``fx.GraphModule`` taking its parameters and buffers, the batch
@@ -53,7 +59,7 @@ class Crossing:
     dsts: tuple[int, ...]
     shape: tuple[int, ...]
     dtype: torch.dtype
-    grad: bool  # floating and computed from a trainable parameter: its gradient goes back
+    grad: bool  # floating and computed from a parameter: its gradient goes back
 
     @property
     def bytes(self) -> int:
@@ -95,7 +101,7 @@ class Traced:
     gm: fx.GraphModule
     kinds: list[tuple[str, str]]  # per placeholder: ("param" | "buffer" | "input", name)
     marks: list[tuple[str, fx.Node | None]]
-    trainable: frozenset[str]
+    trainable: frozenset[str]  # when traced (the cut does not depend on it)
     flops: dict[str, float] = field(default_factory=dict)  # node name -> forward FLOPs
     # activation-checkpointed calls: (the last node before, the last node inside)
     regions: list[tuple[fx.Node | None, fx.Node | None]] = field(default_factory=list)
@@ -291,22 +297,58 @@ def node_flops(node: fx.Node) -> float:
     return float(numel)
 
 
+# ops that update running statistics in place when their training flag (the argument at
+# that position) is set, though their schema does not say they write
+_NORMS = {"batch_norm": 5, "instance_norm": 5}
+
+
+def _state_written(node: fx.Node, kinds: dict[fx.Node, tuple[str, str]]) -> list[fx.Node]:
+    """The parameter and buffer placeholders ``node`` writes in place (through views)."""
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return []
+    written = [a for a, arg in zip(node.args, schema.arguments)
+               if arg.alias_info is not None and arg.alias_info.is_write]
+    written += [v for k, v in node.kwargs.items() for arg in schema.arguments
+                if arg.name == k and arg.alias_info is not None and arg.alias_info.is_write]
+    name = getattr(target, "__name__", str(target)).split(".")[0]
+    flag = _NORMS.get(name)
+    if flag is not None:
+        training = node.args[flag] if len(node.args) > flag else node.kwargs.get(
+            schema.arguments[flag].name, False)
+        if training:
+            written += [a for a in node.args[3:5]]
+    out = []
+    for value in written:
+        # through views: a write to a view of a buffer writes the buffer
+        while isinstance(value, fx.Node) and value.op == "call_function" and value.args \
+                and getattr(getattr(value.target, "_schema", None), "returns", None) \
+                and value.target._schema.returns[0].alias_info is not None:
+            value = value.args[0]
+        if isinstance(value, fx.Node) and kinds.get(value, ("",))[0] in ("param", "buffer"):
+            out.append(value)
+    return out
+
+
 def _free_nodes(traced: Traced) -> set[fx.Node]:
-    """Nodes every stage can compute for itself: the batch, buffers, frozen parameters,
-    constants, and deterministic ops on those only."""
+    """Nodes every stage can compute for itself: the batch, buffers, constants, and
+    deterministic ops on those only that write no buffer. Never a parameter, trainable or
+    frozen: the cut must not depend on ``requires_grad``, which the loop may change."""
     free: set[fx.Node] = set()
-    kinds = iter(traced.kinds)
+    placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    kinds = dict(zip(placeholders, traced.kinds))
     for node in traced.gm.graph.nodes:
         if node.op == "placeholder":
-            kind, name = next(kinds)
-            if kind != "param" or name not in traced.trainable:
+            if kinds[node][0] != "param":
                 free.add(node)
         elif node.op == "get_attr":
             free.add(node)
         elif node.op == "call_function":
             name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
             inputs = node.all_input_nodes
-            if name not in _RANDOM and all(i in free for i in inputs):
+            if name not in _RANDOM and all(i in free for i in inputs) \
+                    and not _state_written(node, kinds):
                 free.add(node)
     return free
 
@@ -336,11 +378,11 @@ def cut(traced: Traced, split_points: Sequence[str], where: str, chosen: str) ->
         if node.op == "call_function" and node not in free:
             stage_of[node] = current
     kinds = dict(zip([n for n in graph.nodes if n.op == "placeholder"], traced.kinds))
-    # a trainable parameter read in several stages (tied weights): each holds a copy, and
-    # the copies' gradients are summed across those stages once per step
+    # a parameter read in several stages (tied weights), frozen or not: each holds a
+    # copy, and the copies' gradients are summed across those stages once per step
     tied: dict[str, tuple[int, ...]] = {}
     for node, (kind, name) in kinds.items():
-        if kind != "param" or name not in traced.trainable:
+        if kind != "param":
             continue
         stages = sorted({stage_of[u] for u in node.users if u in stage_of})
         if len(stages) > 1:
@@ -367,9 +409,7 @@ def cut(traced: Traced, split_points: Sequence[str], where: str, chosen: str) ->
     # values read across stages
     crossings: list[Crossing] = []
     crossing_of: dict[fx.Node, Crossing] = {}
-    trainable_nodes = {n for n, (k, name) in kinds.items()
-                       if k == "param" and name in traced.trainable}
-    needs_grad: set[fx.Node] = set(trainable_nodes)
+    needs_grad: set[fx.Node] = {n for n, (k, _) in kinds.items() if k == "param"}
     for node in graph.nodes:
         if node.op == "call_function" and any(i in needs_grad for i in node.all_input_nodes):
             needs_grad.add(node)
@@ -391,6 +431,16 @@ def cut(traced: Traced, split_points: Sequence[str], where: str, chosen: str) ->
         crossing_of[node] = c
     stages = [_stage(traced, s, n_stages, stage_of, free, kinds, crossing_of, result)
               for s in range(n_stages)]
+    for node, s in stage_of.items():
+        for written in _state_written(node, kinds):
+            kind, name = kinds[written]
+            readers = [st.index for st in stages
+                       if st.index != s and name in st.params + st.buffers]
+            if readers:
+                raise ValueError(f"{where}: {kind} {name!r} is written in stage {s} (by "
+                                 f"{node.name}) and read in stage(s) {readers}; each stage "
+                                 f"holds its own copy, so they would disagree: cut so that "
+                                 f"one stage holds every use")
     return Cut(stages=stages, crossings=crossings, split_points=tuple(split_points),
                chosen=chosen, tied=tied)
 

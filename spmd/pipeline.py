@@ -3,17 +3,28 @@
 What :class:`PipelineModule` does each ``step(inputs, target, loss_fn)``:
 
 1. Splits every tensor of the batch along dim 0 into the schedule's microbatches.
-2. On the first step of a microbatch shape, traces the model with its loss and cuts the
-   graph into stages (:mod:`spmd.lowering.stages`); the cut points chosen on the first
-   step hold for every later shape, so each stage keeps its parameters. This rank keeps
-   only its stages' parameters; the others are released.
+2. On the first step of a program (a microbatch shape, a loss, grad mode on or off, the
+   modules' ``training`` flags), traces the model with its loss and cuts the graph into
+   stages (:mod:`spmd.lowering.stages`); the cut points chosen on the first step hold for
+   every later program, so each stage keeps its parameters. A plain attribute of the
+   model's modules (a number, flag, string) changed since a program's trace traces it
+   again (as whole steps do, :func:`spmd.step._attributes`). This rank keeps only its
+   stages' parameters; the others are released.
 3. Runs this rank's actions (:mod:`spmd.pp`) in order. ``F``: the stage's forward on the
    microbatch and what it received, its outputs sent on at once (``isend``); ``B``: the
    backward from the gradients its consumers sent back (the last stage starts from the
    loss, scaled by ``1 / microbatches``); ``W``: the weight gradient of a split
    backward. Receives are posted one action ahead, so the transfer of the next input
    overlaps this action's compute.
-4. Returns the step's loss (the mean of the microbatches' losses), on every pipeline rank.
+4. Sums the gradients of tied parameters (read in stages on several ranks) across their
+   holders: what this step added only, so gradients accumulated over several ``step``
+   calls before ``opt.step()`` are what one process would hold.
+5. Returns the step's loss (the mean of the microbatches' losses), on every pipeline rank.
+
+Buffers written in the forward (BatchNorm's running statistics, ``num_batches_tracked``)
+are written once per microbatch, by the stage that holds them: the statistics are one
+process's running the same microbatches in order (not one process on the whole batch,
+whose batch statistics differ).
 
 Composition: a stage runs as its own module on the other mesh dimensions
 (``parallelize(stage, mesh=mesh[others], strategy=, placements=)``), so ``fsdp``/``hsdp``
@@ -48,6 +59,8 @@ class _Program:
 
     cut: Cut
     spec: Any  # the pytree spec of (args, target)
+    # the model's plain attributes when it was traced (spmd.step._attributes)
+    attributes: list = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -98,6 +111,7 @@ class PipelineModule(nn.Module):
                           and not self._planning)
         self._released: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._last_cut: Cut | None = None
+        self._traces = 0  # programs traced (each microbatch shape, mode, attribute change)
         self.last_spans: list[tuple[Action, float, float]] = []
 
     # -- the stages -----------------------------------------------------------------
@@ -109,11 +123,24 @@ class PipelineModule(nn.Module):
         return [s for s in range(n) if self.schedule.rank_of(s, self._ranks) == self._pp_rank]
 
     def _program(self, leaves: list, spec: Any, loss_fn: Any) -> _Program:
+        from spmd.step import RETRACE_WARNING, _attributes, _changed
+
+        # a trace bakes in the shapes, the loss, grad mode and every module's training
+        # flag (dropout, BatchNorm, anything reading self.training): one program for each
         key = (spec, tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
-                           for t in leaves), loss_fn)
+                           for t in leaves), loss_fn, torch.is_grad_enabled(),
+               tuple(m.training for m in self.module.modules()))
         program = self._programs.get(key)
-        if program is not None:
+        if program is not None and _changed(program.attributes) is None:
             return program
+        self._traces += 1
+        if self._traces == RETRACE_WARNING:
+            import warnings
+
+            warnings.warn(f"{self._where} has been traced {RETRACE_WARNING} times (each new "
+                          f"microbatch shape, loss function, grad mode, train/eval mode or "
+                          f"module attribute traces again); pass values that change every "
+                          f"step, such as a loss weight, as tensors", stacklevel=3)
         args, target = pytree.tree_unflatten(leaves, spec)
         n = self.schedule.stages(self._ranks)
         with standing_in(self.module, self._released):
@@ -128,18 +155,19 @@ class PipelineModule(nn.Module):
         self._agree(result)
         if self._stages:
             for s, module in self._stages.items():
-                names = module.__dict__["_names"]
                 stage = result.stages[s]
-                if names != (stage.params, stage.buffers):
+                if stage_of(module).__dict__["_params"] != stage.params:
                     raise RuntimeError(f"{self._where}: stage {s} reads other parameters for "
-                                       f"this input shape than for the first; the model's "
-                                       f"forward must read the same parameters every step")
+                                       f"this input shape, mode or attribute values than "
+                                       f"for the first; the model's forward must read the "
+                                       f"same parameters every step")
+                stage_of(module).hold(self.module, stage.buffers)
         else:
             self._build(result)
-        for s, module in self._stages.items():
-            stage_of(module).set_code(result.stages[s].code)
-        program = _Program(cut=result, spec=spec)
+        # as the trace leaves them (what its forward set itself is no change)
+        program = _Program(cut=result, spec=spec, attributes=_attributes(self.module))
         self._programs[key] = program
+        self._use(result)
         self._last_cut = result
         return program
 
@@ -173,10 +201,15 @@ class PipelineModule(nn.Module):
         result = cut(self._traced, self._split_points, self._where, why)
         self._stages = {}
         self._build(result)
-        for s, module in self._stages.items():
-            stage_of(module).set_code(result.stages[s].code)
+        self._use(result)
         self._last_cut = result
         return result
+
+    def _use(self, result: Cut) -> None:
+        """This rank's stages run ``result``'s code (each step: programs alternate)."""
+        for s, module in self._stages.items():
+            stage = result.stages[s]
+            stage_of(module).set_code(stage.code, (stage.params, stage.buffers))
 
     def _build(self, result: Cut) -> None:
         local = self.local_stages()
@@ -265,8 +298,11 @@ class PipelineModule(nn.Module):
                   for t in leaves]
         micro = [[p[i] for p in pieces] for i in range(m)]
         program = self._program(micro[0], spec, loss_fn)
+        self._use(program.cut)
+        self._last_cut = program.cut
         state = _StepState(microbatches=micro)
         training = torch.is_grad_enabled()
+        before = self._set_aside_tied(program) if training else {}
         if training and self._options.broadcast_buffers:
             self._broadcast_buffers()
         actions = self.schedule.actions(self._ranks)[self._pp_rank]
@@ -299,7 +335,7 @@ class PipelineModule(nn.Module):
             self.last_spans = state.spans
         if training:
             self._reduce_accumulated()
-            self._sum_tied(program)
+            self._sum_tied(program, before)
         return self._loss(program, state)
 
     def _rank(self, stage: int) -> int:
@@ -468,21 +504,48 @@ class PipelineModule(nn.Module):
                     g.copy_(flat[offset:offset + g.numel()].view_as(g))
                     offset += g.numel()
 
-    def _sum_tied(self, program: _Program) -> None:
-        """A parameter read in stages on several pipeline ranks (tied weights): every
-        holder's gradient summed, in pipeline-rank order, on each holder."""
-        from spmd.runtime.p2p import irecv, isend
-
+    def _tied_here(self, program: _Program) -> list[tuple[int, str, list[int]]]:
+        """(tag offset, name, holders) of each tied parameter this rank holds with other
+        pipeline ranks."""
         tied = program.cut.tied
-        if not tied or self._group is None:
-            return
+        out = []
+        if self._group is None:
+            return out
         for k, name in enumerate(sorted(tied)):
             holders = sorted({self.schedule.rank_of(s, self._ranks) for s in tied[name]})
-            if self._pp_rank not in holders or len(holders) == 1:
-                continue
+            if self._pp_rank in holders and len(holders) > 1:
+                out.append((k, name, holders))
+        return out
+
+    def _set_aside_tied(self, program: _Program) -> dict[str, torch.Tensor | None]:
+        """The ``.grad`` tied parameters held before the step (accumulated by earlier
+        steps, already summed across holders), set aside: only what this step adds is
+        summed across holders, then added to it."""
+        before: dict[str, torch.Tensor | None] = {}
+        for _, name, _ in self._tied_here(program):
             param = self.module.get_parameter(name)
-            mine = param.grad if param.grad is not None else torch.zeros_like(param)
-            mine = mine.detach().contiguous()
+            before[name] = param.grad
+            param.grad = None
+        return before
+
+    def _sum_tied(self, program: _Program, before: dict[str, torch.Tensor | None]) -> None:
+        """A parameter read in stages on several pipeline ranks (tied weights): what this
+        step added to every holder's gradient summed, in pipeline-rank order, on each
+        holder, and added to what ``.grad`` held before the step (``before``). A
+        parameter no holder computed a gradient for keeps what it held; a frozen one sends
+        nothing (every rank of a pipeline runs the same loop: they agree)."""
+        from spmd.runtime.p2p import irecv, isend
+
+        for k, name, holders in self._tied_here(program):
+            param = self.module.get_parameter(name)
+            if not param.requires_grad and param.grad is None:
+                param.grad = before.get(name)
+                continue
+            # the gradient, flattened, and one element more: whether it was computed
+            mine = torch.zeros(param.numel() + 1, dtype=param.dtype, device=param.device)
+            if param.grad is not None:
+                mine[:-1] = param.grad.detach().reshape(-1)
+                mine[-1] = 1
             tag = 2 ** 30 + k  # above every activation's tag
             works, got = [], {}
             for r in holders:
@@ -498,10 +561,16 @@ class PipelineModule(nn.Module):
             for r in holders:
                 part = mine if r == self._pp_rank else got[r]
                 total = part.clone() if total is None else total + part
-            if param.grad is None:
-                param.grad = total
+            assert total is not None
+            held = before.get(name)
+            if not total[-1]:
+                param.grad = held
+                continue
+            grad = total[:-1].view_as(param)
+            if held is None:
+                param.grad = grad
             else:
-                param.grad.copy_(total)
+                param.grad = held.add_(grad)
 
     def _broadcast_buffers(self) -> None:
         """Each stage's buffers from the first rank of its data group, as DDP does before
@@ -529,15 +598,24 @@ class PipelineModule(nn.Module):
         return loss
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """This rank's stages' parameters and buffers, whole, under their names in the
-        model (a pipeline checkpoint is one file per pipeline rank, as with torch's
-        pipelining); before the first step, the whole model's."""
+        """This rank's stages' parameters and persistent buffers, whole, under the names
+        the model's own ``state_dict()`` gives them (a tied parameter under each of its
+        names, ``num_batches_tracked`` with its BatchNorm's statistics; a pipeline
+        checkpoint is one file per pipeline rank, as with torch's pipelining), in the
+        model's order; before the first step, the whole model's."""
         if not self._stages:
             return self.module.state_dict(*args, **kwargs)
         out: dict[str, Any] = {}
         for module in self._stages.values():
             out.update(module.state_dict(*args, **kwargs))
-        return out
+        prefix = kwargs.get("prefix", "")
+        for alias, name in _aliases(self.module).items():
+            if prefix + name in out:
+                out[prefix + alias] = out[prefix + name]
+        order = {k: i for i, k in enumerate(self.module.state_dict(prefix=prefix,
+                                                                      keep_vars=True))}
+        keys = sorted(out, key=lambda k: order.get(k, len(order)))
+        return {k: out[k] for k in keys}
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False
                         ) -> Any:
@@ -592,6 +670,20 @@ class PipelineModule(nn.Module):
 
 
 # -- helpers ----------------------------------------------------------------------------
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """Every second name of a parameter or buffer (a head tied to the embedding) -> the
+    name the model's ``named_parameters()`` gives it (the name a stage holds it by)."""
+    out: dict[str, str] = {}
+    for named in (model.named_parameters, model.named_buffers):
+        first: dict[int, str] = {}
+        for name, tensor in named(remove_duplicate=False):
+            if id(tensor) in first:
+                out[name] = first[id(tensor)]
+            else:
+                first[id(tensor)] = name
+    return out
+
 
 def _no_sync(module: nn.Module, training: bool) -> Any:
     import contextlib

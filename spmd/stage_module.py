@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["StageModule", "stage_of", "standing_in", "stage_mesh_group", "tp_dims",
+__all__ = ["StageModule", "stage_of", "siblings", "standing_in", "stage_mesh_group", "tp_dims",
            "stage_placements"]
 
 
@@ -20,8 +20,11 @@ class _Holder(nn.Module):
 
 
 class StageModule(nn.Module):
-    """One stage: its parameters under their names in the model, and the stage's traced
-    forward for the current microbatch shape."""
+    """One stage: its parameters under their names in the model, its buffers (those its
+    code reads, and every other buffer of the modules that own them: a BatchNorm's
+    ``num_batches_tracked`` with its running statistics, even where an evaluation step
+    traced first reads only those), and the stage's traced forward for the current
+    program (microbatch shape, mode)."""
 
     def __init__(self, index: int, model: nn.Module, params: tuple[str, ...],
                  buffers: tuple[str, ...]) -> None:
@@ -29,16 +32,21 @@ class StageModule(nn.Module):
         self.index = index
         for name in params:
             self._place(name, model.get_parameter(name), True)
-        for name in buffers:  # buffers, and frozen parameters every stage may read
-            owner, _, leaf = name.rpartition(".")
-            module = model.get_submodule(owner)
-            if leaf in module._parameters:
-                self._place(name, module._parameters[leaf], True)
-                continue
-            persistent = leaf not in module._non_persistent_buffers_set
-            self._place(name, model.get_buffer(name), False, persistent)
+        self.hold(model, buffers + siblings(model, buffers))
+        self.__dict__["_params"] = params
         self.__dict__["_names"] = (params, buffers)
         self.__dict__["_code"] = None
+
+    def hold(self, model: nn.Module, buffers: tuple[str, ...]) -> None:
+        """Hold ``buffers`` of ``model`` too (those not held yet)."""
+        held = dict(self.named_buffers())
+        for name in buffers:
+            if name in held:
+                continue
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner)
+            persistent = leaf not in module._non_persistent_buffers_set
+            self._place(name, model.get_buffer(name), False, persistent)
 
     def _place(self, name: str, tensor: torch.Tensor, param: bool,
                persistent: bool = True) -> None:
@@ -55,8 +63,10 @@ class StageModule(nn.Module):
         else:
             owner.register_buffer(leaf, tensor, persistent=persistent)
 
-    def set_code(self, code: Any) -> None:
+    def set_code(self, code: Any, names: tuple[tuple[str, ...], tuple[str, ...]]) -> None:
+        """Run ``code`` on the parameters and buffers ``names`` (a program's)."""
         self.__dict__["_code"] = code
+        self.__dict__["_names"] = names
 
     def forward(self, *inputs: Any) -> Any:
         params, buffers = self.__dict__["_names"]
@@ -69,6 +79,17 @@ def _attr(module: nn.Module, name: str) -> Any:
     for part in name.split("."):
         module = getattr(module, part)
     return module
+
+
+def siblings(model: nn.Module, names: tuple[str, ...]) -> tuple[str, ...]:
+    """Every buffer of the modules that own ``names`` (theirs only, not their children's)."""
+    out: dict[str, None] = {}
+    for name in names:
+        owner, _, _ = name.rpartition(".")
+        for leaf in model.get_submodule(owner)._buffers:
+            if model.get_submodule(owner)._buffers[leaf] is not None:
+                out[f"{owner}.{leaf}" if owner else leaf] = None
+    return tuple(out)
 
 
 def stage_of(module: nn.Module) -> StageModule:

@@ -317,3 +317,63 @@ def test_mesh_slices():
     assert mesh["pp"].ranks == [0, 12]
     with pytest.raises(ValueError, match="in order"):
         mesh["tp", "pp"]
+
+
+class TiedBN(nn.Module):
+    """A head tied to the embedding, BatchNorm in each half, a counter buffer."""
+
+    def __init__(self, share_stats: bool = False):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.bn_a, self.bn_b = nn.BatchNorm1d(8), nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+        self.share_stats = share_stats
+
+    def forward(self, x):
+        h = torch.tanh(self.bn_b(self.b(self.bn_a(self.a(self.embed(x))))))
+        if self.share_stats:  # the second half reads the first BatchNorm's statistics
+            h = h + self.bn_a.running_mean
+        return self.head(h)
+
+
+def test_the_cut_does_not_depend_on_requires_grad():
+    """A tied embedding frozen at the trace is still tied; its frozen ops are not
+    recomputed as if free, and the hidden state's gradient still crosses."""
+    x = torch.randint(0, 16, (6,))
+    loss = lambda o, t: F.cross_entropy(o, t)  # noqa: E731
+    cuts = []
+    for frozen in (False, True):
+        model = TiedBN()
+        model.embed.weight.requires_grad_(not frozen)
+        model.a.requires_grad_(not frozen)
+        result = cut(trace(model, loss, (x,), x, ["b"], "test"), ["b"], "test", "named")
+        cuts.append(([(s.params, s.buffers, s.received, s.sent) for s in result.stages],
+                     [(c.src, c.dsts, c.grad) for c in result.crossings], result.tied))
+    assert cuts[0] == cuts[1]
+    assert cuts[0][2] == {"embed.weight": (0, 1)}
+
+
+def test_buffer_writes_run_once_in_their_stage():
+    """BatchNorm's running statistics and num_batches_tracked, written by the stages run
+    in sequence, are the model's after one forward."""
+    model, reference = TiedBN().double(), TiedBN().double()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randint(0, 16, (6,))
+    result = cut(trace(model, F.cross_entropy, (x,), x, ["b"], "test"), ["b"], "test", "n")
+    assert "bn_a.num_batches_tracked" in result.stages[0].buffers
+    assert "bn_b.num_batches_tracked" in result.stages[1].buffers
+    _run_stages(model, result, [x, x])
+    F.cross_entropy(reference(x), x)
+    for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=1e-14, atol=0, msg=name)
+    assert model.bn_a.num_batches_tracked.item() == 1
+
+
+def test_a_buffer_written_in_one_stage_and_read_in_another_is_refused():
+    x = torch.randint(0, 16, (6,))
+    traced = trace(TiedBN(share_stats=True), F.cross_entropy, (x,), x, ["b"], "test")
+    with pytest.raises(ValueError, match=r"buffer 'bn_a.running_mean' is written in stage 0 "
+                                         r"\(by batch_norm\) and read in stage\(s\) \[1\]"):
+        cut(traced, ["b"], "test", "named")
