@@ -1,0 +1,236 @@
+"""Checkpoints across layouts: saved under one (ddp, fsdp, hsdp, zero1, zero2, tp,
+fsdp x tp, cp, or torch's own DCP on a plain model), loaded under another and into a
+plain module, training resumes equal to one process that never stopped (float64, 1e-12).
+
+The model is tiny and holds what state dicts get wrong: an embedding tied to the output
+head (two keys, one tensor), a linear, an odd vocabulary (fsdp pads), a non-persistent
+buffer (never saved nor asked for) and a persistent one. Three spawns: the 2-rank
+layouts save; the 4-rank fsdp x tp (2x2) saves and loads; the 2-rank layouts load. The
+plain module loads in the test process through torch's own functions. ``SPMD_CKPT=full``
+runs the whole cross product (9 checkpoints x 9 destinations); by default every
+checkpoint loads once into another layout and once into the plain module (18 cells).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd
+from spmd import runtime as dist
+
+VOCAB, DIM, ROWS, LENGTH = 11, 8, 4, 4
+SAVED_AT, LR, TOL = 2, 0.05, 1e-12
+FULL = os.environ.get("SPMD_CKPT") == "full"
+
+SOURCES = ["ddp", "fsdp", "hsdp", "zero1", "zero2", "tp", "fsdp_tp", "cp", "torch"]
+LAYOUTS = [s for s in SOURCES if s != "torch"]
+ONE_OTHER = {"ddp": "cp", "fsdp": "tp", "hsdp": "zero1", "zero1": "zero2", "zero2": "hsdp",
+             "tp": "fsdp_tp", "fsdp_tp": "fsdp", "cp": "ddp", "torch": "fsdp"}
+CELLS = [(s, d) for s in SOURCES for d in LAYOUTS + ["plain"]] if FULL else \
+    [(s, d) for s in SOURCES for d in (ONE_OTHER[s], "plain")]
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.proj = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, DIM), persistent=False)
+        self.register_buffer("shift", torch.full((DIM,), 0.1))
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.proj(self.embed(ids))) * self.scale + self.shift)
+
+
+def make() -> Tiny:
+    return Tiny().double()
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (ROWS, LENGTH + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+TP = {"tp": {"proj.weight": spmd.Shard(0), "proj.bias": spmd.Shard(0)}}
+
+
+def build(layout: str, rank: int):
+    """(the model under ``layout``, this rank's data rank, data ranks)."""
+    if layout == "plain" or layout == "torch":
+        return make(), 0, 1
+    if layout in ("ddp", "fsdp", "zero1", "zero2"):
+        return spmd.parallelize(make(), strategy=layout), rank, 2
+    if layout == "hsdp":
+        mesh = spmd.Mesh((1, 2), dim_names=("dp", "fsdp"))
+        return spmd.parallelize(make(), strategy="hsdp", mesh=mesh), rank, 2
+    if layout == "tp":
+        return spmd.parallelize(make(), mesh=spmd.Mesh((2,), dim_names=("tp",)),
+                                placements=TP), 0, 1
+    if layout == "fsdp_tp":
+        mesh = spmd.Mesh((2, 2), dim_names=("fsdp", "tp"))
+        return spmd.parallelize(make(), strategy="fsdp", mesh=mesh, placements=TP), \
+            rank // 2, 2
+    if layout == "cp":
+        return spmd.parallelize(make(), mesh=spmd.Mesh((2,), dim_names=("cp",)),
+                                placements=spmd.cp.ring()), 0, 1
+    raise ValueError(layout)
+
+
+def train(model, opt, steps, data_rank: int = 0, data_size: int = 1) -> None:
+    for step in steps:
+        ids, target = batch(step)
+        rows = slice(data_rank * ROWS // data_size, (data_rank + 1) * ROWS // data_size)
+        logits = model(ids[rows])
+        F.cross_entropy(logits.reshape(-1, VOCAB), target[rows].reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def whole(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def save(layout: str, rank: int, path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, data_rank, data_size = build(layout, rank)
+    opt = optimizer(model)
+    train(model, opt, range(SAVED_AT), data_rank, data_size)
+    if layout == "torch":
+        model_sd, optim_sd = get_state_dict(model, opt)
+    else:
+        model_sd, optim_sd = spmd.checkpoint.get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{path}/{layout}")
+    return {"model_keys": sorted(model_sd), "optim_keys": sorted(optim_sd["state"]),
+            "optim_params": [g["params"] for g in optim_sd["param_groups"]]}
+
+
+def load(layout: str, source: str, rank: int, path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    model, data_rank, data_size = build(layout, rank)
+    opt = optimizer(model)
+    model_sd, optim_sd = spmd.checkpoint.get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{path}/{source}")
+    spmd.checkpoint.set_state_dict(model, opt, model_state_dict=model_sd,
+                                   optim_state_dict=optim_sd)
+    loaded = whole(model)
+    train(model, opt, [SAVED_AT], data_rank, data_size)
+    return {"loaded": loaded, "resumed": whole(model),
+            "steps": sorted({int(s["step"]) for s in opt.state.values()})}
+
+
+def job(rank: int, path: str, saves: list[str], loads: list[tuple[str, str]]) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
+        out: dict = {}
+        for layout in saves:
+            out[("save", layout)] = save(layout, rank, path)
+        for source, layout in loads:
+            try:
+                out[(source, layout)] = load(layout, source, rank, path)
+            except Exception as e:  # one cell's failure is that cell's, not the spawn's
+                out[(source, layout)] = {"error": f"{type(e).__name__}: {e}"}
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def load_plain(source: str, path: str) -> dict:
+    """torch's own functions, one process, no process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = make()
+    opt = optimizer(model)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{path}/{source}")
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    loaded = whole(model)
+    train(model, opt, [SAVED_AT])
+    return {"loaded": loaded, "resumed": whole(model),
+            "steps": sorted({int(s["step"]) for s in opt.state.values()})}
+
+
+def reference(steps: int) -> dict:
+    model = make()
+    train(model, optimizer(model), range(steps))
+    return whole(model)
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ckpt"))
+    two = [s for s in SOURCES if s != "fsdp_tp"]
+    out: dict = {}
+    out.update(dist.spawn(job, args=(path, two, []), nprocs=2, start_method="forkserver",
+                          timeout=120)[0])
+    four = [c for c in CELLS if c[1] == "fsdp_tp"]
+    runs = dist.spawn(job, args=(path, ["fsdp_tp"], four), nprocs=4,
+                      start_method="forkserver", timeout=150)
+    out.update(runs[0])
+    out["ranks", "fsdp_tp"] = runs
+    rest = [c for c in CELLS if c[1] not in ("fsdp_tp", "plain")]
+    runs = dist.spawn(job, args=(path, [], rest), nprocs=2, start_method="forkserver",
+                      timeout=240)
+    out.update(runs[0])
+    out["ranks", "two"] = runs
+    for source, layout in CELLS:
+        if layout == "plain":
+            out[(source, layout)] = load_plain(source, path)
+    out["reference"] = reference(SAVED_AT), reference(SAVED_AT + 1)
+    return out
+
+
+def _cell(matrix, source, layout):
+    ranks = (matrix["ranks", "fsdp_tp"] if layout == "fsdp_tp" else
+             [matrix] if layout == "plain" else matrix["ranks", "two"])
+    return [r[(source, layout)] for r in ranks]
+
+
+def _worst(got: dict, want: dict) -> float:
+    assert got.keys() == want.keys()
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("source, layout", CELLS, ids=[f"{s}-to-{d}" for s, d in CELLS])
+def test_resumes_as_if_never_stopped(matrix, source, layout):
+    at_save, after = matrix["reference"]
+    for run in _cell(matrix, source, layout):
+        assert "error" not in run, run.get("error")
+        assert _worst(run["loaded"], at_save) <= TOL
+        assert _worst(run["resumed"], after) <= TOL
+        assert run["steps"] == [SAVED_AT + 1]
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_keys_are_the_plain_modules(matrix, source):
+    plain = make()
+    saved = matrix["save", source]
+    assert saved["model_keys"] == sorted(plain.state_dict())  # head.weight kept, no scale
+    assert saved["optim_keys"] == ["embed.weight", "proj.bias", "proj.weight"]
+    assert saved["optim_params"] == [["embed.weight", "proj.weight", "proj.bias"]]
+
+
+def test_counts(matrix):
+    ran = [c for c in CELLS]
+    passed = [c for c in CELLS if all("error" not in r for r in _cell(matrix, *c))]
+    print(f"checkpoint matrix: {len(ran)} cells run, {len(passed)} loaded without error")
+    assert len(ran) == (81 if FULL else 18)
