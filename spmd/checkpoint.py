@@ -58,7 +58,8 @@ class ChunkedTensor(torch.Tensor):
     each chunk names a block of that part and the offsets of the same block in the whole.
     It implements DCP's checkpointable protocol (``__create_write_items__``,
     ``__create_chunk_list__``, ``__get_tensor_shard__``) and nothing else: compute on it
-    raises. ``set_state_dict`` or the model's ``load_state_dict`` takes it back."""
+    raises ``RuntimeError`` (a ``TypeError`` would become Python's "unsupported operand").
+    ``set_state_dict`` or the model's ``load_state_dict`` takes it back."""
 
     _local: torch.Tensor
     _chunks: tuple[Chunk, ...]
@@ -77,7 +78,7 @@ class ChunkedTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
-        raise TypeError(f"spmd.checkpoint.ChunkedTensor does not compute ({func}): it is this "
+        raise RuntimeError(f"spmd.checkpoint.ChunkedTensor does not compute ({func}): it is this "
                         f"rank's part of a whole tensor, for torch.distributed.checkpoint; "
                         f"load it with spmd.checkpoint.set_state_dict (or the model's "
                         f"load_state_dict), or read .to_local(); model.state_dict() gives "

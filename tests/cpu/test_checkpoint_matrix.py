@@ -8,7 +8,8 @@ buffer (never saved nor asked for) and a persistent one. Three spawns: the 2-ran
 layouts save; the 4-rank fsdp x tp (2x2) saves and loads; the 2-rank layouts load. The
 plain module loads in the test process through torch's own functions. ``SPMD_CKPT=full``
 runs the whole cross product (9 checkpoints x 9 destinations); by default every
-checkpoint loads once into another layout and once into the plain module (18 cells).
+checkpoint loads once into another layout and once into the plain module, and fsdp x tp
+back into itself (19 cells).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ LAYOUTS = [s for s in SOURCES if s != "torch"]
 ONE_OTHER = {"ddp": "cp", "fsdp": "tp", "hsdp": "zero1", "zero1": "zero2", "zero2": "hsdp",
              "tp": "fsdp_tp", "fsdp_tp": "fsdp", "cp": "ddp", "torch": "fsdp"}
 CELLS = [(s, d) for s in SOURCES for d in LAYOUTS + ["plain"]] if FULL else \
-    [(s, d) for s in SOURCES for d in (ONE_OTHER[s], "plain")]
+    [(s, d) for s in SOURCES for d in (ONE_OTHER[s], "plain")] + [("fsdp_tp", "fsdp_tp")]
 
 
 class Tiny(nn.Module):
@@ -233,4 +234,4 @@ def test_counts(matrix):
     ran = [c for c in CELLS]
     passed = [c for c in CELLS if all("error" not in r for r in _cell(matrix, *c))]
     print(f"checkpoint matrix: {len(ran)} cells run, {len(passed)} loaded without error")
-    assert len(ran) == (81 if FULL else 18)
+    assert len(ran) == (81 if FULL else 19)
