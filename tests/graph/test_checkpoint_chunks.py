@@ -94,3 +94,10 @@ def test_a_chunked_tensor_is_the_whole_shape_and_refuses_to_compute():
     assert "chunks=1" in repr(t)
     with pytest.raises(RuntimeError, match="set_state_dict"):
         t + 1
+
+
+def test_a_model_planned_on_a_simulated_mesh_is_refused():
+    model = spmd.parallelize(torch.nn.Linear(4, 4).double(), strategy="fsdp",
+                             mesh=spmd.Mesh.simulated(2))
+    with pytest.raises(RuntimeError, match="simulated mesh"):
+        spmd.checkpoint.get_state_dict(model)
