@@ -131,14 +131,10 @@ class ChunkedTensor(torch.Tensor):
 
 def _runs(idx: torch.Tensor) -> list[tuple[int, int, int]]:
     """(local start, global start, length) of each run of consecutive positions."""
-    values = idx.tolist()
-    out: list[tuple[int, int, int]] = []
-    for i, g in enumerate(values):
-        if out and out[-1][1] + out[-1][2] == g and out[-1][0] + out[-1][2] == i:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((i, g, 1))
-    return out
+    if not len(idx):
+        return []
+    starts = [0, *((idx[1:] - idx[:-1] != 1).nonzero().flatten() + 1).tolist(), len(idx)]
+    return [(a, int(idx[a]), b - a) for a, b in zip(starts, starts[1:])]
 
 
 def chunks_of(shape: tuple[int, ...], shard: ShardSpec | None, piece: TPSpec | None
