@@ -30,7 +30,8 @@ block of the whole; a ``StridedShard`` piece (fused query-key-value) is several;
 is never written, and replicas write once (DCP deduplicates equal chunks). Everything
 else (replicated parameters, buffers, optimizer steps) is a plain tensor. No collective
 runs: any rank may call these alone. DCP needs torch.distributed to see our groups,
-which ``spmd.runtime.init_process_group`` arranges for process ranks.
+which ``spmd.runtime.init_process_group`` arranges for process ranks. ``dcp.async_save``
+is not supported: its staging copies each tensor whole (a ``ChunkedTensor`` refuses).
 """
 
 from __future__ import annotations

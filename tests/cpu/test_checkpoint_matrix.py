@@ -8,7 +8,8 @@ buffer (never saved nor asked for) and a persistent one. Two spawns: the 2-rank 
 save and load; fsdp x tp (2x2) saves and the 4-rank layouts load. The plain module loads in the test process through torch's own functions. ``SPMD_CKPT=full``
 runs the whole cross product (9 checkpoints x 10 destinations: the 8 layouts, fsdp on 4
 ranks, the plain module); by default every checkpoint loads once into another layout and
-once into the plain module, and fsdp x tp's also back into itself (19 cells).
+once into the plain module, and fsdp x tp's also back into itself; and torch's whole state
+dicts of a plain model go into fsdp x tp through set_state_dict (20 cells).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ ONE_OTHER = {"ddp": ["cp"], "fsdp": ["tp"], "hsdp": ["zero1"], "zero1": ["zero2"
              "cp": ["ddp"], "torch": ["fsdp"]}
 CELLS = [(s, d) for s in SOURCES for d in LAYOUTS + ["fsdp4", "plain"]] if FULL else \
     [(s, d) for s in SOURCES for d in ONE_OTHER[s] + ["plain"]]
+# and torch's whole state dicts of a plain model, no DCP, through set_state_dict
+CELLS.append(("whole", "fsdp_tp"))
 FOUR = ("fsdp_tp", "fsdp4")  # layouts on 4 ranks
 
 
@@ -130,8 +133,16 @@ def load(layout: str, source: str, rank: int, path: str) -> dict:
 
     model, data_rank, data_size = build(layout, rank)
     opt = optimizer(model)
-    model_sd, optim_sd = spmd.checkpoint.get_state_dict(model, opt)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{path}/{source}")
+    if source == "whole":
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        plain = make()
+        plain_opt = optimizer(plain)
+        train(plain, plain_opt, range(SAVED_AT))
+        model_sd, optim_sd = get_state_dict(plain, plain_opt)
+    else:
+        model_sd, optim_sd = spmd.checkpoint.get_state_dict(model, opt)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{path}/{source}")
     spmd.checkpoint.set_state_dict(model, opt, model_state_dict=model_sd,
                                    optim_state_dict=optim_sd)
     loaded = whole(model)
@@ -243,4 +254,4 @@ def test_counts(matrix):
     ran = [c for c in CELLS]
     passed = [c for c in CELLS if all("error" not in r for r in _cell(matrix, *c))]
     print(f"checkpoint matrix: {len(ran)} cells run, {len(passed)} loaded without error")
-    assert len(ran) == (90 if FULL else 19)
+    assert len(ran) == (91 if FULL else 20)
