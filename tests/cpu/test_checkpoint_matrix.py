@@ -4,7 +4,9 @@ plain module, training resumes equal to one process that never stopped (float64,
 
 The model is tiny and holds what state dicts get wrong: an embedding tied to the output
 head (two keys, one tensor), a linear, an odd vocabulary (fsdp pads), a non-persistent
-buffer (never saved nor asked for) and a persistent one. Two spawns: the 2-rank layouts
+buffer (never saved nor asked for) and a persistent one; tp splits the linear
+``StridedShard(0, 2)`` (two blocks a rank), fsdp x tp ``Shard(0)`` twice over (a shard of
+a piece). Two spawns: the 2-rank layouts
 save and load; fsdp x tp (2x2) saves and the 4-rank layouts load. The plain module loads in the test process through torch's own functions. ``SPMD_CKPT=full``
 runs the whole cross product (9 checkpoints x 10 destinations: the 8 layouts, fsdp on 4
 ranks, the plain module); by default every checkpoint loads once into another layout and
@@ -69,6 +71,9 @@ def batch(step: int):
 
 
 TP = {"tp": {"proj.weight": spmd.Shard(0), "proj.bias": spmd.Shard(0)}}
+# tp alone splits proj as fused query-key-value projections are (each rank its part of
+# each half): two chunks a rank in the checkpoint
+STRIDED = {"tp": {"proj.weight": spmd.StridedShard(0, 2), "proj.bias": spmd.StridedShard(0, 2)}}
 
 
 def build(layout: str, rank: int):
@@ -83,7 +88,7 @@ def build(layout: str, rank: int):
         return spmd.parallelize(make(), strategy="hsdp", mesh=mesh), rank, 2
     if layout == "tp":
         return spmd.parallelize(make(), mesh=spmd.Mesh((2,), dim_names=("tp",)),
-                                placements=TP), 0, 1
+                                placements=STRIDED), 0, 1
     if layout == "fsdp_tp":
         mesh = spmd.Mesh((2, 2), dim_names=("fsdp", "tp"))
         return spmd.parallelize(make(), strategy="fsdp", mesh=mesh, placements=TP), \
