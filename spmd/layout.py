@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
+from spmd.chunked import ChunkedTensor
 from spmd.lowering import ops
 from spmd.lowering.placements import Replicate, Shard, Sharding, divides
 from spmd.lowering.specs import Handles, PlaceSpec, ShardSpec, TPSpec, lookup
@@ -406,8 +407,6 @@ def stored_part(layout: Layout, name: str, value: torch.Tensor, key: str) -> tor
     it, e.g. its optimizer state) given ``value``: the whole tensor, the tensor-parallel
     piece, or the stored part itself (returned as it is); ``ValueError`` naming ``key``
     for any other shape."""
-    from spmd.checkpoint import ChunkedTensor
-
     if isinstance(value, ChunkedTensor):
         value = value.to_local()
     record = layout.records[name]

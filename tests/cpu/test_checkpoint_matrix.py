@@ -6,12 +6,13 @@ The model is tiny and holds what state dicts get wrong: an embedding tied to the
 head (two keys, one tensor), a linear, an odd vocabulary (fsdp pads), a non-persistent
 buffer (never saved nor asked for) and a persistent one; tp splits the linear
 ``StridedShard(0, 2)`` (two blocks a rank), fsdp x tp ``Shard(0)`` twice over (a shard of
-a piece). Two spawns: the 2-rank layouts
-save and load; fsdp x tp (2x2) saves and the 4-rank layouts load. The plain module loads in the test process through torch's own functions. ``SPMD_CKPT=full``
-runs the whole cross product (9 checkpoints x 10 destinations: the 8 layouts, fsdp on 4
-ranks, the plain module); by default every checkpoint loads once into another layout and
-once into the plain module, and fsdp x tp's also back into itself; and torch's whole state
-dicts of a plain model go into fsdp x tp through set_state_dict (20 cells).
+a piece). Two spawns: the 2-rank layouts save and load; fsdp x tp (2x2) saves and the
+4-rank layouts load. The plain module loads in the test process through torch's own
+functions. ``SPMD_CKPT=full`` runs the whole cross product (9 checkpoints x 10
+destinations: the 8 layouts, fsdp on 4 ranks, the plain module); by default every
+checkpoint loads once into another layout and once into the plain module, and fsdp x
+tp's also back into itself; and torch's whole state dicts of a plain model go into
+fsdp x tp through set_state_dict (20 cells, 91 in full).
 """
 
 from __future__ import annotations
