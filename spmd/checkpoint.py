@@ -48,6 +48,7 @@ from spmd.lowering.specs import ShardSpec, TPSpec
 
 __all__ = ["ChunkedTensor", "get_state_dict", "set_state_dict"]
 
+
 def _runs(idx: torch.Tensor) -> list[tuple[int, int, int]]:
     """(local start, global start, length) of each run of consecutive positions."""
     if not len(idx):
@@ -61,14 +62,12 @@ def chunks_of(shape: tuple[int, ...], shard: ShardSpec | None, piece: TPSpec | N
     """Where this rank's stored part of a tensor of ``shape`` lies in the whole: along
     each dimension, the positions the piece (``TPSpec.positions``) and then the shard
     (``ShardSpec.positions``) keep, cut into runs; a chunk per combination of runs."""
-    for spec in (shard, piece):
-        groups = ([spec.group] if isinstance(spec, ShardSpec) else
-                  list(spec.groups.values())) if spec is not None else []
-        size = spec.size if isinstance(spec, ShardSpec) else max(
-            spec.sizes.values(), default=1) if spec is not None else 1
-        if size > 1 and any(g is None for g in groups):
-            raise RuntimeError(f"spmd.checkpoint: {spec.param} was placed on a simulated "
-                               f"mesh; checkpoints need live ranks")
+    simulated = (shard is not None and shard.size > 1 and shard.group is None) or (
+        piece is not None and any(piece.groups.get(d) is None
+                                  for d, n in piece.sizes.items() if n > 1))
+    if simulated:  # every rank would claim rank 0's part
+        raise RuntimeError(f"spmd.checkpoint: {(shard or piece).param} was placed on a "
+                           f"simulated mesh; checkpoints need live ranks")
     if not shape:
         held = shard is None or shard.valid_rows() > 0
         return (((0,), (), ()),) if held else ()
