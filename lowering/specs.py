@@ -331,6 +331,15 @@ class ShardSpec:
         out[:piece.shape[0]] = piece
         return out.movedim(0, self.dim).contiguous() if self.dim else out
 
+    def positions(self, dim: int, idx: torch.Tensor) -> torch.Tensor:
+        """The entries of ``idx`` (positions along dimension ``dim`` of the tensor this
+        spec cuts) that this rank's shard holds, in its order, padding left out:
+        :meth:`shard_of` along one dimension (what a checkpoint records as offsets)."""
+        if dim != self.dim or not self.shape:
+            return idx
+        start = self.rank() * self.rows
+        return idx[start:start + self.rows]
+
     def whole(self, gathered: torch.Tensor) -> torch.Tensor:
         """The parameter's tensor from every rank's shard laid end to end, rank by rank
         (``size * local_numel`` elements; the padding cut)."""
@@ -515,6 +524,20 @@ class TPSpec:
                 out = blocked.chunk(self.sizes[dim], dim=p.dim + 1)[self.rank(dim)].flatten(
                     p.dim, p.dim + 1)
         return out
+
+    def positions(self, dim: int, idx: torch.Tensor) -> torch.Tensor:
+        """The entries of ``idx`` (positions along dimension ``dim`` of the whole tensor)
+        that this rank's piece holds, in its order: :meth:`piece` along one dimension."""
+        rank = max(len(self.shape), 1)
+        for mesh_dim, p in self.placements.items():
+            if not divides(p) or p.dim % rank != dim:
+                continue
+            if p.is_shard():
+                idx = idx.chunk(self.sizes[mesh_dim])[self.rank(mesh_dim)]
+            else:
+                idx = idx.reshape(p.split, -1).chunk(self.sizes[mesh_dim], dim=1)[
+                    self.rank(mesh_dim)].flatten()
+        return idx
 
     def whole(self, local: torch.Tensor) -> torch.Tensor:
         """The whole tensor from every rank's piece: a blocking all-gather along each

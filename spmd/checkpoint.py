@@ -1,85 +1,105 @@
-"""Sharded checkpoints of sharded models, through ``torch.distributed.checkpoint`` (DCP).
+"""Sharded checkpoints of parallelized models, through ``torch.distributed.checkpoint`` (DCP).
 
-``model.state_dict()`` of an ``fsdp``/``hsdp`` model gathers whole tensors: simple, but
-every rank then holds the whole model. For big models each rank should write only its
-shards, and a checkpoint saved on N ranks should load on M. DCP does exactly that for
-DTensors, so these functions present a sharded model's parameters (and its optimizer's
-state) as DTensors over this rank's shards, with torch's names for the same job
-(``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict``)::
+``model.state_dict()`` of a model whose parameters are stored in parts (fsdp, hsdp, zero1,
+zero2, tensor-parallel pieces, and their compositions) gathers whole tensors: simple, but
+every rank then holds the whole model. For big models each rank should write only what it
+stores, and a checkpoint saved under one layout should load under any other, on any
+number of ranks, and into a plain module. These functions, with torch's names for the
+same job (``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict``),
+do that for every layout::
 
     import torch.distributed.checkpoint as dcp
 
     model_sd, optim_sd = spmd.checkpoint.get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
-    # later, on any number of ranks, into a fresh model and optimizer
+    # later, under any layout and number of ranks, into a fresh model and optimizer
     model_sd, optim_sd = spmd.checkpoint.get_state_dict(model, opt)   # destinations
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     spmd.checkpoint.set_state_dict(model, opt, model_state_dict=model_sd,
                                    optim_state_dict=optim_sd)
 
-Each DTensor's local tensor is this rank's rows of the parameter (its shard without the
-padding), ``Shard(0)`` on the sharding dimension and ``Replicate()`` on hybrid
-sharding's other one, in torch's chunking (``ceil(rows / N)`` rows a rank, the last
-ranks fewer), so DCP reshards between any numbers of ranks. Optimizer state is keyed by
-parameter name, as torch's ``get_optimizer_state_dict`` does; a fresh optimizer gets its
-state made first (one step with zero gradients and a zero learning rate, as torch does)
-so DCP has somewhere to load into. DCP needs torch.distributed to see our groups, which
-``spmd.runtime.init_process_group`` arranges for process ranks.
+The keys are exactly the plain module's ``state_dict()`` keys (the module's own
+state-dict machinery makes them: tied aliases kept, non-persistent buffers left out) and,
+for the optimizer, torch's ``get_optimizer_state_dict`` format (state and param groups
+keyed by each parameter's first name), so checkpoints saved by torch's own functions on a
+plain model load here and ours load there. A placed tensor is a :class:`ChunkedTensor`:
+the whole tensor's shape, this rank's stored part, and where each piece of that part lies
+in the whole (DCP's chunk offsets). A tensor-parallel piece cut again by fsdp is one
+block of the whole; a ``StridedShard`` piece (fused query-key-value) is several; padding
+is never written, and replicas write once (DCP deduplicates equal chunks). Everything
+else (replicated parameters, buffers, optimizer steps) is a plain tensor. No collective
+runs: any rank may call these alone. DCP needs torch.distributed to see our groups,
+which ``spmd.runtime.init_process_group`` arranges for process ranks. ``dcp.async_save``
+is not supported: its staging copies each tensor whole (a ``ChunkedTensor`` refuses).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from spmd.lowering.specs import ShardSpec
+from spmd.chunked import Chunk, ChunkedTensor
+from spmd.layout import Layout, layout_of, local_state_dicts, stored_part
+from spmd.lowering.specs import ShardSpec, TPSpec
 
-__all__ = ["get_state_dict", "set_state_dict"]
+__all__ = ["ChunkedTensor", "get_state_dict", "set_state_dict"]
 
 
-def _state(model: nn.Module, where: str) -> Any:
+def _runs(idx: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(local start, global start, length) of each run of consecutive positions."""
+    if not len(idx):
+        return []
+    starts = [0, *((idx[1:] - idx[:-1] != 1).nonzero().flatten() + 1).tolist(), len(idx)]
+    return [(a, int(idx[a]), b - a) for a, b in zip(starts, starts[1:])]
+
+
+def chunks_of(shape: tuple[int, ...], shard: ShardSpec | None, piece: TPSpec | None
+              ) -> tuple[Chunk, ...]:
+    """Where this rank's stored part of a tensor of ``shape`` lies in the whole: along
+    each dimension, the positions the piece (``TPSpec.positions``) and then the shard
+    (``ShardSpec.positions``) keep, cut into runs; a chunk per combination of runs."""
+    simulated = (shard is not None and shard.size > 1 and shard.group is None) or (
+        piece is not None and any(piece.groups.get(d) is None
+                                  for d, n in piece.sizes.items() if n > 1))
+    if simulated:  # every rank would claim rank 0's part
+        raise RuntimeError(f"spmd.checkpoint: {(shard or piece).param} was placed on a "
+                           f"simulated mesh; checkpoints need live ranks")
+    if not shape:
+        held = shard is None or shard.valid_rows() > 0
+        return (((0,), (), ()),) if held else ()
+    per_dim = []
+    for dim, n in enumerate(shape):
+        idx = torch.arange(n)
+        if piece is not None:
+            idx = piece.positions(dim, idx)
+        if shard is not None:
+            idx = shard.positions(dim, idx)
+        per_dim.append(_runs(idx))
+    return tuple((tuple(r[0] for r in combo), tuple(r[1] for r in combo),
+                  tuple(r[2] for r in combo)) for combo in itertools.product(*per_dim))
+
+
+def _chunked(name: str, stored: torch.Tensor, shard: ShardSpec | None,
+             piece: TPSpec | None) -> ChunkedTensor:
+    spec = piece or shard
+    return ChunkedTensor(stored.detach(), spec.shape, chunks_of(spec.shape, shard, piece))
+
+
+def _check_live(model: nn.Module, where: str) -> None:
     state = getattr(model, "_spmd", None)
-    if state is None or not getattr(state, "sharded", False):
-        raise TypeError(f"spmd.checkpoint.{where}: expected a model parallelized with strategy "
-                        f"'fsdp' or 'hsdp'; for a plain or ddp model use model.state_dict() "
-                        f"(or torch.distributed.checkpoint.state_dict.get_state_dict)")
-    if not state.communicates and state.setup.group is None:
+    if state is not None and not getattr(state, "communicates", True) \
+            and getattr(getattr(state, "setup", None), "group", 1) is None:
         raise RuntimeError(f"spmd.checkpoint.{where}: the model was planned on a simulated "
                            f"mesh; checkpoints need live ranks")
-    return state
 
 
-def _device_mesh(state: Any) -> tuple[Any, list[Any]]:
-    from torch.distributed.tensor import Replicate, Shard
-
-    strategy = state.setup.strategy
-    mesh = strategy.mesh
-    placements = [Shard(0) if d == strategy.shard_dim else Replicate() for d in mesh.dim_names]
-    return mesh.to_torch(), placements
-
-
-def _as_dtensor(shard: torch.Tensor, spec: ShardSpec, device_mesh: Any,
-                placements: list[Any]) -> Any:
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if not spec.shape:  # a 0-dim parameter: one row, rank 0's; every rank gets the value
-        return DTensor.from_local(spec.gather(shard).clone(), device_mesh,
-                                  [Replicate()] * len(placements), run_check=False)
-    local = shard.detach().narrow(spec.dim, 0, spec.valid_rows())
-    stride = torch.empty(spec.shape, device="meta").stride()
-    return DTensor.from_local(local, device_mesh, placements, run_check=False,
-                              shape=torch.Size(spec.shape), stride=stride)
-
-
-def _along(placements: list[Any], spec: ShardSpec) -> list[Any]:
-    """The mesh's placements with the sharding dimension's ``Shard`` along the dimension
-    this parameter is cut along."""
-    from torch.distributed.tensor import Shard
-
-    return [Shard(spec.dim) if p.is_shard() else p for p in placements]
+def _names(model: nn.Module) -> dict[int, str]:
+    """Each distinct parameter -> its first name (torch's key for its optimizer state)."""
+    return {id(p): name for name, p in model.named_parameters()}
 
 
 def _init_state(optimizer: torch.optim.Optimizer) -> None:
@@ -104,97 +124,103 @@ def _init_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                      layout: Layout | None) -> dict[str, Any]:
+    names = _names(model)
+    _init_state(optimizer)
+    entries: dict[str, Any] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        keys = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError("spmd.checkpoint.get_state_dict: the optimizer holds a "
+                                 "tensor that is not a parameter of this model")
+            name = names[id(p)]
+            keys.append(name)
+            shard = piece = None
+            if layout is not None:
+                shard, piece = layout.shards.get(name), layout.pieces.get(name)
+            values = {}
+            for key, value in optimizer.state.get(p, {}).items():
+                if (isinstance(value, torch.Tensor) and (shard or piece) is not None
+                        and value.shape == p.shape):
+                    values[key] = _chunked(name, value, shard, piece)
+                else:
+                    values[key] = value
+            if values:
+                entries[name] = values
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": keys})
+    return {"state": entries, "param_groups": groups}
+
+
 def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(model state dict, optimizer state dict) of a sharded model, as DTensors over this
-    rank's shards (see the module doc); both also serve as DCP's load destinations.
-    Every rank must call it (0-dim parameters are gathered)."""
-    state = _state(model, "get_state_dict")
-    device_mesh, placements = _device_mesh(state)
-    by_id: dict[int, tuple[str, ShardSpec]] = {}
-    model_sd: dict[str, Any] = {}
-    for name, param in model.named_parameters():
-        spec = state.shards[name]
-        by_id[id(param)] = (name, spec)
-        model_sd[name] = _as_dtensor(param, spec, device_mesh, _along(placements, spec))
-    for name, buf in model.named_buffers():
-        model_sd[name] = buf.detach()
-    optim_sd: dict[str, Any] = {}
-    if optimizer is not None:
-        _init_state(optimizer)
-        entries: dict[str, Any] = {}
-        groups = []
-        for group in optimizer.param_groups:
-            names = []
-            for p in group["params"]:
-                if id(p) not in by_id:
-                    raise ValueError("spmd.checkpoint.get_state_dict: the optimizer holds a "
-                                     "tensor that is not a parameter of this model")
-                name, spec = by_id[id(p)]
-                names.append(name)
-                values = {}
-                for key, value in optimizer.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor) and tuple(value.shape) == spec.local_shape:
-                        values[key] = _as_dtensor(value, spec, device_mesh,
-                                                  _along(placements, spec))
-                    else:
-                        values[key] = value
-                entries[name] = values
-            groups.append({**{k: v for k, v in group.items() if k != "params"},
-                           "params": names})
-        optim_sd = {"state": entries, "param_groups": groups}
+    """(model state dict, optimizer state dict) of a model under any layout (or a plain
+    one), for ``dcp.save`` and as ``dcp.load``'s destinations: the plain module's keys,
+    each placed tensor a :class:`ChunkedTensor` over what this rank stores, the rest plain
+    tensors sharing memory with the model (see the module doc). No collective runs.
+
+    Example::
+
+        model_sd, optim_sd = spmd.checkpoint.get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    """
+    _check_live(model, "get_state_dict")
+    with local_state_dicts(_chunked):
+        model_sd = model.state_dict()
+    optim_sd = {} if optimizer is None else _optim_state_dict(model, optimizer,
+                                                              layout_of(model))
     return model_sd, optim_sd
-
-
-def _copy_into(target: torch.Tensor, value: Any, spec: ShardSpec) -> None:
-    from torch.distributed.tensor import DTensor
-
-    with torch.no_grad():
-        if isinstance(value, DTensor) and spec.shape:
-            local = value.to_local()
-            rows = spec.valid_rows()
-            if local.data_ptr() != target.data_ptr():
-                target.narrow(spec.dim, 0, rows).copy_(local)
-            target.narrow(spec.dim, rows, spec.rows - rows).zero_()
-            return
-        whole = value.full_tensor() if isinstance(value, DTensor) else value
-        target.copy_(spec.shard_of(whole.to(target.dtype)))
 
 
 def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                    model_state_dict: dict[str, Any] | None = None,
                    optim_state_dict: dict[str, Any] | None = None) -> None:
-    """Put loaded state dicts (from :func:`get_state_dict` after ``dcp.load``) back into
-    the model's shards and the optimizer's state."""
-    state = _state(model, "set_state_dict")
-    params = dict(model.named_parameters())
+    """Put loaded state dicts (from :func:`get_state_dict` after ``dcp.load``, or whole
+    tensors) back into the model and the optimizer's state. The model's part is its
+    strict ``load_state_dict``: every key of the plain module, and no other."""
+    _check_live(model, "set_state_dict")
     if model_state_dict is not None:
-        buffers = dict(model.named_buffers())
-        unknown = sorted(set(model_state_dict) - set(params) - set(buffers))
-        if unknown:
-            raise KeyError(f"spmd.checkpoint.set_state_dict: not in the model: "
-                           f"{', '.join(unknown[:5])}")
-        for name, value in model_state_dict.items():
-            if name in params:
-                _copy_into(params[name], value, state.shards[name])
-            else:
-                with torch.no_grad():
-                    buffers[name].copy_(value)
+        model.load_state_dict(model_state_dict)
     if optimizer is None or not optim_state_dict:
         return
+    layout = layout_of(model)
+    params = dict(model.named_parameters())
     entries = optim_state_dict.get("state", {})
-    for group, saved in zip(optimizer.param_groups, optim_state_dict.get("param_groups", [])):
+    saved_groups = optim_state_dict.get("param_groups", [])
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"spmd.checkpoint.set_state_dict: the optimizer has "
+                         f"{len(optimizer.param_groups)} parameter groups, the state dict "
+                         f"{len(saved_groups)}")
+    for group, saved in zip(optimizer.param_groups, saved_groups):
         for key, value in saved.items():
             if key != "params":
                 group[key] = value
         for name in saved.get("params", []):
+            if name not in params:
+                raise KeyError(f"spmd.checkpoint.set_state_dict: optimizer state for "
+                               f"{name}, which is not a parameter of the model")
             param = params[name]
-            spec = state.shards[name]
+            placed = layout is not None and name in layout.records and (
+                name in layout.shards or name in layout.pieces)
             slot = optimizer.state[param]
             for key, value in entries.get(name, {}).items():
                 current = slot.get(key)
-                if isinstance(current, torch.Tensor) and tuple(current.shape) == spec.local_shape:
-                    _copy_into(current, value, spec)
+                # laid out like the parameter: the state this rank holds has its stored
+                # shape (a step count, say, does not)
+                like = (current.shape == param.shape if isinstance(current, torch.Tensor)
+                        else isinstance(value, torch.Tensor) and value.dim() > 0
+                        and tuple(value.shape) == layout.records[name].shape) if placed else False
+                if isinstance(value, torch.Tensor) and like:
+                    value = stored_part(layout, name, value, f"state.{name}.{key}")
+                elif isinstance(value, ChunkedTensor):
+                    value = value.to_local()
+                if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor) \
+                        and current.shape == value.shape:
+                    if current.data_ptr() != value.data_ptr():
+                        with torch.no_grad():
+                            current.copy_(value)
                 elif isinstance(value, torch.Tensor):
                     slot[key] = value.detach().clone()
                 else:

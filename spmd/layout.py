@@ -28,19 +28,23 @@ from __future__ import annotations
 
 import math
 import weakref
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
 
+from spmd.chunked import ChunkedTensor
 from spmd.lowering import ops
 from spmd.lowering.placements import Replicate, Shard, Sharding, divides
 from spmd.lowering.specs import Handles, PlaceSpec, ShardSpec, TPSpec, lookup
 from spmd.writethrough import write_through
 
 __all__ = ["ParameterPlacement", "Layout", "placement_of", "place_module", "hold_piece",
-           "shard_evenly", "shard_dims_for", "place_activations"]
+           "shard_evenly", "shard_dims_for", "place_activations", "layout_of",
+           "local_state_dicts", "stored_part"]
 
 _CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
@@ -373,13 +377,67 @@ def _computed_property(name: str) -> property:
 
 # -- one state-dict hook pair -----------------------------------------------------------
 
+# What ``state_dict()`` of a placed model gives for each placed tensor while set (see
+# :func:`local_state_dicts`): ``convert(name, stored, shard spec, piece spec)``.
+_LOCAL: ContextVar[Callable[..., Any] | None] = ContextVar("spmd_local_state_dict",
+                                                           default=None)
+
+
+@contextmanager
+def local_state_dicts(convert: Callable[..., Any]) -> Iterator[None]:
+    """Within it, ``state_dict()`` of a placed model holds ``convert(name, stored, shard,
+    piece)`` for each placed tensor instead of the gathered whole (no collective; the keys
+    stay the plain module's): how ``spmd.checkpoint.get_state_dict`` gets this rank's
+    parts through the module's own state-dict machinery."""
+    token = _LOCAL.set(convert)
+    try:
+        yield
+    finally:
+        _LOCAL.reset(token)
+
+
+def layout_of(module: nn.Module) -> Layout | None:
+    """The :class:`Layout` of a model whose parameters ``parallelize`` stored in parts
+    (shards or pieces); None for any other."""
+    return module.__dict__.get("_spmd_layout")
+
+
+def stored_part(layout: Layout, name: str, value: torch.Tensor, key: str) -> torch.Tensor:
+    """What this rank stores of placed parameter ``name`` (or of a tensor laid out like
+    it, e.g. its optimizer state) given ``value``: the whole tensor, the tensor-parallel
+    piece, or the stored part itself (returned as it is); ``ValueError`` naming ``key``
+    for any other shape."""
+    if isinstance(value, ChunkedTensor):
+        value = value.to_local()
+    record = layout.records[name]
+    shard, piece = layout.shards.get(name), layout.pieces.get(name)
+    shape = tuple(value.shape)
+    if shape == record.local_shape:
+        return value  # this rank's stored part as it is
+    if shape == record.shape and piece is not None:
+        value = piece.piece(value).clone()
+    elif shape == record.shape or (piece is not None and shape == piece.local_shape):
+        pass
+    else:
+        forms = [f"the whole tensor {record.shape}"]
+        if piece is not None and shard is not None:
+            forms.append(f"this rank's piece {piece.local_shape}")
+        forms.append(f"this rank's stored part {record.local_shape}")
+        raise ValueError(f"load_state_dict: {key} has shape {shape}; a parameter "
+                         f"placed {record.sharding} takes " + " or ".join(forms))
+    if shard is not None:
+        value = shard.shard_of(value.to(shard.dtype))
+    return value
+
 
 def _install_state_dict_hooks(module: nn.Module, layout: Layout) -> None:
     """Whole tensors in ``module.state_dict()`` (gathered: every rank must call it, as with
-    torch's full state dicts); ``load_state_dict`` takes the whole tensor, the
-    tensor-parallel piece or the stored shard, and keeps this rank's part."""
+    torch's full state dicts; within :func:`local_state_dicts`, this rank's parts);
+    ``load_state_dict`` takes the whole tensor, the tensor-parallel piece, the stored
+    shard or a ``spmd.checkpoint.ChunkedTensor``, and keeps this rank's part."""
     names = sorted(set(layout.shards) | set(layout.pieces))
     weak = weakref.ref(module)
+    module._spmd_layout = layout
 
     def entries(state: dict, prefix: str) -> Any:
         """(name, key, value, shard spec, piece spec) of each placed tensor in ``state``."""
@@ -390,16 +448,20 @@ def _install_state_dict_hooks(module: nn.Module, layout: Layout) -> None:
                        layout.pieces.get(name))
 
     def to_whole(mod: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
+        convert = _LOCAL.get()
         done: dict[int, torch.Tensor] = {}
         for name, key, value, shard, piece in entries(state, prefix):
             ident = id(shard or piece)
             whole = done.get(ident)
             if whole is None:
-                whole = value
-                if shard is not None:
-                    whole = shard.gather(whole)
-                if piece is not None:
-                    whole = piece.whole(whole)
+                if convert is not None:
+                    whole = convert(name, value, shard, piece)
+                else:
+                    whole = value
+                    if shard is not None:
+                        whole = shard.gather(whole)
+                    if piece is not None:
+                        whole = piece.whole(whole)
                 done[ident] = whole
             state[key] = whole
 
@@ -407,24 +469,7 @@ def _install_state_dict_hooks(module: nn.Module, layout: Layout) -> None:
         if weak() is None:
             return
         for name, key, value, shard, piece in list(entries(state, prefix)):
-            record = layout.records[name]
-            shape = tuple(value.shape)
-            if shape == record.local_shape:
-                continue  # this rank's stored part as it is
-            if shape == record.shape and piece is not None:
-                value = piece.piece(value).clone()
-            elif shape == record.shape or (piece is not None and shape == piece.local_shape):
-                pass
-            else:
-                forms = [f"the whole tensor {record.shape}"]
-                if piece is not None and shard is not None:
-                    forms.append(f"this rank's piece {piece.local_shape}")
-                forms.append(f"this rank's stored part {record.local_shape}")
-                raise ValueError(f"load_state_dict: {key} has shape {shape}; a parameter "
-                                 f"placed {record.sharding} takes " + " or ".join(forms))
-            if shard is not None:
-                value = shard.shard_of(value.to(shard.dtype))
-            state[key] = value
+            state[key] = stored_part(layout, name, value, key)
 
     module._register_state_dict_hook(to_whole)
     module._register_load_state_dict_pre_hook(to_stored)

@@ -114,6 +114,14 @@ def test_the_checkpoint_loads_into_a_plain_model(tmp_path):
         assert torch.allclose(plain.state_dict()[key], want, atol=1e-6), key
 
 
-def test_checkpoint_functions_refuse_other_models():
-    with pytest.raises(TypeError, match="strategy 'fsdp' or 'hsdp'"):
-        spmd.checkpoint.get_state_dict(torch.nn.Linear(2, 2))
+def test_a_plain_models_state_dicts_are_torchs():
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = SHARDED_MODELS["tied"]()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ours, theirs = spmd.checkpoint.get_state_dict(model, opt), get_state_dict(model, opt)
+    for mine, torchs in zip(ours, theirs):
+        assert list(mine) == list(torchs)
+    assert ours[1]["param_groups"] == theirs[1]["param_groups"]
+    assert {k: list(v) for k, v in ours[1]["state"].items()} == \
+        {k: list(v) for k, v in theirs[1]["state"].items()}
