@@ -6,8 +6,8 @@ The model is tiny and holds what state dicts get wrong: an embedding tied to the
 head (two keys, one tensor), a linear, an odd vocabulary (fsdp pads), a non-persistent
 buffer (never saved nor asked for) and a persistent one; tp splits the linear
 ``StridedShard(0, 2)`` (two blocks a rank), fsdp x tp ``Shard(0)`` twice over (a shard of
-a piece). Two spawns: the 2-rank layouts save and load; fsdp x tp (2x2) saves and the
-4-rank layouts load. The plain module loads in the test process through torch's own
+a piece). A job per checkpoint saves it and loads it on the same ranks (tests.jobs),
+a 4-rank job loads 2-rank checkpoints into the 4-rank layouts. The plain module loads in the test process through torch's own
 functions. ``SPMD_CKPT=full`` runs the whole cross product (9 checkpoints x 10
 destinations: the 8 layouts, fsdp on 4 ranks, the plain module); by default every
 checkpoint loads once into another layout and once into the plain module, and fsdp x
@@ -17,7 +17,10 @@ fsdp x tp through set_state_dict (20 cells, 91 in full).
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
+import tempfile
 from datetime import timedelta
 
 import pytest
@@ -28,12 +31,11 @@ import torch.nn.functional as F
 import spmd
 from spmd import runtime as dist
 
+from ..jobs import Jobs
+
 VOCAB, DIM, ROWS, LENGTH = 11, 8, 4, 4
 SAVED_AT, LR, TOL = 2, 0.05, 1e-12
 FULL = os.environ.get("SPMD_CKPT") == "full"
-# whichever test runs first sets the matrix up: 86-165 s measured on 2 cores at load
-# average 6-12 (never measured quiet); the full matrix 4.5-5 minutes there
-pytestmark = pytest.mark.timeout(900 if FULL else 420)
 
 SOURCES = ["ddp", "fsdp", "hsdp", "zero1", "zero2", "tp", "fsdp_tp", "cp", "torch"]
 LAYOUTS = [s for s in SOURCES if s != "torch"]
@@ -160,17 +162,18 @@ def load(layout: str, source: str, rank: int, path: str) -> dict:
             "steps": sorted({int(s["step"]) for s in opt.state.values()})}
 
 
-def job(rank: int, path: str, saves: list[str], loads: list[tuple[str, str]]) -> dict:
+def job(rank: int, cases: list[tuple[str, str]], path: str) -> dict:
+    """Each case in order: ``("save", layout)`` trains and saves under ``layout``,
+    ``(source, layout)`` loads ``source``'s checkpoint under ``layout`` and resumes."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
     try:
         out: dict = {}
-        for layout in saves:
-            out[("save", layout)] = save(layout, rank, path)
-        for source, layout in loads:
+        for source, layout in cases:
             try:
-                out[(source, layout)] = load(layout, source, rank, path)
-            except Exception as e:  # one cell's failure is that cell's, not the spawn's
+                out[(source, layout)] = (save(layout, rank, path) if source == "save"
+                                         else load(layout, source, rank, path))
+            except Exception as e:  # one cell's failure is that cell's, not the job's
                 out[(source, layout)] = {"error": f"{type(e).__name__}: {e}"}
         return out
     finally:
@@ -199,39 +202,57 @@ def reference(steps: int) -> dict:
     return whole(model)
 
 
-@pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    """One spawn of 2 ranks saves under every 2-rank layout and loads what it can; one of 4
-    saves under fsdp x tp and loads into the 4-rank layouts; under SPMD_CKPT=full, a third
-    loads fsdp x tp's checkpoint on 2 ranks."""
-    path = str(tmp_path_factory.mktemp("ckpt"))
-    out: dict = {"ranks": {}}
-    two = [s for s in SOURCES if s not in FOUR]
-    cells = [c for c in CELLS if c[0] != "fsdp_tp" and c[1] not in FOUR + ("plain",)]
-    out["ranks"]["two"] = dist.spawn(job, args=(path, two, cells), nprocs=2,
-                                     start_method="forkserver", timeout=240)
-    cells = [c for c in CELLS if c[1] in FOUR]
-    out["ranks"]["four"] = dist.spawn(job, args=(path, ["fsdp_tp"], cells), nprocs=4,
-                                      start_method="forkserver", timeout=240)
-    cells = [c for c in CELLS if c[0] == "fsdp_tp" and c[1] not in FOUR + ("plain",)]
-    if cells:
-        more = dist.spawn(job, args=(path, [], cells), nprocs=2, start_method="forkserver",
-                          timeout=240)
-        for run, extra in zip(out["ranks"]["two"], more):
-            run.update(extra)
-    for runs in out["ranks"].values():
-        out.update({k: v for k, v in runs[0].items() if k[0] == "save"})
-    for source, layout in CELLS:
-        if layout == "plain":
-            out[(source, layout)] = load_plain(source, path)
-    out["reference"] = reference(SAVED_AT), reference(SAVED_AT + 1)
-    return out
+def _world(case: tuple[str, str]) -> int:
+    return 4 if case[1] in FOUR else 2
 
 
-def _cell(matrix, source, layout):
-    ranks = (matrix["ranks"]["four"] if layout in FOUR else
-             [matrix] if layout == "plain" else matrix["ranks"]["two"])
-    return [r[(source, layout)] for r in ranks]
+def _groups() -> list[list[tuple[str, str]]]:
+    """Checkpoints saved, then loaded on the same ranks, three to a job (a tiny model:
+    a checkpoint's cells take a second or two); then a job for each world size's loads of
+    the other world size's checkpoints."""
+    groups: list[list[tuple[str, str]]] = []
+    for world in (2, 4):
+        sources = [s for s in SOURCES if _world(("save", s)) == world]
+        for i in range(0, len(sources), 3):
+            groups.append([])
+            for source in sources[i:i + 3]:
+                saved = ("save", source)
+                groups[-1] += [saved] + [c for c in CELLS if c[0] == source
+                                         and c[1] != "plain" and _world(c) == world]
+    for world in (2, 4):
+        other = [c for c in CELLS if c[1] != "plain" and _world(c) == world
+                 and not any(c in g for g in groups)]
+        if other:
+            groups.append(other)
+    return groups
+
+
+PATH = tempfile.mkdtemp(prefix="spmd-ckpt-")
+JOBS = Jobs(job, _groups(), nprocs=lambda cases: _world(cases[0]), args=(PATH,))
+_PLAIN: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cleanup():
+    yield
+    shutil.rmtree(PATH, ignore_errors=True)
+
+
+@functools.cache
+def _reference() -> tuple[dict, dict]:
+    return reference(SAVED_AT), reference(SAVED_AT + 1)
+
+
+def _cell(source: str, layout: str) -> list[dict]:
+    """Each rank's result of loading ``source``'s checkpoint under ``layout`` (saved
+    first, by its own job, when another job loads it)."""
+    if source in SOURCES:
+        JOBS.results(("save", source))
+    if layout == "plain":
+        if source not in _PLAIN:
+            _PLAIN[source] = load_plain(source, PATH)
+        return [_PLAIN[source]]
+    return JOBS.results((source, layout))
 
 
 def _worst(got: dict, want: dict) -> float:
@@ -240,9 +261,9 @@ def _worst(got: dict, want: dict) -> float:
 
 
 @pytest.mark.parametrize("source, layout", CELLS, ids=[f"{s}-to-{d}" for s, d in CELLS])
-def test_resumes_as_if_never_stopped(matrix, source, layout):
-    at_save, after = matrix["reference"]
-    for run in _cell(matrix, source, layout):
+def test_resumes_as_if_never_stopped(source, layout):
+    at_save, after = _reference()
+    for run in _cell(source, layout):
         assert "error" not in run, run.get("error")
         assert _worst(run["loaded"], at_save) <= TOL
         assert _worst(run["resumed"], after) <= TOL
@@ -250,16 +271,16 @@ def test_resumes_as_if_never_stopped(matrix, source, layout):
 
 
 @pytest.mark.parametrize("source", SOURCES)
-def test_keys_are_the_plain_modules(matrix, source):
+def test_keys_are_the_plain_modules(source):
     plain = make()
-    saved = matrix["save", source]
+    saved = JOBS.results(("save", source))[0]
     assert saved["model_keys"] == sorted(plain.state_dict())  # head.weight kept, no scale
     assert saved["optim_keys"] == ["embed.weight", "proj.bias", "proj.weight"]
     assert saved["optim_params"] == [["embed.weight", "proj.weight", "proj.bias"]]
 
 
-def test_counts(matrix):
+def test_counts():
     ran = [c for c in CELLS]
-    passed = [c for c in CELLS if all("error" not in r for r in _cell(matrix, *c))]
+    passed = [c for c in CELLS if all("error" not in r for r in _cell(*c))]
     print(f"checkpoint matrix: {len(ran)} cells run, {len(passed)} loaded without error")
     assert len(ran) == (91 if FULL else 20)
