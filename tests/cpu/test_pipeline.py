@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import spmd
 import spmd.runtime as dist
 from spmd.pp import SCHEDULES
+from tests.jobs import Jobs
 from tests.llama import Llama
 from tests.zoo import entry
 
@@ -75,15 +76,20 @@ def _init() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=90))
 
 
-def schedules_job(rank: int, ranks: int) -> dict:
+def schedules_job(rank: int, cases: list[str], ranks: int) -> dict:
+    """Each schedule of ``cases`` trained on ``ranks`` pipeline ranks against one
+    process; the case "extras" runs ``_pp2_extras``."""
     _init()
     try:
         out: dict = {}
         batches = [_batch(rows, step) for rows, step in STEPS]
         layers = 2 * ranks
-        reference = _reference(lambda: _llama(layers), batches, _lm_loss)
         mesh = spmd.Mesh((ranks,), ("pp",))
-        for name in SCHEDULES:
+        if "extras" in cases:
+            out["extras"] = _pp2_extras(mesh)
+        names = [name for name in cases if name != "extras"]
+        reference = _reference(lambda: _llama(layers), batches, _lm_loss) if names else {}
+        for name in names:
             model = _llama(layers)
             pm = spmd.parallelize(model, mesh=mesh,
                                   pipeline=spmd.pp.schedule(name, 2 if ranks == 2 else 4))
@@ -92,8 +98,6 @@ def schedules_job(rank: int, ranks: int) -> dict:
             out[name] = {"diff": _diff(pm, reference), "losses": losses, "held": held,
                          "stages": pm.local_stages(),
                          "spans": [(a.kind, a.stage, a.microbatch) for a, _, _ in pm.last_spans]}
-        if ranks == 2:
-            out.update(_pp2_extras(mesh))
         return out
     finally:
         dist.destroy_process_group()
@@ -208,25 +212,25 @@ def _compose(shape: tuple[int, ...], names: tuple[str, ...], cases: list) -> dic
     return out
 
 
-@pytest.fixture(scope="module")
-def pp2():
-    return dist.spawn(schedules_job, args=(2,), nprocs=2, start_method="forkserver",
-                      timeout=115)
+# two schedules per job (a job of all four and the extras took 125 s on a loaded machine)
+PP2 = Jobs(schedules_job, [SCHEDULES[:2], SCHEDULES[2:], ["extras"]], nprocs=2, args=(2,))
+PP4 = Jobs(schedules_job, [SCHEDULES[:2], SCHEDULES[2:]], nprocs=4, args=(4,))
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
-def test_each_schedule_at_pp2_is_one_process(pp2, name):
-    for rank, out in enumerate(pp2):
-        run = out[name]
+def test_each_schedule_at_pp2_is_one_process(name):
+    runs = PP2.results(name)
+    for rank, run in enumerate(runs):
         assert run["diff"] < 1e-12, (rank, run["diff"])
         # each rank keeps only its stages' parameters
         assert 0 < run["held"] < sum(p.numel() for p in _llama(4).parameters())
-    assert pp2[0][name]["losses"] == pp2[1][name]["losses"]  # the loss on every rank
+    assert runs[0]["losses"] == runs[1]["losses"]  # the loss on every rank
     if name == "zb-h1":  # the weight gradients ran as their own actions
-        assert any(kind == "W" for kind, _, _ in pp2[0][name]["spans"])
+        assert any(kind == "W" for kind, _, _ in runs[0]["spans"])
 
 
-def test_tied_head_eval_errors_and_plan_at_pp2(pp2):
+def test_tied_head_eval_errors_and_plan_at_pp2():
+    pp2 = PP2.results("extras")
     for out in pp2:
         assert out["tied"]["tied"] == {"hf.transformer.wte.weight": (0, 1)}
         assert out["tied"]["diff"] < 1e-12
@@ -249,15 +253,13 @@ def test_tied_head_eval_errors_and_plan_at_pp2(pp2):
     assert pp2[0]["plan"]["sources"][1].startswith("scaled by FLOPs")
 
 
-def test_each_schedule_at_pp4_is_one_process():
-    runs = dist.spawn(schedules_job, args=(4,), nprocs=4, start_method="forkserver",
-                      timeout=115)
-    for name in SCHEDULES:
-        for rank, out in enumerate(runs):
-            assert out[name]["diff"] < 1e-12, (name, rank, out[name]["diff"])
-        stages = [out[name]["stages"] for out in runs]
-        assert stages == ([[0, 4], [1, 5], [2, 6], [3, 7]] if name == "interleaved-1f1b"
-                          else [[0], [1], [2], [3]])
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_each_schedule_at_pp4_is_one_process(name):
+    runs = PP4.results(name)
+    for rank, run in enumerate(runs):
+        assert run["diff"] < 1e-12, (rank, run["diff"])
+    assert [run["stages"] for run in runs] == (
+        [[0, 4], [1, 5], [2, 6], [3, 7]] if name == "interleaved-1f1b" else [[0], [1], [2], [3]])
 
 
 def test_pipeline_composes_with_ddp_and_fsdp():
