@@ -225,7 +225,7 @@ class ProcessGroup:
             self.join_log.append({"op": op})
         if self.debug and fingerprint is not None:
             self._compare(self._seq, f"{op}({fingerprint()})")
-        elif header is not None and self.size_check and not sizecheck.skipping():
+        elif header is not None and self.size_check and not sizecheck.skipping(self):
             sizecheck.exchange(self, op, header, fingerprint)
         return self._seq
 

@@ -39,7 +39,7 @@ __all__ = ["labelled", "agreed", "exchange", "FIELDS"]
 FIELDS = 6
 _OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather",
         "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
-        "all_to_all_single", "barrier", "graph")
+        "all_to_all_single", "barrier", "graph", "inputs")
 _DTYPES = (None, torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
            torch.uint8, torch.int32, torch.int64, torch.bool, torch.complex64,
            torch.complex128)
@@ -50,7 +50,8 @@ _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
 
 _label: contextvars.ContextVar[tuple[str, str, int] | None] = contextvars.ContextVar(
     "spmd_collective_label", default=None)
-_agreed: contextvars.ContextVar[bool] = contextvars.ContextVar("spmd_agreed", default=False)
+_agreed: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "spmd_agreed", default=frozenset())
 
 
 @contextlib.contextmanager
@@ -66,18 +67,28 @@ def labelled(caller: str, hint: str = "") -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def agreed() -> Iterator[None]:
-    """Collectives run inside skip their own header: the caller has checked their sizes
-    already (a compiled graph, once per run, for everything it sends)."""
-    token = _agreed.set(True)
+def agreed(groups: "list[ProcessGroup]") -> Iterator[None]:
+    """Collectives on ``groups`` run inside skip their own header: the caller has
+    checked their sizes already (a compiled graph, once per run, for everything it
+    sends); other groups' still check."""
+    token = _agreed.set(_agreed.get() | {id(g) for g in groups})
     try:
         yield
     finally:
         _agreed.reset(token)
 
 
-def skipping() -> bool:
-    return _agreed.get()
+def skipping(pg: "ProcessGroup") -> bool:
+    return id(pg) in _agreed.get()
+
+
+def check_signature(pg: "ProcessGroup", kind: str, signature: int,
+                    describe: Callable[[], str]) -> None:
+    """One header for what every rank of ``pg`` must have alike: ``"graph"``, a compiled
+    graph's run (``signature``, 63 bits, hashes everything it sends; its collectives then
+    run inside :func:`agreed`), or ``"inputs"``, the shapes a model was given."""
+    if pg.size_check and not pg.debug:
+        exchange(pg, kind, header(kind, signature), describe)
 
 
 def header(op: str, count: int, dtype: torch.dtype | None = None, root: int = -1,
@@ -116,7 +127,8 @@ def _mismatch(pg: "ProcessGroup", op: str, rows: list[list[int]],
     """The error for headers that differ: each rank's own words for its call when they
     arrive through the store within a few seconds, else what its header says."""
     me, n = pg.rank(), pg._checks
-    call = f"{op}({describe() if describe is not None else ''})"
+    text = describe() if describe is not None else ""
+    call = text if op in ("graph", "inputs") else f"{op}({text})"
     if label is not None:
         call += f" in {label[0]}" + (f" ({label[1]})" if label[1] else "")
     calls = [_decode(row) for row in rows]
@@ -131,17 +143,18 @@ def _mismatch(pg: "ProcessGroup", op: str, rows: list[list[int]],
     differ = [pg.ranks[r] for r, row in enumerate(rows) if row != rows[0]]
     lines = "\n".join(f"  rank {pg.ranks[r]}: {c}" for r, c in enumerate(calls))
     return DistError(
-        f"collectives disagree on process group {pg.name!r} (collective {pg._seq}): rank(s) "
-        f"{', '.join(map(str, differ))} called something other than rank {pg.ranks[0]}; "
-        f"each rank called:\n{lines}\nEvery rank of a group must run the same collectives "
-        f"with the same sizes in the same order (no data moved; the group can go on)")
+        f"collectives disagree on process group {pg.name!r} (collective {pg._seq}): every "
+        f"rank of a group must run the same collectives with the same sizes in the same "
+        f"order; each rank called:\n{lines}\nrank(s) {', '.join(map(str, differ))} differ "
+        f"from rank {pg.ranks[0]} (no data moved; the group can go on)")
 
 
 def _decode(row: list[int]) -> str:
     code, count, dtype, root, reduce, label = row
     op = _OPS[code] if 0 <= code < len(_OPS) else f"operation {code}"
-    if op == "graph":
-        return f"a compiled graph's collectives (signature {count & 0xFFFFFFFF:08x})"
+    if op in ("graph", "inputs"):
+        return f"a compiled graph (signature {count & 0xFFFFFFFF:08x})" if op == "graph" \
+            else f"a model's forward on inputs of signature {count & 0xFFFFFFFF:08x}"
     kind = _DTYPES[dtype] if 0 <= dtype < len(_DTYPES) else None
     text = f"{op} of {count} {str(kind).removeprefix('torch.')} elements"
     if root >= 0:

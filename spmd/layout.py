@@ -37,6 +37,7 @@ import torch.nn as nn
 from spmd.lowering import ops
 from spmd.lowering.placements import Replicate, Shard, Sharding, divides
 from spmd.lowering.specs import Handles, PlaceSpec, ShardSpec, TPSpec, lookup
+from spmd.runtime.sizecheck import labelled
 from spmd.writethrough import write_through
 
 __all__ = ["ParameterPlacement", "Layout", "placement_of", "place_module", "hold_piece",
@@ -390,6 +391,12 @@ def _install_state_dict_hooks(module: nn.Module, layout: Layout) -> None:
                        layout.pieces.get(name))
 
     def to_whole(mod: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
+        with labelled("state_dict()", "every rank must call it, as with torch's full state "
+                                      "dicts: it gathers each parameter over the group; save "
+                                      "the result on rank 0 only"):
+            _to_whole(state, prefix)
+
+    def _to_whole(state: dict, prefix: str) -> None:
         done: dict[int, torch.Tensor] = {}
         for name, key, value, shard, piece in entries(state, prefix):
             ident = id(shard or piece)
