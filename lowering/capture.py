@@ -311,10 +311,9 @@ def _instrument(run: Callable[[list], Any], capture: "Capture", record: GraphRec
             alive = owner()
             checks.append(RunCheck(None if alive is None else getattr(alive, phase),
                                    functools.partial(_describe, owner, phase)))
-        check = checks[0]
-        if check.groups:
-            check()
-            with sizecheck.agreed(check.groups):
+        checked = checks[0]() if checks[0].groups else None
+        if checked:
+            with sizecheck.agreed(checked):
                 return _timed(run, args, capture, owner, label, timed)
         return _timed(run, args, capture, owner, label, timed)
 
@@ -328,7 +327,7 @@ def _describe(owner: Any, phase: str) -> str:
         return f"a collected graph's {phase}"
     data = ", ".join(str(i.shape).replace(" ", "") for i in record.inputs
                      if i.kind == "data" and i.tensor) or "none"
-    return f"{record.name} {phase}, planned for data of shapes {data}"
+    return f"{record.name} {phase}, traced for data of shapes {data}"
 
 
 def _timed(run: Callable[[list], Any], args: list, capture: "Capture", owner: Any,

@@ -25,28 +25,37 @@ __all__ = ["RunCheck"]
 
 
 class RunCheck:
-    """The groups ``graph``'s ``spmd`` ops communicate over and the hash of their shapes;
-    calling it checks them across each group's ranks (``describe``: this rank's words)."""
+    """The groups ``graph``'s ``spmd`` ops communicate over, each with the hash of the
+    shapes of the ops that use it (a data-parallel group's gradient buckets do not follow
+    the batch, which may differ across it); calling it checks them across each group's
+    ranks (``describe``: this rank's words) and returns the groups checked."""
 
     def __init__(self, graph: fx.GraphModule | None, describe: Callable[[], str]) -> None:
         self.describe = describe
-        h = hashlib.sha256()
+        hashes: dict[int, Any] = {}
         groups: dict[int, Any] = {}
         for node in [] if graph is None else graph.graph.nodes:
             if node.op != "call_function" or node.target not in ops.IMPLEMENTATIONS:
                 continue
-            h.update(repr((str(node.target), _shapes(node.args), _shapes(node.meta.get("val"))))
-                     .encode())
+            what = repr((str(node.target), _shapes(node.args),
+                         _shapes(node.meta.get("val")))).encode()
             for group in _groups(node):
-                groups.setdefault(id(group), group)
-        self.groups = [g for g in groups.values() if g.size() > 1]
-        self.signature = int(h.hexdigest()[:15], 16)
+                if group.size() > 1:
+                    groups.setdefault(id(group), group)
+                    hashes.setdefault(id(group), hashlib.sha256()).update(what)
+        self.groups = list(groups.values())
+        self.signatures = [int(hashes[id(g)].hexdigest()[:15], 16) for g in self.groups]
 
-    def __call__(self) -> None:
+    def __call__(self) -> list[Any]:
         if not sending():
-            return
-        for group in self.groups:
-            sizecheck.check_signature(group, "graph", self.signature, self.describe)
+            return []
+        checked = []
+        for group, signature in zip(self.groups, self.signatures):
+            if group.join_log is not None:
+                continue  # under spmd.Join a joined rank shadows each collective alone
+            sizecheck.check_signature(group, "graph", signature, self.describe)
+            checked.append(group)
+        return checked
 
 
 def _shapes(value: Any) -> Any:

@@ -110,7 +110,10 @@ def exchange(pg: "ProcessGroup", op: str, fields: list[int],
     pg._checks += 1
     what = op if label is None else f"{op} in {label[0]}"  # a timeout here is the op's
     backend = pg._backend
-    work = pg._launch(what, pg._seq, lambda: backend._allgather_base(every, mine), True)
+    # the collective this header precedes: an eager one has taken its number, a graph's
+    # first is the next (a peer that left before it is named after a second)
+    seq = pg._seq + 1 if op in ("graph", "inputs") else pg._seq
+    work = pg._launch(what, seq, lambda: backend._allgather_base(every, mine), True)
     try:
         work.wait()
     except DistError as e:
