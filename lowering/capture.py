@@ -302,16 +302,18 @@ def _instrument(run: Callable[[list], Any], capture: "Capture", record: GraphRec
     def call(args: list) -> Any:
         if forward:
             capture.forward_runs += 1
+        if not checks:
+            alive = owner()
+            checks.append(RunCheck(None if alive is None else getattr(alive, phase),
+                                   functools.partial(_describe, owner, phase)))
+        # first the header: a rank that alone runs another graph is named here, before
+        # the first run's plan comparison would wait for ranks that are not planning
+        checked = checks[0]() if checks[0].groups else None
         if pending[0] is not None:
             alive = owner()
             if alive is not None:
                 pending[0](alive)
             pending[0] = None
-        if not checks:
-            alive = owner()
-            checks.append(RunCheck(None if alive is None else getattr(alive, phase),
-                                   functools.partial(_describe, owner, phase)))
-        checked = checks[0]() if checks[0].groups else None
         if checked:
             with sizecheck.agreed(checked):
                 return _timed(run, args, capture, owner, label, timed)

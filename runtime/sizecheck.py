@@ -88,7 +88,8 @@ def check_signature(pg: "ProcessGroup", kind: str, signature: int,
     graph's run (``signature``, 63 bits, hashes everything it sends; its collectives then
     run inside :func:`agreed`), or ``"inputs"``, the shapes a model was given."""
     if pg.size_check and not pg.debug:
-        exchange(pg, kind, header(kind, signature), describe)
+        exchange(pg, kind, header(kind, signature),
+                 lambda: f"{describe()} [signature {signature & 0xFFFFFFFF:08x}]")
 
 
 def header(op: str, count: int, dtype: torch.dtype | None = None, root: int = -1,

@@ -127,13 +127,17 @@ class Agreement:
         store, group = self.group.store, self.group
         key = f"spmd/plan/{self.index}/{len(self.agreed)}"
         store.set(f"{key}/{group.rank()}", mine)
+        keys = [f"{key}/{r}" for r in range(group.size())]
+        seconds = group.timeout.total_seconds()
         try:
-            every = [v.decode() for v in store.multi_get(
-                [f"{key}/{r}" for r in range(group.size())])]
+            every = [v.decode() for v in store._multi_get(keys, seconds)]
         except TimeoutError:
-            raise DistError(f"parallelize: not every rank planned {record.name} within the store "
-                            f"timeout; ranks are running different graphs (data-dependent "
-                            f"control flow?)") from None
+            missing = [group.ranks[r] for r, k in enumerate(keys) if not store.check([k])]
+            raise DistError(f"parallelize: rank(s) {', '.join(map(str, missing))} did not plan "
+                            f"a new graph when this rank planned {record.name} (within the "
+                            f"group's {seconds:g}s timeout); ranks are running different "
+                            f"graphs (data-dependent control flow, or a rank that recompiled "
+                            f"alone?)") from None
         differ = [group.ranks[r] for r, h in enumerate(every) if h != every[0]]
         if differ:
             # every rank has read every plan before any raises (the first rank's store

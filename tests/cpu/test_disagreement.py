@@ -46,6 +46,23 @@ def _model():
     return Transformer(layers=1, dim=8).double()
 
 
+class _Branch(torch.nn.Module):
+    def __init__(self, second: bool) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.use_second = second
+
+    def forward(self, x):
+        x = self.first(x)
+        return self.second(x) if self.use_second else x
+
+
+def _branching(rank):
+    torch.manual_seed(0)
+    model = spmd.parallelize(_Branch(second=rank == 1))
+    model(torch.ones(2, 4)).sum().backward()
+
+
 def _eager_cases(rank):
     return {
         "all_reduce": lambda: dist.all_reduce(torch.ones(4 + rank)),
@@ -90,6 +107,10 @@ def disagree_job(rank: int) -> dict:
             lambda: fsdp.state_dict() if rank == 0 else dist.barrier())
         out["state_dict vs a step"] = _attempt(
             lambda: fsdp.state_dict() if rank == 0 else _train(fsdp, [(8, 8)], rank))
+        # ddp: data-dependent control flow, rank 1 alone runs its second layer: its
+        # backward graph reduces other gradients, named at the graph's header (every
+        # run, before the first run's plan comparison)
+        out["ddp branch"] = _attempt(lambda: _branching(rank))
         # every group survived: collectives that agree still run, with the right values
         alive = torch.full((3,), float(rank + 1))
         dist.all_reduce(alive)
@@ -149,6 +170,14 @@ def test_fsdp_state_dict_on_rank_0_only_says_every_rank_must_call_it(runs, case)
         assert "in state_dict() (every rank must call it" in message, message
     assert "rank 1: barrier()" in runs[0]["state_dict vs barrier"]
     assert "rank 1: graph" in runs[0]["state_dict vs a step"]
+
+
+def test_ranks_running_different_graphs_are_named_at_the_backward(runs):
+    for run in runs:
+        message = run["ddp branch"]
+        assert message.startswith("DistError: collectives disagree"), message
+        assert "rank 0: graph0 backward" in message and "rank 1: graph0 backward" in message
+        assert "rank(s) 1 differ from rank 0" in message, message
 
 
 def test_the_groups_survive_and_agreeing_calls_still_work(runs):
