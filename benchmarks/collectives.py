@@ -2,6 +2,7 @@
 
     python benchmarks/collectives.py [--nprocs 2] [--max-mib 64]
     python benchmarks/collectives.py --overhead
+    python benchmarks/collectives.py --size-check [--nprocs 2]
 
 
 Each rank joins both libraries (ours over our TCPStore, torch's over its own) with Gloo
@@ -15,6 +16,11 @@ a 4-byte tensor, Gloo, in this process; the libraries alternate in rounds, and t
 gives the medians and the spread of each round's difference. On two ranks a 4-byte collective is dominated by
 scheduling noise of hundreds of microseconds on a 2-core machine; one rank isolates the
 Python and dispatch cost that the aim "at most 20 µs more per call" is about.
+
+``--size-check`` measures what the size check (``spmd.runtime.sizecheck``: a header
+all-gathered before each eager collective) costs on two ranks: the same operation on a
+group with the check on and on one with it off, alternating in rounds, at 4 B and 1 MiB;
+the table gives the medians and the spread of each round's difference.
 """
 
 from __future__ import annotations
@@ -145,16 +151,88 @@ def overhead(rounds: int = 9, iters: int = 3000) -> None:
     ours.destroy_process_group()
 
 
+def size_check_rank(rank: int, rounds: int, iters: int) -> list | None:
+    import torch.distributed as tdist
+
+    from spmd import runtime as ours
+
+    port = int(os.environ["MASTER_PORT"]) + 1  # torch's group only paces the rounds
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                             world_size=int(os.environ["WORLD_SIZE"]),
+                             timeout=timedelta(seconds=300))
+    ours.init_process_group("gloo", timeout=timedelta(seconds=300))
+    checked, unchecked = ours.new_group(), ours.new_group()
+    assert checked.size_check
+    unchecked.size_check = False  # what SPMD_SIZE_CHECK=0 sets on every group
+    n = ours.get_world_size()
+    rows = []
+    for nbytes in (4, 1 << 20):
+        calls = [{op: (lambda f=f, g=g: f(g)) for op, f in _group_calls(n, nbytes).items()}
+                 for g in (checked, unchecked)]
+        for op in calls[0]:
+            times: list[list[float]] = [[], []]
+            for _ in range(rounds):
+                for i in (0, 1):
+                    fn = calls[i][op]
+                    for _ in range(10):
+                        fn()
+                    tdist.barrier()
+                    start = time.perf_counter()
+                    for _ in range(iters):
+                        fn()
+                    times[i].append((time.perf_counter() - start) / iters)
+            rows.append((op, nbytes, times))
+    tdist.destroy_process_group()
+    ours.destroy_process_group()
+    return rows if rank == 0 else None
+
+
+def _group_calls(n: int, nbytes: int):
+    """(op name, callable taking the group) at ``nbytes`` of payload, as :func:`_calls`."""
+    from spmd import runtime as ours
+
+    count = max(1, nbytes // 4)
+    a = torch.ones(count)
+    shard = torch.ones(max(1, count // n))
+    full = torch.empty(shard.numel() * n)
+    return {
+        "all_reduce": lambda g: ours.all_reduce(a, group=g),
+        "broadcast": lambda g: ours.broadcast(a, src=0, group=g),
+        "all_gather": lambda g: ours.all_gather_into_tensor(full, shard, group=g),
+        "reduce_scatter": lambda g: ours.reduce_scatter_tensor(shard, full, group=g),
+    }
+
+
+def size_check(nprocs: int, rounds: int = 9, iters: int = 200) -> None:
+    from spmd.runtime import spawn
+
+    rows = spawn(size_check_rank, args=(rounds, iters), nprocs=nprocs, timeout=3000)[0]
+    print(f"| op ({nprocs} ranks) | size | check on µs/call (median) | check off µs/call "
+          f"(median) | ratio | extra µs (median) | extra µs per round (min–max) |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for op, nbytes, (on, off) in rows:
+        extra = [(x - y) * 1e6 for x, y in zip(on, off)]
+        m_on, m_off = statistics.median(on), statistics.median(off)
+        print(f"| {op} | {_fmt_bytes(nbytes)} | {m_on * 1e6:.1f} | {m_off * 1e6:.1f} | "
+              f"{m_on / m_off:.2f} | {statistics.median(extra):+.1f} | "
+              f"{min(extra):+.1f} to {max(extra):+.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", type=int, default=2)
     parser.add_argument("--max-mib", type=int, default=64)
     parser.add_argument("--overhead", action="store_true",
                         help="per-call cost on one rank instead of the two-rank sweep")
+    parser.add_argument("--size-check", action="store_true",
+                        help="the size check's cost per call, on --nprocs ranks")
     args = parser.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # both libraries, same device
     if args.overhead:
         overhead()
+        return
+    if args.size_check:
+        size_check(args.nprocs)
         return
 
     from spmd.runtime import spawn

@@ -30,6 +30,8 @@ from spmd.lowering.emit import emit
 from spmd.lowering.graph import copy_graph
 from spmd.lowering.pipeline import plan_graph
 from spmd.lowering.reshard import forward_name
+from spmd.lowering.run_check import RunCheck
+from spmd.runtime import sizecheck
 from spmd.lowering.tensor_parallel import SAVED_RENAMES
 
 __all__ = ["GraphRecord", "Capture", "time_forward"]
@@ -282,8 +284,9 @@ def _instrument(run: Callable[[list], Any], capture: "Capture", record: GraphRec
                 phase: str, first: Callable[[GraphRecord], None] | None = None
                 ) -> Callable[[list], Any]:
     """``run``, plus: the first forward call is timed, ``first(record)`` runs before the
-    first call, and while a profiler is attached to the capture every call records its
-    start and end.
+    first call, every call first checks what the graph sends across ranks
+    (``run_check``), and while a profiler is attached to the capture every call records
+    its start and end.
 
     The record is held weakly: Dynamo keeps compiled regions past the module's life, and
     the record's graphs name the specs (groups, work in flight) the module owns.
@@ -294,34 +297,61 @@ def _instrument(run: Callable[[list], Any], capture: "Capture", record: GraphRec
 
     forward = phase == "forward"
     pending = [first]
+    checks: list[RunCheck] = []  # what the graph sends, compared across ranks each run
 
     def call(args: list) -> Any:
         if forward:
             capture.forward_runs += 1
+        if not checks:
+            alive = owner()
+            checks.append(RunCheck(None if alive is None else getattr(alive, phase),
+                                   functools.partial(_describe, owner, phase)))
+        # first the header: a rank that alone runs another graph is named here, before
+        # the first run's plan comparison would wait for ranks that are not planning
+        checked = checks[0]() if checks[0].groups else None
         if pending[0] is not None:
             alive = owner()
             if alive is not None:
                 pending[0](alive)
             pending[0] = None
-        profiler = capture.profiler
-        if profiler is None and timed[0]:
-            return run(args)
-        start = time.perf_counter()
-        if profiler is not None:
-            profiler.event("compute_start", label, start)
-        out = run(args)
-        end = time.perf_counter()
-        if profiler is not None:
-            profiler.event("compute_end", label, end)
-        if not timed[0]:
-            timed[0] = True
-            alive = owner()
-            if alive is not None:
-                alive.forward_seconds = end - start
-        return out
+        if checked:
+            with sizecheck.agreed(checked):
+                return _timed(run, args, capture, owner, label, timed)
+        return _timed(run, args, capture, owner, label, timed)
 
     call._boxed_call = True  # type: ignore[attr-defined]
     return call
+
+
+def _describe(owner: Any, phase: str) -> str:
+    record = owner()
+    if record is None:
+        return f"a collected graph's {phase}"
+    data = ", ".join(str(i.shape).replace(" ", "") for i in record.inputs
+                     if i.kind == "data" and i.tensor) or "none"
+    return f"{record.name} {phase}, traced for data of shapes {data}"
+
+
+def _timed(run: Callable[[list], Any], args: list, capture: "Capture", owner: Any,
+           label: str, timed: list[bool]) -> Any:
+    """``run(args)``; the first forward run is timed, and every run while a profiler is
+    attached records its start and end."""
+    profiler = capture.profiler
+    if profiler is None and timed[0]:
+        return run(args)
+    start = time.perf_counter()
+    if profiler is not None:
+        profiler.event("compute_start", label, start)
+    out = run(args)
+    end = time.perf_counter()
+    if profiler is not None:
+        profiler.event("compute_end", label, end)
+    if not timed[0]:
+        timed[0] = True
+        alive = owner()
+        if alive is not None:
+            alive.forward_seconds = end - start
+    return out
 
 
 def time_forward(record: GraphRecord, repeats: int = 3) -> float | None:

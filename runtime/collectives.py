@@ -15,6 +15,7 @@ import torch
 import torch.distributed as _dist
 
 from spmd.runtime import checks
+from spmd.runtime.sizecheck import header
 from spmd.runtime.groups import resolve_group
 from spmd.runtime.process_group import ProcessGroup, Work
 from spmd.runtime.reduction import ReduceOp
@@ -38,6 +39,13 @@ def _options(kind: type, rop: ReduceOp) -> Any:
         opts.reduceOp = rop.to_torch()
         _OPTIONS[(kind, rop)] = opts
     return opts
+
+
+_REDUCE_CODE = {op: i for i, op in enumerate(ReduceOp)}
+
+
+def _reduce_code(op: Any) -> int:
+    return 0 if op is ReduceOp.SUM else _REDUCE_CODE[ReduceOp.of(op)]
 
 
 def _reduction(pg: ProcessGroup, op: Any, dtype: torch.dtype, name: str) -> tuple[ReduceOp, bool]:
@@ -85,7 +93,8 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
         return _sparse_all_reduce(tensor, op, pg, async_op)
     checks.tensor(tensor, "all_reduce", pg)
     rop, divide = _reduction(pg, op, tensor.dtype, "all_reduce")
-    seq = pg._begin("all_reduce", lambda: f"{checks.describe(tensor)}, op={ReduceOp.of(op).name}")
+    seq = pg._begin("all_reduce", lambda: f"{checks.describe(tensor)}, op={ReduceOp.of(op).name}",
+                    header("all_reduce", tensor.numel(), tensor.dtype, -1, _reduce_code(op)))
     if pg.join_log is not None:
         pg.join_log[-1].update(shape=tuple(tensor.shape), dtype=tensor.dtype, reduce=op)
     buf, back = _staged(tensor)
@@ -113,7 +122,8 @@ def _sparse_all_reduce(tensor: torch.Tensor, op: ReduceOp, pg: ProcessGroup,
                          f"{rop.name}")
     if tensor.dtype not in checks.GLOO_DTYPES:
         raise TypeError(f"all_reduce: Gloo cannot move {tensor.dtype} tensors")
-    seq = pg._begin("all_reduce", lambda: f"sparse {checks.describe(tensor)}, op={rop.name}")
+    seq = pg._begin("all_reduce", lambda: f"sparse {checks.describe(tensor)}, op={rop.name}",
+                    header("all_reduce", -tensor.numel() - 1, tensor.dtype, -1, _reduce_code(rop)))
     if pg.join_log is not None:
         pg.join_log[-1].update(shape=tuple(tensor.shape), dtype=tensor.dtype, reduce=op,
                                sparse_dim=tensor.sparse_dim())
@@ -131,7 +141,8 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
     pg = resolve_group(group, "broadcast")
     checks.tensor(tensor, "broadcast", pg)
     root = pg.group_rank(src, "broadcast: src")
-    seq = pg._begin("broadcast", lambda: f"{checks.describe(tensor)}, src={src}")
+    seq = pg._begin("broadcast", lambda: f"{checks.describe(tensor)}, src={src}",
+                    header("broadcast", tensor.numel(), tensor.dtype, root))
     if pg.join_log is not None:
         pg.join_log[-1].update(shape=tuple(tensor.shape), dtype=tensor.dtype, src=src)
     buf, back = _staged(tensor)
@@ -149,7 +160,8 @@ def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM,
     root = pg.group_rank(dst, "reduce: dst")
     rop, divide = _reduction(pg, op, tensor.dtype, "reduce")
     seq = pg._begin("reduce", lambda: f"{checks.describe(tensor)}, op={ReduceOp.of(op).name}, "
-                                      f"dst={dst}")
+                                      f"dst={dst}",
+                    header("reduce", tensor.numel(), tensor.dtype, root, _reduce_code(op)))
     buf, back = _staged(tensor)
     opts = _dist.ReduceOptions()
     opts.reduceOp = rop.to_torch()
@@ -168,7 +180,8 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
     checks.tensor(tensor, "all_gather", pg)
     outputs = checks.tensor_list(tensor_list, "all_gather", pg, "tensor_list", like=tensor)
     checks.contiguous(tensor, "all_gather")
-    seq = pg._begin("all_gather", lambda: checks.describe(tensor))
+    seq = pg._begin("all_gather", lambda: checks.describe(tensor),
+                    header("all_gather", tensor.numel(), tensor.dtype))
     bufs, post = _staged_all(outputs)
     backend = pg._backend
     return pg._launch("all_gather", seq, lambda: backend.allgather([[W(b) for b in bufs]], [W(tensor)]), async_op,
@@ -190,7 +203,8 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
                          f"{pg.size() * input_tensor.numel()} (group size x input)")
     checks.contiguous(output_tensor, op, "output_tensor")
     checks.contiguous(input_tensor, op, "input_tensor")
-    seq = pg._begin(op, lambda: checks.describe([output_tensor, input_tensor]))
+    seq = pg._begin(op, lambda: checks.describe([output_tensor, input_tensor]),
+                    header(op, input_tensor.numel(), input_tensor.dtype))
     backend = pg._backend
     return pg._launch(op, seq, lambda: backend._allgather_base(W(output_tensor).view(-1), W(input_tensor).view(-1)),
                       async_op)
@@ -211,7 +225,8 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
         if gather_list:
             raise ValueError(f"gather: gather_list must be None on ranks other than dst={dst}")
         outputs = []
-    seq = pg._begin("gather", lambda: f"{checks.describe(tensor)}, dst={dst}")
+    seq = pg._begin("gather", lambda: f"{checks.describe(tensor)}, dst={dst}",
+                    header("gather", tensor.numel(), tensor.dtype, root))
     opts = _dist.GatherOptions()
     opts.rootRank = root
     bufs, post = _staged_all(outputs)
@@ -235,7 +250,8 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
         if scatter_list:
             raise ValueError(f"scatter: scatter_list must be None on ranks other than src={src}")
         inputs = []
-    seq = pg._begin("scatter", lambda: f"{checks.describe(tensor)}, src={src}")
+    seq = pg._begin("scatter", lambda: f"{checks.describe(tensor)}, src={src}",
+                    header("scatter", tensor.numel(), tensor.dtype, root))
     opts = _dist.ScatterOptions()
     opts.rootRank = root
     buf, back = _staged(tensor)
@@ -252,7 +268,8 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
     inputs = checks.tensor_list(input_list, "reduce_scatter", pg, "input_list", like=output)
     rop, divide = _reduction(pg, op, output.dtype, "reduce_scatter")
     seq = pg._begin("reduce_scatter",
-                    lambda: f"{checks.describe(output)}, op={ReduceOp.of(op).name}")
+                    lambda: f"{checks.describe(output)}, op={ReduceOp.of(op).name}",
+                    header("reduce_scatter", output.numel(), output.dtype, -1, _reduce_code(op)))
     opts = _options(_dist.ReduceScatterOptions, rop)
     buf, back = _staged(output)
     ins = [t.contiguous() for t in inputs]
@@ -278,7 +295,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
     checks.contiguous(output, name, "output")
     checks.contiguous(input, name, "input")
     rop, divide = _reduction(pg, op, output.dtype, name)
-    seq = pg._begin(name, lambda: f"{checks.describe([output, input])}, op={ReduceOp.of(op).name}")
+    seq = pg._begin(name, lambda: f"{checks.describe([output, input])}, op={ReduceOp.of(op).name}",
+                    header(name, output.numel(), output.dtype, -1, _reduce_code(op)))
     opts = _options(_dist.ReduceScatterOptions, rop)
     size = pg.size()
     post = (lambda: output.div_(size)) if divide else None
@@ -297,7 +315,8 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
         if o.dtype != t.dtype:
             raise TypeError(f"all_to_all: output_tensor_list[{i}] is {o.dtype} but "
                             f"input_tensor_list[{i}] is {t.dtype}")
-    seq = pg._begin("all_to_all", lambda: f"{checks.describe(outs)} <- {checks.describe(ins)}")
+    seq = pg._begin("all_to_all", lambda: f"{checks.describe(outs)} <- {checks.describe(ins)}",
+                    header("all_to_all", -1, outs[0].dtype if outs else None))
     bufs, post = _staged_all(outs)
     contiguous_ins = [t.contiguous() for t in ins]
     opts = _dist.AllToAllOptions()
@@ -337,7 +356,10 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     in_splits = _splits(input_split_sizes, input, pg.size(), "input_split_sizes")
     checks.contiguous(output, name, "output")
     checks.contiguous(input, name, "input")
-    seq = pg._begin(name, lambda: f"{checks.describe([output, input])}")
+    # uneven splits: each rank's own sizes differ by design (not compared; the dtype is)
+    even = not out_splits and not in_splits
+    seq = pg._begin(name, lambda: f"{checks.describe([output, input])}",
+                    header(name, input.numel() if even else -1, input.dtype))
     opts = _dist.AllToAllOptions()
     backend = pg._backend
     return pg._launch(name, seq,
@@ -349,7 +371,7 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False,
             device_ids: list[int] | None = None) -> Work | None:
     """Block until every rank of the group has reached this barrier."""
     pg = resolve_group(group, "barrier")
-    seq = pg._begin("barrier", lambda: "")
+    seq = pg._begin("barrier", lambda: "", header("barrier", 0))
     opts = _dist.BarrierOptions()
     if device_ids is not None:
         opts.device_ids = list(device_ids)

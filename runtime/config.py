@@ -12,6 +12,9 @@ variable                   default          meaning
 ``SPMD_TIMEOUT``           ``1800``         seconds a process-group operation may take
 ``SPMD_DEBUG``             ``off``          ``detail``: ranks compare every collective first
 ``SPMD_HEARTBEAT_INTERVAL`` ``0.5``         seconds between a rank's liveness beats
+``SPMD_SIZE_CHECK``        ``0``            ``1``: collectives run the size check that
+                                            names ranks whose calls disagree (see
+                                            ``spmd.runtime.sizecheck``)
 ``GLOO_SOCKET_IFNAME``     unset            network interface Gloo uses (PyTorch's variable)
 ``SPMD_KERNELS``           ``auto``         ``torch``: torch reference kernels everywhere;
                                             ``triton``: Triton on CPU too (interpreted); see
@@ -39,7 +42,7 @@ import os
 from datetime import timedelta
 
 __all__ = ["store_timeout", "auth_token", "store_max_message", "process_group_timeout",
-           "debug_levels", "heartbeat_interval", "rpc_shutdown_timeout", "rpc_retry_interval",
+           "debug_levels", "heartbeat_interval", "size_check", "rpc_shutdown_timeout", "rpc_retry_interval",
            "rpc_bind_host", "rpc_cma_enabled", "rpc_cma_threshold", "rpc_auth_token",
            "verify_plans"]
 
@@ -93,6 +96,14 @@ def heartbeat_interval() -> float:
     """Seconds between liveness beats (``SPMD_HEARTBEAT_INTERVAL``, 0.5). A dead rank is
     named about 2.5 intervals after a collective fails."""
     return _float_env("SPMD_HEARTBEAT_INTERVAL", 0.5)
+
+
+def size_check() -> bool:
+    """Whether collectives compare their sizes across ranks before moving data
+    (``SPMD_SIZE_CHECK=1``; off by default until it is cheap: one round trip per eager
+    call, and an ``async_op`` call waits for its peers): a disagreement is then a Python
+    error naming every rank's call instead of Gloo aborting a process."""
+    return (_context_getenv("SPMD_SIZE_CHECK") or "0").strip() != "0"
 
 
 def _context_getenv(name: str) -> str | None:

@@ -17,8 +17,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from spmd.runtime import config as _config
 from spmd.runtime import context as _context
-from spmd.runtime import health
+from spmd.runtime import health, sizecheck
 from spmd.runtime.errors import DistError, DistTimeoutError, InvalidArgumentError
 from spmd.runtime.store.base import Store
 
@@ -65,6 +66,9 @@ class ProcessGroup:
         self.debug = debug
         self._store_host_rank = store_host_rank
         self._seq = 0
+        self._checks = 0  # size-check headers exchanged (the same count on every rank)
+        # every collective's sizes are compared before its data moves (spmd.runtime.sizecheck)
+        self.size_check = len(self.ranks) > 1 and _config.size_check()
         self._barrier_seq = 0  # the last monitored_barrier that passed (its answer's key)
         self._beats = 0
         self._destroyed = False
@@ -210,14 +214,19 @@ class ProcessGroup:
 
     # -- running operations -----------------------------------------------------------
 
-    def _begin(self, op: str, fingerprint: Callable[[], str] | None) -> int:
-        """Take the next collective sequence number; in debug mode compare calls first.
-        Callers have checked the group with ``require`` (``resolve_group`` does)."""
+    def _begin(self, op: str, fingerprint: Callable[[], str] | None,
+               header: list[int] | None = None) -> int:
+        """Take the next collective sequence number; in debug mode compare calls first,
+        otherwise compare ``header`` (``sizecheck.header``: what moves) across ranks unless
+        a compiled graph has checked it already. Callers have checked the group with
+        ``require`` (``resolve_group`` does)."""
         self._seq += 1
         if self.join_log is not None:  # spmd.Join: what a joined rank must shadow
             self.join_log.append({"op": op})
         if self.debug and fingerprint is not None:
             self._compare(self._seq, f"{op}({fingerprint()})")
+        elif header is not None and self.size_check and not sizecheck.skipping(self):
+            sizecheck.exchange(self, op, header, fingerprint)
         return self._seq
 
     def _compare(self, seq: int, call: str) -> None:

@@ -18,7 +18,12 @@ for a rank that might not be compiling:
 - plans are compared by a signature of their collectives (no graph names, no activation
   sizes) at the first run of their backward, where every rank is at the same point: a
   signature every rank already agreed on runs at once, a new one is compared, and
-  differing plans raise naming the ranks.
+  differing plans raise naming the ranks;
+- the ranks of a tensor- or context-parallel group are given the same batch: each
+  forward first compares the shapes of its inputs over those groups (one small
+  all-gather each, ``spmd.runtime.sizecheck``), so a rank fed another sequence length
+  is named, with every rank's shapes, before anything runs (it would have recompiled
+  alone, sent other sizes, or trained on alone on a path without collectives).
 """
 
 from __future__ import annotations
@@ -27,8 +32,12 @@ import hashlib
 import time
 from typing import Any
 
+import torch
+from torch.utils._pytree import tree_leaves
+
 from spmd.lowering.capture import GraphRecord, time_forward
 from spmd.lowering.graph import collective_nodes
+from spmd.runtime import sizecheck
 from spmd.runtime.errors import DistError
 
 __all__ = ["Agreement", "collective_signature"]
@@ -49,6 +58,28 @@ class Agreement:
         self.estimates: dict[tuple, float | None] = {}  # structure -> backward seconds
         self.sequence: dict[tuple, int] = {}  # new structures in forward-compile order
         self.agreed: set[str] = set()  # collective signatures every rank has planned
+        # the tensor- and context-parallel groups, whose ranks must be given the same batch
+        strategy = setup.strategy
+        mesh = strategy.mesh
+        self.model_groups = [] if mesh.simulated else [
+            g for g in (mesh.get_group(d) for d in strategy.tp_dims) if g.size() > 1]
+
+    def check_inputs(self, args: tuple, kwargs: dict) -> None:
+        """Every rank of each tensor- or context-parallel group is given inputs of the
+        same shapes; raises on every rank, naming each rank's shapes, otherwise."""
+        if not self.model_groups:
+            return
+        shapes = tuple((tuple(t.shape), str(t.dtype)) for t in tree_leaves((args, kwargs))
+                       if isinstance(t, torch.Tensor))
+        signature = int(hashlib.sha256(repr(shapes).encode()).hexdigest()[:15], 16)
+
+        def describe() -> str:
+            given = ", ".join(str(s).replace(" ", "") for s, _ in shapes) or "none"
+            return (f"the model's forward on inputs of shapes {given} (every rank of a "
+                    f"tensor- or context-parallel group must be given the same batch)")
+
+        for group in self.model_groups:
+            sizecheck.check_signature(group, "inputs", signature, describe)
 
     def forward_compiled(self, record: GraphRecord) -> None:
         """A training forward compiled: number a new structure, and on the first rank
@@ -96,13 +127,17 @@ class Agreement:
         store, group = self.group.store, self.group
         key = f"spmd/plan/{self.index}/{len(self.agreed)}"
         store.set(f"{key}/{group.rank()}", mine)
+        keys = [f"{key}/{r}" for r in range(group.size())]
+        seconds = group.timeout.total_seconds()
         try:
-            every = [v.decode() for v in store.multi_get(
-                [f"{key}/{r}" for r in range(group.size())])]
+            every = [v.decode() for v in store._multi_get(keys, seconds)]
         except TimeoutError:
-            raise DistError(f"parallelize: not every rank planned {record.name} within the store "
-                            f"timeout; ranks are running different graphs (data-dependent "
-                            f"control flow?)") from None
+            missing = [group.ranks[r] for r, k in enumerate(keys) if not store.check([k])]
+            raise DistError(f"parallelize: rank(s) {', '.join(map(str, missing))} did not plan "
+                            f"a new graph when this rank planned {record.name} (within the "
+                            f"group's {seconds:g}s timeout); ranks are running different "
+                            f"graphs (data-dependent control flow, or a rank that recompiled "
+                            f"alone?)") from None
         differ = [group.ranks[r] for r, h in enumerate(every) if h != every[0]]
         if differ:
             # every rank has read every plan before any raises (the first rank's store

@@ -40,6 +40,7 @@ from spmd.chunked import ChunkedTensor
 from spmd.lowering import ops
 from spmd.lowering.placements import Replicate, Shard, Sharding, divides
 from spmd.lowering.specs import Handles, PlaceSpec, ShardSpec, TPSpec, lookup
+from spmd.runtime.sizecheck import labelled
 from spmd.writethrough import write_through
 
 __all__ = ["ParameterPlacement", "Layout", "placement_of", "place_module", "hold_piece",
@@ -449,6 +450,15 @@ def _install_state_dict_hooks(module: nn.Module, layout: Layout) -> None:
 
     def to_whole(mod: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
         convert = _LOCAL.get()
+        if convert is not None:  # this rank's parts (spmd.checkpoint): nothing is sent
+            _to_whole(state, prefix, convert)
+            return
+        with labelled("state_dict()", "every rank must call it, as with torch's full state "
+                                      "dicts: it gathers each parameter over the group; save "
+                                      "the result on rank 0 only"):
+            _to_whole(state, prefix, None)
+
+    def _to_whole(state: dict, prefix: str, convert: Any) -> None:
         done: dict[int, torch.Tensor] = {}
         for name, key, value, shard, piece in entries(state, prefix):
             ident = id(shard or piece)

@@ -204,6 +204,7 @@ class ModuleState:
                 self.net.accumulated = True
         if self.compiled is None:
             self.compiled = _compile(module, original, self.capture)
+        self.agreement.check_inputs(args, kwargs)
         out = self._run(module, original, args, kwargs)
         self.net.eager_forward = self.eager_forward
         if training and self.net.reducer.pending:
