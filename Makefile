@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 # The CPU build of torch 2.13.0; pyproject.toml itself accepts a range.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test bench clean torch-suites
+.PHONY: setup demo test test-long bench clean torch-suites
 
 setup: $(STAMP)
 
@@ -24,6 +24,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# everything, the long profile (tests/tiers.py) included
+test-long: $(STAMP)
+	SPMD_TESTS=all $(PY) -m pytest
 
 # PyTorch's own distributed tests with their imports pointed at spmd.runtime, all of them
 # (make test runs a sample); counts by suite and each failure's cause at the end

@@ -46,3 +46,18 @@ def store(request, tmp_path):
     yield store
     for s in keep:
         s.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    """``make test`` leaves the long profile (``tests/tiers.py``) out unless
+    ``SPMD_TESTS=all``."""
+    from tests.tiers import is_long
+
+    if os.environ.get("SPMD_TESTS", "ci") == "all":
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if is_long(item.nodeid) else keep).append(item)
+    if drop:
+        items[:] = keep
+        config.hook.pytest_deselected(items=drop)
