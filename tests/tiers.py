@@ -9,8 +9,8 @@ from __future__ import annotations
 # node-id prefix -> (quiet seconds, what in CI covers it)
 LONG: dict[str, tuple[float, str]] = {
     # whole modules: CI keeps a cheaper test of the same class (named after each)
-    "tests/cpu/test_zoo.py": (245, "graph zoo and zoo blocks are dropped too; test_tp, "
-                              "test_training_loops, test_checkpoint_matrix train HF-style models"),
+    "tests/cpu/test_zoo.py": (245, "graph test_zoo plans every model; test_tp, "
+                              "test_training_loops, test_checkpoint_matrix train against one process"),
     "tests/cpu/test_pipeline.py": (255, "test_pipeline_loops, test_fuzz_pipelines (pp=2, all "
                                    "four schedules), graph test_pipeline_cut"),
     "tests/cpu/test_fsdp.py": (144, "test_shard_placement, test_after_parallelize, "
@@ -22,8 +22,7 @@ LONG: dict[str, tuple[float, str]] = {
     "tests/cpu/test_fsdp_checkpoint.py": (63, "test_checkpoint_matrix (every layout, n to m ranks)"),
     "tests/graph/test_fsdp_graph.py": (95, "test_shard_placement, graph test_verify"),
     "tests/graph/test_llama_rules.py": (57, "graph test_tp_rules, test_training_loops' llama loops"),
-    "tests/graph/test_roofline.py": (44, "graph test_hardware's cheaper cases are dropped too; "
-                                     "test_memory_prediction"),
+    "tests/graph/test_roofline.py": (44, "test_memory_prediction, test_hardware_fit"),
     "tests/graph/test_zoo_blocks.py": (36, "graph test_zoo"),
     "tests/graph/test_hardware.py": (35, "test_hardware_fit, test_memory_prediction"),
     "tests/cpu/test_compressed.py": (41, "graph tests of the compressed all-reduce's kernels"),
