@@ -432,57 +432,103 @@ def stored_part(layout: Layout, name: str, value: torch.Tensor, key: str) -> tor
 
 
 def _install_state_dict_hooks(module: nn.Module, layout: Layout) -> None:
-    """Whole tensors in ``module.state_dict()`` (gathered: every rank must call it, as with
-    torch's full state dicts; within :func:`local_state_dicts`, this rank's parts);
-    ``load_state_dict`` takes the whole tensor, the tensor-parallel piece, the stored
-    shard or a ``spmd.checkpoint.ChunkedTensor``, and keeps this rank's part."""
-    names = sorted(set(layout.shards) | set(layout.pieces))
-    weak = weakref.ref(module)
-    module._spmd_layout = layout
+    """Whole tensors in ``state_dict()`` of the module and of any submodule (gathered:
+    every rank must call it, as with torch's full state dicts; within
+    :func:`local_state_dicts`, this rank's parts); ``load_state_dict`` of either takes
+    the whole tensor, the tensor-parallel piece, the stored shard or a
+    ``spmd.checkpoint.ChunkedTensor``, and keeps this rank's part.
 
-    def entries(state: dict, prefix: str) -> Any:
-        """(name, key, value, shard spec, piece spec) of each placed tensor in ``state``."""
-        for name in names:
-            value = state.get(prefix + name)
-            if isinstance(value, torch.Tensor):
-                yield (name, prefix + name, value, layout.shards.get(name),
-                       layout.pieces.get(name))
+    Each module that owns placed parameters gets the hooks for its own: torch runs a
+    module's hooks whether ``state_dict()`` was called on it or on an ancestor, so
+    ``model.layers[0].state_dict()`` gives whole tensors too (a hook on the root alone
+    returned this rank's shards there, silently). Tied names share one gather per call."""
+    names = sorted(set(layout.shards) | set(layout.pieces))
+    module._spmd_layout = layout
+    weak = weakref.ref(module)
+    owned: dict[int, tuple[nn.Module, set[str]]] = {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        mine = [n for n in names if n.rpartition(".")[0] == path]
+        if mine:
+            owned.setdefault(id(sub), (sub, set()))[1].update(mine)
+
+    for sub, mine in owned.values():
+        # (attribute, name); a module shared at two paths converts its keys once
+        local = sorted({n.rpartition(".")[2]: n for n in sorted(mine)}.items())
+        sub._register_state_dict_hook(_whole_hook(layout, local))
+        sub._register_load_state_dict_pre_hook(_stored_hook(layout, local, weak))
+
+
+_GATHERED: dict[int, tuple[Any, dict[int, Any]]] = {}
+
+
+def _gathered(state: dict) -> dict[int, Any]:
+    """The whole tensors already made for the state dict ``state`` (by id of their
+    placement), kept while ``state`` lives; nothing is stored on ``state`` itself (its
+    attributes are pickled with it)."""
+    key = id(state)
+    entry = _GATHERED.get(key)
+    if entry is not None and entry[0]() is state:
+        return entry[1]
+    try:
+        ref = weakref.ref(state, lambda _: _GATHERED.pop(key, None))
+    except TypeError:  # a destination without weak references: no sharing
+        return {}
+    _GATHERED[key] = (ref, {})
+    return _GATHERED[key][1]
+
+
+def _whole_hook(layout: Layout, local: list[tuple[str, str]]) -> Any:
+    """A module's state-dict hook: its placed tensors ``local`` ((attribute, name)) whole
+    in ``state`` (this rank's parts under :func:`local_state_dicts`)."""
 
     def to_whole(mod: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
         convert = _LOCAL.get()
-        if convert is not None:  # this rank's parts (spmd.checkpoint): nothing is sent
-            _to_whole(state, prefix, convert)
-            return
-        with labelled("state_dict()", "every rank must call it, as with torch's full state "
-                                      "dicts: it gathers each parameter over the group; save "
-                                      "the result on rank 0 only"):
-            _to_whole(state, prefix, None)
-
-    def _to_whole(state: dict, prefix: str, convert: Any) -> None:
-        done: dict[int, torch.Tensor] = {}
-        for name, key, value, shard, piece in entries(state, prefix):
+        done = _gathered(state)  # one gather per call, however many modules tie it
+        for attribute, name in local:
+            key = prefix + attribute
+            value = state.get(key)
+            if not isinstance(value, torch.Tensor):
+                continue
+            shard, piece = layout.shards.get(name), layout.pieces.get(name)
             ident = id(shard or piece)
-            whole = done.get(ident)
+            # the same stored values as the tied key's (a later call into the same
+            # destination after a step sees another version, and gathers again)
+            seen = (value.data_ptr(), value._version, convert is None)
+            made = done.get(ident)
+            whole = made[1] if made is not None and made[0] == seen else None
             if whole is None:
-                if convert is not None:
+                if convert is not None:  # this rank's parts (spmd.checkpoint): nothing sent
                     whole = convert(name, value, shard, piece)
                 else:
-                    whole = value
-                    if shard is not None:
-                        whole = shard.gather(whole)
-                    if piece is not None:
-                        whole = piece.whole(whole)
-                done[ident] = whole
+                    with labelled("state_dict()", "every rank must call it, as with torch's "
+                                                  "full state dicts: it gathers each parameter "
+                                                  "over the group; save the result on rank 0 "
+                                                  "only"):
+                        whole = value
+                        if shard is not None:
+                            whole = shard.gather(whole)
+                        if piece is not None:
+                            whole = piece.whole(whole)
+                done[ident] = (seen, whole)
             state[key] = whole
+
+    return to_whole
+
+
+def _stored_hook(layout: Layout, local: list[tuple[str, str]], weak: Any) -> Any:
+    """A module's load pre-hook: each of its placed tensors in ``state`` as this rank
+    stores it (:func:`stored_part`)."""
 
     def to_stored(state: dict, prefix: str, *args: Any) -> None:
         if weak() is None:
             return
-        for name, key, value, shard, piece in list(entries(state, prefix)):
-            state[key] = stored_part(layout, name, value, key)
+        for attribute, name in local:
+            key = prefix + attribute
+            value = state.get(key)
+            if isinstance(value, torch.Tensor):
+                state[key] = stored_part(layout, name, value, key)
 
-    module._register_state_dict_hook(to_whole)
-    module._register_load_state_dict_pre_hook(to_stored)
+    return to_stored
 
 
 # -- placed activations (sequence parallelism) ------------------------------------------

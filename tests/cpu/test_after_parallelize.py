@@ -3,7 +3,9 @@
 converted at the same point does, under ddp and every strategy that stores parameters as
 shards, as a module and through a whole step; so does a plain attribute the forward
 reads, changed by the loop; an optimizer hook registered after a whole step's first call
-runs."""
+runs. A submodule's ``state_dict()`` and ``load_state_dict`` of a model stored in parts
+(fsdp, tp) hold whole tensors as the plain submodule's do (they returned this rank's
+shard, silently)."""
 
 from __future__ import annotations
 
@@ -104,9 +106,39 @@ def converted(rank: int) -> dict:
             seen = _whole_step(model, rank, 2, strategy)
             out[strategy, "step"] = ({k: v.clone() for k, v in model.state_dict().items()},
                                      seen)
+        for layout in ("fsdp", "tp"):
+            out[layout, "submodule"] = _submodule_state(layout)
     finally:
         dist.destroy_process_group()
     return out
+
+
+TP = {"tp": {"fc1.weight": spmd.Shard(0), "fc1.bias": spmd.Shard(0),
+              "fc2.weight": spmd.Shard(1)}}
+
+
+def _submodule_state(layout: str) -> dict:
+    """``fc1.state_dict()`` as placed; then plain ``fc2`` weights (doubled) loaded into the
+    placed ``fc2`` alone, and the whole model's state dict after."""
+    torch.manual_seed(0)
+    if layout == "tp":
+        model = spmd.parallelize(Scaled(), mesh=spmd.Mesh((2,), dim_names=("tp",)),
+                                 placements=TP)
+    else:
+        model = spmd.parallelize(Scaled(), strategy=layout)
+    sub = {k: v.clone() for k, v in model.fc1.state_dict().items()}
+    plain = _plain_with_doubled_fc2()
+    model.fc2.load_state_dict(plain.fc2.state_dict())
+    return {"fc1": sub, "after load": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def _plain_with_doubled_fc2() -> nn.Module:
+    torch.manual_seed(0)
+    plain = Scaled()
+    with torch.no_grad():
+        plain.fc2.weight.mul_(2.0)
+        plain.fc2.bias.add_(1.0)
+    return plain
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +184,25 @@ def test_a_whole_step_traces_again_after_a_conversion_and_runs_later_hooks(runs,
         for key, value in want.items():
             assert got[key].dtype == torch.float64, key
             torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_a_submodules_state_dict_holds_whole_tensors(runs, layout):
+    torch.manual_seed(0)
+    want = Scaled().fc1.state_dict()
+    for run in runs:
+        got = run[layout, "submodule"]["fc1"]
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert got[key].shape == value.shape, key  # not this rank's shard
+            torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_a_submodule_loads_the_plain_submodules_state_dict(runs, layout):
+    want = _plain_with_doubled_fc2().state_dict()
+    for run in runs:
+        got = run[layout, "submodule"]["after load"]
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
