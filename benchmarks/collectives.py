@@ -17,10 +17,11 @@ gives the medians and the spread of each round's difference. On two ranks a 4-by
 scheduling noise of hundreds of microseconds on a 2-core machine; one rank isolates the
 Python and dispatch cost that the aim "at most 20 µs more per call" is about.
 
-``--size-check`` measures what the size check (``spmd.runtime.sizecheck``: a header
-all-gathered before each eager collective) costs on two ranks: the same operation on a
-group with the check on and on one with it off, alternating in rounds, at 4 B and 1 MiB;
-the table gives the medians and the spread of each round's difference.
+``--size-check`` measures what the size check (``spmd.runtime.sizecheck``, on by default:
+a row all-gathered before each eager collective, which carries a small call's data
+itself) costs on two ranks: the same operation on a group with the check on and on one
+with it off, alternating in rounds, from 4 B (inside the row) to 1 MiB (the row, then the
+data); the table gives the medians and the spread of each round's difference.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def size_check_rank(rank: int, rounds: int, iters: int) -> list | None:
     unchecked.size_check = False  # what SPMD_SIZE_CHECK=0 sets on every group
     n = ours.get_world_size()
     rows = []
-    for nbytes in (4, 1 << 20):
+    for nbytes in CHECKED_SIZES:
         calls = [{op: (lambda f=f, g=g: f(g)) for op, f in _group_calls(n, nbytes).items()}
                  for g in (checked, unchecked)]
         for op in calls[0]:
@@ -187,6 +188,9 @@ def size_check_rank(rank: int, rounds: int, iters: int) -> list | None:
     return rows if rank == 0 else None
 
 
+CHECKED_SIZES = (4, 512, 4 << 10, 64 << 10, 1 << 20)
+
+
 def _group_calls(n: int, nbytes: int):
     """(op name, callable taking the group) at ``nbytes`` of payload, as :func:`_calls`."""
     from spmd import runtime as ours
@@ -200,6 +204,7 @@ def _group_calls(n: int, nbytes: int):
         "broadcast": lambda g: ours.broadcast(a, src=0, group=g),
         "all_gather": lambda g: ours.all_gather_into_tensor(full, shard, group=g),
         "reduce_scatter": lambda g: ours.reduce_scatter_tensor(shard, full, group=g),
+        **({"barrier": lambda g: ours.barrier(group=g)} if nbytes == 4 else {}),
     }
 
 

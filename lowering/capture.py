@@ -310,13 +310,18 @@ def _instrument(run: Callable[[list], Any], capture: "Capture", record: GraphRec
         # the first run's plan comparison would wait for ranks that are not planning
         checked = checks[0]() if checks[0].groups else None
         if pending[0] is not None:
+            for group in checked or ():  # named before the plan comparison waits
+                sizecheck.settle(group)
             alive = owner()
             if alive is not None:
                 pending[0](alive)
             pending[0] = None
         if checked:
             with sizecheck.agreed(checked):
-                return _timed(run, args, capture, owner, label, timed)
+                out = _timed(run, args, capture, owner, label, timed)
+            for group in checked:  # a row no collective of this run waited for
+                sizecheck.settle(group)
+            return out
         return _timed(run, args, capture, owner, label, timed)
 
     call._boxed_call = True  # type: ignore[attr-defined]

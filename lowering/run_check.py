@@ -6,7 +6,9 @@ rank, a rank that recompiled alone) would send other sizes, and Gloo aborts the 
 that receives too many bytes. So each run of a graph with such ops first exchanges one
 header per process group they use, holding a hash of every ``spmd`` op's shapes in the
 graph (``spmd.runtime.sizecheck.check_signature``); its collectives then skip their own
-headers. One small all-gather per group per run, against one per collective.
+headers. One small all-gather per group per run, against one per collective, launched
+as the run starts and waited for by the group's first collective (the compute before
+it, a backward's first layers, hides the round trip).
 """
 
 from __future__ import annotations
@@ -51,11 +53,11 @@ class RunCheck:
     def __call__(self) -> list[Any]:
         if not sending():
             return []
-        checked = []
+        checked: list[Any] = []
         for group, signature in zip(self.groups, self.signatures):
             if group.join_log is not None:
                 continue  # under spmd.Join a joined rank shadows each collective alone
-            sizecheck.check_signature(group, "graph", signature, self.describe)
+            sizecheck.check_signature(group, "graph", signature, self.describe, defer=True)
             checked.append(group)
         return checked
 

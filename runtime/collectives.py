@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as _dist
 
-from spmd.runtime import checks
+from spmd.runtime import checks, sizecheck
 from spmd.runtime.sizecheck import header
 from spmd.runtime.groups import resolve_group
 from spmd.runtime.process_group import ProcessGroup, Work
@@ -85,6 +85,46 @@ def _staged_all(ts: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[]
     return [b for b, _ in staged], _then(*(back for _, back in staged))
 
 
+# reductions a small call does locally, on every rank alike, from the rows of its size
+# check (sizecheck.fused): rank 0's value, then each next rank's, as a ring would
+_LOCAL: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], Any]] = {
+    ReduceOp.SUM: torch.Tensor.add_, ReduceOp.PRODUCT: torch.Tensor.mul_,
+    ReduceOp.MIN: lambda acc, x: torch.minimum(acc, x, out=acc),
+    ReduceOp.MAX: lambda acc, x: torch.maximum(acc, x, out=acc),
+    ReduceOp.BAND: torch.Tensor.bitwise_and_, ReduceOp.BOR: torch.Tensor.bitwise_or_,
+    ReduceOp.BXOR: torch.Tensor.bitwise_xor_,
+}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _parts(rows: torch.Tensor, like: torch.Tensor, count: int) -> torch.Tensor:
+    """Every rank's payload from the size check's rows, ``(size, count)`` of ``like``'s
+    dtype (a view: rows are 16-byte aligned)."""
+    return rows[:, :count * like.element_size()].view(like.dtype)
+
+
+def _combine(parts: torch.Tensor, rop: ReduceOp, out: torch.Tensor) -> None:
+    """``parts`` (one row a rank) reduced into ``out`` in rank order."""
+    step = _LOCAL[rop]
+    if len(parts) == 2 and rop is ReduceOp.SUM:
+        torch.add(parts[0], parts[1], out=out)
+        return
+    out.copy_(parts[0])
+    for part in parts[1:]:
+        step(out, part)
+
+
+def _into(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], Any] | None]:
+    """A flat buffer a result can be written into for ``tensor``, and the copy back."""
+    if tensor.is_contiguous():
+        return tensor.view(-1), None
+    flat = torch.empty(tensor.numel(), dtype=tensor.dtype)
+    return flat, lambda: tensor.copy_(flat.view(tensor.shape))
+
+
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
                group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across the group in place; every rank gets the result."""
@@ -93,10 +133,25 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
         return _sparse_all_reduce(tensor, op, pg, async_op)
     checks.tensor(tensor, "all_reduce", pg)
     rop, divide = _reduction(pg, op, tensor.dtype, "all_reduce")
-    seq = pg._begin("all_reduce", lambda: f"{checks.describe(tensor)}, op={ReduceOp.of(op).name}",
-                    header("all_reduce", tensor.numel(), tensor.dtype, -1, _reduce_code(op)))
+    describe = lambda: f"{checks.describe(tensor)}, op={ReduceOp.of(op).name}"  # noqa: E731
+    fields = header("all_reduce", tensor.numel(), tensor.dtype, -1, _reduce_code(op))
+    small = rop in _LOCAL and sizecheck.fits(pg, _nbytes(tensor))
+    seq = pg._begin("all_reduce", describe, None if small else fields)
     if pg.join_log is not None:
         pg.join_log[-1].update(shape=tuple(tensor.shape), dtype=tensor.dtype, reduce=op)
+    if small:
+        size = pg.size()
+
+        def finish(rows: torch.Tensor) -> None:
+            out, back = _into(tensor)
+            _combine(_parts(rows, tensor, tensor.numel()), rop, out)
+            if divide:
+                out.div_(size)
+            if back is not None:
+                back()
+
+        return sizecheck.fused(pg, "all_reduce", seq, fields, tensor, finish, describe,
+                               async_op)
     buf, back = _staged(tensor)
     opts = _options(_dist.AllreduceOptions, rop)
     size = pg.size()
@@ -141,10 +196,19 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
     pg = resolve_group(group, "broadcast")
     checks.tensor(tensor, "broadcast", pg)
     root = pg.group_rank(src, "broadcast: src")
-    seq = pg._begin("broadcast", lambda: f"{checks.describe(tensor)}, src={src}",
-                    header("broadcast", tensor.numel(), tensor.dtype, root))
+    describe = lambda: f"{checks.describe(tensor)}, src={src}"  # noqa: E731
+    fields = header("broadcast", tensor.numel(), tensor.dtype, root)
+    small = sizecheck.fits(pg, _nbytes(tensor))
+    seq = pg._begin("broadcast", describe, None if small else fields)
     if pg.join_log is not None:
         pg.join_log[-1].update(shape=tuple(tensor.shape), dtype=tensor.dtype, src=src)
+    if small:
+        def finish(rows: torch.Tensor) -> None:
+            if pg.rank() != root:
+                tensor.copy_(_parts(rows, tensor, tensor.numel())[root].view(tensor.shape))
+
+        return sizecheck.fused(pg, "broadcast", seq, fields, tensor, finish, describe,
+                               async_op)
     buf, back = _staged(tensor)
     opts = _dist.BroadcastOptions()
     opts.rootRank = root
@@ -180,8 +244,17 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
     checks.tensor(tensor, "all_gather", pg)
     outputs = checks.tensor_list(tensor_list, "all_gather", pg, "tensor_list", like=tensor)
     checks.contiguous(tensor, "all_gather")
-    seq = pg._begin("all_gather", lambda: checks.describe(tensor),
-                    header("all_gather", tensor.numel(), tensor.dtype))
+    fields = header("all_gather", tensor.numel(), tensor.dtype)
+    small = sizecheck.fits(pg, _nbytes(tensor))
+    seq = pg._begin("all_gather", lambda: checks.describe(tensor), None if small else fields)
+    if small:
+        def finish(rows: torch.Tensor) -> None:
+            parts = _parts(rows, tensor, tensor.numel())
+            for out, part in zip(outputs, parts):
+                out.copy_(part.view(out.shape))
+
+        return sizecheck.fused(pg, "all_gather", seq, fields, tensor, finish,
+                               lambda: checks.describe(tensor), async_op)
     bufs, post = _staged_all(outputs)
     backend = pg._backend
     return pg._launch("all_gather", seq, lambda: backend.allgather([[W(b) for b in bufs]], [W(tensor)]), async_op,
@@ -203,8 +276,16 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
                          f"{pg.size() * input_tensor.numel()} (group size x input)")
     checks.contiguous(output_tensor, op, "output_tensor")
     checks.contiguous(input_tensor, op, "input_tensor")
-    seq = pg._begin(op, lambda: checks.describe([output_tensor, input_tensor]),
-                    header(op, input_tensor.numel(), input_tensor.dtype))
+    describe = lambda: checks.describe([output_tensor, input_tensor])  # noqa: E731
+    fields = header(op, input_tensor.numel(), input_tensor.dtype)
+    small = sizecheck.fits(pg, _nbytes(input_tensor))
+    seq = pg._begin(op, describe, None if small else fields)
+    if small:
+        def finish(rows: torch.Tensor) -> None:
+            output_tensor.view(pg.size(), -1).copy_(
+                _parts(rows, input_tensor, input_tensor.numel()))
+
+        return sizecheck.fused(pg, op, seq, fields, input_tensor, finish, describe, async_op)
     backend = pg._backend
     return pg._launch(op, seq, lambda: backend._allgather_base(W(output_tensor).view(-1), W(input_tensor).view(-1)),
                       async_op)
@@ -259,6 +340,23 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     return pg._launch("scatter", seq, lambda: backend.scatter([W(buf)], [[W(t) for t in ts] for ts in inputs], opts), async_op, back)
 
 
+def _scattered(pg: ProcessGroup, output: torch.Tensor, rop: ReduceOp,
+               divide: bool) -> Callable[[torch.Tensor], None]:
+    """A small reduce-scatter's result from its rows: the reduction of every rank's
+    whole input, this rank's chunk of it."""
+    size, me, count = pg.size(), pg.rank(), output.numel()
+
+    def finish(rows: torch.Tensor) -> None:
+        out, back = _into(output)
+        _combine(_parts(rows, output, size * count)[:, me * count:(me + 1) * count], rop, out)
+        if divide:
+            out.div_(size)
+        if back is not None:
+            back()
+
+    return finish
+
+
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
                    op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
                    async_op: bool = False) -> Work | None:
@@ -267,9 +365,14 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
     checks.tensor(output, "reduce_scatter", pg, "output")
     inputs = checks.tensor_list(input_list, "reduce_scatter", pg, "input_list", like=output)
     rop, divide = _reduction(pg, op, output.dtype, "reduce_scatter")
-    seq = pg._begin("reduce_scatter",
-                    lambda: f"{checks.describe(output)}, op={ReduceOp.of(op).name}",
-                    header("reduce_scatter", output.numel(), output.dtype, -1, _reduce_code(op)))
+    describe = lambda: f"{checks.describe(output)}, op={ReduceOp.of(op).name}"  # noqa: E731
+    fields = header("reduce_scatter", output.numel(), output.dtype, -1, _reduce_code(op))
+    small = rop in _LOCAL and sizecheck.fits(pg, pg.size() * _nbytes(output))
+    seq = pg._begin("reduce_scatter", describe, None if small else fields)
+    if small:
+        flat = torch.cat([t.reshape(-1) for t in inputs])
+        return sizecheck.fused(pg, "reduce_scatter", seq, fields, flat,
+                               _scattered(pg, output, rop, divide), describe, async_op)
     opts = _options(_dist.ReduceScatterOptions, rop)
     buf, back = _staged(output)
     ins = [t.contiguous() for t in inputs]
@@ -295,8 +398,13 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor,
     checks.contiguous(output, name, "output")
     checks.contiguous(input, name, "input")
     rop, divide = _reduction(pg, op, output.dtype, name)
-    seq = pg._begin(name, lambda: f"{checks.describe([output, input])}, op={ReduceOp.of(op).name}",
-                    header(name, output.numel(), output.dtype, -1, _reduce_code(op)))
+    describe = lambda: f"{checks.describe([output, input])}, op={ReduceOp.of(op).name}"  # noqa: E731
+    fields = header(name, output.numel(), output.dtype, -1, _reduce_code(op))
+    small = rop in _LOCAL and sizecheck.fits(pg, _nbytes(input))
+    seq = pg._begin(name, describe, None if small else fields)
+    if small:
+        return sizecheck.fused(pg, name, seq, fields, input,
+                               _scattered(pg, output, rop, divide), describe, async_op)
     opts = _options(_dist.ReduceScatterOptions, rop)
     size = pg.size()
     post = (lambda: output.div_(size)) if divide else None
@@ -315,8 +423,14 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
         if o.dtype != t.dtype:
             raise TypeError(f"all_to_all: output_tensor_list[{i}] is {o.dtype} but "
                             f"input_tensor_list[{i}] is {t.dtype}")
-    seq = pg._begin("all_to_all", lambda: f"{checks.describe(outs)} <- {checks.describe(ins)}",
-                    header("all_to_all", -1, outs[0].dtype if outs else None))
+    describe = lambda: f"{checks.describe(outs)} <- {checks.describe(ins)}"  # noqa: E731
+    fields = header("all_to_all", -1, outs[0].dtype if outs else None)
+    if sizecheck.checking(pg):  # what each rank sends each other, checked pair by pair
+        seq = pg._begin("all_to_all", describe)
+        sizecheck.exchange_splits(pg, "all_to_all", fields, [t.numel() for t in ins],
+                                  [o.numel() for o in outs], describe)
+    else:
+        seq = pg._begin("all_to_all", describe, fields)
     bufs, post = _staged_all(outs)
     contiguous_ins = [t.contiguous() for t in ins]
     opts = _dist.AllToAllOptions()
@@ -356,10 +470,23 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     in_splits = _splits(input_split_sizes, input, pg.size(), "input_split_sizes")
     checks.contiguous(output, name, "output")
     checks.contiguous(input, name, "input")
-    # uneven splits: each rank's own sizes differ by design (not compared; the dtype is)
+    # uneven splits: each rank's own sizes differ by design; the row carries the table of
+    # what each sends and expects, checked pair by pair (sizecheck.exchange_splits)
     even = not out_splits and not in_splits
-    seq = pg._begin(name, lambda: f"{checks.describe([output, input])}",
-                    header(name, input.numel() if even else -1, input.dtype))
+    describe = lambda: f"{checks.describe([output, input])}"  # noqa: E731
+    fields = header(name, input.numel() if even else -1, input.dtype)
+    if even or not sizecheck.checking(pg):
+        seq = pg._begin(name, describe, fields)
+    else:
+        seq = pg._begin(name, describe)
+        size = pg.size()
+        width_in = input[0].numel() if input.dim() and input.shape[0] else 0
+        width_out = output[0].numel() if output.dim() and output.shape[0] else 0
+        sends = [n * width_in for n in in_splits] if in_splits else \
+            [input.numel() // size] * size
+        receives = [n * width_out for n in out_splits] if out_splits else \
+            [output.numel() // size] * size
+        sizecheck.exchange_splits(pg, name, fields, sends, receives, describe)
     opts = _dist.AllToAllOptions()
     backend = pg._backend
     return pg._launch(name, seq,
@@ -371,6 +498,10 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False,
             device_ids: list[int] | None = None) -> Work | None:
     """Block until every rank of the group has reached this barrier."""
     pg = resolve_group(group, "barrier")
+    if sizecheck.checking(pg):  # the size check's rows meet only when every rank is here
+        seq = pg._begin("barrier", lambda: "")
+        return sizecheck.fused(pg, "barrier", seq, header("barrier", 0), None, None,
+                               lambda: "", async_op)
     seq = pg._begin("barrier", lambda: "", header("barrier", 0))
     opts = _dist.BarrierOptions()
     if device_ids is not None:

@@ -12,7 +12,7 @@ variable                   default          meaning
 ``SPMD_TIMEOUT``           ``1800``         seconds a process-group operation may take
 ``SPMD_DEBUG``             ``off``          ``detail``: ranks compare every collective first
 ``SPMD_HEARTBEAT_INTERVAL`` ``0.5``         seconds between a rank's liveness beats
-``SPMD_SIZE_CHECK``        ``0``            ``1``: collectives run the size check that
+``SPMD_SIZE_CHECK``        ``1``            ``0``: collectives skip the size check that
                                             names ranks whose calls disagree (see
                                             ``spmd.runtime.sizecheck``)
 ``GLOO_SOCKET_IFNAME``     unset            network interface Gloo uses (PyTorch's variable)
@@ -100,10 +100,10 @@ def heartbeat_interval() -> float:
 
 def size_check() -> bool:
     """Whether collectives compare their sizes across ranks before moving data
-    (``SPMD_SIZE_CHECK=1``; off by default until it is cheap: one round trip per eager
-    call, and an ``async_op`` call waits for its peers): a disagreement is then a Python
-    error naming every rank's call instead of Gloo aborting a process."""
-    return (_context_getenv("SPMD_SIZE_CHECK") or "0").strip() != "0"
+    (``SPMD_SIZE_CHECK``, on; ``0`` turns it off): a disagreement is then a Python error
+    naming every rank's call instead of Gloo aborting a process. A small call's check
+    rides on its data; a larger one's costs one round trip (``spmd.runtime.sizecheck``)."""
+    return (_context_getenv("SPMD_SIZE_CHECK") or "1").strip() != "0"
 
 
 def _context_getenv(name: str) -> str | None:

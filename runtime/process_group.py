@@ -67,6 +67,7 @@ class ProcessGroup:
         self._store_host_rank = store_host_rank
         self._seq = 0
         self._checks = 0  # size-check headers exchanged (the same count on every rank)
+        self._pending: list[Work] = []  # deferred size-check rows (sizecheck.settle)
         # every collective's sizes are compared before its data moves (spmd.runtime.sizecheck)
         self.size_check = len(self.ranks) > 1 and _config.size_check()
         self._barrier_seq = 0  # the last monitored_barrier that passed (its answer's key)
@@ -219,13 +220,16 @@ class ProcessGroup:
         """Take the next collective sequence number; in debug mode compare calls first,
         otherwise compare ``header`` (``sizecheck.header``: what moves) across ranks unless
         a compiled graph has checked it already. Callers have checked the group with
-        ``require`` (``resolve_group`` does)."""
+        ``require`` (``resolve_group`` does). A compiled graph's deferred row is settled
+        first: nothing runs on the group past a disagreement."""
+        if self._pending:
+            sizecheck.settle(self)
         self._seq += 1
         if self.join_log is not None:  # spmd.Join: what a joined rank must shadow
             self.join_log.append({"op": op})
         if self.debug and fingerprint is not None:
             self._compare(self._seq, f"{op}({fingerprint()})")
-        elif header is not None and self.size_check and not sizecheck.skipping(self):
+        elif header is not None and sizecheck.checking(self):
             sizecheck.exchange(self, op, header, fingerprint)
         return self._seq
 

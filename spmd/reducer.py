@@ -7,17 +7,22 @@
 region Dynamo could not capture, from a model that refused capture, or accumulated under
 ``no_sync()``. It buckets them with the same cap and the same kernels as the compiled
 path, and corrects ``.grad`` by ``avg(part) - part`` once backward is over, which is
-exact because averaging is linear.
+exact because averaging is linear. Its buckets are checked across ranks once, as a
+compiled graph's collectives are (one row holding a hash of their sizes,
+``spmd.runtime.sizecheck``), not one row each.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 from typing import Any, Iterable
 
 import torch
 
 from spmd.lowering import flat as buffers
 from spmd.lowering.bucketing import plan_buckets
+from spmd.runtime import sizecheck
 
 __all__ = ["broadcast_coalesced", "EagerReducer"]
 
@@ -53,8 +58,6 @@ class EagerReducer:
 
     def finish(self) -> None:
         """Average every pending part across ranks and fix ``.grad``."""
-        from spmd.lowering import reduction
-
         pending, self.pending = self.pending, []
         if not pending or self.group is None or self.world_size <= 1:
             return
@@ -69,6 +72,35 @@ class EagerReducer:
         hook = self.sync.comm_hook if self.sync is not None else None
         works = []
         groups = plan_buckets(sizes, [p.dtype for p in parts], self.cap_bytes)
+        with self._checked(parts, groups):
+            self._launch(pending, parts, groups, hook, works)
+        with torch.no_grad():
+            for members, flat, work in works:
+                work.wait()
+                grads = [pending[i][0].grad for i in members]
+                buffers.unpack(flat, grads, accumulate=True)  # + avg(part)
+                torch._foreach_sub_(grads, [parts[i].to(g.dtype) for i, g in zip(members, grads)])
+
+    def _checked(self, parts: list[torch.Tensor], groups: list[list[int]]) -> Any:
+        """Every rank's buckets compared once (their shapes, dtypes and hook), before the
+        first moves data; its collectives then skip their own rows."""
+        if not getattr(self.group, "size_check", False) or self.group.join_log is not None:
+            return contextlib.nullcontext()  # (under spmd.Join a joined rank shadows each)
+        what = repr(([[(tuple(parts[i].shape), str(parts[i].dtype)) for i in members]
+                      for members in groups], self.wire_dtype,
+                     self.sync is not None and self.sync.comm_hook is not None)).encode()
+        signature = int(hashlib.sha256(what).hexdigest()[:15], 16)
+        count = sum(parts[i].numel() for members in groups for i in members)
+        sizecheck.check_signature(
+            self.group, "buckets", signature,
+            lambda: f"gradient buckets reduced after backward ({len(groups)} buckets, "
+                    f"{count} elements)", defer=True)
+        return sizecheck.agreed([self.group])
+
+    def _launch(self, pending: list, parts: list[torch.Tensor], groups: list[list[int]],
+                hook: Any, works: list) -> None:
+        from spmd.lowering import reduction
+
         for index, members in enumerate(groups):
             chunk = [parts[i] for i in members]
             if hook is not None:  # the hook gets the sums and averages itself
@@ -85,12 +117,7 @@ class EagerReducer:
             flat = buffers.pack(chunk, scale=1.0 / self.world_size,
                                 dtype=None if algorithm == "fp32" else self.wire_dtype)
             works.append((members, flat, reduction.start(flat, self.group, algorithm, wire)))
-        with torch.no_grad():
-            for members, flat, work in works:
-                work.wait()
-                grads = [pending[i][0].grad for i in members]
-                buffers.unpack(flat, grads, accumulate=True)  # + avg(part)
-                torch._foreach_sub_(grads, [parts[i].to(g.dtype) for i, g in zip(members, grads)])
+        sizecheck.settle(self.group)  # (a hook that sent nothing on the group)
 
     def _finish_sparse(self, pending: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
         """Sparse parts (``nn.Embedding(sparse=True)``): one sparse all-reduce each, as

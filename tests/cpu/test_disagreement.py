@@ -1,4 +1,4 @@
-"""Ranks that disagree, with ``SPMD_SIZE_CHECK=1``: a collective whose sizes differ across ranks, a
+"""Ranks that disagree, in default mode: a collective whose sizes differ across ranks, a
 tensor- or context-parallel model fed other sequence lengths on one rank (after the
 first steps: that rank alone would recompile), and ``state_dict()`` of an fsdp model
 called on rank 0 only. Each rank must get a Python error naming every rank's call, and
@@ -82,15 +82,96 @@ def _eager_cases(rank):
             torch.ones(4, dtype=torch.float64 if rank else torch.float32), src=0),
         "barrier against all_reduce": lambda: dist.barrier() if rank else
         dist.all_reduce(torch.ones(2)),
+        # past the size check's row (976 bytes): the row first, then the data
+        "all_reduce large": lambda: dist.all_reduce(torch.ones(1000 + rank, dtype=torch.float64)),
+        "all_gather_into_tensor large": lambda: dist.all_gather_into_tensor(
+            torch.empty(2 * (500 + rank), dtype=torch.float64),
+            torch.ones(500 + rank, dtype=torch.float64)),
+        # one rank's call rides in its row, the other's would follow it
+        "all_reduce small against large": lambda: dist.all_reduce(torch.ones(100 + 200 * rank)),
+        # uneven all-to-all: rank 0 sends rank 1 two rows, rank 1 expects one
+        "all_to_all_single uneven": lambda: dist.all_to_all_single(
+            torch.empty(2, 3), torch.ones(3 - rank, 3), output_split_sizes=[1, 1],
+            input_split_sizes=[1, 2 - rank]),
+        "all_to_all": lambda: dist.all_to_all(
+            [torch.empty(2), torch.empty(2)], [torch.ones(2), torch.ones(2 + rank)]),
+        "async all_reduce": lambda: dist.all_reduce(torch.ones(4 + rank), async_op=True).wait(),
+        "async all_reduce large": lambda: dist.all_reduce(
+            torch.ones(1000 * (rank + 1)), async_op=True).wait(),
     }
 
 
+def _alike(rank: int) -> dict:
+    """Small calls (done by the size check's rows alone) against the backend's own (the
+    check off): equal bit for bit, for each reduction and a few dtypes."""
+    checked, backend = dist.new_group(), dist.new_group()
+    assert checked.size_check, "the size check is on by default"
+    backend.size_check = False
+    g = torch.Generator().manual_seed(rank)
+    out = {}
+    floats = [torch.randn(7, 3, generator=g, dtype=d) for d in (torch.float64, torch.float32,
+                                                               torch.bfloat16)]
+    ints = torch.randint(-50, 50, (9,), generator=g, dtype=torch.int64)
+    for name, call in {
+        **{f"all_reduce {op} {t.dtype}": (lambda grp, t=t, op=op: _reduced(t, op, grp))
+           for t in floats for op in ("SUM", "AVG", "MAX", "MIN", "PRODUCT")},
+        **{f"all_reduce {op} int64": (lambda grp, op=op: _reduced(ints, op, grp))
+           for op in ("SUM", "BAND", "BOR", "BXOR", "MAX")},
+        "broadcast": lambda grp: _broadcast(floats[0], grp),
+        "all_gather": lambda grp: _gathered(floats[1], grp),
+        "all_gather_into_tensor": lambda grp: _gathered_flat(floats[0], grp),
+        "reduce_scatter_tensor": lambda grp: _scattered(floats[0].flatten()[:20], grp),
+        "reduce_scatter": lambda grp: _scattered_list(floats[1].flatten()[:20], grp),
+        "all_reduce complex": lambda grp: _reduced(torch.complex(floats[0], floats[0]),
+                                                   "SUM", grp),
+    }.items():
+        a, b = call(checked), call(backend)
+        out[name] = all(torch.equal(x, y) for x, y in zip(a, b))
+    return out
+
+
+def _reduced(t, op, grp):
+    x = t.clone()
+    dist.all_reduce(x, op=getattr(dist.ReduceOp, op), group=grp)
+    return [x]
+
+
+def _broadcast(t, grp):
+    x = t.clone()
+    dist.broadcast(x, src=1, group=grp)
+    return [x]
+
+
+def _gathered(t, grp):
+    outs = [torch.empty_like(t) for _ in range(2)]
+    dist.all_gather(outs, t, group=grp)
+    return outs
+
+
+def _gathered_flat(t, grp):
+    out = torch.empty(2, *t.shape, dtype=t.dtype)
+    dist.all_gather_into_tensor(out, t, group=grp)
+    return [out]
+
+
+def _scattered(t, grp):
+    out = torch.empty(t.numel() // 2, dtype=t.dtype)
+    dist.reduce_scatter_tensor(out, t, group=grp)
+    return [out]
+
+
+def _scattered_list(t, grp):
+    out = torch.empty(t.numel() // 2, dtype=t.dtype)
+    dist.reduce_scatter(out, list(t.chunk(2)), group=grp)
+    return [out]
+
+
 def disagree_job(rank: int) -> dict:
-    os.environ["SPMD_SIZE_CHECK"] = "1"  # off by default (its cost, runtime.config)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
         out = {name: _attempt(fn) for name, fn in _eager_cases(rank).items()}
+        out["alike"] = _alike(rank)
         # tensor parallelism: one step alike, then rank 1 alone gets 6 tokens (it alone
         # would recompile, and send activations of another size)
         tp = spmd.parallelize(_model(), mesh=spmd.Mesh((2,), dim_names=("tp",)),
@@ -131,7 +212,7 @@ def runs():
     return dist.spawn(disagree_job, nprocs=2, start_method="forkserver", timeout=150)
 
 
-EAGER = list(_eager_cases(0))
+EAGER = [c for c in _eager_cases(0) if "all_to_all" not in c]
 
 
 @pytest.mark.parametrize("case", EAGER)
@@ -142,6 +223,17 @@ def test_eager_collectives_that_disagree_raise_on_every_rank(runs, case):
                                   "'default'"), message
         assert "rank 0: " in message and "rank 1: " in message, message
         assert "rank(s) 1 differ from rank 0" in message, message
+
+
+@pytest.mark.parametrize("case,pair", [
+    ("all_to_all_single uneven", "rank 0 sends 6 elements to rank 1, which expects 3"),
+    ("all_to_all", "rank 1 sends 3 elements to rank 1, which expects 2")])
+def test_uneven_all_to_all_names_each_pair_that_disagrees(runs, case, pair):
+    for run in runs:
+        message = run[case]
+        assert message.startswith(f"DistError: {case.split()[0]} on process group 'default'"), message
+        assert "split sizes disagree: " + pair in message, message
+        assert "no data moved" in message
 
 
 def test_the_message_names_each_ranks_call(runs):
@@ -180,6 +272,12 @@ def test_ranks_running_different_graphs_are_named_at_the_backward(runs):
         assert message.startswith("DistError: collectives disagree"), message
         assert "rank 0: graph0 backward" in message and "rank 1: graph0 backward" in message
         assert "rank(s) 1 differ from rank 0" in message, message
+
+
+def test_small_calls_done_by_the_check_equal_the_backends(runs):
+    for run in runs:
+        wrong = [name for name, equal in run["alike"].items() if not equal]
+        assert not wrong and len(run["alike"]) == 26, wrong
 
 
 def test_the_groups_survive_and_agreeing_calls_still_work(runs):

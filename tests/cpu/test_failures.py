@@ -229,9 +229,8 @@ def test_thread_rank_failure_aborts_the_others_quickly():
 
 
 def _short_wait(rank):
-    # the size check makes every call wait for its peers' headers, async_op or not: off
-    # here, so rank 0's operation is in flight while rank 1 still sleeps
-    os.environ["SPMD_SIZE_CHECK"] = "0"
+    # the size check on (the default): a small async call rides on its row and returns at
+    # once, so rank 0's operation is in flight while rank 1 still sleeps
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     if rank == 1:
         time.sleep(2)
