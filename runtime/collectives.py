@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import numpy
 import torch
 import torch.distributed as _dist
 
@@ -94,35 +95,54 @@ _LOCAL: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], Any]] = {
     ReduceOp.BAND: torch.Tensor.bitwise_and_, ReduceOp.BOR: torch.Tensor.bitwise_or_,
     ReduceOp.BXOR: torch.Tensor.bitwise_xor_,
 }
+# the same in numpy, for the dtypes sizecheck.NUMPY holds (IEEE operations: the same bits)
+_LOCAL_NUMPY: dict[ReduceOp, Any] = {
+    ReduceOp.SUM: numpy.add, ReduceOp.PRODUCT: numpy.multiply, ReduceOp.MIN: numpy.minimum,
+    ReduceOp.MAX: numpy.maximum, ReduceOp.BAND: numpy.bitwise_and,
+    ReduceOp.BOR: numpy.bitwise_or, ReduceOp.BXOR: numpy.bitwise_xor,
+}
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _parts(rows: torch.Tensor, like: torch.Tensor, count: int) -> torch.Tensor:
+def _parts(rows: sizecheck.Rows, like: torch.Tensor, count: int) -> torch.Tensor:
     """Every rank's payload from the size check's rows, ``(size, count)`` of ``like``'s
     dtype (a view: rows are 16-byte aligned)."""
-    return rows[:, :count * like.element_size()].view(like.dtype)
+    return rows.payload()[:, :count * like.element_size()].view(like.dtype)
 
 
-def _combine(parts: torch.Tensor, rop: ReduceOp, out: torch.Tensor) -> None:
-    """``parts`` (one row a rank) reduced into ``out`` in rank order."""
-    step = _LOCAL[rop]
-    if len(parts) == 2 and rop is ReduceOp.SUM:
-        torch.add(parts[0], parts[1], out=out)
+def _reduced(rows: sizecheck.Rows, rop: ReduceOp, divide: bool, out: torch.Tensor,
+             start: int = 0) -> None:
+    """Elements ``start:start + out.numel()`` of every rank's payload reduced into
+    ``out`` in rank order (divided by the group size for an average)."""
+    count = out.numel()
+    flat = sizecheck.as_array(out)
+    if flat is not None:
+        parts = [p[start:] for p in rows.arrays(sizecheck.NUMPY[out.dtype], start + count)]
+        ufunc = _LOCAL_NUMPY[rop]
+        if len(parts) == 2:
+            ufunc(parts[0], parts[1], out=flat)
+        else:
+            numpy.copyto(flat, parts[0])
+            for part in parts[1:]:
+                ufunc(flat, part, out=flat)
+        if divide:
+            numpy.divide(flat, rows.size, out=flat)
         return
-    out.copy_(parts[0])
-    for part in parts[1:]:
-        step(out, part)
-
-
-def _into(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], Any] | None]:
-    """A flat buffer a result can be written into for ``tensor``, and the copy back."""
-    if tensor.is_contiguous():
-        return tensor.view(-1), None
-    flat = torch.empty(tensor.numel(), dtype=tensor.dtype)
-    return flat, lambda: tensor.copy_(flat.view(tensor.shape))
+    parts = _parts(rows, out, start + count)[:, start:]
+    acc = torch.empty(count, dtype=out.dtype)
+    if len(parts) == 2 and rop is ReduceOp.SUM:
+        torch.add(parts[0], parts[1], out=acc)
+    else:
+        acc.copy_(parts[0])
+        step = _LOCAL[rop]
+        for part in parts[1:]:
+            step(acc, part)
+    if divide:
+        acc.div_(rows.size)
+    out.copy_(acc.view(out.shape))
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
@@ -140,15 +160,8 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     if pg.join_log is not None:
         pg.join_log[-1].update(shape=tuple(tensor.shape), dtype=tensor.dtype, reduce=op)
     if small:
-        size = pg.size()
-
-        def finish(rows: torch.Tensor) -> None:
-            out, back = _into(tensor)
-            _combine(_parts(rows, tensor, tensor.numel()), rop, out)
-            if divide:
-                out.div_(size)
-            if back is not None:
-                back()
+        def finish(rows: sizecheck.Rows) -> None:
+            _reduced(rows, rop, divide, tensor)
 
         return sizecheck.fused(pg, "all_reduce", seq, fields, tensor, finish, describe,
                                async_op)
@@ -203,8 +216,13 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
     if pg.join_log is not None:
         pg.join_log[-1].update(shape=tuple(tensor.shape), dtype=tensor.dtype, src=src)
     if small:
-        def finish(rows: torch.Tensor) -> None:
-            if pg.rank() != root:
+        def finish(rows: sizecheck.Rows) -> None:
+            if pg.rank() == root:
+                return
+            flat = sizecheck.as_array(tensor)
+            if flat is not None:
+                flat[:] = rows.arrays(sizecheck.NUMPY[tensor.dtype], tensor.numel())[root]
+            else:
                 tensor.copy_(_parts(rows, tensor, tensor.numel())[root].view(tensor.shape))
 
         return sizecheck.fused(pg, "broadcast", seq, fields, tensor, finish, describe,
@@ -248,7 +266,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
     small = sizecheck.fits(pg, _nbytes(tensor))
     seq = pg._begin("all_gather", lambda: checks.describe(tensor), None if small else fields)
     if small:
-        def finish(rows: torch.Tensor) -> None:
+        def finish(rows: sizecheck.Rows) -> None:
             parts = _parts(rows, tensor, tensor.numel())
             for out, part in zip(outputs, parts):
                 out.copy_(part.view(out.shape))
@@ -281,9 +299,15 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     small = sizecheck.fits(pg, _nbytes(input_tensor))
     seq = pg._begin(op, describe, None if small else fields)
     if small:
-        def finish(rows: torch.Tensor) -> None:
-            output_tensor.view(pg.size(), -1).copy_(
-                _parts(rows, input_tensor, input_tensor.numel()))
+        def finish(rows: sizecheck.Rows) -> None:
+            flat = sizecheck.as_array(output_tensor)
+            if flat is None:
+                output_tensor.view(pg.size(), -1).copy_(
+                    _parts(rows, input_tensor, input_tensor.numel()))
+                return
+            count = input_tensor.numel()
+            for r, part in enumerate(rows.arrays(sizecheck.NUMPY[output_tensor.dtype], count)):
+                flat[r * count:(r + 1) * count] = part
 
         return sizecheck.fused(pg, op, seq, fields, input_tensor, finish, describe, async_op)
     backend = pg._backend
@@ -344,15 +368,10 @@ def _scattered(pg: ProcessGroup, output: torch.Tensor, rop: ReduceOp,
                divide: bool) -> Callable[[torch.Tensor], None]:
     """A small reduce-scatter's result from its rows: the reduction of every rank's
     whole input, this rank's chunk of it."""
-    size, me, count = pg.size(), pg.rank(), output.numel()
+    start = pg.rank() * output.numel()
 
-    def finish(rows: torch.Tensor) -> None:
-        out, back = _into(output)
-        _combine(_parts(rows, output, size * count)[:, me * count:(me + 1) * count], rop, out)
-        if divide:
-            out.div_(size)
-        if back is not None:
-            back()
+    def finish(rows: sizecheck.Rows) -> None:
+        _reduced(rows, rop, divide, output, start)
 
     return finish
 

@@ -68,6 +68,7 @@ class ProcessGroup:
         self._seq = 0
         self._checks = 0  # size-check headers exchanged (the same count on every rank)
         self._pending: list[Work] = []  # deferred size-check rows (sizecheck.settle)
+        self._rows: tuple | None = None  # the size check's buffers for synchronous calls
         # every collective's sizes are compared before its data moves (spmd.runtime.sizecheck)
         self.size_check = len(self.ranks) > 1 and _config.size_check()
         self._barrier_seq = 0  # the last monitored_barrier that passed (its answer's key)

@@ -3,16 +3,17 @@
 Gloo ends the process (``std::terminate``: SIGABRT, no Python error on any rank) when a
 rank receives more bytes than it posted, which is what a collective called with other
 sizes on another rank does; with fewer bytes it may finish with wrong values. So before
-an eager collective moves data, the ranks of its group all-gather a row of fixed size
-(:data:`ROW` bytes): a header saying what each is about to run (the operation, its
-element count, dtype, root, reduction, and the label of the caller, see
-:func:`labelled`), then room for a small payload. Every row has the same size whatever
+an eager collective moves data, the ranks of its group exchange a row of fixed size
+(:data:`ROW` bytes; one all-reduce of every rank's row in its own slot of a zeroed
+buffer up to :data:`REDUCED` ranks, an all-gather past that): a header saying what
+each is about to run (the operation, its element count, dtype, root, reduction, and the
+label of the caller, see :func:`labelled`), then room for a small payload. Every row has the same size whatever
 the call, so ranks whose programs disagree meet row against row; every rank then raises
 a :class:`~spmd.runtime.errors.DistError` that names each rank's call, and no data moved.
 
 Where it is cheap the check rides on the data: a call whose payload fits the row's
-:data:`SLOT` (a loss, a flag, a metric: up to 976 bytes) travels in the row itself, and
-the all-gather *is* the collective (:func:`fused`: the reduction, the broadcast's root
+:data:`SLOT` (a loss, a flag, a metric: up to 976 bytes) travels in the row itself,
+and the exchange *is* the collective (:func:`fused`: the reduction, the broadcast's root
 row or the gathered rows are taken locally, the same on every rank), so it costs what the
 collective alone would. A larger call sends its row first and its data after: one more
 round trip, a small share of a call that moves that much. ``async_op`` calls: a fused one
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy
 import torch
+import torch.distributed as _dist
 
 from spmd.runtime.errors import DistError
 
@@ -167,8 +169,8 @@ def exchange_splits(pg: "ProcessGroup", op: str, fields: list[int], sends: list[
         return
     payload = torch.tensor(list(sends) + list(receives), dtype=torch.int64)
 
-    def check(rows: torch.Tensor) -> None:
-        table = rows[:, :2 * size * 8].view(torch.int64).tolist()
+    def check(rows: Rows) -> None:
+        table = [part.tolist() for part in rows.arrays(numpy.dtype(numpy.int64), 2 * size)]
         bad = [(i, j, table[i][j], table[j][size + i]) for i in range(size)
                for j in range(size) if table[i][j] != table[j][size + i]]
         if bad:
@@ -184,29 +186,100 @@ def exchange_splits(pg: "ProcessGroup", op: str, fields: list[int], sends: list[
 
 
 def fused(pg: "ProcessGroup", op: str, seq: int, fields: list[int],
-          payload: torch.Tensor | None, finish: Callable[[torch.Tensor], Any] | None,
+          payload: torch.Tensor | None, finish: Callable[[Rows], Any] | None,
           describe: Callable[[], str] | None, async_op: bool) -> Any:
     """``op`` done by its row alone: ``payload`` (at most :data:`SLOT` bytes) travels
-    with the header, and once the headers agree ``finish`` gets every rank's payload
-    bytes, a ``(size, SLOT)`` uint8 tensor, to make the result from. Returns what
+    with the header, and once the headers agree ``finish`` gets every rank's row
+    (:class:`Rows`) to make the result from. Returns what
     ``ProcessGroup._launch`` does (``None``, or a ``Work`` with ``async_op``)."""
     return _start(pg, op, fields, payload, describe, finish, async_op, seq)
 
 
+class Rows:
+    """Every rank's row once the exchange is done: ``array``, the ``size * ROW`` bytes as a
+    numpy array (what a small call's result is made from, cheaply), and ``payload()``,
+    the ``(size, SLOT)`` payload bytes as a tensor (for dtypes numpy lacks)."""
+
+    __slots__ = ("every", "array", "size")
+
+    def __init__(self, every: torch.Tensor, array: numpy.ndarray, size: int) -> None:
+        self.every, self.array, self.size = every, array, size
+
+    def payload(self) -> torch.Tensor:
+        return self.every.view(self.size, ROW)[:, HEAD:]
+
+    def arrays(self, dtype: numpy.dtype, count: int) -> list[numpy.ndarray]:
+        """Each rank's first ``count`` payload values of ``dtype`` (views)."""
+        end = HEAD + count * dtype.itemsize
+        return [self.array[r * ROW + HEAD:r * ROW + end].view(dtype) for r in range(self.size)]
+
+
+# torch dtypes a small call's payload and result move through numpy for (a few µs less
+# than torch's per-op dispatch, per op); any other dtype goes through torch
+NUMPY = {torch.float32: numpy.dtype(numpy.float32), torch.float64: numpy.dtype(numpy.float64),
+         torch.int32: numpy.dtype(numpy.int32), torch.int64: numpy.dtype(numpy.int64),
+         torch.uint8: numpy.dtype(numpy.uint8), torch.int8: numpy.dtype(numpy.int8)}
+
+
+def as_array(t: torch.Tensor) -> numpy.ndarray | None:
+    """``t``'s elements as a flat numpy view, when numpy holds its dtype and it is a plain
+    contiguous CPU tensor; None otherwise."""
+    if t.dtype in NUMPY and t.is_contiguous() and not t.requires_grad and t.device.type == "cpu":
+        return t.numpy().reshape(-1)
+    return None
+
+
+# up to this many ranks the rows travel by one all-reduce (each rank's row in its own
+# slot of a zeroed buffer, summed as integers: exact), which Gloo runs in about half the
+# fixed time of its all-gather; past it by an all-gather (the all-reduce's buffer grows
+# with the square of the group)
+REDUCED = 16
+
+
+def _buffers(pg: "ProcessGroup", size: int, reuse: bool) -> tuple:
+    """(row, every, row array, every array, every as int64 words): a synchronous call
+    reuses its group's (no
+    call of the group runs meanwhile); an asynchronous one gets its own. Up to
+    :data:`REDUCED` ranks the row is this rank's slot of ``every``."""
+    cached = pg._rows if reuse else None
+    if cached is None or cached[1].numel() != size * ROW:
+        every = torch.empty(size * ROW, dtype=torch.uint8)
+        if size <= REDUCED:
+            me = pg.rank()
+            mine = every[me * ROW:(me + 1) * ROW]
+        else:
+            mine = torch.empty(ROW, dtype=torch.uint8)
+        cached = (mine, every, mine.numpy(), every.numpy(), every.view(torch.int64))
+        if reuse:
+            pg._rows = cached
+    return cached
+
+
+_SUM = _dist.AllreduceOptions()
+_SUM.reduceOp = _dist.ReduceOp.SUM
+
+
 def _start(pg: "ProcessGroup", op: str, fields: list[int], payload: torch.Tensor | None,
-           describe: Callable[[], str] | None, finish: Callable[[torch.Tensor], Any] | None,
+           describe: Callable[[], str] | None, finish: Callable[[Rows], Any] | None,
            async_op: bool, seq: int | None = None) -> Any:
-    # kept lean: a small collective's whole cost is this function and one all-gather
+    # kept lean: a small collective's whole cost is this function and one all-reduce
     label = _label.get()
     if label is not None:
         fields = fields[:-1] + [label[2]]
     size = pg.size()
-    mine = torch.empty(ROW, dtype=torch.uint8)
-    mine.numpy()[:HEAD] = numpy.frombuffer(_PACK.pack(*fields), dtype=numpy.uint8)
+    mine, every, mine_np, every_np, words = _buffers(pg, size, not async_op)
+    reduced = size <= REDUCED
+    if reduced:
+        every_np.fill(0)
+    _PACK.pack_into(mine_np, 0, *fields)
     if payload is not None and payload.numel():
-        data = payload.detach().contiguous().view(-1).view(torch.uint8)
-        mine[HEAD:HEAD + data.numel()].copy_(data)
-    every = torch.empty(size * ROW, dtype=torch.uint8)
+        values = as_array(payload)
+        if values is not None:
+            data = values.view(numpy.uint8)
+            mine_np[HEAD:HEAD + data.size] = data
+        else:
+            raw = payload.detach().contiguous().view(-1).view(torch.uint8)
+            mine[HEAD:HEAD + raw.numel()].copy_(raw)
     pg._checks += 1
     number = pg._checks
     what = op if label is None else f"{op} in {label[0]}"  # a timeout here is the op's
@@ -216,17 +289,20 @@ def _start(pg: "ProcessGroup", op: str, fields: list[int], payload: torch.Tensor
         seq = pg._seq + 1 if op in _SIGNED else pg._seq
 
     def post() -> Any:
-        rows = every.view(size, ROW)
-        heads = rows.numpy()[:, :HEAD]
-        if (heads != heads[0]).any():
-            raise _mismatch(pg, op, [list(_PACK.unpack(h.tobytes())) for h in heads],
-                            describe, label, number)
-        return None if finish is None else finish(rows[:, HEAD:])
+        view = every_np.data
+        first = view[:HEAD]
+        if any(view[r * ROW:r * ROW + HEAD] != first for r in range(1, size)):
+            heads = [list(_PACK.unpack_from(every_np, r * ROW)) for r in range(size)]
+            raise _mismatch(pg, op, heads, describe, label, number)
+        return None if finish is None else finish(Rows(every, every_np, size))
 
     backend = pg._backend
+    if reduced:
+        start = lambda: backend.allreduce([words], _SUM)  # noqa: E731
+    else:
+        start = lambda: backend._allgather_base(every, mine)  # noqa: E731
     try:
-        return pg._launch(what, seq, lambda: backend._allgather_base(every, mine), async_op,
-                          post)
+        return pg._launch(what, seq, start, async_op, post)
     except DistError as e:
         raise _hinted(e, label) from e
 
