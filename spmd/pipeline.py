@@ -9,7 +9,8 @@ What :class:`PipelineModule` does each ``step(inputs, target, loss_fn)``:
    every later program, so each stage keeps its parameters. A plain attribute of the
    model's modules (a number, flag, string) changed since a program's trace traces it
    again (as whole steps do, :func:`spmd.step._attributes`). This rank keeps only its
-   stages' parameters; the others are released.
+   stages' parameters; the others are released (what no stage reads stays on the first
+   pipeline rank, whose state dict holds it).
 3. Runs this rank's actions (:mod:`spmd.pp`) in order. ``F``: the stage's forward on the
    microbatch and what it received, its outputs sent on at once (``isend``); ``B``: the
    backward from the gradients its consumers sent back (the last stage starts from the
@@ -47,8 +48,8 @@ from spmd.lowering.balance import balance
 from spmd.lowering.stages import Cut, candidates, cut, trace
 from spmd.pp import Action, Schedule
 from spmd.split_backward import backward_input, backward_weight
-from spmd.stage_module import (StageModule, stage_mesh_group, stage_of, stage_placements,
-                                standing_in)
+from spmd.stage_module import (StageModule, siblings, stage_mesh_group, stage_of,
+                                stage_placements, standing_in)
 
 __all__ = ["PipelineModule", "parallelize_pipeline", "check_pipeline"]
 
@@ -110,6 +111,9 @@ class PipelineModule(nn.Module):
         self._composed = (self._others is not None and self._others.size() > 1
                           and not self._planning)
         self._released: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        # what no stage reads (an unused parameter, a buffer no stage's code touches): kept
+        # by the first pipeline rank, so the ranks' state dicts together hold every entry
+        self._unread: tuple[str, ...] = ()
         self._last_cut: Cut | None = None
         self._traces = 0  # programs traced (each microbatch shape, mode, attribute change)
         self.last_spans: list[tuple[Action, float, float]] = []
@@ -162,6 +166,9 @@ class PipelineModule(nn.Module):
                                        f"for the first; the model's forward must read the "
                                        f"same parameters every step")
                 stage_of(module).hold(self.module, stage.buffers)
+            # a buffer this program reads (only in training, say) is its stage's now
+            read = self._read(result)
+            self._unread = tuple(n for n in self._unread if n not in read)
         else:
             self._build(result)
         # as the trace leaves them (what its forward set itself is no change)
@@ -211,6 +218,12 @@ class PipelineModule(nn.Module):
             stage = result.stages[s]
             stage_of(module).set_code(stage.code, (stage.params, stage.buffers))
 
+    def _read(self, result: Cut) -> set[str]:
+        """What some stage of ``result`` holds: its parameters and buffers, with the other
+        buffers of the modules owning those (``StageModule`` holds them too)."""
+        return {n for stage in result.stages for n in
+                stage.params + stage.buffers + siblings(self.module, stage.buffers)}
+
     def _build(self, result: Cut) -> None:
         local = self.local_stages()
         kept: set[str] = set()
@@ -222,6 +235,11 @@ class PipelineModule(nn.Module):
                     f"this rank both holds; with a strategy on the other mesh dimensions "
                     f"each stage is parallelized on its own and cannot share it: cut so "
                     f"that one stage holds every use, or untie it")
+        read = self._read(result)
+        self._unread = tuple(n for n, _ in [*self.module.named_parameters(),
+                                            *self.module.named_buffers()] if n not in read)
+        if self._pp_rank == 0:
+            kept.update(self._unread)  # released everywhere, they would be lost
         for s in local:
             stage = result.stages[s]
             module = StageModule(s, self.module, stage.params, stage.buffers)
@@ -609,6 +627,11 @@ class PipelineModule(nn.Module):
         for module in self._stages.values():
             out.update(module.state_dict(*args, **kwargs))
         prefix = kwargs.get("prefix", "")
+        if self._unread and self._pp_rank == 0:
+            whole = self.module.state_dict(prefix=prefix,
+                                           keep_vars=kwargs.get("keep_vars", False))
+            out.update({prefix + n: whole[prefix + n] for n in self._unread
+                        if prefix + n in whole})
         for alias, name in _aliases(self.module).items():
             if prefix + name in out:
                 out[prefix + alias] = out[prefix + name]
@@ -620,9 +643,12 @@ class PipelineModule(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False
                         ) -> Any:
         """Load what this rank's stages hold from ``state_dict`` (entries of other
-        stages are skipped); with ``strict``, every entry of this rank's stages must be
-        there."""
+        stages are skipped; the first pipeline rank also loads what no stage reads); with
+        ``strict``, every entry of this rank's stages must be there, and no entry the
+        model does not have."""
         from torch.nn.modules.module import _IncompatibleKeys
+
+        from spmd.layout import local_state_dicts
 
         if not self._stages:  # not cut yet: what the checkpoint holds (a stage's entries)
             result = self.module.load_state_dict(state_dict, strict=False, assign=assign)
@@ -630,17 +656,30 @@ class PipelineModule(nn.Module):
                 raise RuntimeError(f"{self._where}.load_state_dict: entries the model does "
                                    f"not have: {', '.join(result.unexpected_keys[:5])}")
             return result
+        plain = set(self.module.state_dict(keep_vars=True))
+        unexpected = [k for k in state_dict if k not in plain]
+        if strict and unexpected:
+            raise RuntimeError(f"{self._where}.load_state_dict: entries the model does not "
+                               f"have: {', '.join(unexpected[:5])}"
+                               + (" ..." if len(unexpected) > 5 else ""))
+        # the keys each stage holds, read without gathering (a composed stage's
+        # state_dict() would gather every parameter over its group)
+        with local_state_dicts(lambda name, stored, shard, piece: stored):
+            owners: list[tuple[nn.Module, list[str]]] = [
+                (module, list(module.state_dict(keep_vars=True)))
+                for module in self._stages.values()]
+        if self._unread and self._pp_rank == 0:
+            owners.append((self.module, [n for n in self._unread if n in plain]))
         missing: list[str] = []
-        for module in self._stages.values():
-            own = module.state_dict()
-            part = {k: v for k, v in state_dict.items() if k in own}
+        for module, own in owners:
+            part = {k: state_dict[k] for k in own if k in state_dict}
             missing += [k for k in own if k not in state_dict]
             module.load_state_dict(part, strict=False, assign=assign)
         if strict and missing:
             raise RuntimeError(f"{self._where}.load_state_dict: missing entries of this "
                                f"rank's stages: {', '.join(missing[:5])}"
                                + (" ..." if len(missing) > 5 else ""))
-        return _IncompatibleKeys(missing, [])
+        return _IncompatibleKeys(missing, unexpected)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every stage's gradients by the norm of the whole model's gradient, as
