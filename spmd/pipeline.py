@@ -147,7 +147,7 @@ class PipelineModule(nn.Module):
                           f"step, such as a loss weight, as tensors", stacklevel=3)
         args, target = pytree.tree_unflatten(leaves, spec)
         n = self.schedule.stages(self._ranks)
-        with standing_in(self.module, self._released):
+        with standing_in(self.module, {**self._released, **self._placed()}):
             marked = list(self._split_points) if self._split_points else candidates(self.module)
             traced = trace(self.module, loss_fn, args, target, marked, self._where,
                            cast=self._options.param_dtype)
@@ -217,6 +217,15 @@ class PipelineModule(nn.Module):
         for s, module in self._stages.items():
             stage = result.stages[s]
             stage_of(module).set_code(stage.code, (stage.params, stage.buffers))
+
+    def _placed(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """This rank's parameters stored in parts by a composed stage (fsdp shards, tensor-
+        parallel pieces): name -> (whole shape, dtype), for tracing again."""
+        layout = self.layout()
+        if layout is None:
+            return {}
+        return {name: (layout.records[name].shape, self.module.get_parameter(name).dtype)
+                for name in set(layout.shards) | set(layout.pieces)}
 
     def _read(self, result: Cut) -> set[str]:
         """What some stage of ``result`` holds: its parameters and buffers, with the other
@@ -680,6 +689,22 @@ class PipelineModule(nn.Module):
                                f"rank's stages: {', '.join(missing[:5])}"
                                + (" ..." if len(missing) > 5 else ""))
         return _IncompatibleKeys(missing, unexpected)
+
+    def layout(self) -> Any:
+        """The :class:`spmd.layout.Layout` of this rank's stages merged (each parallelized
+        on its own over the other mesh dimensions; names are the model's); None where no
+        stage is (a pipeline alone, or before the cut)."""
+        from spmd.layout import Layout, layout_of
+
+        parts = [p for p in map(layout_of, self._stages.values()) if p is not None]
+        if not parts:
+            return None
+        merged = Layout(records={}, shards={}, pieces={})
+        for part in parts:
+            merged.records.update(part.records)
+            merged.shards.update(part.shards)
+            merged.pieces.update(part.pieces)
+        return merged
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every stage's gradients by the norm of the whole model's gradient, as
