@@ -10,7 +10,8 @@ What :class:`PipelineModule` does each ``step(inputs, target, loss_fn)``:
    model's modules (a number, flag, string) changed since a program's trace traces it
    again (as whole steps do, :func:`spmd.step._attributes`). This rank keeps only its
    stages' parameters; the others are released (what no stage reads stays on the first
-   pipeline rank, whose state dict holds it).
+   pipeline rank, whose state dict holds it; an optimizer handed to ``release_with``
+   drops the released parameters' state).
 3. Runs this rank's actions (:mod:`spmd.pp`) in order. ``F``: the stage's forward on the
    microbatch and what it received, its outputs sent on at once (``isend``); ``B``: the
    backward from the gradients its consumers sent back (the last stage starts from the
@@ -37,6 +38,7 @@ reduce-scattered each backward (a gradient must stay a shard), which sums to the
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -114,6 +116,8 @@ class PipelineModule(nn.Module):
         # what no stage reads (an unused parameter, a buffer no stage's code touches): kept
         # by the first pipeline rank, so the ranks' state dicts together hold every entry
         self._unread: tuple[str, ...] = ()
+        # optimizers whose state of the parameters this rank releases goes with them
+        self._optimizers: weakref.WeakSet = weakref.WeakSet()
         self._last_cut: Cut | None = None
         self._traces = 0  # programs traced (each microbatch shape, mode, attribute change)
         self.last_spans: list[tuple[Action, float, float]] = []
@@ -273,6 +277,8 @@ class PipelineModule(nn.Module):
                 self._released[name] = (param.shape, param.dtype)
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
                 param.grad = None
+        for optimizer in list(self._optimizers):
+            self.release_with(optimizer)
 
     def _compose(self, module: StageModule, stage: Any) -> nn.Module:
         from dataclasses import replace
@@ -690,6 +696,43 @@ class PipelineModule(nn.Module):
                                + (" ..." if len(missing) > 5 else ""))
         return _IncompatibleKeys(missing, unexpected)
 
+    def release_with(self, optimizer: torch.optim.Optimizer) -> None:
+        """Keep ``optimizer``'s state to what this rank holds: the state of the parameters
+        it releases dropped, and where each stage is parallelized over the other mesh
+        dimensions, state shaped like a whole parameter cut to the part this rank stores
+        (as the parameter was): now if the stages are cut, else at the cut (the first
+        step). Before the cut every rank holds the whole model, so state loaded then (a
+        checkpoint loaded before the first step) is every stage's and whole; without this
+        each rank would keep the other stages' state, stale, for good, and a sharded
+        parameter would meet whole state at the optimizer's step.
+        ``spmd.checkpoint.get_state_dict``/``set_state_dict`` call it.
+
+        Example::
+
+            model.release_with(opt)
+            opt.load_state_dict(torch.load(path))  # a plain model's, before the first step
+        """
+        from spmd.layout import layout_of, stored_part
+
+        if not self._stages:
+            self._optimizers.add(optimizer)
+            return
+        for name in self._released:
+            optimizer.state.pop(self.module.get_parameter(name), None)
+        for stage in self._stages.values():
+            layout = layout_of(stage)
+            placed = () if layout is None else sorted(set(layout.shards) | set(layout.pieces))
+            for name in placed:
+                record = layout.records[name]
+                state = optimizer.state.get(self.module.get_parameter(name))
+                if not state or record.shape == record.local_shape:
+                    continue
+                for key, value in list(state.items()):
+                    if isinstance(value, torch.Tensor) and value.dim() \
+                            and tuple(value.shape) == record.shape:
+                        state[key] = stored_part(layout, name, value,
+                                                 f"{name}: {key}").clone()
+
     def layout(self) -> Any:
         """The :class:`spmd.layout.Layout` of this rank's stages merged (each parallelized
         on its own over the other mesh dimensions; names are the model's); None where no
@@ -705,6 +748,29 @@ class PipelineModule(nn.Module):
             merged.shards.update(part.shards)
             merged.pieces.update(part.pieces)
         return merged
+
+    def held(self) -> set[str] | None:
+        """The parameters this rank holds, by their first names (``named_parameters()``
+        of the model); None before the cut, when every rank holds them all."""
+        if not self._stages:
+            return None
+        return {n for n, _ in self.module.named_parameters() if n not in self._released}
+
+    def others(self) -> dict[str, tuple[torch.Size, torch.dtype, torch.device]]:
+        """The entries of the model's ``state_dict()`` that this rank's ``state_dict()``
+        lacks (other stages' parameters and buffers), each with its whole shape, its dtype
+        and device; empty before the cut."""
+        if not self._stages:
+            return {}
+        mine = _all_keys_local(self)
+        aliases = _aliases(self.module)
+        out: dict[str, tuple[torch.Size, torch.dtype, torch.device]] = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            if key in mine:
+                continue
+            shape, _ = self._released.get(aliases.get(key, key), (value.shape, None))
+            out[key] = (torch.Size(shape), value.dtype, value.device)
+        return out
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every stage's gradients by the norm of the whole model's gradient, as
@@ -734,6 +800,14 @@ class PipelineModule(nn.Module):
 
 
 # -- helpers ----------------------------------------------------------------------------
+
+def _all_keys_local(pipe: PipelineModule) -> set[str]:
+    """The keys of ``pipe.state_dict()``, read without gathering."""
+    from spmd.layout import local_state_dicts
+
+    with local_state_dicts(lambda name, stored, shard, piece: stored):
+        return set(pipe.state_dict(keep_vars=True))
+
 
 def _aliases(model: nn.Module) -> dict[str, str]:
     """Every second name of a parameter or buffer (a head tied to the embedding) -> the
