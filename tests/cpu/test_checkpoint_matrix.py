@@ -277,13 +277,17 @@ def _groups() -> list[list[tuple[str, str]]]:
     return groups
 
 
-PATH = tempfile.mkdtemp(prefix="spmd-ckpt-")
+# made by the fixture, not at import: each spawned rank imports this module too (it left
+# an empty directory behind per rank and job)
+PATH = os.path.join(tempfile.gettempdir(), f"spmd-ckpt-{os.getpid()}")
 JOBS = Jobs(job, _groups(), nprocs=lambda cases: _world(cases[0]), args=(PATH,))
 _PLAIN: dict = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _cleanup():
+    shutil.rmtree(PATH, ignore_errors=True)
+    os.makedirs(PATH)
     yield
     shutil.rmtree(PATH, ignore_errors=True)
 
