@@ -173,6 +173,8 @@ def job(rank: int, cases: list[tuple[str, Draw]], path: str) -> dict:
     """Each case in order: ``("save", draw)`` trains and saves the draw's source,
     ``("load", draw)`` loads it under the draw's destination and trains on. (The draws
     travel with the cases: a spawned rank imports this module and would draw its own.)"""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=90))
     try:
@@ -180,7 +182,9 @@ def job(rank: int, cases: list[tuple[str, Draw]], path: str) -> dict:
         for kind, d in cases:
             try:
                 out[(kind, d)] = (save if kind == "save" else load)(d, rank, path)
-            except Exception as e:  # one draw's failure is that draw's, not the job's
+            # one draw's failure is that draw's, not the job's (DCP's errors are
+            # BaseExceptions)
+            except (Exception, CheckpointException) as e:
                 out[(kind, d)] = {"error": f"{type(e).__name__}: {e}"}
         return out
     finally:
