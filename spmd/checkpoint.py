@@ -1,12 +1,13 @@
 """Sharded checkpoints of parallelized models, through ``torch.distributed.checkpoint`` (DCP).
 
 ``model.state_dict()`` of a model whose parameters are stored in parts (fsdp, hsdp, zero1,
-zero2, tensor-parallel pieces, and their compositions) gathers whole tensors: simple, but
-every rank then holds the whole model. For big models each rank should write only what it
-stores, and a checkpoint saved under one layout should load under any other, on any
-number of ranks, and into a plain module. These functions, with torch's names for the
-same job (``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict``),
-do that for every layout::
+zero2, tensor-parallel pieces, pipeline stages, and their compositions) gathers whole
+tensors (a pipeline rank: its stages'): simple, but every rank then holds the whole model.
+For big models each rank should write only what it stores, and a checkpoint saved under
+one layout should load under any other, on any number of ranks, and into a plain module.
+These functions, with torch's names for the same job
+(``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict``), do that
+for every layout::
 
     import torch.distributed.checkpoint as dcp
 
@@ -28,7 +29,17 @@ the whole tensor's shape, this rank's stored part, and where each piece of that 
 in the whole (DCP's chunk offsets). A tensor-parallel piece cut again by fsdp is one
 block of the whole; a ``StridedShard`` piece (fused query-key-value) is several; padding
 is never written, and replicas write once (DCP deduplicates equal chunks). Everything
-else (replicated parameters, buffers, optimizer steps) is a plain tensor. No collective
+else (replicated parameters, buffers, optimizer steps) is a plain tensor.
+
+A pipeline (``parallelize(..., pipeline=)``) rank holds its stages' parameters once the
+first step has cut the model: its model state dict still has every key of the plain
+module, another stage's tensor as a ``ChunkedTensor`` of the whole shape with no chunk
+(nothing written, nothing read), a weight tied across stages written by each holder (DCP
+keeps one; the holders step it alike), what no stage reads by the first pipeline rank;
+its optimizer state covers the parameters it holds (the ranks' together: every one), and
+each stage composed with fsdp or tensor parallelism is chunked as that layout is. Before
+the cut every rank holds (and loads) the whole model; the optimizer state loaded then is
+cut with the model at the first step (``PipelineModule.release_with``). No collective
 runs: any rank may call these alone. DCP needs torch.distributed to see our groups,
 which ``spmd.runtime.init_process_group`` arranges for process ranks. ``dcp.async_save``
 is not supported: its staging copies each tensor whole (a ``ChunkedTensor`` refuses).
@@ -89,7 +100,38 @@ def _chunked(name: str, stored: torch.Tensor, shard: ShardSpec | None,
     return ChunkedTensor(stored.detach(), spec.shape, chunks_of(spec.shape, shard, piece))
 
 
+def _pipeline(model: nn.Module) -> Any:
+    """``model`` if it is a pipelined model (``spmd.pipeline.PipelineModule``), else None."""
+    from spmd.pipeline import PipelineModule
+
+    return model if isinstance(model, PipelineModule) else None
+
+
+def _plain(model: nn.Module) -> nn.Module:
+    """The module whose names are the checkpoint's: a pipeline's model, else ``model``."""
+    pipe = _pipeline(model)
+    return model if pipe is None else pipe.module
+
+
+def _layout(model: nn.Module) -> Layout | None:
+    """The model's :class:`Layout` (a pipeline's: its stages' merged)."""
+    pipe = _pipeline(model)
+    return layout_of(model) if pipe is None else pipe.layout()
+
+
+def _others(pipe: Any) -> dict[str, ChunkedTensor]:
+    """A pipeline rank's entries for what other stages hold: the whole tensor's shape,
+    no chunk (nothing written, nothing read), so that every rank's state dict has the plain
+    module's keys."""
+    return {key: ChunkedTensor(torch.empty(0, dtype=dtype, device=device), shape, ())
+            for key, (shape, dtype, device) in pipe.others().items()}
+
+
 def _check_live(model: nn.Module, where: str) -> None:
+    pipe = _pipeline(model)
+    if pipe is not None and pipe._planning:
+        raise RuntimeError(f"spmd.checkpoint.{where}: the pipeline was planned on a simulated "
+                           f"mesh; checkpoints need live ranks")
     state = getattr(model, "_spmd", None)
     if state is not None and not getattr(state, "communicates", True) \
             and getattr(getattr(state, "setup", None), "group", 1) is None:
@@ -102,12 +144,14 @@ def _names(model: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
-def _init_state(optimizer: torch.optim.Optimizer) -> None:
+def _init_state(optimizer: torch.optim.Optimizer, held: set[int] | None) -> None:
     """Make the optimizer's state (a step with zero gradients and a zero learning rate),
-    so a checkpoint has tensors to load into."""
+    so a checkpoint has tensors to load into; only of the parameters in ``held`` (by id;
+    None: all), which a pipeline rank holds."""
     if optimizer.state:
         return
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad
+              and (held is None or id(p) in held)]
     if any(p.grad is not None for p in params):
         return
     for p in params:
@@ -124,10 +168,20 @@ def _init_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _held(model: nn.Module) -> set[int] | None:
+    """The ids of the parameters this rank holds: a pipeline rank's stages'; None: all."""
+    pipe = _pipeline(model)
+    held = None if pipe is None else pipe.held()
+    if held is None:
+        return None
+    return {id(p) for n, p in pipe.module.named_parameters() if n in held}
+
+
 def _optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
                       layout: Layout | None) -> dict[str, Any]:
-    names = _names(model)
-    _init_state(optimizer)
+    names = _names(_plain(model))
+    held = _held(model)
+    _init_state(optimizer, held)
     entries: dict[str, Any] = {}
     groups = []
     for group in optimizer.param_groups:
@@ -138,6 +192,8 @@ def _optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
                                  "tensor that is not a parameter of this model")
             name = names[id(p)]
             keys.append(name)
+            if held is not None and id(p) not in held:
+                continue  # another pipeline rank's: its state is that rank's to write
             shard = piece = None
             if layout is not None:
                 shard, piece = layout.shards.get(name), layout.pieces.get(name)
@@ -169,8 +225,16 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     _check_live(model, "get_state_dict")
     with local_state_dicts(_chunked):
         model_sd = model.state_dict()
+    pipe = _pipeline(model)
+    if pipe is not None:
+        if optimizer is not None:
+            pipe.release_with(optimizer)
+        model_sd.update(_others(pipe))
+        order = {k: i for i, k in enumerate(pipe.module.state_dict(keep_vars=True))}
+        model_sd = dict(sorted(model_sd.items(),
+                               key=lambda kv: order.get(kv[0], len(order))))
     optim_sd = {} if optimizer is None else _optim_state_dict(model, optimizer,
-                                                              layout_of(model))
+                                                              _layout(model))
     return model_sd, optim_sd
 
 
@@ -185,8 +249,12 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
         model.load_state_dict(model_state_dict)
     if optimizer is None or not optim_state_dict:
         return
-    layout = layout_of(model)
-    params = dict(model.named_parameters())
+    pipe = _pipeline(model)
+    if pipe is not None:
+        pipe.release_with(optimizer)
+    layout = _layout(model)
+    params = dict(_plain(model).named_parameters())
+    held = _held(model)
     entries = optim_state_dict.get("state", {})
     saved_groups = optim_state_dict.get("param_groups", [])
     if len(saved_groups) != len(optimizer.param_groups):
@@ -202,6 +270,8 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
                 raise KeyError(f"spmd.checkpoint.set_state_dict: optimizer state for "
                                f"{name}, which is not a parameter of the model")
             param = params[name]
+            if held is not None and id(param) not in held:
+                continue  # another pipeline rank's
             placed = layout is not None and name in layout.records and (
                 name in layout.shards or name in layout.pieces)
             slot = optimizer.state[param]

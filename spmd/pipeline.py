@@ -9,7 +9,9 @@ What :class:`PipelineModule` does each ``step(inputs, target, loss_fn)``:
    every later program, so each stage keeps its parameters. A plain attribute of the
    model's modules (a number, flag, string) changed since a program's trace traces it
    again (as whole steps do, :func:`spmd.step._attributes`). This rank keeps only its
-   stages' parameters; the others are released.
+   stages' parameters; the others are released (what no stage reads stays on the first
+   pipeline rank, whose state dict holds it; an optimizer handed to ``release_with``
+   drops the released parameters' state).
 3. Runs this rank's actions (:mod:`spmd.pp`) in order. ``F``: the stage's forward on the
    microbatch and what it received, its outputs sent on at once (``isend``); ``B``: the
    backward from the gradients its consumers sent back (the last stage starts from the
@@ -36,6 +38,7 @@ reduce-scattered each backward (a gradient must stay a shard), which sums to the
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -47,8 +50,8 @@ from spmd.lowering.balance import balance
 from spmd.lowering.stages import Cut, candidates, cut, trace
 from spmd.pp import Action, Schedule
 from spmd.split_backward import backward_input, backward_weight
-from spmd.stage_module import (StageModule, stage_mesh_group, stage_of, stage_placements,
-                                standing_in)
+from spmd.stage_module import (StageModule, siblings, stage_mesh_group, stage_of,
+                                stage_placements, standing_in)
 
 __all__ = ["PipelineModule", "parallelize_pipeline", "check_pipeline"]
 
@@ -110,6 +113,11 @@ class PipelineModule(nn.Module):
         self._composed = (self._others is not None and self._others.size() > 1
                           and not self._planning)
         self._released: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        # what no stage reads (an unused parameter, a buffer no stage's code touches): kept
+        # by the first pipeline rank, so the ranks' state dicts together hold every entry
+        self._unread: tuple[str, ...] = ()
+        # optimizers whose state of the parameters this rank releases goes with them
+        self._optimizers: weakref.WeakSet = weakref.WeakSet()
         self._last_cut: Cut | None = None
         self._traces = 0  # programs traced (each microbatch shape, mode, attribute change)
         self.last_spans: list[tuple[Action, float, float]] = []
@@ -143,7 +151,7 @@ class PipelineModule(nn.Module):
                           f"step, such as a loss weight, as tensors", stacklevel=3)
         args, target = pytree.tree_unflatten(leaves, spec)
         n = self.schedule.stages(self._ranks)
-        with standing_in(self.module, self._released):
+        with standing_in(self.module, {**self._released, **self._placed()}):
             marked = list(self._split_points) if self._split_points else candidates(self.module)
             traced = trace(self.module, loss_fn, args, target, marked, self._where,
                            cast=self._options.param_dtype)
@@ -162,6 +170,9 @@ class PipelineModule(nn.Module):
                                        f"for the first; the model's forward must read the "
                                        f"same parameters every step")
                 stage_of(module).hold(self.module, stage.buffers)
+            # a buffer this program reads (only in training, say) is its stage's now
+            read = self._read(result)
+            self._unread = tuple(n for n in self._unread if n not in read)
         else:
             self._build(result)
         # as the trace leaves them (what its forward set itself is no change)
@@ -211,6 +222,21 @@ class PipelineModule(nn.Module):
             stage = result.stages[s]
             stage_of(module).set_code(stage.code, (stage.params, stage.buffers))
 
+    def _placed(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """This rank's parameters stored in parts by a composed stage (fsdp shards, tensor-
+        parallel pieces): name -> (whole shape, dtype), for tracing again."""
+        layout = self.layout()
+        if layout is None:
+            return {}
+        return {name: (layout.records[name].shape, self.module.get_parameter(name).dtype)
+                for name in set(layout.shards) | set(layout.pieces)}
+
+    def _read(self, result: Cut) -> set[str]:
+        """What some stage of ``result`` holds: its parameters and buffers, with the other
+        buffers of the modules owning those (``StageModule`` holds them too)."""
+        return {n for stage in result.stages for n in
+                stage.params + stage.buffers + siblings(self.module, stage.buffers)}
+
     def _build(self, result: Cut) -> None:
         local = self.local_stages()
         kept: set[str] = set()
@@ -222,6 +248,11 @@ class PipelineModule(nn.Module):
                     f"this rank both holds; with a strategy on the other mesh dimensions "
                     f"each stage is parallelized on its own and cannot share it: cut so "
                     f"that one stage holds every use, or untie it")
+        read = self._read(result)
+        self._unread = tuple(n for n, _ in [*self.module.named_parameters(),
+                                            *self.module.named_buffers()] if n not in read)
+        if self._pp_rank == 0:
+            kept.update(self._unread)  # released everywhere, they would be lost
         for s in local:
             stage = result.stages[s]
             module = StageModule(s, self.module, stage.params, stage.buffers)
@@ -246,6 +277,8 @@ class PipelineModule(nn.Module):
                 self._released[name] = (param.shape, param.dtype)
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
                 param.grad = None
+        for optimizer in list(self._optimizers):
+            self.release_with(optimizer)
 
     def _compose(self, module: StageModule, stage: Any) -> nn.Module:
         from dataclasses import replace
@@ -609,6 +642,11 @@ class PipelineModule(nn.Module):
         for module in self._stages.values():
             out.update(module.state_dict(*args, **kwargs))
         prefix = kwargs.get("prefix", "")
+        if self._unread and self._pp_rank == 0:
+            whole = self.module.state_dict(prefix=prefix,
+                                           keep_vars=kwargs.get("keep_vars", False))
+            out.update({prefix + n: whole[prefix + n] for n in self._unread
+                        if prefix + n in whole})
         for alias, name in _aliases(self.module).items():
             if prefix + name in out:
                 out[prefix + alias] = out[prefix + name]
@@ -620,9 +658,12 @@ class PipelineModule(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False
                         ) -> Any:
         """Load what this rank's stages hold from ``state_dict`` (entries of other
-        stages are skipped); with ``strict``, every entry of this rank's stages must be
-        there."""
+        stages are skipped; the first pipeline rank also loads what no stage reads); with
+        ``strict``, every entry of this rank's stages must be there, and no entry the
+        model does not have."""
         from torch.nn.modules.module import _IncompatibleKeys
+
+        from spmd.layout import local_state_dicts
 
         if not self._stages:  # not cut yet: what the checkpoint holds (a stage's entries)
             result = self.module.load_state_dict(state_dict, strict=False, assign=assign)
@@ -630,17 +671,106 @@ class PipelineModule(nn.Module):
                 raise RuntimeError(f"{self._where}.load_state_dict: entries the model does "
                                    f"not have: {', '.join(result.unexpected_keys[:5])}")
             return result
+        plain = set(self.module.state_dict(keep_vars=True))
+        unexpected = [k for k in state_dict if k not in plain]
+        if strict and unexpected:
+            raise RuntimeError(f"{self._where}.load_state_dict: entries the model does not "
+                               f"have: {', '.join(unexpected[:5])}"
+                               + (" ..." if len(unexpected) > 5 else ""))
+        # the keys each stage holds, read without gathering (a composed stage's
+        # state_dict() would gather every parameter over its group)
+        with local_state_dicts(lambda name, stored, shard, piece: stored):
+            owners: list[tuple[nn.Module, list[str]]] = [
+                (module, list(module.state_dict(keep_vars=True)))
+                for module in self._stages.values()]
+        if self._unread and self._pp_rank == 0:
+            owners.append((self.module, [n for n in self._unread if n in plain]))
         missing: list[str] = []
-        for module in self._stages.values():
-            own = module.state_dict()
-            part = {k: v for k, v in state_dict.items() if k in own}
+        for module, own in owners:
+            part = {k: state_dict[k] for k in own if k in state_dict}
             missing += [k for k in own if k not in state_dict]
             module.load_state_dict(part, strict=False, assign=assign)
         if strict and missing:
             raise RuntimeError(f"{self._where}.load_state_dict: missing entries of this "
                                f"rank's stages: {', '.join(missing[:5])}"
                                + (" ..." if len(missing) > 5 else ""))
-        return _IncompatibleKeys(missing, [])
+        return _IncompatibleKeys(missing, unexpected)
+
+    def release_with(self, optimizer: torch.optim.Optimizer) -> None:
+        """Keep ``optimizer``'s state to what this rank holds: the state of the parameters
+        it releases dropped, and where each stage is parallelized over the other mesh
+        dimensions, state shaped like a whole parameter cut to the part this rank stores
+        (as the parameter was): now if the stages are cut, else at the cut (the first
+        step). Before the cut every rank holds the whole model, so state loaded then (a
+        checkpoint loaded before the first step) is every stage's and whole; without this
+        each rank would keep the other stages' state, stale, for good, and a sharded
+        parameter would meet whole state at the optimizer's step.
+        ``spmd.checkpoint.get_state_dict``/``set_state_dict`` call it.
+
+        Example::
+
+            model.release_with(opt)
+            opt.load_state_dict(torch.load(path))  # a plain model's, before the first step
+        """
+        from spmd.layout import layout_of, stored_part
+
+        if not self._stages:
+            self._optimizers.add(optimizer)
+            return
+        for name in self._released:
+            optimizer.state.pop(self.module.get_parameter(name), None)
+        for stage in self._stages.values():
+            layout = layout_of(stage)
+            placed = () if layout is None else sorted(set(layout.shards) | set(layout.pieces))
+            for name in placed:
+                record = layout.records[name]
+                state = optimizer.state.get(self.module.get_parameter(name))
+                if not state or record.shape == record.local_shape:
+                    continue
+                for key, value in list(state.items()):
+                    if isinstance(value, torch.Tensor) and value.dim() \
+                            and tuple(value.shape) == record.shape:
+                        state[key] = stored_part(layout, name, value,
+                                                 f"{name}: {key}").clone()
+
+    def layout(self) -> Any:
+        """The :class:`spmd.layout.Layout` of this rank's stages merged (each parallelized
+        on its own over the other mesh dimensions; names are the model's); None where no
+        stage is (a pipeline alone, or before the cut)."""
+        from spmd.layout import Layout, layout_of
+
+        parts = [p for p in map(layout_of, self._stages.values()) if p is not None]
+        if not parts:
+            return None
+        merged = Layout(records={}, shards={}, pieces={})
+        for part in parts:
+            merged.records.update(part.records)
+            merged.shards.update(part.shards)
+            merged.pieces.update(part.pieces)
+        return merged
+
+    def held(self) -> set[str] | None:
+        """The parameters this rank holds, by their first names (``named_parameters()``
+        of the model); None before the cut, when every rank holds them all."""
+        if not self._stages:
+            return None
+        return {n for n, _ in self.module.named_parameters() if n not in self._released}
+
+    def others(self) -> dict[str, tuple[torch.Size, torch.dtype, torch.device]]:
+        """The entries of the model's ``state_dict()`` that this rank's ``state_dict()``
+        lacks (other stages' parameters and buffers), each with its whole shape, its dtype
+        and device; empty before the cut."""
+        if not self._stages:
+            return {}
+        mine = _all_keys_local(self)
+        aliases = _aliases(self.module)
+        out: dict[str, tuple[torch.Size, torch.dtype, torch.device]] = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            if key in mine:
+                continue
+            shape, _ = self._released.get(aliases.get(key, key), (value.shape, None))
+            out[key] = (torch.Size(shape), value.dtype, value.device)
+        return out
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every stage's gradients by the norm of the whole model's gradient, as
@@ -670,6 +800,14 @@ class PipelineModule(nn.Module):
 
 
 # -- helpers ----------------------------------------------------------------------------
+
+def _all_keys_local(pipe: PipelineModule) -> set[str]:
+    """The keys of ``pipe.state_dict()``, read without gathering."""
+    from spmd.layout import local_state_dicts
+
+    with local_state_dicts(lambda name, stored, shard, piece: stored):
+        return set(pipe.state_dict(keep_vars=True))
+
 
 def _aliases(model: nn.Module) -> dict[str, str]:
     """Every second name of a parameter or buffer (a head tied to the embedding) -> the

@@ -104,21 +104,28 @@ def tp_dims(placements: Any) -> tuple[str, ...]:
 
 
 class standing_in:
-    """Released parameters get a stand-in of their shape (one element, expanded) while
-    the model is traced again for a new shape."""
+    """Parameters this rank does not hold whole (``shapes``: name -> (whole shape, dtype);
+    released ones, and a composed stage's shards and pieces) get a stand-in of their whole
+    shape (one element, expanded) while the model is traced again for a new shape; each
+    gets back what it held after."""
 
-    def __init__(self, model: nn.Module, released: dict) -> None:
-        self.model, self.released = model, released
+    def __init__(self, model: nn.Module, shapes: dict) -> None:
+        self.model, self.shapes = model, shapes
+        self.held: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def __enter__(self) -> None:
-        for name, (shape, dtype) in self.released.items():
+        for name, (shape, dtype) in self.shapes.items():
             p = self.model.get_parameter(name)
+            self.held[name] = (p.data, p.grad)  # (a gradient of another shape refuses it)
+            p.grad = None
             p.data = torch.zeros((), dtype=dtype, device=p.device).expand(shape)
 
     def __exit__(self, *exc: Any) -> None:
-        for name, (_, dtype) in self.released.items():
+        for name, (data, grad) in self.held.items():
             p = self.model.get_parameter(name)
-            p.data = torch.empty(0, dtype=dtype, device=p.device)
+            p.data = data
+            p.grad = grad
+        self.held.clear()
 
 
 def stage_mesh_group(mesh: Any, dim: str) -> Any:

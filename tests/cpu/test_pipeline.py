@@ -206,6 +206,11 @@ def _compose(shape: tuple[int, ...], names: tuple[str, ...], cases: list) -> dic
         pm = spmd.parallelize(model, mesh=mesh, pipeline=spmd.pp.schedule(schedule, 2),
                               **opts)
         per = 8 // dp
+        # an evaluation step on the whole batch first: its program cuts the stages, and
+        # training traces again with each stage's parameters sharded (the trace read the
+        # shards' shapes: it failed)
+        with torch.no_grad():
+            pm.step(*batches[0], loss_fn)
         _train(pm, model, batches, loss_fn, lambda t: t[me * per:(me + 1) * per])
         pieces = {n: tuple(p.shape) for n, p in model.named_parameters() if p.numel()}
         out[label] = {"diff": _diff(pm, reference), "pieces": pieces}

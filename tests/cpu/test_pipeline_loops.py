@@ -5,7 +5,8 @@ zb-h1); a tied embedding frozen at the first trace and unfrozen later; an evalua
 (``model.eval()``, ``torch.no_grad()``) before training and after it, with BatchNorm and a
 forward that reads ``self.training``; a plain attribute the forward reads changed between
 steps; and the state-dict contract (the plain module's names restricted to each rank's
-stages, tied aliases and ``num_batches_tracked`` included, non-persistent buffers not).
+stages, tied aliases and ``num_batches_tracked`` included, non-persistent buffers not,
+what no stage reads on the first rank).
 
 One process on the whole batch is not the reference where BatchNorm trains: its batch
 statistics are the microbatch's, on one process as in the pipeline, so the reference runs
@@ -47,9 +48,12 @@ class Net(nn.Module):
     """Embedding, blocks, a head tied to the embedding; a non-persistent buffer."""
 
     def __init__(self, bn: bool = False, tied: bool = True, frozen: tuple[str, ...] = (),
-                 layers: int = 2) -> None:
+                 layers: int = 2, unused: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
+        if unused:  # read by no stage: kept by the first pipeline rank, not lost
+            self.spare = nn.Linear(2, 2)
+            self.register_buffer("spare_count", torch.arange(3.0))
         self.layers = nn.ModuleList([Block(bn) for _ in range(layers)])
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         if tied:
@@ -156,7 +160,7 @@ CASES: dict[str, tuple[str, list, dict]] = {
     "accumulate-1f1b": ("1f1b", ACCUMULATE, {}),
     "accumulate-zb-h1": ("zb-h1", ACCUMULATE, {}),
     "frozen-tied": ("1f1b", FROZEN, {"frozen": ("embed.weight",)}),
-    "modes-batchnorm": ("1f1b", MODES, {"bn": True}),
+    "modes-batchnorm": ("1f1b", MODES, {"bn": True, "unused": True}),
     "attribute": ("gpipe", ATTRIBUTE, {}),
 }
 
@@ -235,7 +239,9 @@ def test_a_plain_attribute_changed_between_steps_takes_effect(runs):
 
 @pytest.mark.timeout(170)
 def test_state_dict_is_the_plain_modules_restricted_to_each_ranks_stages(runs):
-    plain = list(build(bn=True).state_dict())
+    """And what no stage reads (a module never called, a buffer never read) is the first
+    rank's: released on every rank, it was lost from every state dict."""
+    plain = list(build(bn=True, unused=True).state_dict())
     merged: dict[str, torch.Tensor] = {}
     for rank, out in enumerate(runs):
         state = out["modes-batchnorm"]["state"]
@@ -245,9 +251,10 @@ def test_state_dict_is_the_plain_modules_restricted_to_each_ranks_stages(runs):
         assert "mask" not in keys  # non-persistent
         other = f"layers.{1 - rank}."
         assert not any(k.startswith(other) for k in keys)  # the other stage's
+        assert ("spare.weight" in keys) == (rank == 0)
         merged.update(state)
     assert sorted(merged) == sorted(plain)
-    fresh = build(bn=True)
+    fresh = build(bn=True, unused=True)
     fresh.load_state_dict(merged, strict=True)
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, runs[0]["modes-batchnorm"]["reference"][k]) or \
