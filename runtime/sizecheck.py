@@ -3,11 +3,10 @@
 Gloo ends the process (``std::terminate``: SIGABRT, no Python error on any rank) when a
 rank receives more bytes than it posted, which is what a collective called with other
 sizes on another rank does; with fewer bytes it may finish with wrong values. So before
-an eager collective moves data, the ranks of its group exchange a row of fixed size
-(:data:`ROW` bytes; one all-reduce of every rank's row in its own slot of a zeroed
-buffer up to :data:`REDUCED` ranks, an all-gather past that): a header saying what
-each is about to run (the operation, its element count, dtype, root, reduction, and the
-label of the caller, see :func:`labelled`), then room for a small payload. Every row has the same size whatever
+an eager collective moves data, the ranks of its group all-gather a row of fixed size
+(:data:`ROW` bytes): a header saying what each is about to run (the operation, its
+element count, dtype, root, reduction, and the label of the caller, see
+:func:`labelled`), then room for a small payload. Every row has the same size whatever
 the call, so ranks whose programs disagree meet row against row; every rank then raises
 a :class:`~spmd.runtime.errors.DistError` that names each rank's call, and no data moved.
 
@@ -41,7 +40,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy
 import torch
-import torch.distributed as _dist
 
 from spmd.runtime.errors import DistError
 
@@ -229,48 +227,28 @@ def as_array(t: torch.Tensor) -> numpy.ndarray | None:
     return None
 
 
-# up to this many ranks the rows travel by one all-reduce (each rank's row in its own
-# slot of a zeroed buffer, summed as integers: exact), which Gloo runs in about half the
-# fixed time of its all-gather; past it by an all-gather (the all-reduce's buffer grows
-# with the square of the group)
-REDUCED = 16
-
-
 def _buffers(pg: "ProcessGroup", size: int, reuse: bool) -> tuple:
-    """(row, every, row array, every array, every as int64 words): a synchronous call
-    reuses its group's (no
-    call of the group runs meanwhile); an asynchronous one gets its own. Up to
-    :data:`REDUCED` ranks the row is this rank's slot of ``every``."""
+    """(row, every, row array, every array): a synchronous call reuses its group's (no
+    call of the group runs meanwhile); an asynchronous one gets its own."""
     cached = pg._rows if reuse else None
     if cached is None or cached[1].numel() != size * ROW:
+        mine = torch.empty(ROW, dtype=torch.uint8)
         every = torch.empty(size * ROW, dtype=torch.uint8)
-        if size <= REDUCED:
-            me = pg.rank()
-            mine = every[me * ROW:(me + 1) * ROW]
-        else:
-            mine = torch.empty(ROW, dtype=torch.uint8)
-        cached = (mine, every, mine.numpy(), every.numpy(), every.view(torch.int64))
+        cached = (mine, every, mine.numpy(), every.numpy())
         if reuse:
             pg._rows = cached
     return cached
 
 
-_SUM = _dist.AllreduceOptions()
-_SUM.reduceOp = _dist.ReduceOp.SUM
-
-
 def _start(pg: "ProcessGroup", op: str, fields: list[int], payload: torch.Tensor | None,
            describe: Callable[[], str] | None, finish: Callable[[Rows], Any] | None,
            async_op: bool, seq: int | None = None) -> Any:
-    # kept lean: a small collective's whole cost is this function and one all-reduce
+    # kept lean: a small collective's whole cost is this function and one all-gather
     label = _label.get()
     if label is not None:
         fields = fields[:-1] + [label[2]]
     size = pg.size()
-    mine, every, mine_np, every_np, words = _buffers(pg, size, not async_op)
-    reduced = size <= REDUCED
-    if reduced:
-        every_np.fill(0)
+    mine, every, mine_np, every_np = _buffers(pg, size, not async_op)
     _PACK.pack_into(mine_np, 0, *fields)
     if payload is not None and payload.numel():
         values = as_array(payload)
@@ -297,12 +275,9 @@ def _start(pg: "ProcessGroup", op: str, fields: list[int], payload: torch.Tensor
         return None if finish is None else finish(Rows(every, every_np, size))
 
     backend = pg._backend
-    if reduced:
-        start = lambda: backend.allreduce([words], _SUM)  # noqa: E731
-    else:
-        start = lambda: backend._allgather_base(every, mine)  # noqa: E731
     try:
-        return pg._launch(what, seq, start, async_op, post)
+        return pg._launch(what, seq, lambda: backend._allgather_base(every, mine), async_op,
+                          post)
     except DistError as e:
         raise _hinted(e, label) from e
 
