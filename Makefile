@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 # The CPU build of torch 2.13.0; pyproject.toml itself accepts a range.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test test-long bench clean torch-suites
+.PHONY: setup demo test test-fast test-long bench clean torch-suites
 
 setup: $(STAMP)
 
@@ -24,6 +24,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# the edit loop: a slice of every layer in under 3 minutes (tests/tiers.py, FAST)
+test-fast: $(STAMP)
+	SPMD_TESTS=fast $(PY) -m pytest
 
 # everything, the long profile (tests/tiers.py) included
 test-long: $(STAMP)

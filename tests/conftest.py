@@ -50,14 +50,18 @@ def store(request, tmp_path):
 
 def pytest_collection_modifyitems(config, items):
     """``make test`` leaves the long profile (``tests/tiers.py``) out unless
-    ``SPMD_TESTS=all``."""
-    from tests.tiers import is_long
+    ``SPMD_TESTS=all``; ``SPMD_TESTS=fast`` (``make test-fast``) keeps only ``FAST``."""
+    from tests.tiers import is_fast, is_long
 
-    if os.environ.get("SPMD_TESTS", "ci") == "all":
+    tier = os.environ.get("SPMD_TESTS", "ci")
+    if tier not in ("ci", "all", "fast"):
+        raise pytest.UsageError(f"SPMD_TESTS must be 'ci', 'fast' or 'all', got {tier!r}")
+    if tier == "all":
         return
+    chosen = is_fast if tier == "fast" else (lambda nodeid: not is_long(nodeid))
     keep, drop = [], []
     for item in items:
-        (drop if is_long(item.nodeid) else keep).append(item)
+        (keep if chosen(item.nodeid) else drop).append(item)
     if drop:
         items[:] = keep
         config.hook.pytest_deselected(items=drop)

@@ -1,6 +1,8 @@
-"""Which tests ``make test`` (CI: 20 minutes on 2 cores) leaves to the long profile.
+"""Which tests ``make test`` (CI: 20 minutes on 2 cores) leaves to the long profile, and
+which ``make test-fast`` runs.
 
-``SPMD_TESTS=all make test`` (or ``make test-long``) runs everything. A test leaves CI
+``SPMD_TESTS=all make test`` (or ``make test-long``) runs everything; ``make test-fast``
+(``SPMD_TESTS=fast``) runs :data:`FAST`, a few minutes' edit loop. A test leaves CI
 only when something in CI covers the same class of behaviour more cheaply; each entry
 says what, and the seconds it took on 2 quiet cores (2026-11-29)."""
 
@@ -45,8 +47,64 @@ LONG: dict[str, tuple[float, str]] = {
         18, "test_rpc_rref"),
     "tests/torch_suites/test_torch_rpc.py::TensorPipeDdpComparisonTest::test_ddp_comparison": (
         16, "test_rpc_ddp"),
+    # 2026-11-29: CI measured 1224 s on quiet cores with these in (1496 tests); each
+    # leaves one case of a class CI keeps another case of
+    "tests/cpu/test_training_loops.py::test_loop_equals_one_process[context_parallel_llama-ddp]": (
+        35, "context_parallel-ddp (the project's transformer), graph test_context_parallel"),
+    "tests/cpu/test_training_loops.py::test_loop_equals_one_process[sequence_parallel_llama-ddp]": (
+        35, "sequence_parallel-ddp (the project's transformer), graph test_sequence_parallel"),
+    "tests/cpu/test_training_loops.py::test_loop_equals_one_process[changing_batch_encoder-ddp]": (
+        16, "changing_batch_encoder-fsdp and changing_batch-ddp"),
+    "tests/cpu/test_parallelize_equivalence.py::test_plans_record_buckets_frozen_and_fallbacks[3-ranks]": (
+        23, "the same test on 2 ranks; 3 ranks in test_sync_batchnorm"),
+    # every dp2xtp2 case shares one spawn (18 s)
+    **{f"tests/cpu/test_tp.py::{name}[dp2xtp2]": (18, "tp2 and fsdp2xtp2 of the same test")
+       for name in ("test_parameters_are_pieces_and_state_dicts_whole",
+                    "test_megatron_layers_cost_one_all_reduce_each_way",
+                    "test_an_op_without_a_rule_trains_like_one_process",
+                    "test_clipping_uses_the_whole_gradients_norm")},
+    "tests/torch_suites/test_torch_rpc.py::TensorPipeDistAutogradTest::test_backward_simple": (
+        20, "test_rpc_autograd; make torch-suites runs torch's whole RPC suite"),
+    "tests/torch_suites/test_torch_c10d.py::TestDistBackendWithSpawn::test_send_recv": (
+        10, "test_p2p; torch's all_reduce and all_gather tests stay"),
+    "tests/cpu/test_fuzz_loops.py::test_drawn_loops_equal_one_process": (
+        18, "the fixed loops, which make every move (SPMD_FUZZ=full draws 200)"),
+    "tests/graph/test_context_parallel.py::test_activation_memory_per_rank_shrinks_with_the_ranks": (
+        10, "test_memory_prediction, the module's other context-parallel plans"),
+    "tests/graph/test_sequence_parallel.py::test_activations_saved_outside_the_split_layers_shrink": (
+        10, "test_memory_prediction, the module's other sequence-parallel plans"),
+    "tests/cpu/test_parallelize_inductor.py::test_inductor_compiles_tensor_parallel_graphs_for_their_pieces": (
+        13, "the module's inductor test on the data-parallel path"),
+    "tests/cpu/test_join.py::test_uneven_inputs_end_like_torch_ddp_join[batchnorm]": (
+        7, "the mlp and sparse cases of the same test"),
+    "tests/graph/test_hf_preset.py::test_each_model_plans_on_a_simulated_mesh[mistral-2]": (
+        5, "llama's (mistral has its structure) and gpt2's"),
+    "tests/graph/test_hf_preset.py::test_each_model_plans_on_a_simulated_mesh[qwen2-2]": (
+        5, "llama's (qwen2 has its structure) and gpt2's"),
 }
+
+
+# make test-fast: under 3 minutes on 2 quiet cores (about 140 s of tests, measured
+# 2026-11-29, plus collection), a slice of every layer: the runtime's collectives,
+# stores, rendezvous and point-to-point, the size check; the compiler's graph passes
+# without processes; and whole trainings against one process (steps, zero, pipelines,
+# checkpoints across layouts), cheap ones
+FAST: tuple[str, ...] = tuple(
+    [f"tests/cpu/test_{name}.py" for name in (
+        "bad_input", "collectives", "groups", "p2p", "rendezvous", "tcp_store",
+        "store_processes", "ring_attention", "disagreement", "rpc_api", "kernels_layout",
+        "kernels_dispatch", "step_semantics", "parallelize_step", "pipeline_loops",
+        "fuzz_pipelines", "fuzz_checkpoints", "zero")]
+    + [f"tests/graph/test_{name}.py" for name in (
+        "redistribute", "flat", "ownership", "pipeline_schedules", "zoo", "step_refusals",
+        "partition", "empty_backward", "schedule", "write_through", "checkpoint_chunks",
+        "clip", "passes", "ir", "lifetimes", "vocab_parallel", "autolayout",
+        "loss_parallel")])
 
 
 def is_long(nodeid: str) -> bool:
     return any(nodeid.startswith(prefix) for prefix in LONG)
+
+
+def is_fast(nodeid: str) -> bool:
+    return nodeid.startswith(FAST) and not is_long(nodeid)
