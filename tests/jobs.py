@@ -20,6 +20,20 @@ BUDGET = 15.0
 TIMEOUT = 110.0
 
 
+def selected(costs: dict[Hashable, float], nodeid: Callable[[Hashable], str]
+             ) -> dict[Hashable, float]:
+    """``costs`` without the cases this run leaves to the long profile (``tests/tiers.py``;
+    ``nodeid(case)``: the test that reads the case): a job must not spend its spawn on a
+    case no selected test reads."""
+    import os
+
+    from tests.tiers import is_long
+
+    if os.environ.get("SPMD_TESTS", "ci") == "all":
+        return costs
+    return {case: cost for case, cost in costs.items() if not is_long(nodeid(case))}
+
+
 def pack(costs: dict[Hashable, float], budget: float = BUDGET) -> list[list[Hashable]]:
     """The cases grouped, in their order, into runs of at most ``budget`` quiet seconds
     (``costs``: each case's, measured); a case over the budget is a group of its own."""
