@@ -18,6 +18,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import random
 import signal
 import socket
 import sys
@@ -53,10 +54,33 @@ class SpawnError(DistError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
+    """A TCP port that was free a moment ago on ``host``, drawn below the kernel's
+    ephemeral range where it can: a port the kernel handed out (binding port 0) is one
+    it may give the next outgoing connection of any process before the store binds it
+    ("Address already in use", seen once in a CI-sized run); one below the range is only
+    ever taken by a program that asks for it by number."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 12000), low) if low > 2048 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (32768 when it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _rank_env(rank: int, nprocs: int, port: int) -> dict[str, str]:
