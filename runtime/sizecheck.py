@@ -163,7 +163,7 @@ def exchange_splits(pg: "ProcessGroup", op: str, fields: list[int], sends: list[
     ranks) only the header is compared."""
     size = pg.size()
     if 2 * size * 8 > SLOT:
-        _start(pg, op, fields, None, describe, None, False)
+        exchange(pg, op, fields, describe)
         return
     payload = torch.tensor(list(sends) + list(receives), dtype=torch.int64)
 
