@@ -64,7 +64,7 @@ def planning(layers: int, dim: int, dtype: torch.dtype) -> None:
     elapsed = time.perf_counter() - start
     params = sum(p.numel() for p in model.parameters())
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    from spmd.roofline import throughput
+    from spmd.plan.roofline import throughput
 
     print(f"\n{params / 1e9:.2f}B parameters ({str(dtype)[6:]}) on meta, hsdp on (8 x 8) {hardware.name}: "
           f"planned in {elapsed:.1f} s, process peak {peak_rss:.0f} MiB")

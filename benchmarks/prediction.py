@@ -38,7 +38,7 @@ MODELS = list(CASES)
 def profiled(rank: int, name: str, steps: int) -> dict:
     import spmd
     from spmd import runtime as dist
-    from spmd.profiling import completions
+    from spmd.plan.profiling import completions
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))

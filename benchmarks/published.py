@@ -180,7 +180,7 @@ def predict(run: Run) -> dict:
     compute = sum(f + b for f, b in plan.compute.values())
     step = _step(run, plan, timeline)
     tokens_per_gpu = run.micro_batch * run.length * run.accumulation / run.tp
-    flops = spmd.roofline.step_flops(plan.graphs, hardware.device)
+    flops = spmd.plan.roofline.step_flops(plan.graphs, hardware.device)
     tflops = flops.model * run.accumulation / step / 1e12  # model TFLOP/s per GPU
     memory = plan.memory("adamw")
     return {"predicted": tokens_per_gpu / step, "step": step, "planning": planning,

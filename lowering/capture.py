@@ -107,7 +107,7 @@ class Capture:
         self.compile_compute = compile_compute
         self.reshard = reshard  # sharded parameters: save shards, gather again in backward
         self._owner = weakref.ref(owner)
-        self.profiler: Any = None  # a spmd.profiling.Profiler while one records
+        self.profiler: Any = None  # a spmd.plan.profiling.Profiler while one records
         self.forward_runs = 0  # compiled forward graphs run (the owner sees Dynamo skip them)
 
     def owner(self) -> CaptureOwner:

@@ -26,7 +26,7 @@ the collectives, the buckets) is derived by the passes.
 
 Each strategy is one row of :data:`KINDS`: whether it stores shards, when they are
 gathered, how gradients leave the data dimension. The parameter layer
-(``spmd.layout``) turns those into one record per parameter; nothing else branches on
+(``spmd.state.layout``) turns those into one record per parameter; nothing else branches on
 the strategy's name.
 
 Tensor parallelism composes with each: ``placements`` name, per mesh dimension, where

@@ -24,7 +24,7 @@ __all__ = ["parallelize"]
 
 
 def _parallelize_instance(module: nn.Module, options: Options, mesh: Mesh | None) -> nn.Module:
-    from spmd.module import parallelize_instance
+    from spmd.program.module import parallelize_instance
 
     return parallelize_instance(module, options, mesh)
 
@@ -75,7 +75,7 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
             and ``"fsdp"`` shards over both at once (2-D). ``"zero2"``/``"zero1"``
             (DeepSpeed's ZeRO stages): stored as ``fsdp`` stores, gathered once per
             optimizer step and kept whole; ``zero1`` all-reduces gradients whole.
-            ``"auto"`` (:mod:`spmd.auto`): the compiler chooses among those, Megatron
+            ``"auto"`` (:mod:`spmd.auto.search`): the compiler chooses among those, Megatron
             pieces of ``placements`` (each parameter group its piece or replicated) and
             recomputing blocks, the fastest predicted layout within ``memory_budget``; it
             searches at the first call (on the first rank, sent to the others), then
@@ -131,7 +131,7 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         print(spmd.inspect(model))
     """
     if strategy == "auto":
-        from spmd.auto_live import parallelize_auto
+        from spmd.auto.live import parallelize_auto
 
         if pipeline is not None:
             raise TypeError("parallelize: strategy='auto' with pipeline= is searched by "
@@ -173,7 +173,7 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         # with a pipeline, the dimensions its stages run on
         dims = [(n, s) for n, s in zip(mesh.dim_names, mesh.shape)]
         if pipeline is not None:
-            from spmd.pipeline import check_pipeline
+            from spmd.pipeline.module import check_pipeline
 
             check_pipeline(pipeline, mesh, "parallelize")
             dims = [(n, s) for n, s in dims if n != pipeline.dim]
@@ -189,7 +189,7 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
             if not isinstance(target, nn.Module):
                 raise TypeError(f"parallelize: pipeline= takes a model instance (its stages "
                                 f"are cut from it), got {type(target).__name__}")
-            from spmd.pipeline import parallelize_pipeline
+            from spmd.pipeline.module import parallelize_pipeline
 
             return parallelize_pipeline(target, options, mesh,
                                         f"parallelize({type(target).__name__})")
@@ -198,7 +198,7 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         if isinstance(target, type) and issubclass(target, nn.Module):
             return _parallelize_class(target, options, mesh)
         if callable(target):
-            from spmd.step import ParallelStep
+            from spmd.program.step import ParallelStep
 
             return ParallelStep(target, options, mesh)
         raise TypeError(f"parallelize: expected an nn.Module, an nn.Module subclass or a "

@@ -53,8 +53,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from spmd.chunked import Chunk, ChunkedTensor
-from spmd.layout import Layout, layout_of, local_state_dicts, stored_part
+from spmd.state.chunked import Chunk, ChunkedTensor
+from spmd.state.layout import Layout, layout_of, local_state_dicts, stored_part
 from spmd.lowering.specs import ShardSpec, TPSpec
 
 __all__ = ["ChunkedTensor", "get_state_dict", "set_state_dict"]
@@ -101,8 +101,8 @@ def _chunked(name: str, stored: torch.Tensor, shard: ShardSpec | None,
 
 
 def _pipeline(model: nn.Module) -> Any:
-    """``model`` if it is a pipelined model (``spmd.pipeline.PipelineModule``), else None."""
-    from spmd.pipeline import PipelineModule
+    """``model`` if it is a pipelined model (``spmd.pipeline.module.PipelineModule``), else None."""
+    from spmd.pipeline.module import PipelineModule
 
     return model if isinstance(model, PipelineModule) else None
 

@@ -16,7 +16,7 @@ model on a simulated mesh the planner uses, instead of what it would measure her
 - **overlap**: GPUs run collectives beside the compute (NCCL, on its own stream), so
   communication can hide behind all of it; NCCL's kernels take some of the SMs,
   which slows the compute beside them (the device's ``"overlap"`` efficiency);
-- **compute from the graph** (:mod:`spmd.roofline`): each node's FLOPs and the bytes it
+- **compute from the graph** (:mod:`spmd.plan.roofline`): each node's FLOPs and the bytes it
   reads and writes, as a roofline on the device at the efficiency of its class (matrix
   products by dtype, fused attention, memory-bound ops; every preset figure sourced,
   :class:`Efficiency`), memory-bound chains fused for compiled runs; this sets the
@@ -62,7 +62,7 @@ class Efficiency:
 
 
 # the classes a device's efficiencies are given for: the roofline's compute classes
-# (spmd.roofline), the bus bandwidth collectives reach on a link, and the share of the
+# (spmd.plan.roofline), the bus bandwidth collectives reach on a link, and the share of the
 # device's compute left to kernels while a collective runs beside them (NCCL's kernels
 # occupy SMs)
 COMPUTE_CLASSES = ("matmul", "attention", "memory")
@@ -348,9 +348,9 @@ def H200(nodes_of: int = 8, network_gbps: float = 400) -> Hardware:
     return replace(base, name=base.name.replace("H100 SXM", "H200"), device=device)
 
 
-# -- compute from the graph (spmd.roofline) ---------------------------------------------
+# -- compute from the graph (spmd.plan.roofline) ---------------------------------------------
 
-from spmd.roofline import (graph_flops, graph_seconds, matmul_dtype, node_bytes,  # noqa: E402
+from spmd.plan.roofline import (graph_flops, graph_seconds, matmul_dtype, node_bytes,  # noqa: E402
                            node_flops, op_class, throughput)
 
 

@@ -7,15 +7,15 @@ from typing import Any
 
 import torch.nn as nn
 
-from spmd.plan import Plan
+from spmd.plan.plan import Plan
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["inspect"]
 
 
 def _inspect_auto(obj: Any, example_inputs: tuple, mesh: Mesh | None, options: dict) -> Any:
-    from spmd.auto import plan_auto
-    from spmd.planning import planning_mesh
+    from spmd.auto.search import plan_auto
+    from spmd.plan.planning import planning_mesh
 
     if not isinstance(obj, nn.Module):
         raise TypeError(f"spmd.inspect: strategy='auto' searches a model's layout, got "
@@ -27,7 +27,7 @@ def _inspect_auto(obj: Any, example_inputs: tuple, mesh: Mesh | None, options: d
         raise TypeError("spmd.inspect: strategy='auto' needs example inputs (one rank's batch)")
     options = dict(options)
     if options.get("pipeline") is not None:
-        from spmd.auto_pipeline import plan_pipeline_auto
+        from spmd.auto.pipeline import plan_pipeline_auto
 
         if mesh is None or not mesh.simulated:
             raise ValueError("spmd.inspect: plan a pipeline on mesh=spmd.Mesh.simulated(shape, "
@@ -50,7 +50,7 @@ def _inspect_auto(obj: Any, example_inputs: tuple, mesh: Mesh | None, options: d
 
 def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: str = "ddp",
             **options: Any) -> Plan:
-    """The :class:`~spmd.plan.Plan` of ``obj``.
+    """The :class:`~spmd.plan.plan.Plan` of ``obj``.
 
     - ``inspect(model)`` / ``inspect(step_fn)`` of something ``parallelize`` returned: the
       plan of its last captured step.
@@ -62,7 +62,7 @@ def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: 
       tensors (nothing runs at all).
     - ``inspect(model, x, mesh=Mesh.simulated((8, 8), ("pp", "fsdp")), pipeline=
       spmd.pp.schedule("1f1b", 8), loss_fn=F.cross_entropy, target=y)``: a pipeline's
-      plan (:class:`spmd.pipeline_plan.PipelinePlan`), each stage planned on the other
+      plan (:class:`spmd.pipeline.plan.PipelinePlan`), each stage planned on the other
       dimensions; ``inspect(pipelined_model)``: a running pipeline's.
 
     Example::
@@ -76,11 +76,11 @@ def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: 
         raise TypeError("spmd.inspect: memory_budget= is the budget of strategy='auto'")
     pipeline = options.get("pipeline")
     if pipeline is not None or {"loss_fn", "target"} & set(options):
-        from spmd.planning import inspect_pipeline
+        from spmd.plan.planning import inspect_pipeline
 
         return inspect_pipeline(obj, example_inputs, mesh, strategy, options)
     if not example_inputs and not options and mesh is None and strategy == "ddp":
-        from spmd.pipeline import PipelineModule
+        from spmd.pipeline.module import PipelineModule
 
         if isinstance(obj, PipelineModule):
             return obj.plan()
@@ -90,6 +90,6 @@ def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: 
                             f"object spmd.parallelize returned, or example inputs and a mesh to "
                             f"plan it")
         return state.plan()
-    from spmd.planning import plan_model
+    from spmd.plan.planning import plan_model
 
     return plan_model(obj, example_inputs, mesh, strategy, options)

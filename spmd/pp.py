@@ -11,7 +11,7 @@ The compiler traces the model with its loss, cuts the graph into stages (at the 
 named in ``split_points``, or balanced by the planner), puts stage ``s`` on the rank at
 ``s mod P`` of the ``"pp"`` dimension (``P`` ranks; several stages per rank with
 ``virtual_stages``), and runs the schedule's actions on each rank with the activations
-and their gradients sent point to point (:mod:`spmd.pipeline`).
+and their gradients sent point to point (:mod:`spmd.pipeline.module`).
 
 A schedule is, per rank, the ordered list of its :class:`Action` s: ``F`` (a
 microbatch's forward through one stage), ``B`` (its backward; with a split backward only

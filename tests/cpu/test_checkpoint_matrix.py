@@ -133,7 +133,7 @@ def train(model, opt, steps, data_rank: int = 0, data_size: int = 1,
     """An optimizer step for each of ``steps``, on this rank's rows of its batch; with
     ``accumulate``, on the gradients of two batches (``2 * step``, ``2 * step + 1``), each
     loss halved. A pipeline steps its rows through ``model.step``."""
-    from spmd.pipeline import PipelineModule
+    from spmd.pipeline.module import PipelineModule
 
     loss = half_loss_fn if accumulate else loss_fn
     rows = slice(data_rank * ROWS // data_size, (data_rank + 1) * ROWS // data_size)
@@ -155,7 +155,7 @@ def optimizer(model):
 def whole(model) -> dict:
     """The model's whole state dict; a pipeline's, its ranks' merged (every rank gets it),
     a tensor two ranks hold (the tied weight) the same on both or ``AssertionError``."""
-    from spmd.pipeline import PipelineModule
+    from spmd.pipeline.module import PipelineModule
 
     mine = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if not isinstance(model, PipelineModule):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import spmd
 from spmd import runtime as dist
 from spmd.lowering.cost_model import CostModel, overlap_share
-from spmd.profiling import completions
+from spmd.plan.profiling import completions
 
 from ..models import MODELS, batch
 

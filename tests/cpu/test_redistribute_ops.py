@@ -19,7 +19,7 @@ from spmd.lowering.passes import Provenance
 from spmd.lowering.placements import Partial, Replicate, Shard, Sharding
 from spmd.lowering.redistribute import redistribution, simulate, to_locals
 from spmd.lowering.strategy import resolve_strategy
-from spmd.setup import resolve_mesh
+from spmd.program.setup import resolve_mesh
 
 PAIRS = [(Partial("sum"), Replicate()), (Partial("avg"), Replicate()),
          (Partial("sum"), Shard(1)), (Partial("avg"), Shard(0)), (Shard(0), Replicate()),

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import spmd
-from spmd.auto import parse_budget
+from spmd.auto.search import parse_budget
 from spmd.lowering.annotate import PlanningError
-from spmd.lowering.autolayout import solve
+from spmd.auto.solver import solve
 from tests.llama import Llama
 from tests.models import MLP, Transformer
 

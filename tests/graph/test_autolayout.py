@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spmd.lowering.autolayout import (Choice, Edge, Infeasible, Problem, Recompute, Variable,
+from spmd.auto.solver import (Choice, Edge, Infeasible, Problem, Recompute, Variable,
                                       enumerate_optimum, evaluate, solve)
 
 costs = st.floats(min_value=0.0, max_value=10.0, allow_nan=False).map(lambda v: round(v, 3))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from spmd.clip import clip_grad_norm_, total_norm
+from spmd.eager.clip import clip_grad_norm_, total_norm
 
 
 def _params(dtype: torch.dtype) -> list[torch.nn.Parameter]:

@@ -15,7 +15,7 @@ import torch.nn as nn
 import spmd
 from spmd.lowering import ranked
 from spmd.lowering.annotate import ShardingError
-from spmd.roofline import node_flops
+from spmd.plan.roofline import node_flops
 
 from ..models import Transformer, tokens
 from ..zoo import entry

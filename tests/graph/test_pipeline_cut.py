@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import spmd
 from spmd.lowering.balance import balance
 from spmd.lowering.stages import candidates, cut, trace
-from spmd.split_backward import backward_input, backward_weight
+from spmd.pipeline.split_backward import backward_input, backward_weight
 from tests.llama import Llama
 from tests.zoo import entry
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spmd
-from spmd.pipeline_plan import in_flight
+from spmd.pipeline.plan import in_flight
 from spmd.pp import SCHEDULES, Action, schedule, simulate
 
 UNIT = {"F": 1.0, "B": 2.0, "W": 1.0}

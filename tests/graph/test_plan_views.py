@@ -13,7 +13,7 @@ import spmd
 from spmd.lowering.cost_model import CostModel
 from spmd.lowering.options import Options
 from spmd.lowering.passes import Provenance
-from spmd.plan import Bucket, Collective, Fallback, Plan
+from spmd.plan.plan import Bucket, Collective, Fallback, Plan
 
 from ..models import MODELS, batch
 

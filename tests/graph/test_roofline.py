@@ -1,4 +1,4 @@
-"""Predictions on a simulated GPU cluster (``spmd.roofline``, ``spmd.lowering.meta_trace``):
+"""Predictions on a simulated GPU cluster (``spmd.plan.roofline``, ``spmd.lowering.meta_trace``):
 attention traced on meta as the fused kernel a GPU runs and priced as one, the loss's
 decomposition exact, model FLOPs in closed form, every efficiency sourced, memory-bound
 chains fused for compiled runs, the optimizer step in the step time, and activation
@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 import spmd
 from spmd.hardware import A100_80GB, H100_SXM, H200, Efficiency
 from spmd.lowering.meta_trace import cross_entropy, fused_attention, nll_loss
-from spmd.roofline import node_bytes, node_flops, node_times, step_flops
+from spmd.plan.roofline import node_bytes, node_flops, node_times, step_flops
 
 
 # -- the meta stand-ins are exact ---------------------------------------------------------

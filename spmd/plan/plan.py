@@ -155,7 +155,7 @@ class Plan:
     traced_as: dict[str, list[str]] = field(default_factory=dict)
     measured: Any = None  # a measured Timeline, after spmd.profile
     measured_steps: list = field(default_factory=list)  # every profiled step's Timeline
-    auto: Any = None  # strategy="auto": what was searched and chosen (spmd.auto.AutoPlan)
+    auto: Any = None  # strategy="auto": what was searched and chosen (spmd.auto.search.AutoPlan)
 
     def fingerprint(self) -> str:
         """A hash of the decisions every rank must share (bucket layout and collectives)."""
@@ -166,12 +166,12 @@ class Plan:
         return h.hexdigest()[:16]
 
     def memory(self, optimizer: str | None = "adamw") -> Any:
-        """Predicted memory per rank (:class:`spmd.memory.MemoryView`): parameters,
+        """Predicted memory per rank (:class:`spmd.plan.memory.MemoryView`): parameters,
         gradients and ``optimizer``'s state (``"adamw"``, ``"adam"``, ``"sgd_momentum"``,
         ``"sgd"`` or None) as this rank stores them, the forward's saved activations, the
         most parameter bytes held gathered at once, and the predicted peak with the node
         where it happens."""
-        from spmd.memory import memory_view
+        from spmd.plan.memory import memory_view
 
         return memory_view(self, optimizer)
 
@@ -245,7 +245,7 @@ class Plan:
         if self.frozen:
             lines.append(f"frozen (no gradient, never reduced): {', '.join(self.frozen)}")
         if self.mesh is not None and self.mesh.hardware is not None and self.compute:
-            from spmd.roofline import throughput
+            from spmd.plan.roofline import throughput
 
             lines.append(throughput(self))
         lines.append(f"predicted communication per step: "
@@ -255,28 +255,28 @@ class Plan:
     def __str__(self) -> str:
         return self.summary()
 
-    # -- views (spmd.views) ---------------------------------------------------------------
+    # -- views (spmd.plan.views) ---------------------------------------------------------------
 
     def to_networkx(self) -> Any:
         """The dependency graph of every captured graph (``networkx.DiGraph``)."""
-        from spmd.views import to_networkx
+        from spmd.plan.views import to_networkx
 
         return to_networkx(self)
 
     def predicted_timeline(self, optimizer: str | None = "adamw",
                            clip_grad_norm: bool = False, compute_scale: float = 1.0) -> Any:
-        """The cost model's :class:`~spmd.timeline.Timeline` of one step; on a simulated
+        """The cost model's :class:`~spmd.plan.timeline.Timeline` of one step; on a simulated
         cluster it ends with ``optimizer``'s step (``"adamw"``, ``"adam"``,
         ``"sgd_momentum"``, ``"sgd"`` or None) and, with ``clip_grad_norm``, gradient
-        clipping; ``compute_scale`` stretches the compute (:func:`spmd.timeline.predict`)."""
-        from spmd.timeline import predict
+        clipping; ``compute_scale`` stretches the compute (:func:`spmd.plan.timeline.predict`)."""
+        from spmd.plan.timeline import predict
 
         return predict(self, optimizer, clip_grad_norm, compute_scale)
 
     def timeline(self) -> Any:
         """A matplotlib figure: compute, communication and exposed lanes, predicted and,
         after ``spmd.profile``, measured."""
-        from spmd.views import timeline_figure
+        from spmd.plan.views import timeline_figure
 
         return timeline_figure(self)
 
@@ -321,7 +321,7 @@ class Plan:
 
     def explain(self, x: Any) -> str:
         """Why a collective, a bucket or a parameter's communication exists, and its cost."""
-        from spmd.views import explain
+        from spmd.plan.views import explain
 
         if self.auto is not None and isinstance(x, str):
             why = self.auto.explain(x)
@@ -333,7 +333,7 @@ class Plan:
         return explain(self, x)
 
     def _repr_html_(self) -> str:
-        from spmd.views import html
+        from spmd.plan.views import html
 
         return html(self)
 
@@ -349,7 +349,7 @@ def module_plan(records: list, *, setup: Any, options: Options, layout: Any,
     """The plan of a parallelized module: :func:`plan_from_records` of its graphs, with
     each graph's compute (the cluster's roofline on a simulated cluster, else the
     measured backward estimate), every parameter's bytes stored and whole
-    (``layout``: the module's :class:`spmd.layout.Layout`), the tokens a step takes, and
+    (``layout``: the module's :class:`spmd.state.layout.Layout`), the tokens a step takes, and
     the profiled timelines."""
     import spmd.kernels as kernels
 
@@ -388,7 +388,7 @@ def price_on_hardware(plan: Plan, records: list, options: Options, hardware: Any
     (``plan.compute``, ``plan.node_seconds``; a whole step traced as one graph is all
     "backward"), and what tracing on meta rewrote (``plan.traced_as``). Returns the names
     of the records priced."""
-    from spmd.roofline import node_times
+    from spmd.plan.roofline import node_times
 
     plan.fused = compiled_on_gpu(options, records, hardware)
     priced: set[str] = set()
@@ -441,7 +441,7 @@ def plan_from_records(records: list, *, setup: Any, options: Options,
                       fallbacks: list[Fallback], frozen: list[str], kernel: str) -> Plan:
     """Read the plan off the planned graphs: the graphs are the source of truth.
 
-    ``setup`` is the model's :class:`spmd.setup.Setup` (strategy, mesh, group, cost model).
+    ``setup`` is the model's :class:`spmd.program.setup.Setup` (strategy, mesh, group, cost model).
     """
     group = setup.group
     group_name = group.name if group is not None else "simulated"

@@ -1,4 +1,4 @@
-"""The layouts ``strategy="auto"`` compares (:mod:`spmd.auto`): what each mesh dimension
+"""The layouts ``strategy="auto"`` compares (:mod:`spmd.auto.search`): what each mesh dimension
 does (:class:`Roles`), the data strategies tried, the memory budget, and one layout
 planned for real on a copy of the model (:class:`Candidate`, :func:`plan_candidate`)."""
 
@@ -194,7 +194,7 @@ def plan_candidate(model: nn.Module, args: tuple, mesh: Mesh, cand: Candidate,
     is measured on this machine; a layout that replicates the model (every dimension
     data) computes what ``ref`` computes, so it takes ``ref``'s measurement, and the
     candidates differ by their communication and memory, not by a timer's noise."""
-    from spmd.planning import plan_model
+    from spmd.plan.planning import plan_model
 
     copy_ = copy.deepcopy(model)
     checkpoint_modules(copy_, cand.recompute)

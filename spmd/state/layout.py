@@ -36,12 +36,12 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from spmd.chunked import ChunkedTensor
+from spmd.state.chunked import ChunkedTensor
 from spmd.lowering import ops
 from spmd.lowering.placements import Replicate, Shard, Sharding, divides
 from spmd.lowering.specs import Handles, PlaceSpec, ShardSpec, TPSpec, lookup
 from spmd.runtime.sizecheck import labelled
-from spmd.writethrough import write_through
+from spmd.state.writethrough import write_through
 
 __all__ = ["ParameterPlacement", "Layout", "placement_of", "place_module", "hold_piece",
            "shard_evenly", "shard_dims_for", "place_activations", "layout_of",
@@ -236,7 +236,7 @@ def place_module(module: nn.Module, setup: Any, options: Any, handles: Handles) 
     give its class the properties that compute with them, and make its state dicts whole;
     the :class:`Layout`. Every rank of each dimension must hold the same whole
     parameters (``prepare_model`` checks and broadcasts)."""
-    from spmd.clip import install_clip
+    from spmd.eager.clip import install_clip
 
     strategy = setup.strategy
     if strategy.shards_parameters or strategy.tensor_parallel:

@@ -45,7 +45,7 @@ __all__ = ["Agreement", "collective_signature"]
 
 class Agreement:
     """The shared estimates and agreed plans of one parallelized module (see the module
-    doc); ``setup`` is its :class:`spmd.setup.Setup`."""
+    doc); ``setup`` is its :class:`spmd.program.setup.Setup`."""
 
     def __init__(self, setup: Any) -> None:
         self.group = setup.group

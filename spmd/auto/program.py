@@ -1,4 +1,4 @@
-"""The integer program of one role assignment (:mod:`spmd.auto`): the model's parameter
+"""The integer program of one role assignment (:mod:`spmd.auto.search`): the model's parameter
 groups (identical blocks' parameters are one), its classes of identical blocks, the
 variables and the costs that link them, calibrated to the planned candidates; and the
 solution read back as a layout (:func:`decode`)."""
@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from spmd.auto_candidates import Candidate, Roles, kinds_for, strategy_mesh
-from spmd.lowering.autolayout import (Choice, Edge, Problem, Recompute, Solution, Variable,
+from spmd.auto.candidates import Candidate, Roles, kinds_for, strategy_mesh
+from spmd.auto.solver import (Choice, Edge, Problem, Recompute, Solution, Variable,
                                       evaluate)
 from spmd.lowering.placements import Shard, divides
 from spmd.runtime.mesh import Mesh
@@ -125,7 +125,7 @@ def build_program(model: nn.Module, roles: Roles, mesh: Mesh, base: dict[str, Ca
     """The integer program of one role assignment from its planned candidates ``base``
     (kind -> the candidate: every parameter its piece on the tp dimension, if any) and
     the all-data ddp candidate's compute (``base["@data"]``)."""
-    from spmd.memory import OPTIMIZER_STATES
+    from spmd.plan.memory import OPTIMIZER_STATES
 
     states = OPTIMIZER_STATES[optimizer]
     mixed = options.get("param_dtype") is not None

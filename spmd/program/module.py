@@ -4,7 +4,7 @@ The instance is kept (no wrapper, so ``state_dict()`` keys, hooks, ``.train()`` 
 ``isinstance`` are untouched); its class is swapped for a generated subclass whose
 ``forward`` runs the captured graphs and which adds ``no_sync()``, as FSDP2 does. What
 the compiler decided lives in ``module._spmd`` (a :class:`ModuleState`), and
-``spmd.inspect(module)`` reads it as a :class:`~spmd.plan.Plan`.
+``spmd.inspect(module)`` reads it as a :class:`~spmd.plan.plan.Plan`.
 
 One training step:
 
@@ -32,12 +32,12 @@ from spmd.lowering.capture import Capture, GraphRecord
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.specs import Handles, ShardSpec, SyncState
 from spmd.lowering.options import Options
-from spmd.agreement import Agreement
-from spmd.plan import Fallback, Plan, module_plan
-from spmd.reducer import EagerReducer, broadcast_coalesced
-from spmd.safety_net import SafetyNet
+from spmd.program.agreement import Agreement
+from spmd.plan.plan import Fallback, Plan, module_plan
+from spmd.eager.reducer import EagerReducer, broadcast_coalesced
+from spmd.eager.safety_net import SafetyNet
 from spmd.runtime.errors import DistError
-from spmd.setup import Setup
+from spmd.program.setup import Setup
 
 __all__ = ["ModuleState", "parallelize_module", "DataParallel"]
 
@@ -56,16 +56,16 @@ class ModuleState:
         self.communicates = setup.communicates
         self.cost_model = cost_model = setup.cost_model
         self.index = setup.index  # the how-many-th parallelized model of this rank
-        self.auto: Any = None  # strategy="auto": what the search chose (spmd.auto_live.Searched)
+        self.auto: Any = None  # strategy="auto": what the search chose (spmd.auto.live.Searched)
         self.sync = SyncState(comm_hook=options.comm_hook, comm_state=options.comm_state)
         self.handles = Handles()  # the specs this model's graphs refer to
         # one record per parameter: fsdp/hsdp/zero store shards, tensor parallelism pieces
         # (then shards of those), ddp the whole tensors
-        from spmd.layout import place_module
+        from spmd.state.layout import place_module
 
         self.layout = place_module(module, setup, options, self.handles)
         if setup.strategy.activations:
-            from spmd.layout import place_activations
+            from spmd.state.layout import place_activations
 
             self.placed_activations = place_activations(module, setup.strategy, self.handles)
         self.shards: dict[str, ShardSpec] = self.layout.shards
@@ -118,12 +118,12 @@ class ModuleState:
         roofline on that cluster's device instead.
 
         How the figure is shared without anyone waiting inside a compile:
-        :class:`spmd.agreement.Agreement`.
+        :class:`spmd.program.agreement.Agreement`.
         """
         hardware = self.setup.strategy.mesh.hardware
         if hardware is not None and record.forward is not None:
-            from spmd.plan import compiled_on_gpu
-            from spmd.roofline import graph_seconds
+            from spmd.plan.plan import compiled_on_gpu
+            from spmd.plan.roofline import graph_seconds
 
             fused = compiled_on_gpu(self.options, [record], hardware)
             seconds = 2.0 * graph_seconds(record.forward, hardware.device, fused)
@@ -159,7 +159,7 @@ class ModuleState:
             params=self.params, buffers=self.buffers, estimates=self.estimates,
             fallbacks=[Fallback(param=n, reason=r) for n, r in self.fallbacks.items()],
             frozen=frozen, measured=self.measured, measured_steps=self.measured_steps)
-        plan.auto = self.auto  # strategy="auto": what was searched (spmd.auto_live.Searched)
+        plan.auto = self.auto  # strategy="auto": what was searched (spmd.auto.live.Searched)
         return plan
 
     # -- profiling --------------------------------------------------------------------
@@ -357,7 +357,7 @@ class DataParallel:
         """A context for uneven inputs (:class:`spmd.Join` over this model), as
         ``DistributedDataParallel.join``: ranks that run out of batches shadow the others'
         collectives until all are done, and all end with the same parameters."""
-        from spmd.join import Join
+        from spmd.eager.join import Join
 
         return Join([self], enable=enable,  # type: ignore[list-item]
                     throw_on_early_termination=throw_on_early_termination,
@@ -397,7 +397,7 @@ class DataParallel:
         gradients, whose local norm is not the norm: this sums the ranks' parts first
         (torch's function on ``model.parameters()`` is rerouted to do the same). Every
         rank must call it."""
-        from spmd.clip import clip_grad_norm_
+        from spmd.eager.clip import clip_grad_norm_
 
         return clip_grad_norm_(self.parameters(), max_norm, norm_type)  # type: ignore
 
@@ -417,10 +417,10 @@ def _parallel_class(cls: type) -> type:
 
 def parallelize_module(module: nn.Module, options: Options, setup: Setup) -> nn.Module:
     """Turn ``module`` (in place) into a data-parallel module; returns it. The caller has
-    set it up on every rank first (``spmd.setup.prepare_model``)."""
-    from spmd.batchnorm import prepare_batchnorms
+    set it up on every rank first (``spmd.program.setup.prepare_model``)."""
+    from spmd.eager.batchnorm import prepare_batchnorms
 
-    from spmd.ownership import own
+    from spmd.state.ownership import own
 
     options = prepare_batchnorms(module, options, setup)
     state = ModuleState(module, options, setup)
@@ -433,7 +433,7 @@ def parallelize_module(module: nn.Module, options: Options, setup: Setup) -> nn.
 def parallelize_instance(module: nn.Module, options: Options, mesh: Any) -> nn.Module:
     """``parallelize(module, ...)`` of an instance, in place: its setup on ``mesh`` (the
     strategy resolved, every rank's copy checked and broadcast), then its parallel class."""
-    from spmd.setup import prepare_model
+    from spmd.program.setup import prepare_model
 
     if isinstance(module, DataParallel):
         raise ValueError("parallelize: this module is already parallelized")

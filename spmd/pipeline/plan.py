@@ -68,7 +68,7 @@ class PipelinePlan:
     holders: dict[str, int] = field(default_factory=dict)  # parameter -> its (first) stage
     optimizer_seconds: float = 0.0
     hardware: str = ""
-    auto: Any = None  # strategy="auto": the layouts tried (spmd.auto_pipeline.PipelineSearch)
+    auto: Any = None  # strategy="auto": the layouts tried (spmd.auto.pipeline.PipelineSearch)
 
     @property
     def step_seconds(self) -> float:

@@ -8,7 +8,7 @@ What :class:`PipelineModule` does each ``step(inputs, target, loss_fn)``:
    stages (:mod:`spmd.lowering.stages`); the cut points chosen on the first step hold for
    every later program, so each stage keeps its parameters. A plain attribute of the
    model's modules (a number, flag, string) changed since a program's trace traces it
-   again (as whole steps do, :func:`spmd.step._attributes`). This rank keeps only its
+   again (as whole steps do, :func:`spmd.program.step._attributes`). This rank keeps only its
    stages' parameters; the others are released (what no stage reads stays on the first
    pipeline rank, whose state dict holds it; an optimizer handed to ``release_with``
    drops the released parameters' state).
@@ -49,8 +49,8 @@ import torch.utils._pytree as pytree
 from spmd.lowering.balance import balance
 from spmd.lowering.stages import Cut, candidates, cut, trace
 from spmd.pp import Action, Schedule
-from spmd.split_backward import backward_input, backward_weight
-from spmd.stage_module import (StageModule, siblings, stage_mesh_group, stage_of,
+from spmd.pipeline.split_backward import backward_input, backward_weight
+from spmd.pipeline.stage import (StageModule, siblings, stage_mesh_group, stage_of,
                                 stage_placements, standing_in)
 
 __all__ = ["PipelineModule", "parallelize_pipeline", "check_pipeline"]
@@ -62,7 +62,7 @@ class _Program:
 
     cut: Cut
     spec: Any  # the pytree spec of (args, target)
-    # the model's plain attributes when it was traced (spmd.step._attributes)
+    # the model's plain attributes when it was traced (spmd.program.step._attributes)
     attributes: list = field(default_factory=list)
 
 
@@ -131,7 +131,7 @@ class PipelineModule(nn.Module):
         return [s for s in range(n) if self.schedule.rank_of(s, self._ranks) == self._pp_rank]
 
     def _program(self, leaves: list, spec: Any, loss_fn: Any) -> _Program:
-        from spmd.step import RETRACE_WARNING, _attributes, _changed
+        from spmd.program.step import RETRACE_WARNING, _attributes, _changed
 
         # a trace bakes in the shapes, the loss, grad mode and every module's training
         # flag (dropout, BatchNorm, anything reading self.training): one program for each
@@ -262,7 +262,7 @@ class PipelineModule(nn.Module):
             self._stages[s] = module
         if self._planning:
             return
-        from spmd.clip import install_clip
+        from spmd.eager.clip import install_clip
 
         install_clip()  # torch's clip_grad_norm_ on a stage's parameters: the whole norm
         first_holder = {name: min(self.schedule.rank_of(s, self._ranks) for s in stages)
@@ -283,8 +283,8 @@ class PipelineModule(nn.Module):
     def _compose(self, module: StageModule, stage: Any) -> nn.Module:
         from dataclasses import replace
 
-        from spmd.module import parallelize_module
-        from spmd.setup import prepare_model
+        from spmd.program.module import parallelize_module
+        from spmd.program.setup import prepare_model
 
         options = self._options
         if options.placements is not None:
@@ -608,7 +608,7 @@ class PipelineModule(nn.Module):
     def _broadcast_buffers(self) -> None:
         """Each stage's buffers from the first rank of its data group, as DDP does before
         a training forward: once per step."""
-        from spmd.reducer import broadcast_coalesced
+        from spmd.eager.reducer import broadcast_coalesced
 
         for module in self._stages.values():
             st = getattr(module, "_spmd", None)
@@ -663,7 +663,7 @@ class PipelineModule(nn.Module):
         model does not have."""
         from torch.nn.modules.module import _IncompatibleKeys
 
-        from spmd.layout import local_state_dicts
+        from spmd.state.layout import local_state_dicts
 
         if not self._stages:  # not cut yet: what the checkpoint holds (a stage's entries)
             result = self.module.load_state_dict(state_dict, strict=False, assign=assign)
@@ -712,7 +712,7 @@ class PipelineModule(nn.Module):
             model.release_with(opt)
             opt.load_state_dict(torch.load(path))  # a plain model's, before the first step
         """
-        from spmd.layout import layout_of, stored_part
+        from spmd.state.layout import layout_of, stored_part
 
         if not self._stages:
             self._optimizers.add(optimizer)
@@ -734,10 +734,10 @@ class PipelineModule(nn.Module):
                                                  f"{name}: {key}").clone()
 
     def layout(self) -> Any:
-        """The :class:`spmd.layout.Layout` of this rank's stages merged (each parallelized
+        """The :class:`spmd.state.layout.Layout` of this rank's stages merged (each parallelized
         on its own over the other mesh dimensions; names are the model's); None where no
         stage is (a pipeline alone, or before the cut)."""
-        from spmd.layout import Layout, layout_of
+        from spmd.state.layout import Layout, layout_of
 
         parts = [p for p in map(layout_of, self._stages.values()) if p is not None]
         if not parts:
@@ -777,7 +777,7 @@ class PipelineModule(nn.Module):
         ``torch.nn.utils.clip_grad_norm_`` does on one process (which, on these
         parameters, is rerouted to do the same); the total norm, on every rank. Every rank
         must call it, after ``step``."""
-        from spmd.clip import clip_grad_norm_
+        from spmd.eager.clip import clip_grad_norm_
 
         return clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
 
@@ -785,9 +785,9 @@ class PipelineModule(nn.Module):
 
     def plan(self) -> Any:
         """The stages (where the graph was cut and why), what crosses between them, the
-        schedule and its predicted timeline (:class:`spmd.pipeline_plan.PipelinePlan`);
+        schedule and its predicted timeline (:class:`spmd.pipeline.plan.PipelinePlan`);
         after the first step."""
-        from spmd.pipeline_plan import of_run
+        from spmd.pipeline.plan import of_run
 
         if self._last_cut is None:
             raise RuntimeError(f"{self._where}.plan(): the stages are cut at the first step "
@@ -803,7 +803,7 @@ class PipelineModule(nn.Module):
 
 def _all_keys_local(pipe: PipelineModule) -> set[str]:
     """The keys of ``pipe.state_dict()``, read without gathering."""
-    from spmd.layout import local_state_dicts
+    from spmd.state.layout import local_state_dicts
 
     with local_state_dicts(lambda name, stored, shard, piece: stored):
         return set(pipe.state_dict(keep_vars=True))
@@ -844,7 +844,7 @@ def check_pipeline(schedule: Any, mesh: Any, where: str) -> None:
 
 def parallelize_pipeline(module: nn.Module, options: Any, mesh: Any, where: str) -> PipelineModule:
     """``parallelize(module, mesh=, pipeline=)``: checks, then the pipelined model."""
-    from spmd.setup import _check_materialized, resolve_mesh
+    from spmd.program.setup import _check_materialized, resolve_mesh
 
     mesh = resolve_mesh(mesh, where)
     check_pipeline(options.pipeline, mesh, where)

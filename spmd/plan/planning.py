@@ -14,7 +14,7 @@ import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from spmd.plan import Plan
+from spmd.plan.plan import Plan
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["planning_mesh", "plan_model", "inspect_pipeline"]
@@ -38,7 +38,7 @@ def plan_model(obj: Any, example_inputs: tuple, mesh: Mesh | None, strategy: str
                options: dict) -> Plan:
     """``spmd.inspect(obj, *example_inputs, mesh=, strategy=, **options)`` of a model (a
     copy runs one forward and backward) or a step function (traced on fake tensors)."""
-    from spmd.module import parallelize_instance
+    from spmd.program.module import parallelize_instance
     from spmd.lowering.options import Options
 
     planning = planning_mesh(mesh)
@@ -60,7 +60,7 @@ def plan_model(obj: Any, example_inputs: tuple, mesh: Mesh | None, strategy: str
         sum(t.float().sum() for t in leaves).backward()
         return model._spmd.plan()
     if callable(obj):
-        from spmd.step import ParallelStep
+        from spmd.program.step import ParallelStep
 
         fn = obj.fn if isinstance(obj, ParallelStep) else obj
         if opts.sharded:  # sharding replaces parameters: plan on copies (model, optimizer)
@@ -119,13 +119,13 @@ def _plan_pipeline(model: nn.Module, args: tuple, *, target: Any, loss_fn: Any, 
 
     from spmd.lowering.annotate import PlanningError
     from spmd.lowering.cost_model import CostModel
-    from spmd.pipeline_plan import build, stage_seconds_from_plan
+    from spmd.pipeline.plan import build, stage_seconds_from_plan
 
     where = "spmd.inspect"
     from spmd.lowering.balance import balance
     from spmd.lowering.stages import Cut
-    from spmd.pipeline import parallelize_pipeline
-    from spmd.stage_module import stage_placements
+    from spmd.pipeline.module import parallelize_pipeline
+    from spmd.pipeline.stage import stage_placements
 
     pm = parallelize_pipeline(model, options, mesh, where)
     m = pm.schedule.microbatches
@@ -240,7 +240,7 @@ def _plan_pipeline(model: nn.Module, args: tuple, *, target: Any, loss_fn: Any, 
 
 
 def _peaks(cut: Any, plans: dict[int, Any], schedule: Any, ranks: int) -> dict[int, float]:
-    from spmd.pipeline_plan import in_flight
+    from spmd.pipeline.plan import in_flight
 
     held = in_flight(schedule, ranks)
     views = {s: plans[s].memory("adamw") for s in plans}
@@ -264,7 +264,7 @@ def _memory_bound(cut: Any, plans: dict[int, Any], schedule: Any, ranks: int,
     activations times the microbatches the schedule makes that stage hold, and the
     largest transient any stage's plan showed, within ``capacity - margin``. None when
     every stage fits."""
-    from spmd.pipeline_plan import in_flight
+    from spmd.pipeline.plan import in_flight
 
     if capacity is None:
         return None

@@ -162,7 +162,7 @@ def _check_materialized(module: nn.Module, where: str) -> None:
 def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
                   where: str) -> Setup:
     """Set ``module`` up on every rank (see the module doc); the agreed :class:`Setup`."""
-    from spmd.reducer import broadcast_coalesced
+    from spmd.eager.reducer import broadcast_coalesced
 
     mesh = resolve_mesh(mesh, where)
     if not mesh.simulated:
@@ -188,7 +188,7 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
     if options.shard_placement_fn is not None and strategy.shards_parameters:
         from dataclasses import replace as with_fields
 
-        from spmd.layout import shard_dims_for
+        from spmd.state.layout import shard_dims_for
 
         strategy = with_fields(strategy, shard_dims=shard_dims_for(
             module, strategy, options.shard_placement_fn, where))

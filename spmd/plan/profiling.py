@@ -3,7 +3,7 @@
 While armed, the captured graphs stamp when each forward and backward starts and ends,
 and each bucket's all-reduce when it is issued, when the network finishes it and how
 long the step waited for it. Each profiled step becomes a measured
-:class:`~spmd.timeline.Timeline`, which the plan shows beside the predicted one. Nothing
+:class:`~spmd.plan.timeline.Timeline`, which the plan shows beside the predicted one. Nothing
 is recorded, and nothing costs, when no profile is armed.
 """
 
@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any
 
-from spmd.timeline import Span, Timeline
+from spmd.plan.timeline import Span, Timeline
 
 __all__ = ["Profiler", "profile"]
 

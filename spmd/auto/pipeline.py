@@ -1,4 +1,4 @@
-"""``strategy="auto"`` with pipeline stages (:mod:`spmd.auto`): the outer loop.
+"""``strategy="auto"`` with pipeline stages (:mod:`spmd.auto.search`): the outer loop.
 
     plan = spmd.inspect(model, tokens, mesh=spmd.Mesh.simulated((4, 8), ("pp", "b"),
                         hardware=...), strategy="auto", memory_budget="70GiB",
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from spmd.auto_candidates import SEARCHED, Planned, gib, parse_budget, tiled
+from spmd.auto.candidates import SEARCHED, Planned, gib, parse_budget, tiled
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["PipelineSearch", "PipelineCandidate", "plan_pipeline_auto"]
@@ -75,10 +75,10 @@ def plan_pipeline_auto(model: nn.Module, args: tuple, *, mesh: Mesh, pipeline: A
                        placements: Any = None, where: str = "spmd.inspect",
                        **options: Any) -> Any:
     """The fastest pipeline layout within the budget (see the module doc): its
-    :class:`~spmd.pipeline_plan.PipelinePlan`, with ``auto`` the :class:`PipelineSearch`."""
-    from spmd.planning import inspect_pipeline
+    :class:`~spmd.pipeline.plan.PipelinePlan`, with ``auto`` the :class:`PipelineSearch`."""
+    from spmd.plan.planning import inspect_pipeline
     from spmd.lowering.annotate import PlanningError
-    from spmd.pipeline import check_pipeline
+    from spmd.pipeline.module import check_pipeline
     from spmd.tp import megatron
 
     check_pipeline(pipeline, mesh, where)

@@ -44,10 +44,10 @@ from spmd.lowering.options import Options
 from spmd.lowering.pipeline import plan_graph
 from spmd.lowering.state import OptimizerFusion, find
 from spmd.lowering.trace_step import TracedStep, trace_step
-from spmd.plan import Plan, plan_from_records, price_on_hardware, tokens_of
-from spmd.reducer import broadcast_coalesced
+from spmd.plan.plan import Plan, plan_from_records, price_on_hardware, tokens_of
+from spmd.eager.reducer import broadcast_coalesced
 from spmd.runtime.mesh import Mesh
-from spmd.setup import Setup, prepare_model
+from spmd.program.setup import Setup, prepare_model
 
 __all__ = ["ParallelStep"]
 
@@ -247,9 +247,9 @@ class ParallelStep:
         sharded strategies, their shards. The ``nn.Parameter`` objects stay the same, so an optimizer over them, made
         before the first call or after, steps the shards; it must not hold state yet:
         state made for whole parameters cannot be cut the same way silently."""
-        from spmd.layout import place_module
+        from spmd.state.layout import place_module
 
-        from spmd.ownership import own
+        from spmd.state.ownership import own
 
         model._spmd_step_shards = place_module(model, setup, self.options, handles).shards
         own(model, self._where)

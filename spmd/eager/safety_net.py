@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from spmd.lowering.specs import SyncState
-from spmd.reducer import EagerReducer
+from spmd.eager.reducer import EagerReducer
 
 __all__ = ["SafetyNet"]
 

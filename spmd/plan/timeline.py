@@ -7,7 +7,7 @@ A timeline is a list of spans on three lanes: ``compute`` (forward and backward 
 The prediction replays the planned graphs node by node: forwards in capture order,
 backwards in reverse. Each compute node takes a share of the graph's measured (or
 estimated) time, weighted by its cost (on a simulated cluster its own roofline time,
-:mod:`spmd.roofline`; else matmul FLOPs, or elements written); a
+:mod:`spmd.plan.roofline`; else matmul FLOPs, or elements written); a
 collective is issued where the schedule put it and the network serves collectives in
 issue order; communication running beside compute slows the compute by (1 - η) of that
 time (η: the cost model's overlap share); a wait whose collective has not finished

@@ -2,7 +2,7 @@
 budget; solved by HiGHS (``scipy.optimize.milp``), as GSPMD's auto-sharding and Alpa
 solve theirs.
 
-A :class:`Problem` is what ``spmd.auto`` builds from a model:
+A :class:`Problem` is what ``spmd.auto.search`` builds from a model:
 
 - :class:`Variable` s, each taking exactly one of its :class:`Choice` s: the strategy
   along the data dimensions (ddp, fsdp, zero1, zero2, hsdp), each parameter group's
@@ -24,7 +24,7 @@ the recomputed blocks' savings) within the budget.
 Ties are broken deterministically: after the solve, each variable in order takes its
 earliest choice that keeps the optimum's seconds and the budget, and each recompute
 count its smallest; so every rank that builds the same problem gets the same answer
-(``spmd.auto`` still compares a fingerprint across ranks).
+(``spmd.auto.search`` still compares a fingerprint across ranks).
 """
 
 from __future__ import annotations

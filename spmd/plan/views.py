@@ -24,7 +24,7 @@ from typing import Any
 import networkx as nx
 
 from spmd.lowering.graph import dependency_graph, is_collective, is_wait
-from spmd.timeline import node_cost, predict
+from spmd.plan.timeline import node_cost, predict
 
 __all__ = ["to_networkx", "overview", "explain", "timeline_figure", "html", "svg"]
 

@@ -136,7 +136,7 @@ class Join:
         source = torch.tensor([float(me if last_joiner else -1)])
         all_reduce(source, op=ReduceOp.MAX, group=self.group)
         src = self.group.ranks[int(source.item())]
-        from spmd.reducer import broadcast_coalesced
+        from spmd.eager.reducer import broadcast_coalesced
 
         for model in self.models:
             broadcast_coalesced([*model.parameters(), *model.buffers()], src, self.group)

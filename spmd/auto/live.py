@@ -1,4 +1,4 @@
-"""``parallelize(model, strategy="auto")`` on a live mesh (:mod:`spmd.auto`): the search
+"""``parallelize(model, strategy="auto")`` on a live mesh (:mod:`spmd.auto.search`): the search
 at the first call on the first rank, its finalists sent to every rank and measured there
 when several are close, the fastest applied to the model in place."""
 
@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from spmd.auto import AutoPlan, plan_auto
-from spmd.auto_candidates import Candidate, checkpoint_modules, parse_budget, strategy_mesh
+from spmd.auto.search import AutoPlan, plan_auto
+from spmd.auto.candidates import Candidate, checkpoint_modules, parse_budget, strategy_mesh
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["Searched", "parallelize_auto"]
@@ -106,7 +106,7 @@ def _measure(module: nn.Module, mesh: Mesh, layouts: list[tuple], args: tuple,
     random state are untouched); the slowest rank's median, the same on every rank."""
     import statistics
 
-    from spmd.module import parallelize_instance
+    from spmd.program.module import parallelize_instance
     from spmd.lowering.options import Options
     from spmd.runtime import collectives
     from spmd.runtime.reduction import ReduceOp
@@ -142,7 +142,7 @@ def _first_call(module: nn.Module, mesh: Mesh | None, memory_budget: Any,
                 placements: Any, options: dict, where: str, args: tuple) -> Any:
     """The search on the first rank, its finalists sent to every rank and, when several
     are close, measured there; the fastest measured is applied to ``module``."""
-    from spmd.module import parallelize_instance
+    from spmd.program.module import parallelize_instance
     from spmd.lowering.options import Options
     from spmd.runtime import groups
     from spmd.runtime.objects import broadcast_object_list

@@ -18,7 +18,7 @@ How it chooses:
    strategy uses: ddp, fsdp, zero2, zero1 (hsdp on two data dimensions), and Megatron
    tensor parallelism composed with each. Their predicted step and peak are the
    candidates the plan lists.
-3. **The integer program** (:mod:`spmd.lowering.autolayout`) per role assignment: the
+3. **The integer program** (:mod:`spmd.auto.solver`) per role assignment: the
    data strategy (one for the model: the runtime's strategies are per model); each
    parameter group's placement on the tensor-parallel dimension (its piece, as
    ``placements`` or ``spmd.tp.megatron()`` gives it, or replicated; identical blocks'
@@ -54,10 +54,10 @@ from typing import Any
 
 import torch.nn as nn
 
-from spmd.auto_candidates import (SEARCHED, Candidate, Roles, checkpoint_modules, gib,
+from spmd.auto.candidates import (SEARCHED, Candidate, Roles, checkpoint_modules, gib,
                                   parse_budget, plan_candidate, roles_of, kinds_for)
-from spmd.auto_program import Search, assignment, build_program, decode, layer_io, own_cost
-from spmd.lowering.autolayout import Infeasible, evaluate, solve
+from spmd.auto.program import Search, assignment, build_program, decode, layer_io, own_cost
+from spmd.auto.solver import Infeasible, evaluate, solve
 from spmd.lowering.placements import Replicate, divides
 from spmd.runtime.mesh import Mesh
 
@@ -164,7 +164,7 @@ def plan_auto(model: nn.Module, args: tuple, *, mesh: Mesh, memory_budget: Any =
               where: str = "spmd.inspect", **options: Any) -> AutoPlan:
     """Search the layout of ``model`` on ``mesh`` (see the module doc); the
     :class:`AutoPlan`, whose ``chosen.plan`` is the chosen layout's
-    :class:`~spmd.plan.Plan`. ``args``: one rank's batch when every dimension is data."""
+    :class:`~spmd.plan.plan.Plan`. ``args``: one rank's batch when every dimension is data."""
     from spmd.lowering.annotate import PlanningError
     from spmd.tp import megatron, tp_dims_of
 
