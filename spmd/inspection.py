@@ -76,7 +76,7 @@ def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: 
         raise TypeError("spmd.inspect: memory_budget= is the budget of strategy='auto'")
     pipeline = options.get("pipeline")
     if pipeline is not None or {"loss_fn", "target"} & set(options):
-        from spmd.plan.planning import inspect_pipeline
+        from spmd.pipeline.planning import inspect_pipeline
 
         return inspect_pipeline(obj, example_inputs, mesh, strategy, options)
     if not example_inputs and not options and mesh is None and strategy == "ddp":

@@ -76,7 +76,7 @@ def plan_pipeline_auto(model: nn.Module, args: tuple, *, mesh: Mesh, pipeline: A
                        **options: Any) -> Any:
     """The fastest pipeline layout within the budget (see the module doc): its
     :class:`~spmd.pipeline.plan.PipelinePlan`, with ``auto`` the :class:`PipelineSearch`."""
-    from spmd.plan.planning import inspect_pipeline
+    from spmd.pipeline.planning import inspect_pipeline
     from spmd.lowering.annotate import PlanningError
     from spmd.pipeline.module import check_pipeline
     from spmd.tp import megatron

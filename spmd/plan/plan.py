@@ -286,7 +286,7 @@ class Plan:
         model to."""
         import json
 
-        from spmd.hardware import profile_record
+        from spmd.plan.fit import profile_record
 
         with open(path, "w") as f:
             json.dump(profile_record(self), f)
