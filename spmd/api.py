@@ -24,7 +24,7 @@ __all__ = ["parallelize"]
 
 
 def _parallelize_instance(module: nn.Module, options: Options, mesh: Mesh | None) -> nn.Module:
-    from spmd.program.module import parallelize_instance
+    from spmd.program.wrapper import parallelize_instance
 
     return parallelize_instance(module, options, mesh)
 

@@ -106,7 +106,7 @@ def _measure(module: nn.Module, mesh: Mesh, layouts: list[tuple], args: tuple,
     random state are untouched); the slowest rank's median, the same on every rank."""
     import statistics
 
-    from spmd.program.module import parallelize_instance
+    from spmd.program.wrapper import parallelize_instance
     from spmd.lowering.options import Options
     from spmd.runtime import collectives
     from spmd.runtime.reduction import ReduceOp
@@ -142,7 +142,7 @@ def _first_call(module: nn.Module, mesh: Mesh | None, memory_budget: Any,
                 placements: Any, options: dict, where: str, args: tuple) -> Any:
     """The search on the first rank, its finalists sent to every rank and, when several
     are close, measured there; the fastest measured is applied to ``module``."""
-    from spmd.program.module import parallelize_instance
+    from spmd.program.wrapper import parallelize_instance
     from spmd.lowering.options import Options
     from spmd.runtime import groups
     from spmd.runtime.objects import broadcast_object_list

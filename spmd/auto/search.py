@@ -193,7 +193,7 @@ def plan_auto(model: nn.Module, args: tuple, *, mesh: Mesh, memory_budget: Any =
         candidates_tp, spec = (), None
     pieces: dict[str, Any] = {}
     if spec is not None:
-        from spmd.tp import resolve_placements
+        from spmd.state.resolve import resolve_placements
 
         try:
             dim = named[0] if named else "tp"

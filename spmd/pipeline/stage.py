@@ -152,7 +152,7 @@ def stage_placements(model: nn.Module, mesh: Any, placements: Any, stage_params:
     as ``megatron()`` resolved on the whole model, where it can see the layers), for the
     stage parallelized on its own. Placements of module outputs (sequence and context
     parallelism) are refused: a stage has its parameters, not the model's modules."""
-    from spmd.tp import resolve_layout
+    from spmd.state.resolve import resolve_layout
 
     params, activations = resolve_layout(model, mesh, placements, where)
     if activations:

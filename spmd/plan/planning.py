@@ -38,7 +38,7 @@ def plan_model(obj: Any, example_inputs: tuple, mesh: Mesh | None, strategy: str
                options: dict) -> Plan:
     """``spmd.inspect(obj, *example_inputs, mesh=, strategy=, **options)`` of a model (a
     copy runs one forward and backward) or a step function (traced on fake tensors)."""
-    from spmd.program.module import parallelize_instance
+    from spmd.program.wrapper import parallelize_instance
     from spmd.lowering.options import Options
 
     planning = planning_mesh(mesh)

@@ -177,7 +177,7 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
     if options.placements is not None:
         from dataclasses import replace as with_fields
 
-        from spmd.tp import layout_options, resolve_layout
+        from spmd.state.resolve import layout_options, resolve_layout
 
         placed, activations = resolve_layout(module, mesh, options.placements, where)
         strategy = resolve_strategy(options.strategy, mesh, where, dims, placed)
