@@ -1,4 +1,4 @@
-"""The model zoo held in float64: every strategy composition the README offers trains every
+"""The model zoo held in float64: every strategy composition docs/ offers trains every
 model family exactly as one process on the whole batch does.
 
 Each model of ``tests/zoo.py`` (our transformer, torch's ``TransformerEncoder``, our
@@ -25,7 +25,7 @@ their halves or a superset, among them the three 8-rank ones);
 ``full`` runs the whole matrix, every model under every composition (264 runs, about 22
 minutes):
 ``SPMD_ZOO=full .venv/bin/python -m pytest -s tests/cpu/test_zoo.py`` prints each run's
-largest difference and seconds, the figures of README's composition matrix.
+largest difference and seconds, the figures of the composition matrix in docs/testing.md.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ _REPORT: list[tuple[str, str, float, float]] = []  # composition, model, differe
 @pytest.fixture(scope="module", autouse=True)
 def report():
     """The largest difference from one process and the seconds of each run, printed at
-    the end (``pytest -s``): the figures README's composition matrix quotes."""
+    the end (``pytest -s``): the figures docs/testing.md's composition matrix quotes."""
     yield
     if _REPORT:
         print(f"\n{'composition':<11} {'model':<32} {'max |diff|':>10} {'seconds':>8}")

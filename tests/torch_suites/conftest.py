@@ -97,7 +97,7 @@ EXCEPTIONS: dict[str, tuple[str, ...]] = {
         # torch's backward hangs forever on a send whose result is unused; ours ends
         "TensorPipeDistAutogradTest::test_backward_unused_send_function",
     ),
-    # not internals: what this runtime does not do yet (README, "PyTorch's own tests")
+    # not internals: what this runtime does not do yet (docs/runtime.md, "PyTorch's own tests")
     "gap: torch's DistributedDataParallel takes torch's C++ ProcessGroup, not an "
     "spmd.runtime group object (group.to_torch() is; these tests pass new_group's or "
     "group.WORLD's object itself)": (
