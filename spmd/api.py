@@ -12,37 +12,13 @@ Options are keyword-only and checked before anything is traced; a bad one raises
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-import torch.nn as nn
-
 from spmd.lowering.options import Options
+from spmd.program.build import build
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["parallelize"]
-
-
-def _parallelize_instance(module: nn.Module, options: Options, mesh: Mesh | None) -> nn.Module:
-    from spmd.program.wrapper import parallelize_instance
-
-    return parallelize_instance(module, options, mesh)
-
-
-def _parallelize_class(cls: type, options: Options, mesh: Mesh | None) -> type:
-    """A subclass whose instances are parallelized when constructed."""
-    original_init = cls.__init__
-
-    @functools.wraps(original_init)
-    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-        original_init(self, *args, **kwargs)
-        if type(self) is new_cls:  # subclasses of the decorated class parallelize once
-            _parallelize_instance(self, options, mesh)
-
-    new_cls = type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__,
-                                          "__qualname__": cls.__qualname__,
-                                          "__doc__": cls.__doc__})
-    return new_cls
 
 
 def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "ddp",
@@ -185,23 +161,6 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
             resolve_strategy(options.strategy, shape, "parallelize", tp_dims)
 
     def apply(target: Any) -> Any:
-        if pipeline is not None:
-            if not isinstance(target, nn.Module):
-                raise TypeError(f"parallelize: pipeline= takes a model instance (its stages "
-                                f"are cut from it), got {type(target).__name__}")
-            from spmd.pipeline.module import parallelize_pipeline
-
-            return parallelize_pipeline(target, options, mesh,
-                                        f"parallelize({type(target).__name__})")
-        if isinstance(target, nn.Module):
-            return _parallelize_instance(target, options, mesh)
-        if isinstance(target, type) and issubclass(target, nn.Module):
-            return _parallelize_class(target, options, mesh)
-        if callable(target):
-            from spmd.program.step import ParallelStep
-
-            return ParallelStep(target, options, mesh)
-        raise TypeError(f"parallelize: expected an nn.Module, an nn.Module subclass or a "
-                        f"training-step function, got {type(target).__name__}")
+        return build(target, options, mesh)
 
     return apply if obj is None else apply(obj)

@@ -103,8 +103,10 @@ def _chunked(name: str, stored: torch.Tensor, shard: ShardSpec | None,
 def _pipeline(model: nn.Module) -> Any:
     """``model`` if it is a pipelined model (``spmd.pipeline.module.PipelineModule``), else None."""
     from spmd.pipeline.module import PipelineModule
+    from spmd.program.program import program_of
 
-    return model if isinstance(model, PipelineModule) else None
+    program = program_of(model)
+    return program if isinstance(program, PipelineModule) else None
 
 
 def _plain(model: nn.Module) -> nn.Module:

@@ -8,6 +8,7 @@ from typing import Any
 import torch.nn as nn
 
 from spmd.plan.plan import Plan
+from spmd.program.program import program_of
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["inspect"]
@@ -20,7 +21,7 @@ def _inspect_auto(obj: Any, example_inputs: tuple, mesh: Mesh | None, options: d
     if not isinstance(obj, nn.Module):
         raise TypeError(f"spmd.inspect: strategy='auto' searches a model's layout, got "
                         f"{type(obj).__name__}")
-    if getattr(obj, "_spmd", None) is not None:
+    if program_of(obj) is not None:
         raise ValueError("spmd.inspect: this model is already parallelized; plan an "
                          "unparallelized copy")
     if not example_inputs:
@@ -80,16 +81,12 @@ def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: 
 
         return inspect_pipeline(obj, example_inputs, mesh, strategy, options)
     if not example_inputs and not options and mesh is None and strategy == "ddp":
-        from spmd.pipeline.module import PipelineModule
-
-        if isinstance(obj, PipelineModule):
-            return obj.plan()
-        state = getattr(obj, "_spmd", None)
-        if state is None:
+        program = program_of(obj)
+        if program is None:
             raise TypeError(f"spmd.inspect: {type(obj).__name__} was not parallelized; pass the "
                             f"object spmd.parallelize returned, or example inputs and a mesh to "
                             f"plan it")
-        return state.plan()
+        return program.plan()
     from spmd.plan.planning import plan_model
 
     return plan_model(obj, example_inputs, mesh, strategy, options)

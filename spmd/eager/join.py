@@ -25,6 +25,9 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
+from spmd.program.module import ModuleState
+from spmd.program.program import program_of
+
 __all__ = ["Join"]
 
 
@@ -50,8 +53,8 @@ class Join:
         if not self.models:
             raise ValueError("spmd.Join: pass at least one parallelized model")
         for m in self.models:
-            state = getattr(m, "_spmd", None)
-            if state is None or not hasattr(state, "sharded"):
+            state = program_of(m)
+            if not isinstance(state, ModuleState):
                 raise TypeError(f"spmd.Join: {type(m).__name__} is not a model spmd.parallelize "
                                 f"returned")
             if state.sharded:

@@ -19,11 +19,11 @@ from spmd.lowering.stages import Cut
 from spmd.pp import Action
 from spmd.pipeline.split_backward import backward_input, backward_weight
 
-__all__ = ["Actions", "Program", "StepState"]
+__all__ = ["Actions", "Traced", "StepState"]
 
 
 @dataclass(kw_only=True)
-class Program:
+class Traced:
     """One microbatch shape: the cut and the leaves' layout."""
 
     cut: Cut
@@ -58,12 +58,12 @@ class Actions:
     def _local(self, stage: int) -> bool:
         return self.schedule.rank_of(stage, self._ranks) == self._pp_rank
 
-    def _tag(self, program: Program, crossing: int, mb: int, dst: int, backward: bool) -> int:
+    def _tag(self, program: Traced, crossing: int, mb: int, dst: int, backward: bool) -> int:
         n = len(program.cut.crossings)
         stages = self.schedule.stages(self._ranks)
         return (((mb * n + crossing) * stages + dst) * 2) + int(backward)
 
-    def _post(self, program: Program, state: StepState, action: Action) -> None:
+    def _post(self, program: Traced, state: StepState, action: Action) -> None:
         """Post the receives ``action`` needs (once)."""
         from spmd.runtime.p2p import irecv
 
@@ -95,7 +95,7 @@ class Actions:
         state.waited += time.perf_counter() - start
         return buffer
 
-    def _forward(self, program: Program, state: StepState, action: Action,
+    def _forward(self, program: Traced, state: StepState, action: Action,
                  training: bool) -> None:
         from spmd.runtime.p2p import isend
 
@@ -132,7 +132,7 @@ class Actions:
         if training:
             state.saved[(action.stage, mb)] = (received, tuple(outs))
 
-    def _backward(self, program: Program, state: StepState, action: Action) -> None:
+    def _backward(self, program: Traced, state: StepState, action: Action) -> None:
         from spmd.runtime.p2p import isend
 
         crossings = program.cut.crossings
@@ -187,7 +187,7 @@ class Actions:
         if not split:
             del state.saved[(action.stage, mb)]
 
-    def _weight(self, program: Program, state: StepState, action: Action) -> None:
+    def _weight(self, program: Traced, state: StepState, action: Action) -> None:
         key = (action.stage, action.microbatch)
         groups = state.weight.pop(key, None)
         if groups is not None:
@@ -216,7 +216,7 @@ class Actions:
                     g.copy_(flat[offset:offset + g.numel()].view_as(g))
                     offset += g.numel()
 
-    def _tied_here(self, program: Program) -> list[tuple[int, str, list[int]]]:
+    def _tied_here(self, program: Traced) -> list[tuple[int, str, list[int]]]:
         """(tag offset, name, holders) of each tied parameter this rank holds with other
         pipeline ranks."""
         tied = program.cut.tied
@@ -229,7 +229,7 @@ class Actions:
                 out.append((k, name, holders))
         return out
 
-    def _set_aside_tied(self, program: Program) -> dict[str, torch.Tensor | None]:
+    def _set_aside_tied(self, program: Traced) -> dict[str, torch.Tensor | None]:
         """The ``.grad`` tied parameters held before the step (accumulated by earlier
         steps, already summed across holders), set aside: only what this step adds is
         summed across holders, then added to it."""
@@ -240,7 +240,7 @@ class Actions:
             param.grad = None
         return before
 
-    def _sum_tied(self, program: Program, before: dict[str, torch.Tensor | None]) -> None:
+    def _sum_tied(self, program: Traced, before: dict[str, torch.Tensor | None]) -> None:
         """A parameter read in stages on several pipeline ranks (tied weights): what this
         step added to every holder's gradient summed, in pipeline-rank order, on each
         holder, and added to what ``.grad`` held before the step (``before``). A
@@ -295,7 +295,7 @@ class Actions:
             if st is not None and st.communicates and buffers:
                 broadcast_coalesced(buffers, st.group.ranks[0], st.group)
 
-    def _loss(self, program: Program, state: StepState) -> torch.Tensor:
+    def _loss(self, program: Traced, state: StepState) -> torch.Tensor:
         last = self.schedule.stages(self._ranks) - 1
         if state.losses:
             loss = torch.stack(state.losses).mean()

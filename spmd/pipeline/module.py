@@ -48,7 +48,7 @@ import torch.utils._pytree as pytree
 from spmd.lowering.balance import balance
 from spmd.lowering.stages import Cut, candidates, cut, trace
 from spmd.pp import Action, Schedule
-from spmd.pipeline.actions import Actions, Program, StepState
+from spmd.pipeline.actions import Actions, StepState, Traced
 from spmd.pipeline.stored import Stored
 from spmd.pipeline.stage import (StageModule, siblings, stage_mesh_group, stage_of,
                                 stage_placements, standing_in)
@@ -81,7 +81,7 @@ class PipelineModule(Actions, Stored, nn.Module):
             self._others._whole_group = stage_mesh_group(mesh, schedule.dim)
         self._split_points: tuple[str, ...] | None = schedule.split_points
         self._chosen = "named by the user" if schedule.split_points else ""
-        self._programs: dict[Any, Program] = {}
+        self._programs: dict[Any, Traced] = {}
         self._stages: dict[int, nn.Module] = {}  # this rank's, by stage index
         # planning without processes: every stage here, none composed (each is planned on
         # its own, see spmd.inspection._plan_pipeline), no parameter released
@@ -106,7 +106,7 @@ class PipelineModule(Actions, Stored, nn.Module):
             return list(range(n))
         return [s for s in range(n) if self.schedule.rank_of(s, self._ranks) == self._pp_rank]
 
-    def _program(self, leaves: list, spec: Any, loss_fn: Any) -> Program:
+    def _program(self, leaves: list, spec: Any, loss_fn: Any) -> Traced:
         from spmd.program.step import RETRACE_WARNING, _attributes, _changed
 
         # a trace bakes in the shapes, the loss, grad mode and every module's training
@@ -152,7 +152,7 @@ class PipelineModule(Actions, Stored, nn.Module):
         else:
             self._build(result)
         # as the trace leaves them (what its forward set itself is no change)
-        program = Program(cut=result, spec=spec, attributes=_attributes(self.module))
+        program = Traced(cut=result, spec=spec, attributes=_attributes(self.module))
         self._programs[key] = program
         self._use(result)
         self._last_cut = result
@@ -346,6 +346,22 @@ class PipelineModule(Actions, Stored, nn.Module):
             self._reduce_accumulated()
             self._sum_tied(program, before)
         return self._loss(program, state)
+
+    # -- the program (spmd.program.program.Program) -----------------------------------
+
+    @property
+    def options(self) -> Any:
+        """The options the pipeline was built with (each stage runs under them)."""
+        return self._options
+
+    @property
+    def mesh(self) -> Any:
+        """The whole mesh, the pipeline dimension included."""
+        return self._mesh
+
+    @property
+    def _spmd(self) -> PipelineModule:
+        return self  # the program of a pipeline is the pipeline (spmd.program.program_of)
 
     # -- inspection ------------------------------------------------------------------
 

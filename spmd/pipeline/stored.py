@@ -5,13 +5,10 @@ parameter. A mixin of :class:`~spmd.pipeline.module.PipelineModule`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
-
-if TYPE_CHECKING:
-    from spmd.pipeline.module import PipelineModule
 
 __all__ = ["Stored"]
 
@@ -171,7 +168,7 @@ class Stored:
         return clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
 
 
-def _all_keys_local(pipe: PipelineModule) -> set[str]:
+def _all_keys_local(pipe: Stored) -> set[str]:
     """The keys of ``pipe.state_dict()``, read without gathering."""
     from spmd.state.layout import local_state_dicts
 

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 import torch.fx
-import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from spmd.plan.plan import Plan
@@ -38,18 +37,25 @@ def plan_model(obj: Any, example_inputs: tuple, mesh: Mesh | None, strategy: str
                options: dict) -> Plan:
     """``spmd.inspect(obj, *example_inputs, mesh=, strategy=, **options)`` of a model (a
     copy runs one forward and backward) or a step function (traced on fake tensors)."""
-    from spmd.program.wrapper import parallelize_instance
     from spmd.lowering.options import Options
+    from spmd.program.build import Target, build, target_of
+    from spmd.program.program import program_of
 
     planning = planning_mesh(mesh)
     opts = Options.from_kwargs("spmd.inspect", strategy=strategy, **options)
-    if isinstance(obj, nn.Module):
-        if getattr(obj, "_spmd", None) is not None:
+    if not callable(obj):
+        raise TypeError(f"spmd.inspect: expected a model or a step function, got "
+                        f"{type(obj).__name__}")
+    kind = target_of(obj, opts, "spmd.inspect")
+    if kind is Target.CLASS:
+        raise TypeError(f"spmd.inspect: {obj.__name__} is a model class; plan an instance")
+    if kind is Target.MODULE:
+        if program_of(obj) is not None:
             raise ValueError("spmd.inspect: this model is already parallelized; call "
                              "spmd.inspect(model) for its plan, or plan an unparallelized copy")
         # a simulated mesh has no group to calibrate on: the plan records calibrate=False
-        model = parallelize_instance(copy.deepcopy(obj), replace(opts, calibrate=False),
-                                      planning)
+        model = build(copy.deepcopy(obj), replace(opts, calibrate=False), planning,
+                      "spmd.inspect")
         model.train()
         out = model(*example_inputs)
         leaves = [t for t in pytree.tree_leaves(out)
@@ -59,12 +65,10 @@ def plan_model(obj: Any, example_inputs: tuple, mesh: Mesh | None, strategy: str
                              "inputs; there is no backward to plan")
         sum(t.float().sum() for t in leaves).backward()
         return model._spmd.plan()
-    if callable(obj):
-        from spmd.program.step import ParallelStep
+    from spmd.program.step import ParallelStep
 
-        fn = obj.fn if isinstance(obj, ParallelStep) else obj
-        if opts.sharded:  # sharding replaces parameters: plan on copies (model, optimizer)
-            example_inputs = copy.deepcopy(example_inputs)
-        step = ParallelStep(fn, opts, planning)
-        return step.plan_for(*example_inputs)
-    raise TypeError(f"spmd.inspect: expected a model or a step function, got {type(obj).__name__}")
+    fn = obj.fn if isinstance(obj, ParallelStep) else obj
+    if opts.sharded:  # sharding replaces parameters: plan on copies (model, optimizer)
+        example_inputs = copy.deepcopy(example_inputs)
+    step = build(fn, opts, planning, "spmd.inspect")
+    return step.plan_for(*example_inputs)

@@ -99,8 +99,11 @@ def profile(model: Any, steps: int = 1) -> Profiler:
             loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
         spmd.inspect(model).timeline()        # predicted beside measured
     """
-    state = getattr(model, "_spmd", None)
-    if state is None or not hasattr(state, "attach_profiler"):
+    from spmd.program.module import ModuleState
+    from spmd.program.program import program_of
+
+    state = program_of(model)
+    if not isinstance(state, ModuleState):
         raise TypeError(f"spmd.profile: {type(model).__name__} is not a parallelized module")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"spmd.profile: steps must be a positive int, got {steps!r}")

@@ -140,6 +140,11 @@ class ModuleState:
         identically planned collectives."""
         self.agreement.agree(record)
 
+    @property
+    def mesh(self) -> Any:
+        """The mesh the model runs on (its strategy's)."""
+        return self.setup.strategy.mesh
+
     def plan(self) -> Plan:
         frozen = [n for n, p in self.params.items() if not p.requires_grad]
         for name, spec in self.shards.items():
