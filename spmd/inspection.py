@@ -7,6 +7,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from spmd.lowering.options import Options
 from spmd.plan.plan import Plan
 from spmd.program.program import program_of
 from spmd.runtime.mesh import Mesh
@@ -50,7 +51,7 @@ def _inspect_auto(obj: Any, example_inputs: tuple, mesh: Mesh | None, options: d
 
 
 def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: str = "ddp",
-            **options: Any) -> Plan:
+            **options: Options) -> Plan:
     """The :class:`~spmd.plan.plan.Plan` of ``obj``.
 
     - ``inspect(model)`` / ``inspect(step_fn)`` of something ``parallelize`` returned: the

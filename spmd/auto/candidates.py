@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from spmd.plan.plan import Plan
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["Roles", "Candidate", "parse_budget", "checkpoint_modules", "plan_candidate",
@@ -153,7 +154,7 @@ class Planned:
 
     label: str
     strategy: str
-    plan: Any = None
+    plan: Plan | None = None
     seconds: float = math.inf
     peak: float = math.inf
     error: str = ""

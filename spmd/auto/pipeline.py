@@ -27,6 +27,7 @@ from typing import Any
 import torch.nn as nn
 
 from spmd.auto.candidates import SEARCHED, Planned, gib, parse_budget, tiled
+from spmd.lowering.options import Options
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["PipelineSearch", "PipelineCandidate", "plan_pipeline_auto"]
@@ -73,12 +74,12 @@ class PipelineSearch:
 def plan_pipeline_auto(model: nn.Module, args: tuple, *, mesh: Mesh, pipeline: Any,
                        loss_fn: Any, target: Any, memory_budget: Any = None,
                        placements: Any = None, where: str = "spmd.inspect",
-                       **options: Any) -> Any:
+                       **options: Options) -> Any:
     """The fastest pipeline layout within the budget (see the module doc): its
     :class:`~spmd.pipeline.plan.PipelinePlan`, with ``auto`` the :class:`PipelineSearch`."""
-    from spmd.pipeline.planning import inspect_pipeline
     from spmd.lowering.annotate import PlanningError
     from spmd.pipeline.module import check_pipeline
+    from spmd.pipeline.planning import inspect_pipeline
     from spmd.tp import megatron
 
     check_pipeline(pipeline, mesh, where)

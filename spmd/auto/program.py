@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 
 from spmd.auto.candidates import Candidate, Roles, kinds_for, strategy_mesh
-from spmd.auto.solver import (Choice, Edge, Problem, Recompute, Solution, Variable,
-                                      evaluate)
+from spmd.auto.solver import Choice, Edge, Problem, Recompute, Solution, Variable, evaluate
 from spmd.lowering.placements import Shard, divides
+from spmd.plan.plan import Plan
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["Group", "Search", "build_program", "decode", "assignment", "own_cost",
@@ -115,7 +115,7 @@ class Search:
     error: str = ""
 
 
-def _layer_saved(plan: Any, optimizer: str) -> dict[str, int]:
+def _layer_saved(plan: Plan, optimizer: str) -> dict[str, int]:
     return {layer: n for layer, n, _ in plan.memory(optimizer).saved_by_layer}
 
 

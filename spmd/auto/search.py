@@ -55,9 +55,10 @@ from typing import Any
 import torch.nn as nn
 
 from spmd.auto.candidates import (SEARCHED, Candidate, Roles, checkpoint_modules, gib,
-                                  parse_budget, plan_candidate, roles_of, kinds_for)
+                                  kinds_for, parse_budget, plan_candidate, roles_of)
 from spmd.auto.program import Search, assignment, build_program, decode, layer_io, own_cost
 from spmd.auto.solver import Infeasible, evaluate, solve
+from spmd.lowering.options import Options
 from spmd.lowering.placements import Replicate, divides
 from spmd.runtime.mesh import Mesh
 
@@ -161,7 +162,7 @@ def _runner_up(what: str, seconds: float, nbytes: float, fits: bool) -> str:
 
 def plan_auto(model: nn.Module, args: tuple, *, mesh: Mesh, memory_budget: Any = None,
               placements: Any = None, search_roles: bool = True, optimizer: str = "adamw",
-              where: str = "spmd.inspect", **options: Any) -> AutoPlan:
+              where: str = "spmd.inspect", **options: Options) -> AutoPlan:
     """Search the layout of ``model`` on ``mesh`` (see the module doc); the
     :class:`AutoPlan`, whose ``chosen.plan`` is the chosen layout's
     :class:`~spmd.plan.plan.Plan`. ``args``: one rank's batch when every dimension is data."""

@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from spmd.lowering.options import Options
+
 __all__ = ["prepare_batchnorms", "WholeBatchNorm"]
 
 
@@ -95,7 +97,7 @@ class WholeBatchNorm(_BatchNorm):
         return _BatchNorm.forward(self, input)
 
 
-def prepare_batchnorms(module: nn.Module, options: Any, setup: Any) -> Any:
+def prepare_batchnorms(module: nn.Module, options: Options, setup: Any) -> Any:
     """Swap the batch norms of ``module`` when statistics must be whole (the options, with
     ``sync_batchnorm`` on where the model holds ``nn.SyncBatchNorm``)."""
     norms = [m for m in module.modules() if isinstance(m, _BatchNorm)]

@@ -46,12 +46,14 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from spmd.lowering.balance import balance
+from spmd.lowering.options import Options
 from spmd.lowering.stages import Cut, candidates, cut, trace
-from spmd.pp import Action, Schedule
 from spmd.pipeline.actions import Actions, StepState, Traced
-from spmd.pipeline.stored import Stored
 from spmd.pipeline.stage import (StageModule, siblings, stage_mesh_group, stage_of,
-                                stage_placements, standing_in)
+                                 stage_placements, standing_in)
+from spmd.pipeline.stored import Stored
+from spmd.pp import Action, Schedule
+from spmd.runtime.mesh import Mesh
 
 __all__ = ["PipelineModule", "parallelize_pipeline", "check_pipeline"]
 
@@ -62,7 +64,7 @@ class PipelineModule(Actions, Stored, nn.Module):
     after the first step); ``step`` trains on one batch; ``plan()`` shows the stages, the
     schedule and its predicted timeline."""
 
-    def __init__(self, module: nn.Module, schedule: Schedule, mesh: Any, options: Any,
+    def __init__(self, module: nn.Module, schedule: Schedule, mesh: Mesh, options: Options,
                  where: str) -> None:
         super().__init__()
         self.module = module
@@ -259,8 +261,8 @@ class PipelineModule(Actions, Stored, nn.Module):
     def _compose(self, module: StageModule, stage: Any) -> nn.Module:
         from dataclasses import replace
 
-        from spmd.program.wrapper import parallelize_module
         from spmd.program.setup import prepare_model
+        from spmd.program.wrapper import parallelize_module
 
         options = self._options
         if options.placements is not None:
@@ -383,7 +385,7 @@ class PipelineModule(Actions, Stored, nn.Module):
 
 # -- helpers ----------------------------------------------------------------------------
 
-def check_pipeline(schedule: Any, mesh: Any, where: str) -> None:
+def check_pipeline(schedule: Any, mesh: Mesh, where: str) -> None:
     """``TypeError``/``ValueError`` for a ``pipeline=`` that is not a schedule or whose
     dimension the mesh lacks, before anything is made."""
     if not isinstance(schedule, Schedule):
@@ -394,7 +396,7 @@ def check_pipeline(schedule: Any, mesh: Any, where: str) -> None:
                          f"the mesh has {mesh.dim_names}")
 
 
-def parallelize_pipeline(module: nn.Module, options: Any, mesh: Any, where: str) -> PipelineModule:
+def parallelize_pipeline(module: nn.Module, options: Options, mesh: Mesh, where: str) -> PipelineModule:
     """``parallelize(module, mesh=, pipeline=)``: checks, then the pipelined model."""
     from spmd.program.setup import _check_materialized, resolve_mesh
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from spmd.plan.plan import Plan
 from spmd.pp import Schedule, Simulation, simulate
 
 __all__ = ["PipelinePlan", "StageRecord", "in_flight", "build", "of_run", "scaled_costs",
@@ -212,7 +213,7 @@ def in_flight(schedule: Schedule, ranks: int) -> dict[int, int]:
     return most
 
 
-def stage_seconds_from_plan(plan: Any) -> tuple[float, float, float]:
+def stage_seconds_from_plan(plan: Plan) -> tuple[float, float, float]:
     """(forward, backward, optimizer) seconds of one microbatch through a stage, from the
     stage's own plan."""
     timeline = plan.predicted_timeline(optimizer=None)

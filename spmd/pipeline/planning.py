@@ -11,6 +11,7 @@ import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from spmd.lowering.options import Options
 from spmd.plan.planning import plan_model
 from spmd.runtime.mesh import Mesh
 
@@ -53,8 +54,8 @@ def _structure(stage: Any) -> tuple:
     return (tuple(rows), stage.loss)
 
 
-def _plan_pipeline(model: nn.Module, args: tuple, *, target: Any, loss_fn: Any, mesh: Any,
-                     options: Any) -> Any:
+def _plan_pipeline(model: nn.Module, args: tuple, *, target: Any, loss_fn: Any, mesh: Mesh,
+                     options: Options) -> Any:
     """``spmd.inspect(model, *args, mesh=Mesh.simulated(...), pipeline=, loss_fn=,
     target=)``: the pipeline's plan without processes. The model is cut as a run would
     cut it; each distinct stage is planned on the other mesh dimensions with the strategy

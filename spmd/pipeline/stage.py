@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from spmd.runtime.mesh import Mesh
+
 __all__ = ["StageModule", "stage_of", "siblings", "standing_in", "stage_mesh_group", "tp_dims",
            "stage_placements"]
 
@@ -128,7 +130,7 @@ class standing_in:
         self.held.clear()
 
 
-def stage_mesh_group(mesh: Any, dim: str) -> Any:
+def stage_mesh_group(mesh: Mesh, dim: str) -> Any:
     """A group over this rank's stage mesh (every dimension but the pipeline's), for
     strategies whose batch spans several of them. Every rank of the world makes every
     slice's group, in the same order, and keeps its own."""
@@ -146,7 +148,7 @@ def stage_mesh_group(mesh: Any, dim: str) -> Any:
     return mine
 
 
-def stage_placements(model: nn.Module, mesh: Any, placements: Any, stage_params: Any,
+def stage_placements(model: nn.Module, mesh: Mesh, placements: Any, stage_params: Any,
                      where: str) -> dict[str, dict[str, Any]]:
     """The tensor-parallel placements of one stage's parameters, by name (a preset such
     as ``megatron()`` resolved on the whole model, where it can see the layers), for the

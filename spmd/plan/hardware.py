@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from spmd.lowering.cost_model import CostModel, TwoLevelCostModel
+from spmd.runtime.mesh import Mesh
 
 __all__ = ["Device", "Efficiency", "Link", "Hardware", "A100_80GB", "H100_SXM", "H200",
            "COMPUTE_CLASSES", "EFFICIENCY_CLASSES"]
@@ -159,7 +160,7 @@ class Hardware:
             if link.latency < 0:
                 raise ValueError(f"Hardware {self.name}: {link.name} latency must be >= 0")
 
-    def link_for(self, mesh: Any, dim: str) -> Link:
+    def link_for(self, mesh: Mesh, dim: str) -> Link:
         """The link mesh dimension ``dim`` communicates over: inside a node when all of one
         group's ranks share a node (row-major layout, ``ranks_per_node`` per node)."""
         index = mesh.dim_names.index(dim)
@@ -167,7 +168,7 @@ class Hardware:
         span = stride * (mesh.shape[index] - 1) + 1  # first to last rank of one group
         return self.intra if span <= self.ranks_per_node else self.inter
 
-    def cost_model(self, mesh: Any, dim: str) -> Any:
+    def cost_model(self, mesh: Mesh, dim: str) -> Any:
         """The collective cost model of mesh dimension ``dim`` (NCCL on that link). A
         dimension whose groups span nodes with several of their ranks in each node is
         priced as the cheaper of a flat ring over the network and the two-level

@@ -22,6 +22,7 @@ from spmd.lowering.options import Options
 from spmd.lowering.passes import Provenance
 from spmd.lowering.placements import divides
 from spmd.lowering.state import CollectiveInfo, OptimizerFusion, find
+from spmd.runtime.mesh import Mesh
 
 __all__ = ["Plan", "Bucket", "Collective", "Fallback", "Placed", "Verification",
            "plan_from_records", "module_plan"]
@@ -137,7 +138,7 @@ class Plan:
     compute_paths: dict[str, str] = field(default_factory=dict)  # graph -> how its compute runs
     graph_reasons: dict[str, str] = field(default_factory=dict)  # graph -> why it was compiled
     optimizer: dict[str, str] = field(default_factory=dict)  # step graph -> fused or why not
-    mesh: Any = None  # the mesh planned for (``spmd.Mesh``, live or simulated)
+    mesh: Mesh = None  # the mesh planned for (``spmd.Mesh``, live or simulated)
     # parameter -> (bytes this rank stores, bytes whole, trainable); tied ones once
     parameters: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
     buffer_bytes: int = 0
@@ -502,7 +503,7 @@ def plan_from_records(records: list, *, setup: Any, options: Options,
     return plan
 
 
-def _rings(graph: fx.GraphModule, name: str, phase: str, mesh: Any, setup: Any
+def _rings(graph: fx.GraphModule, name: str, phase: str, mesh: Mesh, setup: Any
            ) -> list[Collective]:
     """The key/value blocks ring attention (context parallelism) passes between ranks in
     ``graph``: one record per attention node, its sends per rank and their predicted

@@ -17,6 +17,7 @@ import torch.nn as nn
 from spmd.lowering.options import Options
 from spmd.program.module import ModuleState
 from spmd.program.setup import Setup
+from spmd.runtime.mesh import Mesh
 
 __all__ = ["DataParallel", "parallelize_module", "parallelize_instance"]
 
@@ -107,7 +108,6 @@ def parallelize_module(module: nn.Module, options: Options, setup: Setup) -> nn.
     """Turn ``module`` (in place) into a data-parallel module; returns it. The caller has
     set it up on every rank first (``spmd.program.setup.prepare_model``)."""
     from spmd.eager.batchnorm import prepare_batchnorms
-
     from spmd.state.ownership import own
 
     options = prepare_batchnorms(module, options, setup)
@@ -118,7 +118,7 @@ def parallelize_module(module: nn.Module, options: Options, setup: Setup) -> nn.
     return module
 
 
-def parallelize_instance(module: nn.Module, options: Options, mesh: Any) -> nn.Module:
+def parallelize_instance(module: nn.Module, options: Options, mesh: Mesh) -> nn.Module:
     """``parallelize(module, ...)`` of an instance, in place: its setup on ``mesh`` (the
     strategy resolved, every rank's copy checked and broadcast), then its parallel class."""
     from spmd.program.setup import prepare_model

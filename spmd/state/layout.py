@@ -36,11 +36,12 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from spmd.state.chunked import ChunkedTensor
 from spmd.lowering import ops
+from spmd.lowering.options import Options
 from spmd.lowering.placements import Replicate, Shard, Sharding, divides
 from spmd.lowering.specs import Handles, PlaceSpec, ShardSpec, TPSpec, lookup
 from spmd.runtime.sizecheck import labelled
+from spmd.state.chunked import ChunkedTensor
 from spmd.state.writethrough import write_through
 
 __all__ = ["ParameterPlacement", "Layout", "placement_of", "place_module", "hold_piece",
@@ -191,7 +192,7 @@ def shard_dims_for(module: nn.Module, strategy: Any, fn: Any, where: str) -> dic
 
 
 def _shard_spec(name: str, shape: tuple[int, ...], param: torch.Tensor, setup: Any,
-                options: Any) -> ShardSpec:
+                options: Options) -> ShardSpec:
     """How a parameter (or its tensor-parallel piece, of ``shape``) is cut along the
     strategy's sharding dimension: along dim 0 (or the dimension ``shard_placement_fn``
     chose), each rank ``ceil(rows / size)`` rows (a 0-dim parameter is one row)."""
@@ -231,7 +232,7 @@ def _record(name: str, shape: tuple[int, ...], strategy: Any, shard: ShardSpec |
         reduced=strategy.reduced if strategy.data_size > 1 else "none")
 
 
-def place_module(module: nn.Module, setup: Any, options: Any, handles: Handles) -> Layout:
+def place_module(module: nn.Module, setup: Any, options: Options, handles: Handles) -> Layout:
     """Store every parameter of ``module`` where ``setup``'s strategy says (in place),
     give its class the properties that compute with them, and make its state dicts whole;
     the :class:`Layout`. Every rank of each dimension must hold the same whole
@@ -271,7 +272,7 @@ def place_module(module: nn.Module, setup: Any, options: Any, handles: Handles) 
 _NONE = 0  # "no spec" in a module's handle pair
 
 
-def _place(name: str, param: nn.Parameter, setup: Any, options: Any, handles: Handles
+def _place(name: str, param: nn.Parameter, setup: Any, options: Options, handles: Handles
            ) -> tuple[ShardSpec | None, TPSpec | None, tuple[int, int]]:
     """Store one distinct parameter as its record says; its specs and handle pair."""
     strategy = setup.strategy

@@ -13,18 +13,19 @@ import torch.nn as nn
 
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard, StridedShard
 from spmd.lowering.strategy import tp_dims_of
+from spmd.runtime.mesh import Mesh
 
 __all__ = ["resolve_placements", "resolve_layout", "layout_options"]
 
 
-def resolve_placements(model: nn.Module, mesh: Any, spec: Any, where: str
+def resolve_placements(model: nn.Module, mesh: Mesh, spec: Any, where: str
                        ) -> dict[str, dict[str, Placement]]:
     """Each parameter name -> its placement per tensor-parallel dimension (see
     :func:`resolve_layout`, which also gives the placed activations)."""
     return resolve_layout(model, mesh, spec, where)[0]
 
 
-def resolve_layout(model: nn.Module, mesh: Any, spec: Any, where: str
+def resolve_layout(model: nn.Module, mesh: Mesh, spec: Any, where: str
                    ) -> tuple[dict[str, dict[str, Placement]], dict[str, dict[str, Placement]]]:
     """From ``spec`` (patterns over parameter and module names, or a preset): each
     parameter name -> its placement per tensor-parallel dimension, and each module whose
