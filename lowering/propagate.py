@@ -104,17 +104,17 @@ def choose(node: fx.Node, dim: str, incoming: tuple[Placement, ...],
                                              f"inputs are replicated first")
         seconds = _price(decision, args, incoming, dim, ctx) or 0.0
         return TPChoice(decision=decision, inputs=incoming, seconds=seconds, fallback=True)
-    if any(isinstance(p, StridedShard) for p in incoming) and not getattr(rule, "strided",
-                                                                          False):
+    found_traits = rules.traits(node.target)
+    if any(isinstance(p, StridedShard) for p in incoming) and not found_traits.strided:
         # a rule written before StridedShard would read it as something else: gathered
         decision = rules.replicate_all(node, f"{node.target}'s rule does not take "
                                              f"StridedShard inputs: gathered first")
         seconds = _price(decision, args, incoming, dim, ctx) or 0.0
         return TPChoice(decision=decision, inputs=incoming, seconds=seconds)
-    found = (rule(node, incoming, size, dim) if getattr(rule, "wants_dim", False)  # type: ignore[call-arg]
+    found = (rule(node, incoming, size, dim) if found_traits.wants_dim  # type: ignore[call-arg]
              else rule(node, incoming, size))
     options = found if isinstance(found, list) else [found]
-    if dim not in ctx.strategy.context_dims and getattr(rule, "merges", False) and len(
+    if dim not in ctx.strategy.context_dims and found_traits.merges and len(
             args[0].users) > 1:
         # a value several reshapes read (a sequence-parallel norm's output, read by the q,
         # k and v projections) is gathered once where it is read, on a tensor-parallel
@@ -283,7 +283,7 @@ def derive(gm: fx.GraphModule, ctx: LoweringContext) -> None:
 def _placing(node: fx.Node) -> bool:
     """The node's rule places its output whatever its inputs (a tensor-parallel
     parameter's gradient takes the parameter's placement)."""
-    return getattr(rules.lookup(node.target), "wants_dim", False)
+    return rules.traits(node.target).wants_dim
 
 
 def _ranked(node: fx.Node) -> bool:

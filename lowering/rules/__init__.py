@@ -30,7 +30,7 @@ from torch.fx.node import map_aggregate
 
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
 
-__all__ = ["Decision", "Rule", "register", "lookup", "tensor_args", "shape", "replicate_all",
+__all__ = ["Decision", "Rule", "Traits", "register", "lookup", "traits", "tensor_args", "shape", "replicate_all",
            "registered", "FAMILIES", "SHAPE_ARG"]
 
 aten = torch.ops.aten
@@ -67,13 +67,39 @@ class Decision:
 
 
 Rule = Callable[[fx.Node, tuple[Placement, ...], int], "Decision | list[Decision]"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Traits:
+    """What ``propagate`` needs to know of a rule beyond its decisions.
+
+    Attributes:
+        strided: it reads ``StridedShard`` inputs as such (a rule written without them
+            would read one as a plain ``Shard``: its inputs are gathered first instead).
+        wants_dim: it is called with the mesh dimension's name as a fourth argument
+            (``rule(node, inputs, size, dim)``): it places its output whatever its
+            inputs (a tensor-parallel parameter's gradient takes the parameter's placement).
+        merges: a reshape merging dimensions, whose strided output a value read by several
+            reshapes should not get on a tensor-parallel dimension (gathered once instead).
+    """
+
+    strided: bool = False
+    wants_dim: bool = False
+    merges: bool = False
+
+
 _RULES: dict[object, Rule] = {}
+_TRAITS: dict[object, Traits] = {}
 _FAMILY: dict[object, str] = {}
 
 
-def register(*targets: object) -> Callable[[Rule], Rule]:
+def register(*targets: object, strided: bool = False, wants_dim: bool = False,
+             merges: bool = False) -> Callable[[Rule], Rule]:
     """Register the decorated rule for each op overload in ``targets`` (missing ones, as
-    ops this torch build lacks, are passed as None and skipped)."""
+    ops this torch build lacks, are passed as None and skipped), with its
+    :class:`Traits`."""
+    found = Traits(strided=strided, wants_dim=wants_dim, merges=merges)
+
     def decorate(rule: Rule) -> Rule:
         family = rule.__module__.rsplit(".", 1)[-1]
         for target in targets:
@@ -82,6 +108,7 @@ def register(*targets: object) -> Callable[[Rule], Rule]:
             if target in _RULES:
                 raise ValueError(f"a sharding rule for {target} is already registered")
             _RULES[target] = rule
+            _TRAITS[target] = found
             _FAMILY[target] = family
         return rule
     return decorate
@@ -89,6 +116,14 @@ def register(*targets: object) -> Callable[[Rule], Rule]:
 
 def lookup(target: object) -> Rule | None:
     return _RULES.get(target)
+
+
+def traits(target: object) -> Traits:
+    """The :class:`Traits` of ``target``'s rule (all False where it has none)."""
+    return _TRAITS.get(target, _NO_TRAITS)
+
+
+_NO_TRAITS = Traits()
 
 
 def registered() -> dict[object, str]:

@@ -87,8 +87,7 @@ def embedding_backward(node: fx.Node, inputs: tuple[Placement, ...], size: int, 
     return decisions
 
 
-embedding_backward.wants_dim = True  # type: ignore[attr-defined]
-register(op("embedding_dense_backward.default"))(embedding_backward)
+register(op("embedding_dense_backward.default"), wants_dim=True)(embedding_backward)
 
 
 def _dim(node: fx.Node) -> int:

@@ -71,14 +71,14 @@ def _strided_ways(a: tuple[int, ...], b: tuple[int, ...], inputs: tuple[Placemen
     return ways
 
 
-@register(op("mm.default"), op("bmm.default"))
+@register(op("mm.default"), op("bmm.default"), strided=True)
 def mm(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     a, b = (shape(x) for x in tensor_args(node))
     return [Decision(output=out, inputs=(pa, pb), reason=why)
             for pa, pb, out, why in _product(a, b, inputs, size)]
 
 
-@register(op("addmm.default"), op("baddbmm.default"))
+@register(op("addmm.default"), op("baddbmm.default"), strided=True)
 def addmm(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     """``bias + a @ b``: the product's ways, with the bias placed to match (sliced along
     a sharded output dimension, or kept on one rank, zeros elsewhere, for a partial sum,
@@ -103,4 +103,3 @@ def addmm(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decis
     return decisions
 
 
-mm.strided = addmm.strided = True  # type: ignore[attr-defined]

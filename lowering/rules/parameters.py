@@ -18,12 +18,11 @@ from spmd.lowering.rules import Decision, register, shape
 from spmd.lowering.specs import lookup
 
 
-@register(ops.tp_param)
+@register(ops.tp_param, strided=True)
 def tp_param(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> Decision:
     return Decision(output=inputs[0], reason="the parameter's stored pieces")
 
 
-tp_param.strided = True  # type: ignore[attr-defined]
 
 
 def tp_grad(node: fx.Node, inputs: tuple[Placement, ...], size: int, dim: str) -> Decision:
@@ -32,9 +31,7 @@ def tp_grad(node: fx.Node, inputs: tuple[Placement, ...], size: int, dim: str) -
                     reason="a parameter's gradient is placed as the parameter")
 
 
-tp_grad.wants_dim = True  # type: ignore[attr-defined]
-tp_grad.strided = True  # type: ignore[attr-defined]
-register(ops.tp_grad)(tp_grad)
+register(ops.tp_grad, wants_dim=True, strided=True)(tp_grad)
 
 
 def place(node: fx.Node, inputs: tuple[Placement, ...], size: int, dim: str) -> Decision:
@@ -53,5 +50,4 @@ def place(node: fx.Node, inputs: tuple[Placement, ...], size: int, dim: str) -> 
                     reason=f"the output of {spec.module} is placed {want!r}")
 
 
-place.wants_dim = True  # type: ignore[attr-defined]
-register(ops.place)(place)
+register(ops.place, wants_dim=True)(place)

@@ -104,7 +104,6 @@ def _first_partial(inputs: tuple[Placement, ...]) -> str | None:
 def _rule(check: PartialCheck | None) -> Callable:
     def rule(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
         return broadcast_decisions(node, inputs, size, check)
-    rule.strided = True  # type: ignore[attr-defined]
     return rule
 
 
@@ -141,7 +140,7 @@ _LINEAR_IN_FIRST.remove("where.self")
 _NONLINEAR += ["masked_fill.Scalar", "where.self"]
 
 
-@register(*[op(n) for n in _ADDITIVE])
+@register(*[op(n) for n in _ADDITIVE], strided=True)
 def additive(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     """add/sub; a number operand (``x + 1``: one tensor argument) is a replicated value,
     added once, not once per rank's partial sum."""
@@ -149,15 +148,14 @@ def additive(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[De
     return broadcast_decisions(node, inputs, size, lambda ps: _same_partial(ps + numbers))
 
 
-additive.strided = True  # type: ignore[attr-defined]
 
 
-register(*[op(n) for n in _MULTIPLICATIVE])(_rule(_one_partial))
-register(*[op(n) for n in _LINEAR_IN_FIRST])(_rule(_first_partial))
-register(*[op(n) for n in _NONLINEAR])(_rule(None))
+register(*[op(n) for n in _MULTIPLICATIVE], strided=True)(_rule(_one_partial))
+register(*[op(n) for n in _LINEAR_IN_FIRST], strided=True)(_rule(_first_partial))
+register(*[op(n) for n in _NONLINEAR], strided=True)(_rule(None))
 
 
-@register(op("_to_copy.default"))
+@register(op("_to_copy.default"), strided=True)
 def to_copy(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     """A copy or conversion: a Partial value stays partial converted to a floating type,
     not to an integer or boolean one (the parts would round, or clamp, each on its own)."""
@@ -165,7 +163,6 @@ def to_copy(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Dec
     return broadcast_decisions(node, inputs, size, _first_partial if floating else None)
 
 
-to_copy.strided = True  # type: ignore[attr-defined]
 
 
 @register(op("new_zeros.default"), op("new_ones.default"), op("new_empty.default"),

@@ -53,9 +53,8 @@ def _linear(kind: str):
 
 
 _sum, _mean = _linear("sum"), _linear("mean")
-_sum.strided = _mean.strided = True  # type: ignore[attr-defined]
-register(op("sum.dim_IntList"), op("sum.default"))(_sum)
-register(op("mean.dim"), op("mean.default"))(_mean)
+register(op("sum.dim_IntList"), op("sum.default"), strided=True)(_sum)
+register(op("mean.dim"), op("mean.default"), strided=True)(_mean)
 
 
 @register(op("amax.default"), op("amin.default"), op("max.dim"), op("min.dim"),

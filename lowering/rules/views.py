@@ -95,7 +95,9 @@ def unstride_map(src: Sequence[int], dst: Sequence[int], p: StridedShard, size: 
     return None
 
 
-@register(op("view.default"), op("_unsafe_view.default"), op("reshape.default"))
+# merges: its StridedShard is context parallelism's
+@register(op("view.default"), op("_unsafe_view.default"), op("reshape.default"), strided=True,
+          merges=True)
 def view(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     p = inputs[0]
     src, dst = shape(tensor_args(node)[0]), shape(node)
@@ -122,11 +124,9 @@ def view(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decisi
     return [Decision(output=Shard(mapped), reason=f"dimension {p.dim} becomes {mapped}")]
 
 
-view.strided = True  # type: ignore[attr-defined]
-view.merges = True  # type: ignore[attr-defined]  (its StridedShard: context parallelism's)
 
 
-@register(op("t.default"), op("transpose.int"), op("permute.default"))
+@register(op("t.default"), op("transpose.int"), op("permute.default"), strided=True)
 def transpose(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     (p,) = inputs
     ndim = len(shape(node))
@@ -145,7 +145,6 @@ def transpose(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[D
     return [Decision(output=moved, reason=f"dimension {p.dim} moves to {dim}")]
 
 
-transpose.strided = True  # type: ignore[attr-defined]
 
 
 @register(op("expand.default"))
@@ -200,7 +199,7 @@ def _cut_dim(node: fx.Node) -> int:
 
 
 @register(op("slice.Tensor"), op("select.int"), op("split.Tensor"),
-          op("split_with_sizes.default"), op("unbind.int"), op("chunk.default"))
+          op("split_with_sizes.default"), op("unbind.int"), op("chunk.default"), strided=True)
 def cut(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     """Pieces along one dimension: along another than the sharded one, each piece is
     sharded as the input (a dimension removed by ``select``/``unbind`` shifts it)."""
@@ -239,8 +238,6 @@ def _cut_blocks(node: fx.Node, p: StridedShard, count: int, inputs: tuple[Placem
                          reason=f"{p!r} cut into its {p.split} blocks: each Shard({dim})")]
     return _whole(node, inputs, f"cut along {dim} other than into the blocks of {p!r}")
 
-
-cut.strided = True  # type: ignore[attr-defined]
 
 
 @register(op("slice_backward.default"), op("select_backward.default"))

@@ -140,7 +140,7 @@ def check_graph(gm: fx.GraphModule, values: dict, size: int, seed: int,
         seen.add(node.target)
         args = rules.tensor_args(node)
         for current in combinations(args, size, rng):
-            decisions = (rule(node, current, size, "tp") if getattr(rule, "wants_dim", False)
+            decisions = (rule(node, current, size, "tp") if rules.traits(node.target).wants_dim
                          else rule(node, current, size))
             decisions = decisions if isinstance(decisions, list) else [decisions]
             assert decisions, f"{node.format_node()}: no decision for {current}"
