@@ -24,16 +24,15 @@ whole search's wall time.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
-import time
-from datetime import timedelta
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import harness
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -84,9 +83,7 @@ def job(rank: int, family: str, rounds: int, steps: int) -> dict:
     import spmd
     import spmd.runtime as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    try:
+    with harness.group(rank, timeout_s=300):
         x0, _ = batch(family, 0)
         mesh = spmd.Mesh.simulated(2)
         peaks = {s: spmd.inspect(build(family), x0, mesh=mesh, strategy=s).memory().peak
@@ -98,45 +95,35 @@ def job(rank: int, family: str, rounds: int, steps: int) -> dict:
         for name, kwargs in variants.items():
             model = spmd.parallelize(build(family), **kwargs)
             runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-        times: dict[str, list[float]] = {name: [] for name in runs}
-        names = list(runs)
-        for r in range(rounds + 1):
-            for name in names[r % len(names):] + names[:r % len(names)]:  # rotated
-                model, opt = runs[name]
-                dist.barrier()
-                start = time.perf_counter()
-                for s in range(steps):
-                    x, y = batch(family, s)
-                    loss_of(family, model(x), y).backward()
-                    opt.step()
-                    opt.zero_grad()
-                seconds = (time.perf_counter() - start) / steps
-                if r:
-                    times[name].append(seconds)
+        def train(model, opt):
+            for s in range(steps):
+                x, y = batch(family, s)
+                loss_of(family, model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+
+        times = harness.alternate({name: (lambda run=run: train(*run))
+                                   for name, run in runs.items()},
+                                  rounds, barrier=dist.barrier, per=steps,
+                                  order=harness.rotated).times
         chosen = spmd.inspect(runs["auto"][0]).auto.runs
         return {"times": times, "budget": budget, "peaks": peaks, "chosen": chosen}
-    finally:
-        dist.destroy_process_group()
 
 
 def measured(rounds: int, steps: int) -> None:
-    import spmd.runtime as dist
-
-    print("| model | budget | auto chose | auto ms | best hand-written | its ms | auto / best "
-          "(low-high rounds) |")
-    print("|---|---:|---|---:|---|---:|---:|")
+    harness.table(("model", "budget", "auto chose", "auto ms", "best hand-written", "its ms",
+                   "auto / best (low-high rounds)"), "lrlrlrr")
     for family in FAMILIES:
-        out = dist.spawn(job, args=(family, rounds, steps), nprocs=2,
-                         start_method="forkserver", timeout=1200)[0]
+        out = harness.spawn(job, family, rounds, steps, start_method="forkserver",
+                            timeout=1200)[0]
         med = {n: statistics.median(t) for n, t in out["times"].items()}
         hand = [n for n in med if n != "auto"]
         best = min(hand, key=med.get)
-        ratios = [a / b for a, b in zip(out["times"]["auto"], out["times"][best])]
-        chose = out["chosen"]
-        print(f"| {family} | {out['budget'] / 2**20:.2f} MiB | {chose} | "
-              f"{med['auto'] * 1e3:.2f} | {best} | {med[best] * 1e3:.2f} | "
-              f"{med['auto'] / med[best]:.3f} ({min(ratios):.3f}-{max(ratios):.3f}) |",
-              flush=True)
+        ratios = harness.ratios(out["times"]["auto"], out["times"][best])
+        harness.row(family, f"{out['budget'] / 2**20:.2f} MiB", out["chosen"],
+                    f"{med['auto'] * 1e3:.2f}", best, f"{med[best] * 1e3:.2f}",
+                    f"{med['auto'] / med[best]:.3f} ({harness.span(ratios, '.3f', '-')})",
+                    flush=True)
         for name in hand:
             print(f"|  | | {name}: {med[name] * 1e3:.2f} ms | | | | |")
 
@@ -183,9 +170,7 @@ def simulated() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=5)
+    parser = harness.parser(__doc__, steps=5, rounds=5)
     parser.add_argument("--simulated", action="store_true")
     args = parser.parse_args()
     if args.simulated:

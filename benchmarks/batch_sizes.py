@@ -19,16 +19,11 @@ table: median ms/step, the ratio to torch DDP with its spread over rounds, and g
 
 from __future__ import annotations
 
-import argparse
-import os
-import statistics
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ddp import CASES as DDP_CASES  # noqa: E402
-from ddp import _fresh, init_groups, time_rounds  # noqa: E402
+import harness
+from ddp import CASES as DDP_CASES
+from ddp import _fresh, time_rounds
 
 CASES = {"encoder": DDP_CASES["encoder"], "small": DDP_CASES["small"]}
 PATTERNS = {"last": [8, 8, 8, None], "sizes": [8, 6, 4, 2]}  # None: 5 and 4 rows
@@ -52,65 +47,48 @@ def rank_main(rank: int, steps: int, rounds: int, names: list[str]) -> dict | No
     import spmd
     from spmd import runtime as dist
 
-    world = init_groups(rank)
     results = {}
-    for name in names:
-        case = CASES[name]
-        for pattern_name, pattern in PATTERNS.items():
-            models = {"spmd": spmd.parallelize(_fresh(case)),
-                      "spmd, hooks removed": spmd.parallelize(_fresh(case)),
-                      "torch DDP": DistributedDataParallel(_fresh(case))}
-            opts = {v: case.optimizer(list(m.parameters())) for v, m in models.items()}
-            batches = _batches(case, pattern, steps, rank, world)
-            # compile every size first, then take the hooks off the measuring variant
-            time_rounds({"spmd, hooks removed": models["spmd, hooks removed"]}, opts,
-                        batches[:len(pattern)], case.loss, 0, tdist.barrier)
-            state = models["spmd, hooks removed"]._spmd
-            for hook in state.net.hooks.values():
-                hook.remove()
-            state.net.hooks.clear()
-            state.net.hook_all = lambda: None
-            times = time_rounds(models, opts, batches, case.loss, rounds, tdist.barrier)
-            graphs = {v: [r.reason for r in m._spmd.records] for v, m in models.items()
-                      if v.startswith("spmd")}
-            every = [None] * world
-            dist.all_gather_object(every, len(graphs["spmd"]))
-            results[(name, pattern_name)] = {"times": times, "graphs": every,
-                                             "reasons": graphs["spmd"],
-                                             "hooks": len(models["spmd"]._spmd.net.hooks)}
-    tdist.destroy_process_group()
-    dist.destroy_process_group()
+    with harness.group(rank, torch_group=True) as world:
+        for name in names:
+            case = CASES[name]
+            for pattern_name, pattern in PATTERNS.items():
+                models = {"spmd": spmd.parallelize(_fresh(case)),
+                          "spmd, hooks removed": spmd.parallelize(_fresh(case)),
+                          "torch DDP": DistributedDataParallel(_fresh(case))}
+                opts = {v: case.optimizer(list(m.parameters())) for v, m in models.items()}
+                batches = _batches(case, pattern, steps, rank, world)
+                # compile every size first, then take the hooks off the measuring variant
+                time_rounds({"spmd, hooks removed": models["spmd, hooks removed"]}, opts,
+                            batches[:len(pattern)], case.loss, 0, tdist.barrier)
+                state = models["spmd, hooks removed"]._spmd
+                for hook in state.net.hooks.values():
+                    hook.remove()
+                state.net.hooks.clear()
+                state.net.hook_all = lambda: None
+                times = time_rounds(models, opts, batches, case.loss, rounds, tdist.barrier)
+                graphs = {v: [r.reason for r in m._spmd.records] for v, m in models.items()
+                          if v.startswith("spmd")}
+                every = [None] * world
+                dist.all_gather_object(every, len(graphs["spmd"]))
+                results[(name, pattern_name)] = {"times": times, "graphs": every,
+                                                 "reasons": graphs["spmd"],
+                                                 "hooks": len(models["spmd"]._spmd.net.hooks)}
     return results if rank == 0 else None
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser = harness.parser(__doc__, steps=24, rounds=5)
     parser.add_argument("--cases", default=",".join(CASES))
     args = parser.parse_args()
-    names = [n.strip() for n in args.cases.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CASES]
-    if unknown:
-        parser.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    from spmd.runtime import spawn
-
-    results = spawn(rank_main, args=(args.steps, args.rounds, names), nprocs=2,
-                    timeout=6000)[0]
-    print("| case | batch sizes | variant | ms/step | vs torch DDP (x faster) | spread | "
-          "graphs per rank |")
-    print("|---|---|---|---:|---:|---|---|")
+    names = harness.choices(args.cases, list(CASES), parser)
+    results = harness.spawn(rank_main, args.steps, args.rounds, names, nprocs=2)[0]
+    harness.table(("case", "batch sizes", "variant", "ms/step", "vs torch DDP (x faster)",
+                   "spread", "graphs per rank"), "lllrrll")
     for (name, pattern), res in results.items():
-        times = res["times"]
-        ddp = statistics.median(times["torch DDP"])
-        for variant, samples in times.items():
-            t = statistics.median(samples)
-            ratios = [d / s for d, s in zip(times["torch DDP"], samples)]
-            spread = f"{min(ratios):.2f}–{max(ratios):.2f}" if variant != "torch DDP" else ""
+        for variant, v in harness.versus(res["times"], "torch DDP").items():
             graphs = "/".join(map(str, res["graphs"])) if variant == "spmd" else ""
-            print(f"| {CASES[name].label} | {pattern} | {variant} | {t * 1e3:.2f} | "
-                  f"{ddp / t:.2f} | {spread} | {graphs} |")
+            harness.row(CASES[name].label, pattern, variant, f"{v.median * 1e3:.2f}",
+                        f"{v.ratio:.2f}", v.spread, graphs)
     for (name, pattern), res in results.items():
         print(f"\n{CASES[name].label}, {pattern}: {res['hooks']} hooks; graphs on rank 0:")
         for reason in res["reasons"]:

@@ -27,14 +27,14 @@ data); the table gives the medians and the spread of each round's difference. Wi
 
 from __future__ import annotations
 
-import argparse
 import os
-import warnings
 import statistics
 import time
-from datetime import timedelta
+import warnings
 
 import torch
+
+import harness
 
 SIZES = [4, 64, 1 << 10, 16 << 10, 256 << 10, 4 << 20, 64 << 20]
 BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -72,15 +72,15 @@ def _iterations(fns, tdist, budget: float) -> int:
 def _compare(ours, theirs, tdist, rounds: int = 7, budget: float = 0.1) -> tuple[float, float]:
     """Best time per call of each, measured in alternating rounds to cancel drift."""
     iters = _iterations([ours, theirs], tdist, budget)
-    best = [float("inf"), float("inf")]
-    for _ in range(rounds):
-        for i, fn in enumerate((ours, theirs)):
-            tdist.barrier()
-            start = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            best[i] = min(best[i], (time.perf_counter() - start) / iters)
-    return best[0], best[1]
+    times = harness.alternate({"ours": lambda: _repeat(ours, iters),
+                               "theirs": lambda: _repeat(theirs, iters)},
+                              rounds, warmup=0, per=iters, barrier=tdist.barrier).times
+    return min(times["ours"]), min(times["theirs"])
+
+
+def _repeat(fn, times: int) -> None:
+    for _ in range(times):
+        fn()
 
 
 def rank_main(rank: int, max_bytes: int) -> list | None:
@@ -88,29 +88,23 @@ def rank_main(rank: int, max_bytes: int) -> list | None:
 
     from spmd import runtime as ours
 
-    n = int(os.environ["WORLD_SIZE"])
     # torch's own group first, on its own connections: initialized after ours, torch would
     # share our group and backend, and the comparison would be of the Python layers only
-    port = int(os.environ["MASTER_PORT"]) + 1
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                             world_size=n, timeout=timedelta(seconds=300))
-    ours.init_process_group("gloo", timeout=timedelta(seconds=300))
-    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renamed functions
-    rows = []
-    for nbytes in [s for s in SIZES if s <= max_bytes]:
-        mine, theirs = _calls(ours, n, nbytes), _calls(tdist, n, nbytes)
-        for op in mine:
-            t_ours, t_torch = _compare(mine[op], theirs[op], tdist)
-            rows.append((op, nbytes, t_ours, t_torch))
-    # the price of debug mode: the same 4-byte all_reduce with fingerprints compared
-    checked = ours.new_group()
-    checked.debug = True  # what SPMD_DEBUG=detail sets on every group
-    t = torch.ones(1)
-    plain, debug = _compare(lambda: ours.all_reduce(t), lambda: ours.all_reduce(t, group=checked),
-                            tdist)
-    rows.append(("all_reduce, debug=detail vs off", 4, debug, plain))
-    tdist.destroy_process_group()
-    ours.destroy_process_group()
+    with harness.group(rank, timeout_s=300, torch_group=True, threads=None) as n:
+        warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renamed functions
+        rows = []
+        for nbytes in [s for s in SIZES if s <= max_bytes]:
+            mine, theirs = _calls(ours, n, nbytes), _calls(tdist, n, nbytes)
+            for op in mine:
+                t_ours, t_torch = _compare(mine[op], theirs[op], tdist)
+                rows.append((op, nbytes, t_ours, t_torch))
+        # the price of debug mode: the same 4-byte all_reduce with fingerprints compared
+        checked = ours.new_group()
+        checked.debug = True  # what SPMD_DEBUG=detail sets on every group
+        t = torch.ones(1)
+        plain, debug = _compare(lambda: ours.all_reduce(t),
+                                lambda: ours.all_reduce(t, group=checked), tdist)
+        rows.append(("all_reduce, debug=detail vs off", 4, debug, plain))
     return rows if rank == 0 else None
 
 
@@ -132,23 +126,17 @@ def overhead(rounds: int = 9, iters: int = 3000) -> None:
     ours.init_process_group("gloo", store=ours.HashStore(), rank=0, world_size=1)
     warnings.filterwarnings("ignore", category=FutureWarning)
     mine, theirs = _calls(ours, 1, 4), _calls(tdist, 1, 4)
-    print("| op (1 rank, 4 B) | spmd µs/call (median) | torch µs/call (median) | extra µs "
-          "(median) | extra µs per round (min–max) |")
-    print("|---|---:|---:|---:|---|")
+    harness.table(("op (1 rank, 4 B)", "spmd µs/call (median)", "torch µs/call (median)",
+                   "extra µs (median)", "extra µs per round (min–max)"), "lrrrl")
     for op in mine:
-        times: list[list[float]] = [[], []]
-        for _ in range(rounds):
-            for i, fn in enumerate((mine[op], theirs[op])):
-                for _ in range(100):
-                    fn()
-                start = time.perf_counter()
-                for _ in range(iters):
-                    fn()
-                times[i].append((time.perf_counter() - start) / iters)
-        extra = [(x - y) * 1e6 for x, y in zip(*times)]  # each round's own pair
-        print(f"| {op} | {statistics.median(times[0]) * 1e6:.1f} | "
-              f"{statistics.median(times[1]) * 1e6:.1f} | {statistics.median(extra):+.1f} | "
-              f"{min(extra):+.1f} to {max(extra):+.1f} |")
+        fns = {"spmd": mine[op], "torch": theirs[op]}
+        times = harness.alternate({k: (lambda fn=fn: _repeat(fn, iters)) for k, fn in fns.items()},
+                                  rounds, warmup=0, per=iters,
+                                  before=lambda k: _repeat(fns[k], 100)).times
+        extra = [(x - y) * 1e6 for x, y in zip(times["spmd"], times["torch"])]  # round by round
+        harness.row(op, f"{statistics.median(times['spmd']) * 1e6:.1f}",
+                    f"{statistics.median(times['torch']) * 1e6:.1f}",
+                    f"{statistics.median(extra):+.1f}", harness.span(extra, "+.1f", " to "))
     tdist.destroy_process_group()
     ours.destroy_process_group()
 
@@ -158,35 +146,23 @@ def size_check_rank(rank: int, rounds: int, iters: int) -> list | None:
 
     from spmd import runtime as ours
 
-    port = int(os.environ["MASTER_PORT"]) + 1  # torch's group only paces the rounds
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                             world_size=int(os.environ["WORLD_SIZE"]),
-                             timeout=timedelta(seconds=300))
-    ours.init_process_group("gloo", timeout=timedelta(seconds=300))
-    checked, unchecked = ours.new_group(), ours.new_group()
-    # on (the default past one rank; forced on one rank, where it measures the check's own
-    # cost without the network) and off (what SPMD_SIZE_CHECK=0 sets on every group)
-    checked.size_check, unchecked.size_check = True, False
-    n = ours.get_world_size()
-    rows = []
-    for nbytes in CHECKED_SIZES:
-        calls = [{op: (lambda f=f, g=g: f(g)) for op, f in _group_calls(n, nbytes).items()}
-                 for g in (checked, unchecked)]
-        for op in calls[0]:
-            times: list[list[float]] = [[], []]
-            for _ in range(rounds):
-                for i in (0, 1):
-                    fn = calls[i][op]
-                    for _ in range(10):
-                        fn()
-                    tdist.barrier()
-                    start = time.perf_counter()
-                    for _ in range(iters):
-                        fn()
-                    times[i].append((time.perf_counter() - start) / iters)
-            rows.append((op, nbytes, times))
-    tdist.destroy_process_group()
-    ours.destroy_process_group()
+    # torch's group only paces the rounds
+    with harness.group(rank, timeout_s=300, torch_group=True, threads=None) as n:
+        checked, unchecked = ours.new_group(), ours.new_group()
+        # on (the default past one rank; forced on one rank, where it measures the check's
+        # own cost without the network) and off (what SPMD_SIZE_CHECK=0 sets on every group)
+        checked.size_check, unchecked.size_check = True, False
+        rows = []
+        for nbytes in CHECKED_SIZES:
+            calls = [{op: (lambda f=f, g=g: f(g)) for op, f in _group_calls(n, nbytes).items()}
+                     for g in (checked, unchecked)]
+            for op in calls[0]:
+                fns = {"on": calls[0][op], "off": calls[1][op]}
+                times = harness.alternate(
+                    {k: (lambda fn=fn: _repeat(fn, iters)) for k, fn in fns.items()},
+                    rounds, warmup=0, per=iters, barrier=tdist.barrier,
+                    before=lambda k: _repeat(fns[k], 10)).times
+                rows.append((op, nbytes, (times["on"], times["off"])))
     return rows if rank == 0 else None
 
 
@@ -211,22 +187,20 @@ def _group_calls(n: int, nbytes: int):
 
 
 def size_check(nprocs: int, rounds: int = 9, iters: int = 200) -> None:
-    from spmd.runtime import spawn
-
-    rows = spawn(size_check_rank, args=(rounds, iters), nprocs=nprocs, timeout=3000)[0]
-    print(f"| op ({nprocs} ranks) | size | check on µs/call (median) | check off µs/call "
-          f"(median) | ratio | extra µs (median) | extra µs per round (min–max) |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+    rows = harness.spawn(size_check_rank, rounds, iters, nprocs=nprocs, timeout=3000)[0]
+    harness.table((f"op ({nprocs} ranks)", "size", "check on µs/call (median)",
+                   "check off µs/call (median)", "ratio", "extra µs (median)",
+                   "extra µs per round (min–max)"), "lrrrrrl")
     for op, nbytes, (on, off) in rows:
         extra = [(x - y) * 1e6 for x, y in zip(on, off)]
         m_on, m_off = statistics.median(on), statistics.median(off)
-        print(f"| {op} | {_fmt_bytes(nbytes)} | {m_on * 1e6:.1f} | {m_off * 1e6:.1f} | "
-              f"{m_on / m_off:.2f} | {statistics.median(extra):+.1f} | "
-              f"{min(extra):+.1f} to {max(extra):+.1f} |")
+        harness.row(op, _fmt_bytes(nbytes), f"{m_on * 1e6:.1f}", f"{m_off * 1e6:.1f}",
+                    f"{m_on / m_off:.2f}", f"{statistics.median(extra):+.1f}",
+                    harness.span(extra, "+.1f", " to "))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--nprocs", type=int, default=2)
     parser.add_argument("--max-mib", type=int, default=64)
     parser.add_argument("--overhead", action="store_true",
@@ -242,13 +216,10 @@ def main() -> None:
         size_check(args.nprocs)
         return
 
-    from spmd.runtime import spawn
-
-    rows = spawn(rank_main, args=(args.max_mib << 20,), nprocs=args.nprocs, timeout=3000)[0]
+    rows = harness.spawn(rank_main, args.max_mib << 20, nprocs=args.nprocs, timeout=3000)[0]
     n = args.nprocs
-    print("| op | size | spmd µs | torch µs | ratio | extra µs | spmd busbw GB/s | "
-          "torch busbw GB/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    harness.table(("op", "size", "spmd µs", "torch µs", "ratio", "extra µs", "spmd busbw GB/s",
+                   "torch busbw GB/s"), "lrrrrrrr")
     ratios = []
     for op, nbytes, t_ours, t_torch in rows:
         if op not in BUS:
@@ -257,9 +228,9 @@ def main() -> None:
             continue
         bus = BUS[op](n)
         ratios.append(t_ours / t_torch)
-        print(f"| {op} | {_fmt_bytes(nbytes)} | {t_ours * 1e6:,.1f} | {t_torch * 1e6:,.1f} | "
-              f"{t_ours / t_torch:.3f} | {(t_ours - t_torch) * 1e6:+.1f} | "
-              f"{nbytes / t_ours * bus / 1e9:.3f} | {nbytes / t_torch * bus / 1e9:.3f} |")
+        harness.row(op, _fmt_bytes(nbytes), f"{t_ours * 1e6:,.1f}", f"{t_torch * 1e6:,.1f}",
+                    f"{t_ours / t_torch:.3f}", f"{(t_ours - t_torch) * 1e6:+.1f}",
+                    f"{nbytes / t_ours * bus / 1e9:.3f}", f"{nbytes / t_torch * bus / 1e9:.3f}")
     print(f"\nmedian ratio {statistics.median(ratios):.3f} over {len(ratios)} measurements")
 
 

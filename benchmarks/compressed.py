@@ -64,17 +64,13 @@ tables.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import os
 import statistics
-import sys
 import time
-from datetime import timedelta
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness
 from ddp import CASES, _batch, _fresh, time_rounds
 
 METHODS = ("fp32 all_reduce / p", "torch bf16_compress_hook", "ours, bf16 wire",
@@ -108,10 +104,7 @@ def accuracy_main(rank: int, n: int) -> dict:
 
     from spmd import runtime as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    try:
-        p = dist.get_world_size()
+    with harness.group(rank) as p:
         # the hook all-reduces on torch's default group: it must be ours
         if not tdist.is_initialized() or tdist.get_world_size() != p:
             raise RuntimeError("torch.distributed does not see spmd's default group")
@@ -134,8 +127,6 @@ def accuracy_main(rank: int, n: int) -> dict:
             out[method] = y
         digests = {m: _digest(t) for m, t in out.items()}
         return {"results": out, "digests": digests} if rank == 0 else {"digests": digests}
-    finally:
-        dist.destroy_process_group()
 
 
 def _errors(x: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -147,14 +138,12 @@ def _errors(x: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
 
 
 def accuracy(worlds: list[int], n: int) -> None:
-    from spmd.runtime import spawn
-
     rows: dict[int, dict[str, dict[str, float]]] = {}
     notes: list[str] = []
     for p in worlds:
         start = time.perf_counter()
-        runs = spawn(accuracy_main, args=(n,), nprocs=p, start_method="forkserver",
-                     timeout=1200)
+        runs = harness.spawn(accuracy_main, n, nprocs=p, start_method="forkserver",
+                             timeout=1200)
         seconds = time.perf_counter() - start
         results = runs[0]["results"]
         xs = [_gradients(r, n) for r in range(p)]
@@ -178,14 +167,13 @@ def accuracy(worlds: list[int], n: int) -> None:
 
     print(f"\n### Accuracy: {n:,} float32 gradients per rank, mean over the ranks, against "
           f"float64\n")
-    print("| ranks | method | rel. L2 error | max abs error / max abs | median rel. error "
-          "| x one rounding |")
-    print("|---:|---|---:|---:|---:|---:|")
+    harness.table(("ranks", "method", "rel. L2 error", "max abs error / max abs",
+                   "median rel. error", "x one rounding"), "rlrrrr")
     for p, row in rows.items():
         unit = row[FLOORS[0]]["l2"]
         for method, e in row.items():
-            print(f"| {p} | {method} | {e['l2']:.3e} | {e['max']:.3e} | {e['median']:.3e} | "
-                  f"{e['l2'] / unit:.3g} |")
+            harness.row(p, method, f"{e['l2']:.3e}", f"{e['max']:.3e}", f"{e['median']:.3e}",
+                        f"{e['l2'] / unit:.3g}")
     print()
     for note in notes:
         print(note)
@@ -207,16 +195,7 @@ def speed_main(rank: int, steps: int, rounds: int) -> dict | None:
     from torch.nn.parallel import DistributedDataParallel
 
     import spmd
-    from spmd import runtime as dist
 
-    torch.set_num_threads(1)
-    # torch DDP on a Gloo group of torch's own (initialized first: after ours, torch would
-    # share our group), as DDP users run it
-    port = int(os.environ["MASTER_PORT"]) + 1
-    world = int(os.environ["WORLD_SIZE"])
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                             world_size=world)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     case = CASES["encoder"]
 
     def hooked():
@@ -233,51 +212,42 @@ def speed_main(rank: int, steps: int, rounds: int) -> dict | None:
         HOOKED: hooked,
         "torch DDP": lambda: DistributedDataParallel(_fresh(case)),
     }
-    models = {v: make[v]() for v in VARIANTS}
-    opts = {v: case.optimizer(list(m.parameters())) for v, m in models.items()}
-    batches = [_batch(case, step, rank, world) for step in range(steps)]
-    times = time_rounds(models, opts, batches, case.loss, rounds, tdist.barrier)
+    # torch DDP on a Gloo group of torch's own, as DDP users run it
+    with harness.group(rank, torch_group=True) as world:
+        models = {v: make[v]() for v in VARIANTS}
+        opts = {v: case.optimizer(list(m.parameters())) for v, m in models.items()}
+        batches = [_batch(case, step, rank, world) for step in range(steps)]
+        times = time_rounds(models, opts, batches, case.loss, rounds, tdist.barrier)
 
-    weights = {v: {k.removeprefix("module."): t for k, t in m.state_dict().items()}
-               for v, m in models.items()}
-    base = weights["torch DDP"]
-    differences = {v: max((w[k] - base[k]).abs().max().item() for k in base)
-                   for v, w in weights.items() if v != "torch DDP"}
-    initial = _fresh(case).state_dict()
-    moved = max((base[k] - initial[k]).abs().max().item() for k in base)
-    plans = {}
-    for variant in ("spmd, fp32 wire", "spmd, bf16 wire"):
-        plan = spmd.inspect(models[variant])
-        reasons = sorted({c.provenance.reason for c in plan.collectives})
-        plans[variant] = (str(plan).splitlines()[0], reasons)
-    tdist.destroy_process_group()
-    dist.destroy_process_group()
+        weights = {v: {k.removeprefix("module."): t for k, t in m.state_dict().items()}
+                   for v, m in models.items()}
+        base = weights["torch DDP"]
+        differences = {v: max((w[k] - base[k]).abs().max().item() for k in base)
+                       for v, w in weights.items() if v != "torch DDP"}
+        initial = _fresh(case).state_dict()
+        moved = max((base[k] - initial[k]).abs().max().item() for k in base)
+        plans = {}
+        for variant in ("spmd, fp32 wire", "spmd, bf16 wire"):
+            plan = spmd.inspect(models[variant])
+            reasons = sorted({c.provenance.reason for c in plan.collectives})
+            plans[variant] = (str(plan).splitlines()[0], reasons)
     if rank:
         return None
     return {"times": times, "differences": differences, "moved": moved, "plans": plans}
 
 
 def speed(worlds: list[int], steps: int, rounds: int) -> None:
-    from spmd.runtime import spawn
-
     for p in worlds:
-        res = spawn(speed_main, args=(steps, rounds), nprocs=p, start_method="forkserver",
-                    timeout=1200)[0]
-        times = res["times"]
+        res = harness.spawn(speed_main, steps, rounds, nprocs=p, start_method="forkserver",
+                            timeout=1200)[0]
         print(f"\n### Speed, {p} ranks: {CASES['encoder'].label}, {steps} steps x {rounds} "
               f"rounds\n")
-        print("| variant | ms/step | vs DDP + bf16 hook (x faster) | spread over rounds "
-              "| max abs w - DDP's w |")
-        print("|---|---:|---:|---|---:|")
-        hook = times[HOOKED]
-        for variant in VARIANTS:
-            samples = times[variant]
-            t = statistics.median(samples)
-            ratios = [h / s for h, s in zip(hook, samples)]
-            spread = f"{min(ratios):.2f}–{max(ratios):.2f}" if variant != HOOKED else ""
+        harness.table(("variant", "ms/step", "vs DDP + bf16 hook (x faster)",
+                       "spread over rounds", "max abs w - DDP's w"), "lrrlr")
+        for variant, v in harness.versus(res["times"], HOOKED).items():
             diff = res["differences"].get(variant)
-            print(f"| {variant} | {t * 1e3:.2f} | {statistics.median(hook) / t:.2f} | "
-                  f"{spread} | {'' if diff is None else f'{diff:.2e}'} |")
+            harness.row(variant, f"{v.median * 1e3:.2f}", f"{v.ratio:.2f}", v.spread,
+                        "" if diff is None else f"{diff:.2e}")
         print(f"\n(torch DDP's weights moved up to {res['moved']:.2e} from their initial "
               f"values)")
         for variant, (summary, reasons) in res["plans"].items():
@@ -296,11 +266,8 @@ def call_main(rank: int, n: int, calls: int, rounds: int) -> dict | None:
     from spmd import runtime as dist
     from spmd.lowering.reduction import GradBucket, _combine
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    try:
+    with harness.group(rank) as p:
         x = _gradients(rank, n)
-        p = dist.get_world_size()
 
         def ours(y):
             dist.all_reduce_compressed(y, dist.ReduceOp.AVG, wire_dtype=torch.bfloat16,
@@ -314,50 +281,36 @@ def call_main(rank: int, n: int, calls: int, rounds: int) -> dict | None:
             y.div_(p)
 
         run = dict(zip(CALLS, (ours, hook, fp32)))
+        fresh: dict[str, torch.Tensor] = {}  # each call's own copy, made before its clock
+
+        def copy(name: str) -> None:
+            fresh[name] = x.clone()
+
         medians: dict[str, list[float]] = {name: [] for name in CALLS}
         for _ in range(rounds):
-            times: dict[str, list[float]] = {name: [] for name in CALLS}
-            for _ in range(calls + 1):
-                for name in CALLS:
-                    y = x.clone()
-                    dist.barrier()
-                    start = time.perf_counter()
-                    run[name](y)
-                    times[name].append(time.perf_counter() - start)
+            # the methods alternate call by call; the first call of each is not counted
+            times = harness.alternate({name: (lambda name=name: run[name](fresh[name]))
+                                       for name in CALLS}, calls, barrier=dist.barrier,
+                                      before=copy).times
             for name in CALLS:
-                medians[name].append(statistics.median(times[name][1:]))
-        return medians if rank == 0 else None
-    finally:
-        dist.destroy_process_group()
+                medians[name].append(statistics.median(times[name]))
+    return medians if rank == 0 else None
 
 
 def call(worlds: list[int], n: int, calls: int, rounds: int) -> None:
-    from spmd.runtime import spawn
-
     for p in worlds:
-        medians = spawn(call_main, args=(n, calls, rounds), nprocs=p,
-                        start_method="forkserver", timeout=1200)[0]
+        medians = harness.spawn(call_main, n, calls, rounds, nprocs=p,
+                                start_method="forkserver", timeout=1200)[0]
         print(f"\n### One call, {p} ranks, {n:,} float32 ({n * 4 / 2**20:.0f} MiB), {calls} "
               f"calls x {rounds} rounds\n")
-        print("| method | ms/call | hook's time / this (x) | spread over rounds |")
-        print("|---|---:|---:|---|")
-        hook = medians["torch bf16_compress_hook"]
-        for name in CALLS:
-            ratios = [h / t for h, t in zip(hook, medians[name])]
-            spread = f"{min(ratios):.2f}–{max(ratios):.2f}" if name != CALLS[1] else ""
-            t = statistics.median(medians[name])
-            print(f"| {name} | {t * 1e3:.1f} | {statistics.median(hook) / t:.2f} | {spread} |")
-
-
-def _sizes(text: str, flag: str, parser: argparse.ArgumentParser) -> list[int]:
-    sizes = [int(s) for s in text.split(",") if s.strip()]
-    if not sizes or min(sizes) < 2:
-        parser.error(f"{flag}: world sizes of 2 or more")
-    return sizes
+        harness.table(("method", "ms/call", "hook's time / this (x)", "spread over rounds"),
+                      "lrrl")
+        for name, v in harness.versus(medians, "torch bf16_compress_hook").items():
+            harness.row(name, f"{v.median * 1e3:.1f}", f"{v.ratio:.2f}", v.spread)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--part", choices=("accuracy", "speed", "call", "all"), default="all")
     parser.add_argument("--quick", action="store_true",
                         help="2^18 elements, 2 ranks for speed, 10 steps x 3 rounds")
@@ -374,9 +327,8 @@ def main() -> None:
     nprocs = args.nprocs or ("2" if quick else "2,3")
     steps = args.steps or (10 if quick else 20)
     rounds = args.rounds or (3 if quick else 5)
-    worlds = _sizes(args.worlds, "--worlds", parser)
-    speed_worlds = _sizes(nprocs, "--nprocs", parser)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    worlds = harness.world_sizes(args.worlds, parser, "--worlds")
+    speed_worlds = harness.world_sizes(nprocs, parser, "--nprocs")
     if args.part in ("accuracy", "all"):
         accuracy(worlds, elements)
     if args.part in ("speed", "all"):

@@ -33,19 +33,13 @@ model.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
-from datetime import timedelta
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from memory import step_peak  # noqa: E402
-from tp import _batch, _fresh, _train, alternate  # noqa: E402
+import harness
+from memory import step_peak
+from tp import _batch, _fresh, _train, alternate
 
 VARIANTS = ("1 process", "spmd cp (balanced)", "spmd cp (contiguous)")
 
@@ -55,66 +49,57 @@ def rank_main(rank: int, ranks: int, steps: int, rounds: int, width: int, heads:
     import torch.distributed as tdist
 
     import spmd
-    from spmd import runtime as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=1800))
-    mesh = spmd.Mesh((ranks,), dim_names=("cp",))
-    mesh.to_torch()  # torch.distributed's barrier on the same group
+    with harness.group(rank, timeout_s=1800):
+        mesh = spmd.Mesh((ranks,), dim_names=("cp",))
+        mesh.to_torch()  # torch.distributed's barrier on the same group
 
-    def ours(balance: bool):
-        return spmd.parallelize(_fresh(width, heads, layers), mesh=mesh,
-                                placements=spmd.cp.ring(load_balance=balance))
+        def ours(balance: bool):
+            return spmd.parallelize(_fresh(width, heads, layers), mesh=mesh,
+                                    placements=spmd.cp.ring(load_balance=balance))
 
-    make = {"1 process": lambda: _fresh(width, heads, layers),
-            "spmd cp (balanced)": lambda: ours(True),
-            "spmd cp (contiguous)": lambda: ours(False)}
-    batches = [_batch(step, 1, seq) for step in range(steps)]
-    models = {v: make[v]() for v in VARIANTS}
-    opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-3) for v, m in models.items()}
-    times, first_loss, _ = alternate(models, opts, batches, rounds, tdist.barrier,
-                                     lambda v: v != "1 process" or rank == 0)
-    peaks = {}
-    for variant, model in models.items():
+        make = {"1 process": lambda: _fresh(width, heads, layers),
+                "spmd cp (balanced)": lambda: ours(True),
+                "spmd cp (contiguous)": lambda: ours(False)}
+        batches = [_batch(step, 1, seq) for step in range(steps)]
+        models = {v: make[v]() for v in VARIANTS}
+        opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-3) for v, m in models.items()}
+        times, first_loss, _ = alternate(models, opts, batches, rounds, tdist.barrier,
+                                         lambda v: v != "1 process" or rank == 0)
+        peaks = {}
+        for variant, model in models.items():
+            tdist.barrier()
+            if variant == "1 process" and rank:
+                continue
+            peaks[variant] = step_peak(lambda: _train(model, opts[variant], batches[:1]))
+        predicted = {v: spmd.inspect(models[v]).memory().activations for v in VARIANTS[1:]}
         tdist.barrier()
-        if variant == "1 process" and rank:
-            continue
-        peaks[variant] = step_peak(lambda: _train(model, opts[variant], batches[:1]))
-    predicted = {v: spmd.inspect(models[v]).memory().activations for v in VARIANTS[1:]}
-    tdist.barrier()
-    dist.destroy_process_group()
-    if rank:
-        return None
-    return {"times": times, "loss": first_loss, "peak": peaks, "predicted": predicted}
+        if rank:
+            return None
+        return {"times": times, "loss": first_loss, "peak": peaks, "predicted": predicted}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = harness.parser(__doc__, steps=3, rounds=3)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--ranks", type=int, default=2)
     args = parser.parse_args()
-    from spmd import runtime as dist
-
-    res = dist.spawn(rank_main, args=(args.ranks, args.steps, args.rounds, args.width,
-                                      args.heads, args.layers, args.seq),
-                     nprocs=args.ranks, start_method="spawn", timeout=3600)[0]
+    res = harness.spawn(rank_main, args.ranks, args.steps, args.rounds, args.width,
+                        args.heads, args.layers, args.seq, nprocs=args.ranks, timeout=3600)[0]
     times, peak = res["times"], res["peak"]
     base = statistics.median(times["1 process"])
     print(f"\n### cp={args.ranks} ({args.ranks} processes, 1 thread each): {args.layers} "
           f"layers of width {args.width}, {args.heads} heads, 1 x {args.seq} tokens, causal, "
           f"AdamW, {args.steps} steps x {args.rounds} rounds\n")
-    print("| variant | step ms (median) | rounds min-max | 1 process / variant | "
-          "step peak MiB (rank 0) | step-0 loss |")
-    print("|---|---:|---:|---:|---:|---:|")
+    harness.table(("variant", "step ms (median)", "rounds min-max", "1 process / variant",
+                   "step peak MiB (rank 0)", "step-0 loss"), "lrrrrr")
     for v in VARIANTS:
         med = statistics.median(times[v])
-        print(f"| {v} | {med * 1e3:.1f} | {min(times[v]) * 1e3:.1f}-{max(times[v]) * 1e3:.1f} "
-              f"| {base / med:.2f}x | {peak[v] / 2**20:.1f} | {res['loss'][v]:.6f} |")
+        harness.row(v, f"{med * 1e3:.1f}", harness.span([t * 1e3 for t in times[v]], ".1f", "-"),
+                    f"{base / med:.2f}x", f"{peak[v] / 2**20:.1f}", f"{res['loss'][v]:.6f}")
     pred = res["predicted"]
     print("\npredicted saved activations per rank: "
           + ", ".join(f"{v} {b / 2**20:.1f} MiB" for v, b in pred.items()))

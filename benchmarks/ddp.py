@@ -33,17 +33,15 @@ lowest and highest per-round ratio of DDP's time to spmd's. Prints a markdown ta
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import harness
 
 
 class Encoder(nn.Module):
@@ -157,47 +155,30 @@ def whole_step(loss: Callable) -> Callable:
     return step
 
 
+def train(model: nn.Module, opt: torch.optim.Optimizer, batches: list, loss: Callable,
+          step: Callable | None = None) -> None:
+    """One round of a variant: every batch, forward, backward and optimizer step
+    (``step``: the variant's own ``step(model, x, y, opt)``, a whole step)."""
+    for x, y in batches:
+        if step is not None:
+            step(model, x, y, opt)
+            continue
+        loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def time_rounds(models: dict, opts: dict, batches: list, loss: Callable, rounds: int,
                 barrier: Callable[[], Any], steps: dict | None = None
                 ) -> dict[str, list[float]]:
-    """Each variant's mean step time per round, the variants alternating within each round
-    (all see the same machine), after a round 0 that warms up (compiles) and is not
-    counted; every rank starts each variant's run together (``barrier``). ``steps``: a
-    variant's own ``step(model, x, y, opt)`` (a whole step), instead of the loop's."""
+    """Each variant's mean step time per round (:func:`harness.alternate`, every rank
+    starting each variant together behind ``barrier``). ``steps``: a variant's own
+    ``step(model, x, y, opt)`` (a whole step), instead of the loop's."""
     steps = steps or {}
-    times: dict[str, list[float]] = {v: [] for v in models}
-    for r in range(rounds + 1):
-        for variant, model in models.items():
-            opt = opts[variant]
-            run = steps.get(variant)
-            barrier()
-            start = time.perf_counter()
-            for x, y in batches:
-                if run is not None:
-                    run(model, x, y, opt)
-                    continue
-                loss(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-            if r:
-                times[variant].append((time.perf_counter() - start) / len(batches))
-    return times
-
-
-def init_groups(rank: int) -> int:
-    """One compute thread; torch's Gloo group and ours, over the same ranks; the world
-    size. torch DDP runs on a group of torch's own (initialized first: after ours, torch
-    would share our group), as DDP users run it."""
-    import torch.distributed as tdist
-
-    from spmd import runtime as dist
-
-    torch.set_num_threads(1)
-    port = int(os.environ["MASTER_PORT"]) + 1
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                             world_size=int(os.environ["WORLD_SIZE"]))
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    return dist.get_world_size()
+    return harness.alternate(
+        {v: (lambda v=v, m=m: train(m, opts[v], batches, loss, steps.get(v)))
+         for v, m in models.items()},
+        rounds, barrier=barrier, per=len(batches)).times
 
 
 def rank_main(rank: int, steps: int, rounds: int, names: list[str]) -> dict | None:
@@ -205,9 +186,7 @@ def rank_main(rank: int, steps: int, rounds: int, names: list[str]) -> dict | No
     from torch.nn.parallel import DistributedDataParallel
 
     import spmd
-    from spmd import runtime as dist
 
-    world = init_groups(rank)
     make = {
         "spmd": lambda c: spmd.parallelize(_fresh(c)),
         "spmd, whole step": _fresh,  # its step is parallelized (whole_step)
@@ -217,50 +196,37 @@ def rank_main(rank: int, steps: int, rounds: int, names: list[str]) -> dict | No
         "limit": _fresh,
     }
     results = {}
-    for name in names:
-        case = CASES[name]
-        models = {v: make[v](case) for v in case.variants}
-        opts = {v: case.optimizer(list(m.parameters())) for v, m in models.items()}
-        batches = [_batch(case, step, rank, world) for step in range(steps)]
-        own = {"spmd, whole step": whole_step(case.loss)} if "spmd, whole step" in models \
-            else None
-        times = time_rounds(models, opts, batches, case.loss, rounds, tdist.barrier, own)
-        results[name] = {"times": times,
-                         "plan": str(spmd.inspect(models["spmd"])).splitlines()[0]}
-    tdist.destroy_process_group()
-    dist.destroy_process_group()
+    # torch DDP runs on a group of torch's own, as DDP users run it
+    with harness.group(rank, torch_group=True) as world:
+        for name in names:
+            case = CASES[name]
+            models = {v: make[v](case) for v in case.variants}
+            opts = {v: case.optimizer(list(m.parameters())) for v, m in models.items()}
+            batches = [_batch(case, step, rank, world) for step in range(steps)]
+            own = {"spmd, whole step": whole_step(case.loss)} \
+                if "spmd, whole step" in models else None
+            times = time_rounds(models, opts, batches, case.loss, rounds, tdist.barrier, own)
+            results[name] = {"times": times,
+                             "plan": str(spmd.inspect(models["spmd"])).splitlines()[0]}
     return results if rank == 0 else None
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__, steps=40, rounds=5)
     parser.add_argument("--nprocs", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cases", default=",".join(CASES),
                         help=f"comma-separated, of {', '.join(CASES)}")
     args = parser.parse_args()
-    names = [n.strip() for n in args.cases.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CASES]
-    if unknown:
-        parser.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    from spmd.runtime import spawn
-
-    results = spawn(rank_main, args=(args.steps, args.rounds, names), nprocs=args.nprocs,
-                    timeout=6000)[0]
-    print("| case | variant | ms/step | vs torch DDP (x faster) | spread over rounds "
-          "| vs limit (x slower) |")
-    print("|---|---|---:|---:|---|---:|")
+    names = harness.choices(args.cases, list(CASES), parser)
+    results = harness.spawn(rank_main, args.steps, args.rounds, names, nprocs=args.nprocs)[0]
+    harness.table(("case", "variant", "ms/step", "vs torch DDP (x faster)",
+                   "spread over rounds", "vs limit (x slower)"), "llrrlr")
     for name, res in results.items():
         times = res["times"]
-        ddp, limit = statistics.median(times["torch DDP"]), statistics.median(times["limit"])
-        for variant, samples in times.items():
-            t = statistics.median(samples)
-            ratios = [d / s for d, s in zip(times["torch DDP"], samples)]
-            spread = f"{min(ratios):.2f}–{max(ratios):.2f}" if variant != "torch DDP" else ""
-            print(f"| {CASES[name].label} | {variant} | {t * 1e3:.2f} | {ddp / t:.2f} | "
-                  f"{spread} | {t / limit:.2f} |")
+        limit = statistics.median(times["limit"])
+        for variant, v in harness.versus(times, "torch DDP").items():
+            harness.row(CASES[name].label, variant, f"{v.median * 1e3:.2f}", f"{v.ratio:.2f}",
+                        v.spread, f"{v.median / limit:.2f}")
     for name, res in results.items():
         print(f"\n{CASES[name].label}: {res['plan']}")
 

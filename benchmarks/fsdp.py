@@ -54,17 +54,15 @@ from their initial values. Prints markdown tables, one per world size.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import os
-import statistics
 import time
 import warnings
-from datetime import timedelta
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import harness
 
 VOCAB, ROWS, LENGTH = 256, 8, 32  # token ids; sequences and tokens per rank
 VARIANTS = ("spmd fsdp", "torch FSDP2", "spmd ddp")
@@ -162,6 +160,13 @@ def memory_between(prof, start_ns: int, end_ns: int) -> tuple[int, int]:
 
 
 def rank_main(rank: int, steps: int, rounds: int, width: int, layers: int) -> dict | None:
+    with harness.group(rank) as world:  # torch sees it: FSDP2 runs over the same Gloo
+        out = _measure(rank, world, steps, rounds, width, layers)
+    return out if rank == 0 else None
+
+
+def _measure(rank: int, world: int, steps: int, rounds: int, width: int, layers: int
+             ) -> dict:
     import torch.distributed as tdist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -169,15 +174,10 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, layers: int) -> di
     from torch.profiler import ProfilerActivity, profile
 
     import spmd
-    from spmd import runtime as dist
 
-    torch.set_num_threads(1)
     # FSDP2 warns that the root returns a view (the head's matmul output): only an
     # in-place op on it would skip its hook, and the loss reads it out of place
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    world = dist.get_world_size()
-    # torch.distributed sees the group spmd made: FSDP2 runs over the same Gloo connections
     mesh = init_device_mesh("cpu", (world,))
 
     def fsdp2() -> nn.Module:
@@ -196,14 +196,9 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, layers: int) -> di
     # -- step time: variants alternate within each round ---------------------------------
     models = {v: make[v]() for v in VARIANTS}
     opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-3) for v, m in models.items()}
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for r in range(rounds + 1):  # round 0 warms up (compiles) and is not counted
-        for variant, model in models.items():
-            tdist.barrier()
-            start = time.perf_counter()
-            _train(model, opts[variant], batches)
-            if r:
-                times[variant].append((time.perf_counter() - start) / steps)
+    times = harness.alternate({v: (lambda v=v: _train(models[v], opts[v], batches))
+                               for v in VARIANTS},
+                              rounds, barrier=tdist.barrier, per=steps).times
 
     # -- where spmd fsdp's time goes: one more step of every variant, that one profiled --
     profiler = spmd.profile(models["spmd fsdp"], steps=1)
@@ -249,13 +244,9 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, layers: int) -> di
             fingerprints[variant].append(spmd.inspect(model).fingerprint())
         del model, opt, prof
 
-    summary = str(plan).splitlines()[0]
-    dist.destroy_process_group()  # torch's view of the group goes with it
-    if rank:
-        return None
     return {"times": times, "memory": memory, "moved": moved, "differences": differences,
-            "measured": measured, "predicted": predicted, "plan": summary,
-            "fingerprints": fingerprints}
+            "measured": measured, "predicted": predicted,
+            "fingerprints": fingerprints, "plan": str(plan).splitlines()[0]}
 
 
 def _lanes(timeline) -> str:
@@ -275,22 +266,18 @@ def report(world: int, res: dict, steps: int, rounds: int, width: int, layers: i
     times, memory = res["times"], res["memory"]
     print(f"\n### {world} ranks: {layers} layers of width {width}, AdamW, {steps} steps x "
           f"{rounds} rounds\n")
-    print("| variant | ms/step | vs FSDP2 (x faster) | spread over rounds | persistent MiB "
-          "| measured peak MiB | predicted peak MiB | prediction error |")
-    print("|---|---:|---:|---|---:|---:|---:|---:|")
-    fsdp2 = times["torch FSDP2"]
-    for variant in VARIANTS:
-        samples, mem = times[variant], memory[variant]
-        t = statistics.median(samples)
-        ratios = [f / s for f, s in zip(fsdp2, samples)]
-        spread = f"{min(ratios):.2f}–{max(ratios):.2f}" if variant != "torch FSDP2" else ""
+    harness.table(("variant", "ms/step", "vs FSDP2 (x faster)", "spread over rounds",
+                   "persistent MiB", "measured peak MiB", "predicted peak MiB",
+                   "prediction error"), "lrrlrrrr")
+    for variant, v in harness.versus(times, "torch FSDP2").items():
+        mem = memory[variant]
         predicted = error = ""
         if variant == "spmd fsdp":
             predicted = f"{mem['view'].peak / mib:.2f}"
             error = f"{(mem['view'].peak - mem['peak']) / mem['peak']:+.1%}"
-        print(f"| {variant} | {t * 1e3:.2f} | {statistics.median(fsdp2) / t:.2f} | {spread} | "
-              f"{mem['persistent'] / mib:.2f} | {mem['peak'] / mib:.2f} | {predicted} | "
-              f"{error} |")
+        harness.row(variant, f"{v.median * 1e3:.2f}", f"{v.ratio:.2f}", v.spread,
+                    f"{mem['persistent'] / mib:.2f}", f"{mem['peak'] / mib:.2f}", predicted,
+                    error)
     view = memory["spmd fsdp"]["view"]
     print(f"\nspmd fsdp: {res['plan']}")
     print(f"spmd fsdp, predicted memory: persistent {view.persistent / mib:.2f} MiB + "
@@ -310,24 +297,17 @@ def cli(doc: str, rank_main, report, nprocs: str) -> None:
     """Parse this model's options (world sizes, steps, rounds, layers, width), run
     ``rank_main`` on each world size and print ``report`` of rank 0's result; shared by
     the benchmarks of this model (``zero.py``)."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser = harness.parser(doc, steps=20, rounds=5)
     parser.add_argument("--nprocs", default=nprocs, help="comma-separated world sizes")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=128)
     args = parser.parse_args()
-    worlds = [int(n) for n in args.nprocs.split(",") if n.strip()]
-    if not worlds or min(worlds) < 2:
-        parser.error("--nprocs: world sizes of 2 or more")
+    worlds = harness.world_sizes(args.nprocs, parser)
     if args.width % 4:
         parser.error("--width: a multiple of 4 (4 attention heads)")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    from spmd.runtime import spawn
-
     for world in worlds:
-        res = spawn(rank_main, args=(args.steps, args.rounds, args.width, args.layers),
-                    nprocs=world, start_method="forkserver", timeout=6000)[0]
+        res = harness.spawn(rank_main, args.steps, args.rounds, args.width, args.layers,
+                            nprocs=world, start_method="forkserver")[0]
         report(world, res, args.steps, args.rounds, args.width, args.layers)
 
 

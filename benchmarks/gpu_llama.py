@@ -18,25 +18,19 @@ memory-bound chains, attention as the fused kernel, AdamW and clipping) and
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import llm  # noqa: E402
-from gpu_step import _preset, timed  # noqa: E402  (the card's preset; the timed loop)
+import harness
+import llm
+from gpu_step import _preset, timed  # the card's preset; the timed loop
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__, steps=10)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -80,12 +74,11 @@ def main() -> None:
     gib = 2**30
     print(f"\n### {card}: Llama-style {params / 1e9:.2f}B, bfloat16, batch {args.rows} x "
           f"{args.length}, AdamW + clipping, Inductor; preset {preset.name}\n")
-    print("| measured ms/step | predicted ms/step | time error | measured peak GiB | "
-          "predicted peak GiB | memory error |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    print(f"| {measured * 1e3:.1f} | {predicted * 1e3:.1f} | "
-          f"{(predicted - measured) / measured:+.0%} | {peak / gib:.2f} | {memory / gib:.2f} | "
-          f"{(memory - peak) / peak:+.0%} |")
+    harness.table(("measured ms/step", "predicted ms/step", "time error", "measured peak GiB",
+                   "predicted peak GiB", "memory error"), "rrrrrr")
+    harness.row(f"{measured * 1e3:.1f}", f"{predicted * 1e3:.1f}",
+                f"{(predicted - measured) / measured:+.0%}", f"{peak / gib:.2f}",
+                f"{memory / gib:.2f}", f"{(memory - peak) / peak:+.0%}")
     print("\n" + plan.summary().split("\n\n")[0])
     if args.profile:
         fitted = spmd.hardware.fit(args.profile, preset)

@@ -17,17 +17,14 @@ chains, as the measured run compiles). The model is ``benchmarks/fsdp.py``'s tra
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import fsdp as bench  # noqa: E402
+import fsdp as bench
+import harness
 
 
 def _preset(name: str):
@@ -58,12 +55,11 @@ def timed(step, steps: int, warmup: int) -> tuple[float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__, steps=20)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--length", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--strategies", default="ddp,fsdp,zero1,zero2")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -77,9 +73,8 @@ def main() -> None:
     x, y = (t.cuda() for t in bench._batch(0, 0))
     print(f"\n### {card}: {args.layers} layers of width {args.width}, batch {args.rows} x "
           f"{args.length} tokens, float32, AdamW; preset {preset.name}\n")
-    print("| strategy | measured ms/step | predicted ms/step | time error | measured peak GiB "
-          "| predicted peak GiB | memory error |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    harness.table(("strategy", "measured ms/step", "predicted ms/step", "time error",
+                   "measured peak GiB", "predicted peak GiB", "memory error"), "lrrrrrr")
     gib = 2**30
     for strategy in args.strategies.split(","):
         torch.cuda.empty_cache()
@@ -99,9 +94,9 @@ def main() -> None:
                             mesh=spmd.Mesh.simulated(1, hardware=preset), strategy=strategy)
         predicted = plan.predicted_timeline().step_seconds
         memory = plan.memory("adamw").peak
-        print(f"| {strategy} | {measured * 1e3:.2f} | {predicted * 1e3:.2f} | "
-              f"{(predicted - measured) / measured:+.0%} | {peak / gib:.2f} | "
-              f"{memory / gib:.2f} | {(memory - peak) / peak:+.0%} |", flush=True)
+        harness.row(strategy, f"{measured * 1e3:.2f}", f"{predicted * 1e3:.2f}",
+                    f"{(predicted - measured) / measured:+.0%}", f"{peak / gib:.2f}",
+                    f"{memory / gib:.2f}", f"{(memory - peak) / peak:+.0%}", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,14 @@ device for a simulated cluster.
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import sys
 import time
 
 import torch
+
+import harness
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,8 +36,8 @@ PUBLISHED = {"H100_SXM": (460e9, 480e9), "A100_80GB": (230e9, 250e9)}
 def collectives() -> None:
     import spmd
 
-    print("| system | predicted busbw (GB/s) | published busbw (GB/s) | error |")
-    print("|---|---:|---:|---:|")
+    harness.table(("system", "predicted busbw (GB/s)", "published busbw (GB/s)", "error"),
+                  "lrrr")
     mesh = spmd.Mesh.simulated(8)
     nbytes = 1 << 30
     for name, (low, high) in PUBLISHED.items():
@@ -44,8 +45,8 @@ def collectives() -> None:
         seconds = hw.cost_model(mesh, "dp").seconds("all_reduce", nbytes)
         busbw = nbytes * 2 * 7 / 8 / seconds
         middle = (low + high) / 2
-        print(f"| 8x {hw.device.name} | {busbw / 1e9:.0f} | {low / 1e9:.0f}-{high / 1e9:.0f} | "
-              f"{(busbw - middle) / middle:+.0%} |")
+        harness.row(f"8x {hw.device.name}", f"{busbw / 1e9:.0f}",
+                    f"{low / 1e9:.0f}-{high / 1e9:.0f}", f"{(busbw - middle) / middle:+.0%}")
 
 
 def planning(layers: int, dim: int, dtype: torch.dtype) -> None:
@@ -73,7 +74,7 @@ def planning(layers: int, dim: int, dtype: torch.dtype) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--dim", type=int, default=4096)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

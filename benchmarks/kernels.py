@@ -46,11 +46,12 @@ than ``fused=True``.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import torch
+
+import harness
 
 
 def transformer(layers: int, dim: int) -> list[tuple[int, ...]]:
@@ -199,7 +200,7 @@ def host(device: torch.device, counts=(10, 100, 1000, 10000)) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--host", action="store_true",
                         help="time the host work of a pack launch per number of tensors")
@@ -232,9 +233,9 @@ def main() -> None:
         rows += measure(name, workload_shapes, device, bench)
     copy = {name: nbytes / times["torch copy_"] for kernel, name, nbytes, times in rows
             if kernel == "copy"}
-    print("\n| kernel | workload | MiB moved | spmd µs | spmd GB/s | copy % | peer | peer µs "
-          "| peer GB/s | spmd speed-up |")
-    print("|---|---|---:|---:|---:|---:|---|---:|---:|---:|")
+    print()
+    harness.table(("kernel", "workload", "MiB moved", "spmd µs", "spmd GB/s", "copy %", "peer",
+                   "peer µs", "peer GB/s", "spmd speed-up"), "llrrrrlrrr")
     for kernel, name, nbytes, times in rows:
         if kernel == "copy":
             print(f"| copy_ (reference) | {name} | {nbytes / 2**20:,.1f} | "

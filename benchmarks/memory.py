@@ -15,16 +15,10 @@ only (no allocator slack).
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import llm  # noqa: E402
+import harness
+import llm
 
 
 def _bytes(tensors) -> int:
@@ -80,7 +74,7 @@ def measure(config: llm.Config, length: int, rows: int, strategy: str, checkpoin
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--length", type=int, default=256)
@@ -92,15 +86,15 @@ def main() -> None:
                         kv_heads=2, ffn=args.width * 3, vocab=args.vocab)
     print(f"decoder: {args.layers} layers of width {args.width}, vocabulary {args.vocab}, "
           f"batch {args.rows} x {args.length}, float32, AdamW, one rank\n")
-    print("| strategy | checkpointing | predicted peak MiB | measured peak MiB | error |")
-    print("|---|---|---:|---:|---:|")
+    harness.table(("strategy", "checkpointing", "predicted peak MiB", "measured peak MiB",
+                   "error"), "llrrr")
     for strategy in ("ddp", "fsdp"):
         for checkpoint in ("none", "selective", "full"):
             predicted, measured, _ = measure(config, args.length, args.rows, strategy,
                                              checkpoint)
-            print(f"| {strategy} | {checkpoint} | {predicted / 2**20:.2f} | "
-                  f"{measured / 2**20:.2f} | {(predicted - measured) / measured:+.1%} |",
-                  flush=True)
+            harness.row(strategy, checkpoint, f"{predicted / 2**20:.2f}",
+                        f"{measured / 2**20:.2f}", f"{(predicted - measured) / measured:+.1%}",
+                        flush=True)
 
 
 if __name__ == "__main__":

@@ -18,16 +18,12 @@ transformer encoder of width 256, 8 sequences of 32 tokens, SGD), those of
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from ddp import CASES  # noqa: E402  (the benchmark models)
+import harness
+from ddp import CASES  # the benchmark models
 
 
 def timed(model, opt, case, batches) -> tuple[float, float, float]:
@@ -47,9 +43,7 @@ def timed(model, opt, case, batches) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=20)
+    parser = harness.parser(__doc__, steps=20, rounds=15)
     parser.add_argument("--cases", default="mlp,d256")
     parser.add_argument("--inductor", action="store_true",
                         help="also compile_compute=True (Inductor)")
@@ -58,9 +52,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     variants = ("eager", "spmd", "inductor") if args.inductor else ("eager", "spmd")
-    print("| case | part | eager ms | " + " | ".join(
-        f"{v} ms | {v} extra ms" for v in variants[1:]) + " |")
-    print("|---|---|---:|" + "---:|---:|" * (len(variants) - 1))
+    harness.table(("case", "part", "eager ms",
+                   *(f"{v} {c}" for v in variants[1:] for c in ("ms", "extra ms"))),
+                  "llr" + "rr" * (len(variants) - 1))
     for name in args.cases.split(","):
         case = CASES[name]
         batches = []
@@ -78,19 +72,17 @@ def main() -> None:
             models[variant] = (model, case.optimizer(list(model.parameters())))
         for variant, (model, opt) in models.items():
             timed(model, opt, case, batches[:3])  # compile, warm up
-        best: dict[str, tuple[float, ...]] = {}
-        for _ in range(args.rounds):
-            for variant, (model, opt) in models.items():
-                parts = timed(model, opt, case, batches)
-                if variant not in best or sum(parts) < sum(best[variant]):
-                    best[variant] = parts
+        rounds = harness.alternate({v: (lambda m=m, o=o: timed(m, o, case, batches))
+                                    for v, (m, o) in models.items()}, args.rounds, warmup=0)
+        # the fastest round: the least disturbed by the machine
+        best = {v: min(parts, key=sum) for v, parts in rounds.results.items()}
         for i, part in enumerate(("forward", "backward", "optimizer", "step")):
             e = best["eager"][i] if i < 3 else sum(best["eager"])
             cells = []
             for v in variants[1:]:
                 s = best[v][i] if i < 3 else sum(best[v])
-                cells.append(f"{s * 1e3:.3f} | {(s - e) * 1e3:+.3f}")
-            print(f"| {case.label} | {part} | {e * 1e3:.3f} | " + " | ".join(cells) + " |")
+                cells += [f"{s * 1e3:.3f}", f"{(s - e) * 1e3:+.3f}"]
+            harness.row(case.label, part, f"{e * 1e3:.3f}", *cells)
 
 
 if __name__ == "__main__":

@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from datetime import timedelta
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import harness
 
 
 class Model(nn.Module):
@@ -97,9 +97,7 @@ def rank_main(rank: int, args: argparse.Namespace) -> dict:
     import spmd
     import spmd.runtime as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    try:
+    with harness.group(rank):
         ranks = args.ranks
         mesh = spmd.Mesh((ranks,), ("pp",))
         group = mesh.get_group("pp").to_torch()
@@ -151,27 +149,28 @@ def rank_main(rank: int, args: argparse.Namespace) -> dict:
                 variants["torch"] = (torch_step, None)
             except Exception as e:  # a schedule torch cannot run here: said in the table
                 out.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:160]}"
-            times: dict[str, list[float]] = {k: [] for k in variants}
             bubbles: list[float] = []
-            first_loss: dict[str, float] = {}
-            for r in range(args.rounds + 1):
-                for label, (step, runner) in variants.items():
-                    dist.barrier(group=mesh.get_group("pp"))
-                    start = time.perf_counter()
-                    for i, batch in enumerate(batches):
-                        loss = step(batch)
-                        if r == 0 and i == 0:
-                            first_loss[label] = loss
-                    dist.barrier(group=mesh.get_group("pp"))
-                    if r:
-                        times[label].append((time.perf_counter() - start) / len(batches))
-                    if r and runner is not None:
-                        bubbles.append(_busy(runner))
-            out[name] = {"times": times, "busy": bubbles, "loss": first_loss,
+
+            def barrier():
+                dist.barrier(group=mesh.get_group("pp"))
+
+            def run(step):
+                losses = [step(batch) for batch in batches]
+                barrier()  # every rank's step done: the pipeline's time
+                return losses
+
+            def busy(label, r, variants=variants):
+                if r and variants[label][1] is not None:
+                    bubbles.append(_busy(variants[label][1]))
+
+            timed = harness.alternate({label: (lambda s=step: run(s))
+                                       for label, (step, _) in variants.items()},
+                                      args.rounds, barrier=barrier, per=len(batches),
+                                      after=busy)
+            out[name] = {"times": timed.times, "busy": bubbles,
+                         "loss": {k: v[0] for k, v in timed.warmup.items()},
                          "theory": spmd.pp.schedule(name, args.microbatches).bubble(ranks)}
         return out
-    finally:
-        dist.destroy_process_group()
 
 
 def _busy(pm) -> tuple[float, float]:
@@ -182,10 +181,8 @@ def _busy(pm) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__, steps=4, rounds=4)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dim", type=int, default=256)
@@ -194,15 +191,13 @@ def main() -> None:
     parser.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zb-h1")
     args = parser.parse_args()
     args.schedules = args.schedules.split(",")
-    from spmd.runtime import spawn
-
-    results = spawn(rank_main, args=(args,), nprocs=args.ranks, timeout=3600)
+    results = harness.spawn(rank_main, args, nprocs=args.ranks, timeout=3600)
     print(f"{args.ranks} ranks, {args.layers} x d{args.dim} blocks, batch {args.batch} x "
           f"{args.seq} tokens, {args.microbatches} microbatches, {args.rounds} rounds x "
           f"{args.steps} steps\n")
-    print("| schedule | spmd ms (min-max) | torch ms (min-max) | spmd / torch | measured "
-          "bubble (min-max) | theoretical | step-0 loss spmd, torch |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+    harness.table(("schedule", "spmd ms (min-max)", "torch ms (min-max)", "spmd / torch",
+                   "measured bubble (min-max)", "theoretical", "step-0 loss spmd, torch"),
+                  "lrrrrrl")
     for name in args.schedules:
         runs = [r[name] for r in results]
         row = [name]
@@ -225,7 +220,7 @@ def main() -> None:
         row.append(f"{runs[0]['theory']:.1%}")
         losses = runs[-1]["loss"]
         row.append(", ".join(f"{losses[k]:.6f}" for k in ("spmd", "torch") if k in losses))
-        print("| " + " | ".join(row) + " |")
+        harness.row(*row)
     errors = results[0].get("errors")
     if errors:
         print()

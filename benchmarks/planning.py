@@ -27,6 +27,7 @@ import time
 import torch
 import torch.nn as nn
 
+import harness
 import spmd
 from spmd.lowering.state import state_of
 
@@ -71,16 +72,15 @@ def llama() -> None:
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    print("| model | parameters | ranks | planning s | process peak MiB | predicted peak "
-          "GiB per device | buckets | collectives |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    harness.table(("model", "parameters", "ranks", "planning s", "process peak MiB",
+                   "predicted peak GiB per device", "buckets", "collectives"), "lrrrrrrr")
     for name in ("LLAMA3_8B", "LLAMA3_70B"):
         out = subprocess.run([sys.executable, "-c", _LLAMA.format(here=here, name=name)],
                              capture_output=True, text=True, check=True)
         seconds, rss, params, peak, buckets, collectives = out.stdout.split()[-6:]
-        print(f"| {name} | {int(params):,} | 64 | {float(seconds):.1f} | "
-              f"{int(rss) / 1024:.0f} | {int(peak) / 2**30:.1f} | {buckets} | {collectives} |",
-              flush=True)
+        harness.row(name, f"{int(params):,}", 64, f"{float(seconds):.1f}",
+                    f"{int(rss) / 1024:.0f}", f"{int(peak) / 2**30:.1f}", buckets, collectives,
+                    flush=True)
 
 
 _LONG = r"""
@@ -166,9 +166,7 @@ def long_context() -> None:
 
 
 def main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
     parser.add_argument("--llama", action="store_true")
     parser.add_argument("--long-context", action="store_true")
@@ -190,10 +188,9 @@ def main() -> None:
     strategy = args.strategy
     torch.set_num_threads(1)
     tokens = torch.randint(0, 256, (4, 32))
-    memory = " persistent MiB | predicted peak MiB |" if strategy == "fsdp" else ""
-    print(f"| model | parameters | ranks | planning s | in passes s | buckets | "
-          f"predicted comm ms |{memory}")
-    print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if memory else ""))
+    memory = ("persistent MiB", "predicted peak MiB") if strategy == "fsdp" else ()
+    harness.table(("model", "parameters", "ranks", "planning s", "in passes s", "buckets",
+                   "predicted comm ms", *memory), "lrrrrrr" + "r" * len(memory))
     for label, (width, layers) in SIZES.items():
         torch.manual_seed(0)
         model = Transformer(width, layers)
@@ -205,13 +202,13 @@ def main() -> None:
             elapsed = time.perf_counter() - start
             passes = sum(sum(state_of(gm).pass_seconds.values())
                          for gm in plan.graphs.values())
-            extra = ""
+            extra = ()
             if strategy == "fsdp":
                 view = plan.memory("adamw")
-                extra = f" {view.persistent / 2**20:.2f} | {view.peak / 2**20:.2f} |"
-            print(f"| {label} | {params:,} | {n} | {elapsed:.2f} | {passes:.3f} | "
-                  f"{len(plan.buckets)} | {plan.predicted_communication_seconds() * 1e3:.1f} |"
-                  f"{extra}")
+                extra = (f"{view.persistent / 2**20:.2f}", f"{view.peak / 2**20:.2f}")
+            harness.row(label, f"{params:,}", n, f"{elapsed:.2f}", f"{passes:.3f}",
+                        len(plan.buckets),
+                        f"{plan.predicted_communication_seconds() * 1e3:.1f}", *extra)
 
 
 if __name__ == "__main__":

@@ -20,46 +20,37 @@ timed assertions in tests (tests/cpu/test_profiling.py checks the mechanism inst
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
-from datetime import timedelta
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.ddp import CASES, _batch, _fresh  # noqa: E402
+import harness
+from ddp import CASES, _batch, _fresh
 
 MODELS = list(CASES)
 
 
 def profiled(rank: int, name: str, steps: int) -> dict:
     import spmd
-    from spmd import runtime as dist
     from spmd.plan.profiling import completions
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    world = dist.get_world_size()
-    case = CASES[name]
-    model = spmd.parallelize(_fresh(case), calibrate=True, overlap=False)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with harness.group(rank, timeout_s=300) as world:
+        case = CASES[name]
+        model = spmd.parallelize(_fresh(case), calibrate=True, overlap=False)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
-    def step(i: int) -> None:
-        x, y = _batch(case, i, rank, world)
-        case.loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+        def step(i: int) -> None:
+            x, y = _batch(case, i, rank, world)
+            case.loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
 
-    for i in range(3):
-        step(i)
-    prof = spmd.profile(model, steps=steps)
-    for i in range(steps):
-        step(i)
-    plan = spmd.inspect(model)
-    dist.destroy_process_group()
+        for i in range(3):
+            step(i)
+        prof = spmd.profile(model, steps=steps)
+        for i in range(steps):
+            step(i)
+        plan = spmd.inspect(model)
     return {
         "predicted": plan.predicted_communication_seconds(),
         "buckets": len(plan.buckets),
@@ -89,21 +80,16 @@ def measured_per_step(runs: list[dict]) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
-    args = parser.parse_args()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    from spmd.runtime import spawn
-
-    print("| model | ranks | buckets | predicted ms | measured ms (median) | error |")
-    print("|---|---:|---:|---:|---:|---:|")
+    args = harness.parser(__doc__, steps=12).parse_args()
+    harness.table(("model", "ranks", "buckets", "predicted ms", "measured ms (median)",
+                   "error"), "lrrrrr")
     for name in MODELS:
         for nprocs in (2, 3):
-            runs = spawn(profiled, args=(name, args.steps), nprocs=nprocs, timeout=600)
+            runs = harness.spawn(profiled, name, args.steps, nprocs=nprocs, timeout=600)
             measured = statistics.median(measured_per_step(runs))
             predicted = runs[0]["predicted"]
-            print(f"| {name} | {nprocs} | {runs[0]['buckets']} | {predicted * 1e3:.3f} | "
-                  f"{measured * 1e3:.3f} | {abs(predicted - measured) / measured:.0%} |")
+            harness.row(name, nprocs, runs[0]["buckets"], f"{predicted * 1e3:.3f}",
+                        f"{measured * 1e3:.3f}", f"{abs(predicted - measured) / measured:.0%}")
 
 
 if __name__ == "__main__":

@@ -34,21 +34,16 @@ Sources (the rows quote them; ``/tmp/scratch``-free, all public):
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
 import resource
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import llm  # noqa: E402
+import harness
+import llm
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,7 +184,7 @@ def predict(run: Run) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--runs", default=",".join(r.key for r in RUNS))
     parser.add_argument("--summary", action="store_true", help="print each plan's summary")
     parser.add_argument("--calibrate-on", default="M3,M10",
@@ -202,10 +197,10 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown run(s) {sorted(unknown)}; known: {[r.key for r in RUNS]}")
     calibrators = [k for k in args.calibrate_on.split(",") if k]
-    print("| run | model | GPUs | parallelism | seq x micro x GA | precision | published "
-          "tok/s/GPU | predicted | error | predicted model TFLOP/s per GPU | exposed comm | "
-          "peak memory | planning s | calibrated | error |")
-    print("|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    harness.table(("run", "model", "GPUs", "parallelism", "seq x micro x GA", "precision",
+                   "published tok/s/GPU", "predicted", "error",
+                   "predicted model TFLOP/s per GPU", "exposed comm", "peak memory",
+                   "planning s", "calibrated", "error"), "llrlllrrrrrrrrr")
     errors, held_out, factors = [], [], {}
     for run in RUNS:
         if run.key not in wanted:
@@ -215,22 +210,22 @@ def main() -> None:
         errors.append(error)
         if run.key in calibrators:
             factors[run.gpu] = (run.key, calibrate(run, got["plan"]))
-            calibrated = f"fits {factors[run.gpu][1]:.2f}x compute | -"
+            calibrated = (f"fits {factors[run.gpu][1]:.2f}x compute", "-")
         elif run.gpu in factors:
             tok = scaled(run, got["plan"], factors[run.gpu][1])
             held_out.append((tok - run.published) / run.published)
-            calibrated = f"{tok:,.0f} | {held_out[-1]:+.0%}"
+            calibrated = (f"{tok:,.0f}", f"{held_out[-1]:+.0%}")
         else:
-            calibrated = "- | -"
+            calibrated = ("-", "-")
         par = (f"{run.strategy} {run.gpus // run.tp}" + (f" x tp {run.tp}" if run.tp > 1 else ""))
         prec = ("fp8" if run.fp8 else "bf16") + (", compiled" if run.compiled else "") + (
             f", AC {run.checkpoint}" if run.checkpoint != "none" else "")
-        print(f"| {run.key} ({run.source}) | {run.config.name} | {run.gpus} x {run.gpu} | {par} "
-              f"| {run.length} x {run.micro_batch} x {run.accumulation} | {prec} | "
-              f"{run.published:,.0f} | {got['predicted']:,.0f} | {error:+.0%} | "
-              f"{got['tflops']:.0f} | {got['exposed'] * 1e3:.0f} ms | "
-              f"{got['peak'] / 2**30:.1f} GiB{'' if got['fits'] else ' (does not fit)'} | "
-              f"{got['planning']:.1f} | {calibrated} |", flush=True)
+        harness.row(f"{run.key} ({run.source})", run.config.name, f"{run.gpus} x {run.gpu}",
+                    par, f"{run.length} x {run.micro_batch} x {run.accumulation}", prec,
+                    f"{run.published:,.0f}", f"{got['predicted']:,.0f}", f"{error:+.0%}",
+                    f"{got['tflops']:.0f}", f"{got['exposed'] * 1e3:.0f} ms",
+                    f"{got['peak'] / 2**30:.1f} GiB{'' if got['fits'] else ' (does not fit)'}",
+                    f"{got['planning']:.1f}", *calibrated, flush=True)
         if args.summary:
             print(got["plan"].summary())
     if errors:

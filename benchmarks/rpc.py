@@ -27,11 +27,12 @@ Prints a markdown table with the ratio "spmd advantage" (> 1: spmd is better).
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import statistics
 import time
+
+import harness
 
 
 def _noop(*args):
@@ -162,16 +163,15 @@ def _run(kind: str, calls: int, mib: int, steps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser = harness.parser(__doc__, rounds=5)
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--steps", type=int, default=200)
     a = parser.parse_args()
-    runs: dict[str, list[dict]] = {"spmd": [], "torch": []}
-    for i in range(a.rounds):
-        for kind in (("spmd", "torch") if i % 2 == 0 else ("torch", "spmd")):
-            runs[kind].append(_run(kind, a.calls, a.mib, a.steps))
+    # each run in fresh processes: no warm-up round; the order turns each round
+    runs = harness.alternate({kind: (lambda kind=kind: _run(kind, a.calls, a.mib, a.steps))
+                              for kind in ("spmd", "torch")},
+                             a.rounds, warmup=0, order=harness.back_and_forth).results
     med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
     s, t = med["spmd"], med["torch"]
     rows = [
@@ -191,10 +191,9 @@ def main() -> None:
         ("  a plain local backward of the MLP, same process (ms)", s["local_backward_ms"],
          t["local_backward_ms"], t["local_backward_ms"] / s["local_backward_ms"]),
     ]
-    print("| measure | spmd | torch (TensorPipe) | spmd advantage (x) |")
-    print("|---|---:|---:|---:|")
+    harness.table(("measure", "spmd", "torch (TensorPipe)", "spmd advantage (x)"), "lrrr")
     for name, ours, theirs, ratio in rows:
-        print(f"| {name} | {ours:,.1f} | {theirs:,.1f} | {ratio:.2f} |")
+        harness.row(name, f"{ours:,.1f}", f"{theirs:,.1f}", f"{ratio:.2f}")
     for kind, results in runs.items():
         print(f"\n{kind} rounds: " + "; ".join(
             f"{r['latency_us']:.0f} µs, {r['calls_per_s']:.0f}/s, {r['big_ms']:.1f} ms, "

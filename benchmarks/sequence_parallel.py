@@ -38,20 +38,16 @@ they train the same model.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
-from datetime import timedelta
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness
+import tp
+from memory import step_peak
+from tp import SPLIT, _batch, _fresh, _train, alternate
 
-import tp  # noqa: E402
-from memory import step_peak  # noqa: E402
-from tp import COLUMN, ROW, _batch, _fresh, _train, alternate  # noqa: E402
+COLUMN, ROW = SPLIT["encoder"]  # tp.py's model: q/k/v/linear1 by columns, o/linear2 by rows
 
 VARIANTS = ("spmd tp", "spmd tp+sp", "spmd tp+sp+vp", "spmd tp+sp+vp+lp", "torch TP",
             "torch TP+SP", "torch TP+SP+lp")
@@ -102,71 +98,66 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, heads: int, layers
                                                    SequenceParallel, parallelize_module)
 
     import spmd
-    from spmd import runtime as dist
 
-    torch.set_num_threads(1)
     tp.VOCAB = vocab  # (the model's and the batches')
-    dist.init_process_group("gloo", timeout=timedelta(seconds=900))
-    mesh = spmd.Mesh((2,), dim_names=("tp",))
-    torch_mesh = mesh.to_torch()
+    with harness.group(rank, timeout_s=900):
+        mesh = spmd.Mesh((2,), dim_names=("tp",))
+        torch_mesh = mesh.to_torch()
 
-    def torch_tp(sequence_parallel: bool, loss_par: bool = False):
-        model = _fresh(width, heads, layers)
-        if not sequence_parallel:
-            plan = {**{n: ColwiseParallel() for n in COLUMN},
-                    **{n: RowwiseParallel() for n in ROW}}
+        def torch_tp(sequence_parallel: bool, loss_par: bool = False):
+            model = _fresh(width, heads, layers)
+            if not sequence_parallel:
+                plan = {**{n: ColwiseParallel() for n in COLUMN},
+                        **{n: RowwiseParallel() for n in ROW}}
+                for block in model.layers:
+                    parallelize_module(block, torch_mesh, plan)
+                return model
+            parallelize_module(model, torch_mesh, {
+                "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                "norm": SequenceParallel(),
+                "head": ColwiseParallel(input_layouts=Shard(1), use_local_output=False)
+                if loss_par else ColwiseParallel(input_layouts=Shard(1),
+                                                 output_layouts=Replicate())})
+            plan = {"norm1": SequenceParallel(), "norm2": SequenceParallel(),
+                    **{n: ColwiseParallel(input_layouts=Shard(1)) for n in COLUMN},
+                    **{n: RowwiseParallel(output_layouts=Shard(1)) for n in ROW}}
             for block in model.layers:
                 parallelize_module(block, torch_mesh, plan)
             return model
-        parallelize_module(model, torch_mesh, {
-            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "head": ColwiseParallel(input_layouts=Shard(1), use_local_output=False)
-            if loss_par else ColwiseParallel(input_layouts=Shard(1),
-                                             output_layouts=Replicate())})
-        plan = {"norm1": SequenceParallel(), "norm2": SequenceParallel(),
-                **{n: ColwiseParallel(input_layouts=Shard(1)) for n in COLUMN},
-                **{n: RowwiseParallel(output_layouts=Shard(1)) for n in ROW}}
-        for block in model.layers:
-            parallelize_module(block, torch_mesh, plan)
-        return model
 
-    def ours(sequence_parallel: bool, vocab_parallel: bool = False, loss_par: bool = False):
-        model = _fresh(width, heads, layers)
-        return spmd.parallelize(WithLoss(model) if loss_par else model, mesh=mesh,
-                                placements=spmd.tp.megatron(
-                                    sequence_parallel=sequence_parallel,
-                                    vocab_parallel=vocab_parallel, loss_parallel=loss_par))
+        def ours(sequence_parallel: bool, vocab_parallel: bool = False, loss_par: bool = False):
+            model = _fresh(width, heads, layers)
+            return spmd.parallelize(WithLoss(model) if loss_par else model, mesh=mesh,
+                                    placements=spmd.tp.megatron(
+                                        sequence_parallel=sequence_parallel,
+                                        vocab_parallel=vocab_parallel, loss_parallel=loss_par))
 
-    make = {"spmd tp": lambda: ours(False), "spmd tp+sp": lambda: ours(True),
-            "spmd tp+sp+vp": lambda: ours(True, True),
-            "spmd tp+sp+vp+lp": lambda: ours(True, True, True),
-            "torch TP": lambda: torch_tp(False), "torch TP+SP": lambda: torch_tp(True),
-            "torch TP+SP+lp": lambda: torch_tp(True, True)}
-    trains = {"spmd tp+sp+vp+lp": _train_inside, "torch TP+SP+lp": _train_torch_lp}
-    batches = [_batch(step, batch, seq) for step in range(steps)]
-    models = {v: make[v]() for v in VARIANTS}
-    opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-3) for v, m in models.items()}
-    times, first_loss, _ = alternate(models, opts, batches, rounds, tdist.barrier,
-                                     trains=trains)
-    peaks = {}
-    for variant, model in models.items():
+        make = {"spmd tp": lambda: ours(False), "spmd tp+sp": lambda: ours(True),
+                "spmd tp+sp+vp": lambda: ours(True, True),
+                "spmd tp+sp+vp+lp": lambda: ours(True, True, True),
+                "torch TP": lambda: torch_tp(False), "torch TP+SP": lambda: torch_tp(True),
+                "torch TP+SP+lp": lambda: torch_tp(True, True)}
+        trains = {"spmd tp+sp+vp+lp": _train_inside, "torch TP+SP+lp": _train_torch_lp}
+        batches = [_batch(step, batch, seq) for step in range(steps)]
+        models = {v: make[v]() for v in VARIANTS}
+        opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-3) for v, m in models.items()}
+        times, first_loss, _ = alternate(models, opts, batches, rounds, tdist.barrier,
+                                         trains=trains)
+        peaks = {}
+        for variant, model in models.items():
+            tdist.barrier()
+            train = trains.get(variant, _train)
+            peaks[variant] = step_peak(lambda: train(model, opts[variant], batches[:1]))
+        predicted = {v: spmd.inspect(models[v]).memory().activations
+                     for v in ("spmd tp", "spmd tp+sp")}
         tdist.barrier()
-        train = trains.get(variant, _train)
-        peaks[variant] = step_peak(lambda: train(model, opts[variant], batches[:1]))
-    predicted = {v: spmd.inspect(models[v]).memory().activations
-                 for v in ("spmd tp", "spmd tp+sp")}
-    tdist.barrier()
-    dist.destroy_process_group()
-    if rank:
-        return None
-    return {"times": times, "loss": first_loss, "peak": peaks, "predicted": predicted}
+        if rank:
+            return None
+        return {"times": times, "loss": first_loss, "peak": peaks, "predicted": predicted}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser = harness.parser(__doc__, steps=10, rounds=5)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
@@ -174,24 +165,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=256)
     args = parser.parse_args()
-    from spmd import runtime as dist
-
-    res = dist.spawn(rank_main, args=(args.steps, args.rounds, args.width, args.heads,
-                                      args.layers, args.seq, args.batch, args.vocab),
-                     nprocs=2, start_method="spawn", timeout=3000)[0]
+    res = harness.spawn(rank_main, args.steps, args.rounds, args.width, args.heads,
+                        args.layers, args.seq, args.batch, args.vocab, timeout=3000)[0]
     times, peak = res["times"], res["peak"]
     base = statistics.median(times["torch TP+SP"])
     print(f"\n### 2 ranks, tp=2: {args.layers} layers of width {args.width}, {args.heads} "
           f"heads, vocabulary {args.vocab}, {args.batch} x {args.seq} tokens, AdamW, "
           f"{args.steps} steps x "
           f"{args.rounds} rounds\n")
-    print("| variant | step ms (median) | rounds min-max | torch TP+SP / variant | "
-          "step peak MiB (rank 0) | step-0 loss |")
-    print("|---|---:|---:|---:|---:|---:|")
+    harness.table(("variant", "step ms (median)", "rounds min-max", "torch TP+SP / variant",
+                   "step peak MiB (rank 0)", "step-0 loss"), "lrrrrr")
     for v in VARIANTS:
         med = statistics.median(times[v])
-        print(f"| {v} | {med * 1e3:.1f} | {min(times[v]) * 1e3:.1f}-{max(times[v]) * 1e3:.1f} "
-              f"| {base / med:.2f}x | {peak[v] / 2**20:.1f} | {res['loss'][v]:.6f} |")
+        harness.row(v, f"{med * 1e3:.1f}", harness.span([t * 1e3 for t in times[v]], ".1f", "-"),
+                    f"{base / med:.2f}x", f"{peak[v] / 2**20:.1f}", f"{res['loss'][v]:.6f}")
     pred = res["predicted"]
     print(f"\npredicted saved activations per rank: spmd tp {pred['spmd tp'] / 2**20:.1f} "
           f"MiB, spmd tp+sp {pred['spmd tp+sp'] / 2**20:.1f} MiB "

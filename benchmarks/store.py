@@ -16,11 +16,12 @@ Prints a markdown table with our figure, PyTorch's, and the ratio.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import statistics
 import time
 from datetime import timedelta
+
+import harness
 
 T = timedelta(seconds=120)
 
@@ -159,7 +160,7 @@ def rendezvous(kind: str, world: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--ops", type=int, default=20000)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--rendezvous", type=int, default=64)
@@ -181,11 +182,10 @@ def main() -> None:
     b = statistics.median(rendezvous("torch", args.rendezvous) for _ in range(args.repeat))
     rows.append((f"rendezvous of {args.rendezvous} clients (s)", a, b, b / a))
 
-    print("| measure | spmd | torch | spmd advantage (x) |")
-    print("|---|---:|---:|---:|")
+    harness.table(("measure", "spmd", "torch", "spmd advantage (x)"), "lrrr")
     for name, a, b, ratio in rows:
         fmt = "{:.3f}" if a < 100 else "{:,.0f}"
-        print(f"| {name} | {fmt.format(a)} | {fmt.format(b)} | {ratio:.2f} |")
+        harness.row(name, fmt.format(a), fmt.format(b), f"{ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -50,14 +50,14 @@ wall time of that call.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
-from datetime import timedelta
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import harness
 
 VOCAB = 256
 VARIANTS = ("spmd tp", "spmd tp (Inductor)", "torch TP", "torch TP (compiled)", "1 process")
@@ -187,27 +187,24 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, batches) -> list[torch.
 def alternate(models: dict, opts: dict, batches, rounds: int, barrier,
               runs=lambda variant: True, trains: dict | None = None
               ) -> tuple[dict, dict, dict]:
-    """Train every variant on ``batches`` in turn, ``rounds`` times after a warm-up round
-    (compilation; not counted), each start behind ``barrier()``: each variant's mean step
-    seconds per round, its step-0 loss (from the warm-up round) and its last loss. A
-    variant ``runs`` says no to on this rank waits at the next barrier; ``trains`` gives
-    a variant its own training loop (``_train``'s arguments; a loss inside the model)."""
-    steps = len(batches)
-    times: dict[str, list[float]] = {v: [] for v in models}
-    first_loss: dict[str, float] = {}
-    last_loss: dict[str, float] = {}
-    for r in range(rounds + 1):
-        for variant, model in models.items():
-            barrier()
-            if not runs(variant):
-                continue
-            start = time.perf_counter()
-            losses = (trains or {}).get(variant, _train)(model, opts[variant], batches)
-            if r:
-                times[variant].append((time.perf_counter() - start) / steps)
-            else:
-                first_loss[variant] = losses[0].item()
-            last_loss[variant] = losses[-1].item()
+    """Train every variant on ``batches`` in turn (:func:`harness.alternate`), ``rounds``
+    times after a warm-up round: each variant's mean step seconds per round, its step-0
+    loss (from the warm-up round) and its last loss. A variant ``runs`` says no to on
+    this rank only waits at the barrier; ``trains`` gives a variant its own training loop
+    (``_train``'s arguments; a loss inside the model)."""
+    trains = trains or {}
+
+    def run(variant: str):
+        if runs(variant):
+            return trains.get(variant, _train)(models[variant], opts[variant], batches)
+        return None
+
+    timed = harness.alternate({v: (lambda v=v: run(v)) for v in models}, rounds,
+                              barrier=barrier, per=len(batches))
+    mine = [v for v in models if runs(v)]
+    times = {v: timed.times[v] if runs(v) else [] for v in models}
+    first_loss = {v: timed.warmup[v][0].item() for v in mine}
+    last_loss = {v: (timed.results[v] or [timed.warmup[v]])[-1][-1].item() for v in mine}
     return times, first_loss, last_loss
 
 
@@ -219,47 +216,45 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, heads: int, layers
                                                    parallelize_module)
 
     import spmd
-    from spmd import runtime as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    mesh = spmd.Mesh((2,), dim_names=("tp",))
-    torch_mesh = mesh.to_torch()  # the same Gloo group, seen by torch.distributed
+    with harness.group(rank):
+        mesh = spmd.Mesh((2,), dim_names=("tp",))
+        torch_mesh = mesh.to_torch()  # the same Gloo group, seen by torch.distributed
 
-    column, row = SPLIT[model]
+        column, row = SPLIT[model]
 
-    def fresh(local: bool = True) -> nn.Module:
-        return _fresh(width, heads, layers, local, model, seq)
+        def fresh(local: bool = True) -> nn.Module:
+            return _fresh(width, heads, layers, local, model, seq)
 
-    def torch_tp() -> nn.Module:
-        tp = fresh()  # torch runs local shapes: -1 heads always
-        plan = {**{n: ColwiseParallel() for n in column}, **{n: RowwiseParallel() for n in row}}
-        for block in tp.layers:
-            parallelize_module(block, torch_mesh, plan)
-        return tp
+        def torch_tp() -> nn.Module:
+            tp = fresh()  # torch runs local shapes: -1 heads always
+            plan = {**{n: ColwiseParallel() for n in column},
+                    **{n: RowwiseParallel() for n in row}}
+            for block in tp.layers:
+                parallelize_module(block, torch_mesh, plan)
+            return tp
 
-    make = {
-        "spmd tp": lambda: spmd.parallelize(fresh(local_heads), mesh=mesh,
-                                            placements=spmd.tp.megatron()),
-        "spmd tp (Inductor)": lambda: spmd.parallelize(fresh(local_heads), mesh=mesh,
-                                                      placements=spmd.tp.megatron(),
-                                                      compile_compute=True),
-        "torch TP": torch_tp,
-        "torch TP (compiled)": lambda: torch.compile(torch_tp()),
-        "1 process": lambda: fresh(),
-    }
-    batches = [_batch(step, batch, seq) for step in range(steps)]
-    models = {v: make[v]() for v in variants}
-    opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-3) for v, m in models.items()}
-    # "1 process" runs on rank 0 alone
-    times, first_loss, last_loss = alternate(models, opts, batches, rounds, tdist.barrier,
-                                             lambda v: v != "1 process" or rank == 0)
-    tdist.barrier()
-    summary = str(spmd.inspect(models["spmd tp"])).splitlines()[:2]
-    dist.destroy_process_group()
-    if rank:
-        return None
-    return {"times": times, "loss": first_loss, "last": last_loss, "plan": summary}
+        make = {
+            "spmd tp": lambda: spmd.parallelize(fresh(local_heads), mesh=mesh,
+                                                placements=spmd.tp.megatron()),
+            "spmd tp (Inductor)": lambda: spmd.parallelize(fresh(local_heads), mesh=mesh,
+                                                          placements=spmd.tp.megatron(),
+                                                          compile_compute=True),
+            "torch TP": torch_tp,
+            "torch TP (compiled)": lambda: torch.compile(torch_tp()),
+            "1 process": lambda: fresh(),
+        }
+        batches = [_batch(step, batch, seq) for step in range(steps)]
+        models = {v: make[v]() for v in variants}
+        opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-3) for v, m in models.items()}
+        # "1 process" runs on rank 0 alone
+        times, first_loss, last_loss = alternate(models, opts, batches, rounds, tdist.barrier,
+                                                 lambda v: v != "1 process" or rank == 0)
+        tdist.barrier()
+        summary = str(spmd.inspect(models["spmd tp"])).splitlines()[:2]
+        if rank:
+            return None
+        return {"times": times, "loss": first_loss, "last": last_loss, "plan": summary}
 
 
 def plan_simulated(width: int, heads: int, layers: int, seq: int, batch: int,
@@ -285,19 +280,20 @@ def report(res: dict, plan: dict, args: argparse.Namespace) -> None:
           f"{args.heads} heads, {args.batch} x {args.seq} tokens, AdamW, {args.steps} steps x "
           f"{args.rounds} rounds\n")
     compiled = "torch TP (compiled)" in times
-    print("| variant | ms/step (median) | rounds min–max ms | vs torch TP (x faster) "
-          + ("| vs compiled torch TP (x of its time) " if compiled else "") + "| step-0 loss |")
-    print("|---|---:|---:|---:|" + ("---:|" if compiled else "") + "---:|")
+    harness.table(("variant", "ms/step (median)", "rounds min–max ms", "vs torch TP (x faster)",
+                   *(("vs compiled torch TP (x of its time)",) if compiled else ()),
+                   "step-0 loss"), "lrrr" + ("r" if compiled else "") + "r")
     ref = statistics.median(times["torch TP"])
     for variant in args.variants:
         t = statistics.median(times[variant])
         ratios = [f"{ref / t:.2f}"]
         if compiled:
             ratios.append(f"{t / statistics.median(times['torch TP (compiled)']):.3f}")
-            per_round = [a / b for a, b in zip(times[variant], times["torch TP (compiled)"])]
-            ratios[-1] += f" ({min(per_round):.3f}–{max(per_round):.3f})"
-        print(f"| {variant} | {t * 1e3:.2f} | {min(times[variant]) * 1e3:.2f}–"
-              f"{max(times[variant]) * 1e3:.2f} | {' | '.join(ratios)} | {loss[variant]:.7f} |")
+            per_round = harness.ratios(times[variant], times["torch TP (compiled)"])
+            ratios[-1] += f" ({harness.span(per_round, '.3f')})"
+        harness.row(variant, f"{t * 1e3:.2f}",
+                    harness.span([x * 1e3 for x in times[variant]]), *ratios,
+                    f"{loss[variant]:.7f}")
     gap = abs(loss["spmd tp"] - loss["torch TP"])
     print(f"\nstep-0 loss |spmd tp - torch TP| = {gap:.2e} "
           f"({'ok' if gap < 1e-4 else 'MISMATCH'}, tolerance 1e-4); "
@@ -323,14 +319,12 @@ def report(res: dict, plan: dict, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__, steps=20, rounds=5)
     parser.add_argument("--quick", action="store_true", help="3 steps x 2 rounds, a small plan")
     parser.add_argument("--model", choices=sorted(SPLIT), default="encoder")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, of: {', '.join(VARIANTS)} (spmd tp and torch TP "
                              f"always run)")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
@@ -355,13 +349,9 @@ def main() -> None:
         parser.error("--width must divide by --heads, and --heads by 2 (tp=2)")
     if args.plan_width % args.plan_heads or args.plan_heads % 128:
         parser.error("--plan-width must divide by --plan-heads, and --plan-heads by 128")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    from spmd.runtime import spawn
-
-    res = spawn(rank_main, args=(args.steps, args.rounds, args.width, args.heads, args.layers,
-                                 args.seq, args.batch, not args.global_heads, args.model,
-                                 args.variants),
-                nprocs=2, start_method="forkserver", timeout=1200)[0]
+    res = harness.spawn(rank_main, args.steps, args.rounds, args.width, args.heads,
+                        args.layers, args.seq, args.batch, not args.global_heads, args.model,
+                        args.variants, start_method="forkserver", timeout=1200)[0]
     plan = plan_simulated(args.plan_width, args.plan_heads, args.plan_layers, args.plan_seq,
                           args.plan_batch, args.model)
     report(res, plan, args)

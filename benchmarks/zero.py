@@ -31,30 +31,31 @@ whole state dict from torch ZeRO-1's).
 from __future__ import annotations
 
 import gc
-import os
-import statistics
-import sys
 import time
 
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ddp import init_groups  # noqa: E402
-from fsdp import _batch, _fresh, _train, cli, memory_between  # noqa: E402
+import harness
+from fsdp import _batch, _fresh, _train, cli, memory_between
 
 VARIANTS = ("spmd zero1", "spmd zero2", "torch ZeRO-1", "spmd fsdp", "spmd ddp")
 
 
 def rank_main(rank: int, steps: int, rounds: int, width: int, layers: int) -> dict | None:
+    # torch's ZeRO-1 runs over DDP on a group of torch's own, as its users run it
+    with harness.group(rank, torch_group=True):
+        out = _measure(rank, steps, rounds, width, layers)
+    return out if rank == 0 else None
+
+
+def _measure(rank: int, steps: int, rounds: int, width: int, layers: int) -> dict:
     import torch.distributed as tdist
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
     from torch.profiler import ProfilerActivity, profile
 
     import spmd
-
-    init_groups(rank)
 
     def build(variant: str) -> tuple[nn.Module, torch.optim.Optimizer]:
         model = _fresh(width, layers)
@@ -68,14 +69,8 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, layers: int) -> di
 
     batches = [_batch(step, rank) for step in range(steps)]
     built = {v: build(v) for v in VARIANTS}
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for r in range(rounds + 1):  # round 0 warms up (compiles) and is not counted
-        for variant, (model, opt) in built.items():
-            tdist.barrier()
-            start = time.perf_counter()
-            _train(model, opt, batches)
-            if r:
-                times[variant].append((time.perf_counter() - start) / steps)
+    times = harness.alternate({v: (lambda v=v: _train(*built[v], batches)) for v in VARIANTS},
+                              rounds, barrier=tdist.barrier, per=steps).times
 
     wholes = {}
     for variant, (model, _) in built.items():  # every rank gathers: all call it
@@ -100,8 +95,6 @@ def rank_main(rank: int, steps: int, rounds: int, width: int, layers: int) -> di
             end = time.time_ns()
         memory[variant] = memory_between(prof, start, end)
         del model, opt, prof
-    if rank:
-        return None
     return {"times": times, "memory": memory, "differences": differences}
 
 
@@ -110,20 +103,14 @@ def report(world: int, res: dict, steps: int, rounds: int, width: int, layers: i
     times, memory = res["times"], res["memory"]
     print(f"\n### {world} ranks: {layers} layers of width {width}, AdamW, {steps} steps x "
           f"{rounds} rounds\n")
-    print("| variant | ms/step | vs torch ZeRO-1 (x faster) | spread over rounds | held MiB "
-          "| peak MiB | max |w - ZeRO-1's w| |")
-    print("|---|---:|---:|---|---:|---:|---:|")
-    base = times["torch ZeRO-1"]
-    for variant in VARIANTS:
-        samples = times[variant]
-        t = statistics.median(samples)
-        ratios = [b / s for b, s in zip(base, samples)]
-        spread = f"{min(ratios):.2f}–{max(ratios):.2f}" if variant != "torch ZeRO-1" else ""
+    harness.table(("variant", "ms/step", "vs torch ZeRO-1 (x faster)", "spread over rounds",
+                   "held MiB", "peak MiB", "max |w - ZeRO-1's w|"), "lrrlrrr")
+    for variant, v in harness.versus(times, "torch ZeRO-1").items():
         peak, held = memory[variant]
         diff = res["differences"].get(variant)
-        print(f"| {variant} | {t * 1e3:.2f} | {statistics.median(base) / t:.2f} | {spread} | "
-              f"{held / mib:.2f} | {peak / mib:.2f} | "
-              f"{'' if diff is None else f'{diff:.1e}'} |")
+        harness.row(variant, f"{v.median * 1e3:.2f}", f"{v.ratio:.2f}", v.spread,
+                    f"{held / mib:.2f}", f"{peak / mib:.2f}",
+                    "" if diff is None else f"{diff:.1e}")
 
 
 def main() -> None:
