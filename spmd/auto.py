@@ -59,6 +59,7 @@ from spmd.auto_candidates import (SEARCHED, Candidate, Roles, checkpoint_modules
 from spmd.auto_program import Search, assignment, build_program, decode, layer_io, own_cost
 from spmd.lowering.autolayout import Infeasible, evaluate, solve
 from spmd.lowering.placements import Replicate, divides
+from spmd.lowering.strategy import kind_of
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["AutoPlan", "Candidate", "Roles", "plan_auto", "parse_budget", "checkpoint_modules",
@@ -296,7 +297,7 @@ def _what_would_fit(least: Candidate | None, budget: float, optimizer: str, mesh
     rest = view.peak - state
     data = math.prod(mesh.size(d) for d in least.roles.data)
     hints = []
-    if least.strategy != "ddp" and budget > rest:
+    if kind_of(least.strategy).shards and budget > rest:
         ranks = math.ceil(state * data / (budget - rest))
         hints.append(f"about {ranks} data ranks instead of {data} (the sharded state "
                      f"divides over them)")
