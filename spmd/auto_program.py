@@ -100,7 +100,8 @@ def _data_costs(kind: str, cm: Any, size: int, itemsize: int, gather_size: int,
              else int(row.gathered.holds_whole) + int(row.reduced.keeps_whole))
     ag = _slope(cm, "all_gather") * gather_size
     reduce = _slope(cm, row.reduced.collective) * itemsize
-    return whole * itemsize + (state - whole) * itemsize / size, row.gathered.gathers * ag + reduce
+    stored = whole * itemsize + (state - whole) * itemsize / size
+    return stored, row.gathered.gathers * ag + reduce
 
 
 @dataclass(kw_only=True)
