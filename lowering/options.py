@@ -26,9 +26,11 @@ class Options:
             ``"zero2"``: gradients and optimizer state as shards, parameters gathered
             once per optimizer step and kept whole; ``"zero1"``: the same with each
             gradient all-reduced whole (DeepSpeed's ZeRO stages 2 and 1).
-        reshard_after_forward: (sharded strategies) free the gathered parameters after
+        reshard_after_forward: (``fsdp``, ``hsdp``) free the gathered parameters after
             the forward and gather them again in backward (True, ZeRO-3), or keep the
-            forward's copies for backward (False: less communication, more memory).
+            forward's copies for backward (False: less communication, more memory). With
+            ``strategy`` it selects a row of ``KINDS``; FSDP2's integer (reshard to a
+            smaller group) is refused.
         param_dtype: (sharded strategies) the dtype parameters are gathered and computed
             in (mixed precision, e.g. ``torch.bfloat16``); floating inputs of the model
             are cast to it. The shards, their gradients and the optimizer stay in the
@@ -121,6 +123,14 @@ class Options:
             if cap < 0 or cap != cap:
                 raise ValueError(f"{where}: bucket_cap_mb must be >= 0 (0 turns bucketing off), "
                                  f"got {cap}")
+        if (isinstance(self.reshard_after_forward, int)
+                and not isinstance(self.reshard_after_forward, bool)):
+            raise TypeError(f"{where}: reshard_after_forward must be a bool, got the integer "
+                            f"{self.reshard_after_forward}: FSDP2's resharding to a smaller "
+                            f"group after the forward is not supported; pass True (reshard "
+                            f"to the whole sharding dimension), False (keep the gathered "
+                            f"parameters for backward), or strategy='hsdp' on a mesh whose "
+                            f"'fsdp' dimension has that many ranks")
         for name in ("overlap", "broadcast_buffers", "calibrate", "reshard_after_forward",
                      "sync_batchnorm"):
             if not isinstance(getattr(self, name), bool):
@@ -178,11 +188,32 @@ class Options:
 
             if not tp_dims_of(self.placements):
                 raise ValueError(f"{where}: placements names no mesh dimension")
-        if not self.reshard_after_forward and self.gathered != "each use":
-            raise ValueError(f"{where}: reshard_after_forward=False applies to the sharded "
-                             f"strategies that gather parameters at each use ('fsdp', 'hsdp'); "
-                             f"{self.strategy!r} " + ("never reshards" if not self.sharded
-                                                      else "keeps them whole between steps"))
+        from spmd.lowering.strategy import KINDS, Gathered
+
+        takes = [k.strategy for k in KINDS.values()
+                 if k.reshard_after_forward == self.reshard_after_forward]
+        if self.strategy not in takes:
+            own = KINDS[self.strategy].gathered
+            raise ValueError(
+                f"{where}: reshard_after_forward={self.reshard_after_forward!r} applies to the "
+                f"sharded strategies that gather parameters at each use "
+                f"({', '.join(map(repr, takes))}); {self.strategy!r} "
+                + ("never reshards" if own is Gathered.NEVER
+                   else "keeps them whole between steps"))
+
+    @property
+    def kind_name(self) -> str:
+        """The row of ``KINDS`` that ``strategy`` and ``reshard_after_forward`` select."""
+        from spmd.lowering.strategy import kind_name
+
+        return kind_name(self.strategy, self.reshard_after_forward)
+
+    @property
+    def kind(self) -> Any:
+        """That row (a ``StrategyKind``)."""
+        from spmd.lowering.strategy import KINDS
+
+        return KINDS[self.kind_name]
 
     @property
     def sharded(self) -> bool:
@@ -192,17 +223,17 @@ class Options:
         return KINDS[self.strategy].shards
 
     @property
-    def gathered(self) -> str:
-        """When shards are gathered (``StrategyKind.gathered``)."""
-        from spmd.lowering.strategy import KINDS
-
-        return KINDS[self.strategy].gathered
+    def gathered(self) -> Any:
+        """When shards are gathered (``StrategyKind.gathered``, a ``Gathered``)."""
+        return self.kind.gathered
 
     @property
     def reshards(self) -> bool:
         """Gathered parameters are freed after the forward and gathered again in
         backward."""
-        return self.gathered == "each use" and self.reshard_after_forward
+        from spmd.lowering.strategy import Gathered
+
+        return self.gathered is Gathered.EACH_USE
 
     @property
     def bucket_cap_bytes(self) -> int | None:

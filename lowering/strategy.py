@@ -24,10 +24,17 @@ the collectives, the buckets) is derived by the passes.
 - ``zero1`` (ZeRO stage 1): as ``zero2``, but each gradient is all-reduced whole and
   every rank keeps its own rows (what ``ZeroRedundancyOptimizer`` over DDP moves).
 
-Each strategy is one row of :data:`KINDS`: whether it stores shards, when they are
-gathered, how gradients leave the data dimension. The parameter layer
-(``spmd.state.layout``) turns those into one record per parameter; nothing else branches on
-the strategy's name.
+- ``fsdp``/``hsdp`` with ``reshard_after_forward=False`` (FSDP2's): gathered in the
+  forward and kept for the backward (one gather per step instead of two; every layer's
+  whole parameters alive at the end of the forward).
+
+Each is one row of :data:`KINDS`, selected by ``strategy=`` and
+``reshard_after_forward=``: whether it stores shards, when they are gathered
+(:class:`Gathered`), how gradients leave the data dimension (:class:`Reduced`), whether
+it is hybrid, which dimension names it prefers, whether ``strategy="auto"`` tries it.
+The parameter layer (``spmd.state.layout``) turns those into one record per parameter, the
+memory view, the option checks and the search's costs read the same fields; nothing
+branches on the strategy's name.
 
 Tensor parallelism composes with each: ``placements`` name, per mesh dimension, where
 parameters live (``Shard(d)`` or ``Replicate()``); those dimensions (``tp_dims``) are
@@ -42,50 +49,147 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Mapping
 
 from spmd.lowering.state import InputInfo
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard, Sharding, divides
 from spmd.runtime.mesh import Mesh
 
-__all__ = ["Strategy", "StrategyKind", "KINDS", "resolve_strategy", "STRATEGIES", "tp_dims_of",
-           "dims_to_flatten", "flatten_data_dims"]
+__all__ = ["Strategy", "StrategyKind", "Gathered", "Reduced", "KINDS", "kind_name", "kind_of",
+           "resolve_strategy", "STRATEGIES", "tp_dims_of", "dims_to_flatten", "flatten_data_dims"]
+
+
+class Gathered(StrEnum):
+    """When a sharded parameter is gathered whole for compute (the value is how plans
+    print it)."""
+
+    EACH_USE = "each use"  # in every forward and again in backward (ZeRO-3)
+    PER_FORWARD = "per forward, kept for backward"  # FSDP2's reshard_after_forward=False
+    PER_STEP = "per step"  # kept whole until the shards change (after the optimizer step)
+    NEVER = "never"  # stored whole
+
+    @property
+    def gathers(self) -> int:
+        """All-gathers of the whole parameter per training step (one forward, one
+        backward)."""
+        return {Gathered.EACH_USE: 2, Gathered.PER_FORWARD: 1, Gathered.PER_STEP: 1,
+                Gathered.NEVER: 0}[self]
+
+    @property
+    def holds_whole(self) -> bool:
+        """The whole parameter is alive at the step's peak (the end of the forward)."""
+        return self is not Gathered.EACH_USE
+
+
+class Reduced(StrEnum):
+    """How a parameter's gradient leaves the data dimensions (the value is how plans
+    print it)."""
+
+    ALL_REDUCE = "all-reduce"
+    REDUCE_SCATTER = "reduce-scatter"
+    ALL_REDUCE_OWN_ROWS = "all-reduce, own rows kept"  # ZeRO-1: the whole gradient, own rows kept
+    NONE = "none"  # no data dimension of more than one rank
+
+    @property
+    def collective(self) -> str:
+        """The collective that carries it (a cost model's kind)."""
+        return "reduce_scatter" if self is Reduced.REDUCE_SCATTER else "all_reduce"
+
+    @property
+    def keeps_whole(self) -> bool:
+        """Each rank holds the whole gradient (else its shard)."""
+        return self is not Reduced.REDUCE_SCATTER
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StrategyKind:
-    """What a strategy does with parameters along its data dimension(s).
+    """What a strategy does with parameters along its data dimension(s): one row of
+    :data:`KINDS`, which the layout, the memory view, the search's costs and the option
+    checks read.
 
     Attributes:
+        strategy: the ``strategy=`` argument that selects this row.
+        reshard_after_forward: the ``reshard_after_forward=`` argument that selects it
+            (with ``strategy``).
         shards: parameters (so gradients and optimizer state) are stored as shards.
-        gathered: when shards are gathered whole: ``"each use"`` (in every forward and
-            again in backward, ZeRO-3), ``"per step"`` (kept until they change) or
-            ``"never"``.
-        reduced: how a gradient leaves: ``"all-reduce"``, ``"reduce-scatter"`` or
-            ``"all-reduce, own rows kept"``.
-        hybrid: shards along one dimension, replicas along another (``hsdp``).
+        gathered: when shards are gathered whole (:class:`Gathered`).
+        reduced: how a gradient leaves (:class:`Reduced`).
+        hybrid: shards along one dimension, replicas along another (``hsdp``): the search
+            prices it along ``"fsdp"`` plus an all-reduce of the shards along ``"dp"``.
         preferred: the data dimension's names, in order of preference.
+        searched: ``strategy="auto"`` tries it (hybrid rows: where two data dimensions
+            have several ranks each; the others on one data dimension or two).
+        searched_with_tp: ``strategy="auto"`` tries it beside tensor parallelism.
     """
 
+    strategy: str
+    reshard_after_forward: bool = True
     shards: bool
-    gathered: str
-    reduced: str
+    gathered: Gathered
+    reduced: Reduced
     hybrid: bool = False
     preferred: tuple[str, ...] = ("dp",)
+    searched: bool = False
+    searched_with_tp: bool = False
+
+    @property
+    def arguments(self) -> dict[str, object]:
+        """The ``parallelize`` keywords that select this row."""
+        if self.reshard_after_forward is True:
+            return {"strategy": self.strategy}
+        return {"strategy": self.strategy, "reshard_after_forward": self.reshard_after_forward}
 
 
+# The rows, in the order strategy="auto" tries them.
 KINDS: dict[str, StrategyKind] = {
-    "ddp": StrategyKind(shards=False, gathered="never", reduced="all-reduce"),
-    "fsdp": StrategyKind(shards=True, gathered="each use", reduced="reduce-scatter",
-                         preferred=("fsdp", "dp")),
-    "hsdp": StrategyKind(shards=True, gathered="each use", reduced="reduce-scatter",
-                         hybrid=True),
-    "zero1": StrategyKind(shards=True, gathered="per step", reduced="all-reduce, own rows kept",
-                          preferred=("dp", "fsdp")),
-    "zero2": StrategyKind(shards=True, gathered="per step", reduced="reduce-scatter",
-                          preferred=("dp", "fsdp")),
+    "ddp": StrategyKind(strategy="ddp", shards=False, gathered=Gathered.NEVER,
+                        reduced=Reduced.ALL_REDUCE, searched=True, searched_with_tp=True),
+    "fsdp": StrategyKind(strategy="fsdp", shards=True, gathered=Gathered.EACH_USE,
+                         reduced=Reduced.REDUCE_SCATTER, preferred=("fsdp", "dp"),
+                         searched=True, searched_with_tp=True),
+    "hsdp": StrategyKind(strategy="hsdp", shards=True, gathered=Gathered.EACH_USE,
+                         reduced=Reduced.REDUCE_SCATTER, hybrid=True, searched=True),
+    "zero2": StrategyKind(strategy="zero2", shards=True, gathered=Gathered.PER_STEP,
+                          reduced=Reduced.REDUCE_SCATTER, preferred=("dp", "fsdp"),
+                          searched=True, searched_with_tp=True),
+    "zero1": StrategyKind(strategy="zero1", shards=True, gathered=Gathered.PER_STEP,
+                          reduced=Reduced.ALL_REDUCE_OWN_ROWS, preferred=("dp", "fsdp"),
+                          searched=True),
+    # FSDP2's reshard_after_forward=False: gathered in the forward, kept for the backward
+    "fsdp(reshard_after_forward=False)": StrategyKind(
+        strategy="fsdp", reshard_after_forward=False, shards=True,
+        gathered=Gathered.PER_FORWARD, reduced=Reduced.REDUCE_SCATTER,
+        preferred=("fsdp", "dp")),
+    "hsdp(reshard_after_forward=False)": StrategyKind(
+        strategy="hsdp", reshard_after_forward=False, shards=True,
+        gathered=Gathered.PER_FORWARD, reduced=Reduced.REDUCE_SCATTER, hybrid=True),
 }
-STRATEGIES = tuple(KINDS)
+STRATEGIES = tuple(sorted({k.strategy for k in KINDS.values()}))
+
+
+def kind_name(strategy: str, reshard_after_forward: bool = True) -> str:
+    """The row of :data:`KINDS` that ``parallelize``'s ``strategy=`` and
+    ``reshard_after_forward=`` select; ``ValueError`` naming an unknown strategy, or a
+    ``reshard_after_forward`` no row of it takes."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy {strategy!r} is not supported; expected one of "
+                         f"{', '.join(STRATEGIES)}")
+    for name, kind in KINDS.items():
+        if kind.strategy == strategy and kind.reshard_after_forward == reshard_after_forward:
+            return name
+    raise ValueError(f"reshard_after_forward={reshard_after_forward!r} does not apply to "
+                     f"strategy {strategy!r}")
+
+
+def kind_of(name: str) -> StrategyKind:
+    """The row ``name`` of :data:`KINDS`; ``ValueError`` naming an unknown one (never
+    another row's behaviour)."""
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise ValueError(f"strategy kind {name!r} is not a row of KINDS; expected one of "
+                         f"{', '.join(KINDS)}") from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,7 +197,7 @@ class Strategy:
     """A strategy bound to a mesh: which dimensions it uses, and the placements it implies.
 
     Attributes:
-        name: ``"ddp"``, ``"fsdp"`` or ``"hsdp"``.
+        name: the ``strategy=`` argument (``"ddp"``, ``"fsdp"``, ...).
         mesh: the mesh it runs on.
         data_dim: the dimension whose group plans are agreed on (the batch's for ``ddp``
             and ``fsdp``, the sharding one for ``hsdp``).
@@ -109,6 +213,8 @@ class Strategy:
         load_balance: mesh dimension -> whether causal ring attention along it exchanges
             halves of the sequence so that every rank does the same work (context
             parallelism; True where not named).
+        row: its row of :data:`KINDS` (``name`` unless ``reshard_after_forward`` chose
+            another).
     """
 
     name: str
@@ -124,10 +230,13 @@ class Strategy:
     activations: Mapping[str, Mapping[str, Placement]] = field(default_factory=dict,
                                                               compare=False)
     load_balance: Mapping[str, bool] = field(default_factory=dict, compare=False)
+    row: str = ""
 
     def __post_init__(self) -> None:
         if not self.data_dims and self.data_dim is not None:
             object.__setattr__(self, "data_dims", (self.data_dim,))
+        if not self.row:
+            object.__setattr__(self, "row", self.name)
 
     @property
     def context_dims(self) -> tuple[str, ...]:
@@ -143,14 +252,14 @@ class Strategy:
 
     @property
     def kind(self) -> StrategyKind:
-        return KINDS[self.name]
+        return kind_of(self.row)
 
     @property
-    def gathered(self) -> str:
+    def gathered(self) -> Gathered:
         return self.kind.gathered
 
     @property
-    def reduced(self) -> str:
+    def reduced(self) -> Reduced:
         return self.kind.reduced
 
     @property
@@ -283,33 +392,34 @@ def _pick(mesh: Mesh, names: tuple[str, ...]) -> str | None:
 def resolve_strategy(name: str, mesh: Mesh, where: str, tp_dims: tuple[str, ...] = (),
                      placements: Mapping[str, Mapping[str, Placement]] | None = None
                      ) -> Strategy:
-    """The strategy ``name`` on ``mesh``, with tensor parallelism along ``tp_dims``
-    (``placements``: parameter name -> placement per such dimension); ``ValueError``
-    naming a dimension it cannot use."""
-    if name not in STRATEGIES:
+    """The strategy ``name`` (a ``strategy=`` argument, or a row of :data:`KINDS`) on
+    ``mesh``, with tensor parallelism along ``tp_dims`` (``placements``: parameter name ->
+    placement per such dimension); ``ValueError`` naming a dimension it cannot use."""
+    if name not in KINDS:
         raise ValueError(f"{where}: strategy {name!r} is not supported; expected one of "
                          f"{', '.join(STRATEGIES)}")
+    row, kind = name, KINDS[name]
+    name = kind.strategy
     for dim in tp_dims:
         if dim not in mesh.dim_names:
             raise ValueError(f"{where}: placements name mesh dimension {dim!r}, which mesh "
                              f"{mesh} does not have")
     if tp_dims:
         if all(d in tp_dims for d in mesh.dim_names):  # tensor parallelism alone: no data dimension
-            if KINDS[name].shards:
+            if kind.shards:
                 raise ValueError(f"{where}: strategy {name!r} shards parameters along a data "
                                  f"dimension, but every dimension of mesh {mesh} is "
                                  f"tensor-parallel; add one, e.g. Mesh((2, 2), dim_names="
                                  f"('fsdp', 'tp'))")
             return Strategy(name=name, mesh=mesh, data_dim=None, data_dims=(),
-                            tp_dims=tuple(tp_dims), placements=dict(placements or {}))
-        base = resolve_strategy(name, _without(mesh, tp_dims), where)  # type: ignore[arg-type]
+                            tp_dims=tuple(tp_dims), placements=dict(placements or {}), row=row)
+        base = resolve_strategy(row, _without(mesh, tp_dims), where)  # type: ignore[arg-type]
         return Strategy(name=name, mesh=mesh, data_dim=base.data_dim, data_dims=base.data_dims,
                         shard_dim=base.shard_dim, replicate_dim=base.replicate_dim,
-                        tp_dims=tuple(tp_dims), placements=dict(placements or {}))
-    kind = KINDS[name]
+                        tp_dims=tuple(tp_dims), placements=dict(placements or {}), row=row)
     if kind.hybrid:
         if mesh.ndim != 2:
-            raise ValueError(f"{where}: strategy 'hsdp' needs a 2-D mesh (replicate x shard, "
+            raise ValueError(f"{where}: strategy {name!r} needs a 2-D mesh (replicate x shard, "
                              f"e.g. Mesh((2, 4), dim_names=('dp', 'fsdp'))); got {mesh}")
         if "fsdp" in mesh.dim_names:
             shard = "fsdp"
@@ -317,7 +427,7 @@ def resolve_strategy(name: str, mesh: Mesh, where: str, tp_dims: tuple[str, ...]
         else:
             replicate, shard = mesh.dim_names
         return Strategy(name=name, mesh=mesh, data_dim=shard, data_dims=(replicate, shard),
-                        shard_dim=shard, replicate_dim=replicate)
+                        shard_dim=shard, replicate_dim=replicate, row=row)
     preferred = kind.preferred
     data_dim = _pick(mesh, preferred)
     if data_dim is None:
@@ -333,4 +443,4 @@ def resolve_strategy(name: str, mesh: Mesh, where: str, tp_dims: tuple[str, ...]
                 f"{name!r}, which places everything on {data_dim!r}; its {size} ranks would "
                 f"repeat the same work. Pass a mesh without it (or of size 1 there)")
     return Strategy(name=name, mesh=mesh, data_dim=data_dim,
-                    shard_dim=data_dim if kind.shards else None)
+                    shard_dim=data_dim if kind.shards else None, row=row)

@@ -16,12 +16,14 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from spmd.plan.plan import Plan
+from spmd.lowering.strategy import KINDS, kind_of
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["Roles", "Candidate", "parse_budget", "checkpoint_modules", "plan_candidate",
            "roles_of", "kinds_for", "strategy_mesh", "gib", "SEARCHED"]
 
-SEARCHED = ("ddp", "fsdp", "zero2", "zero1")  # data strategies tried on one data dimension
+# the data strategies tried on one data dimension: the rows of KINDS marked searched
+SEARCHED = tuple(name for name, k in KINDS.items() if k.searched and not k.hybrid)
 
 
 def parse_budget(budget: Any, where: str) -> float:
@@ -105,27 +107,35 @@ def roles_of(mesh: Mesh, tp_candidates: tuple[str, ...]) -> list[Roles]:
 
 
 def kinds_for(roles: Roles, mesh: Mesh, mixed: bool = False) -> list[str]:
-    """The data strategies tried: every one on the data dimensions alone; beside tensor
-    parallelism ddp, fsdp and zero2 (zero1 keeps zero2's memory for more traffic).
-    ``mixed`` (``param_dtype=``, which the sharded strategies apply): no ddp."""
+    """The data strategies tried, the rows of ``KINDS`` marked ``searched``: on a data
+    dimension of one rank those that store whole parameters (sharding buys nothing);
+    hybrid rows where two data dimensions have several ranks; beside tensor parallelism
+    those marked ``searched_with_tp`` (ddp, fsdp and zero2: zero1 keeps zero2's memory
+    for more traffic). ``mixed`` (``param_dtype=``, which the sharded strategies apply):
+    only the sharded rows."""
     several = [d for d in roles.data if mesh.size(d) > 1]
+    rows = {name: k for name, k in KINDS.items() if k.searched}
     if not several:
-        kinds = ["ddp"]
+        kinds = [name for name, k in rows.items() if not k.shards]
     elif len(several) == 2:
-        kinds = ["ddp", "fsdp", "hsdp", "zero2", "zero1"]
+        kinds = list(rows)
     else:
-        kinds = list(SEARCHED) if roles.tp is None else ["ddp", "fsdp", "zero2"]
+        kinds = [name for name, k in rows.items() if not k.hybrid
+                 and (roles.tp is None or k.searched_with_tp)]
     if mixed:
-        kinds = [k for k in kinds if k != "ddp"] or ["fsdp"]
+        kinds = ([k for k in kinds if rows[k].shards]
+                 or [next(name for name, k in rows.items() if k.shards and not k.hybrid)])
     return kinds
 
 
 def strategy_mesh(mesh: Mesh, roles: Roles, kind: str) -> Mesh:
-    """The user's mesh renamed for ``kind``; ddp (and the ZeRO stages) on two data
-    dimensions run on the two flattened into one."""
+    """The user's mesh renamed for ``kind`` (a row of ``KINDS``); a row that stores whole
+    parameters (ddp) on two data dimensions runs on the two flattened into one (the
+    sharded ones flatten them themselves, ``dims_to_flatten``)."""
     renamed = mesh.rename(roles.names)
     data = [n for n, u in zip(roles.names, mesh.dim_names) if u in roles.data]
-    if kind in ("ddp",) and len(data) == 2 and all(renamed.size(d) > 1 for d in data):
+    if (not kind_of(kind).shards and len(data) == 2
+            and all(renamed.size(d) > 1 for d in data)):
         return renamed.flatten(tuple(data), "dp")
     return renamed
 
@@ -199,12 +209,13 @@ def plan_candidate(model: nn.Module, args: tuple, mesh: Mesh, cand: Candidate,
 
     copy_ = copy.deepcopy(model)
     checkpoint_modules(copy_, cand.recompute)
-    kwargs = dict(options)
+    kwargs = {**options, **kind_of(cand.strategy).arguments}
+    strategy = kwargs.pop("strategy")
     if cand.roles.tp is not None:
         kwargs["placements"] = {"tp": dict(cand.pieces)}
     try:
         plan = plan_model(copy_, tiled(args, cand.roles.tile),
-                          strategy_mesh(mesh, cand.roles, cand.strategy), cand.strategy, kwargs)
+                          strategy_mesh(mesh, cand.roles, cand.strategy), strategy, kwargs)
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
         cand.error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         return cand

@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 
 from spmd.auto.search import AutoPlan, plan_auto
 from spmd.auto.candidates import Candidate, checkpoint_modules, parse_budget, strategy_mesh
+from spmd.lowering.strategy import kind_of
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["Searched", "parallelize_auto"]
@@ -118,8 +119,8 @@ def _measure(module: nn.Module, mesh: Mesh, layouts: list[tuple], args: tuple,
         kwargs = dict(options)
         if roles.tp is not None:
             kwargs["placements"] = {"tp": dict(pieces)}
-        run = parallelize_instance(copy_, Options.from_kwargs(where, strategy=kind, **kwargs),
-                                    strategy_mesh(mesh, roles, kind))
+        opts = Options.from_kwargs(where, **{**kwargs, **kind_of(kind).arguments})
+        run = parallelize_instance(copy_, opts, strategy_mesh(mesh, roles, kind))
         times = []
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
@@ -189,7 +190,7 @@ def _first_call(module: nn.Module, mesh: Mesh | None, memory_budget: Any,
     kwargs = dict(options)
     if roles.tp is not None:
         kwargs["placements"] = {"tp": dict(pieces)}
-    opts = Options.from_kwargs(where, strategy=kind, **kwargs)
+    opts = Options.from_kwargs(where, **{**kwargs, **kind_of(kind).arguments})
     parallelize_instance(module, opts, strategy_mesh(mesh, roles, kind))
     fingerprint = hashlib.sha256(repr(layouts[pick][:4]).encode()).hexdigest()[:16]
     module._spmd.auto = Searched(summary=summary, fingerprint=fingerprint, runs=label)

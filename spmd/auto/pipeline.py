@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from spmd.auto.candidates import SEARCHED, Planned, gib, parse_budget, tiled
 from spmd.lowering.options import Options
+from spmd.lowering.strategy import kind_of
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["PipelineSearch", "PipelineCandidate", "plan_pipeline_auto"]
@@ -96,7 +97,7 @@ def plan_pipeline_auto(model: nn.Module, args: tuple, *, mesh: Mesh, pipeline: A
     spec = placements if placements is not None else megatron()
     layouts: list[tuple[str, str, bool]] = [(k, k, False) for k in SEARCHED]
     if options.get("param_dtype") is not None:
-        layouts = [lay for lay in layouts if lay[0] != "ddp"]
+        layouts = [lay for lay in layouts if kind_of(lay[0]).shards]
     if size > 1:
         layouts.append(("ddp", f"megatron tp on {other!r}", True))
     candidates = []
@@ -109,8 +110,10 @@ def plan_pipeline_auto(model: nn.Module, args: tuple, *, mesh: Mesh, pipeline: A
         if tp:
             kwargs["placements"] = spec
         try:
-            plan = inspect_pipeline(model, tiled(args, factor), mesh.rename(names), kind, {
-                **kwargs, "pipeline": pipeline, "loss_fn": loss_fn,
+            row = kind_of(kind).arguments  # the keywords that select it
+            strategy = row.pop("strategy")
+            plan = inspect_pipeline(model, tiled(args, factor), mesh.rename(names), strategy, {
+                **kwargs, **row, "pipeline": pipeline, "loss_fn": loss_fn,
                 "target": tiled((target,), factor)[0]})
         except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
             cand.error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"

@@ -16,6 +16,7 @@ import torch.nn as nn
 from spmd.auto.candidates import Candidate, Roles, kinds_for, strategy_mesh
 from spmd.auto.solver import Choice, Edge, Problem, Recompute, Solution, Variable, evaluate
 from spmd.lowering.placements import Shard, divides
+from spmd.lowering.strategy import kind_of
 from spmd.plan.plan import Plan
 from spmd.runtime.mesh import Mesh
 
@@ -85,20 +86,22 @@ def _slope(cost_model: Any, kind: str) -> float:
 def _data_costs(kind: str, cm: Any, size: int, itemsize: int, gather_size: int,
                 optimizer_states: int) -> tuple[float, float]:
     """(bytes stored per element, communication seconds per element) of one parameter
-    under ``kind`` along a data dimension of ``size`` ranks."""
+    under ``kind`` (a row of ``KINDS``, read field by field) along a data dimension of
+    ``size`` ranks: its gathers per step (``Gathered.gathers``) and its gradient's
+    collective (``Reduced.collective``); the parameter whole where the row holds it
+    whole at the peak, else its shard; the gradient whole where it is all-reduced, else
+    its shard; the optimizer state a shard where the row shards. ``ValueError`` naming
+    an unknown row."""
+    row = kind_of(kind)
     state = 1 + 1 + optimizer_states  # parameter, gradient, optimizer state
     if size <= 1:
         return state * itemsize, 0.0
-    ar = _slope(cm, "all_reduce") * itemsize
+    whole = (state if not row.shards  # of the three, those each rank holds whole
+             else int(row.gathered.holds_whole) + int(row.reduced.keeps_whole))
     ag = _slope(cm, "all_gather") * gather_size
-    rs = _slope(cm, "reduce_scatter") * itemsize
-    if kind == "ddp":
-        return state * itemsize, ar
-    if kind in ("fsdp", "hsdp"):
-        return state * itemsize / size, 2 * ag + rs
-    if kind == "zero2":
-        return itemsize + (state - 1) * itemsize / size, ag + rs
-    return 2 * itemsize + optimizer_states * itemsize / size, ar + ag  # zero1
+    reduce = _slope(cm, row.reduced.collective) * itemsize
+    stored = whole * itemsize + (state - whole) * itemsize / size
+    return stored, row.gathered.gathers * ag + reduce
 
 
 @dataclass(kw_only=True)
@@ -160,7 +163,8 @@ def build_program(model: nn.Module, roles: Roles, mesh: Mesh, base: dict[str, Ca
         variables.append(Variable(name=g.pattern, choices=tuple(choices), count=len(g.names)))
         costs = {}
         for k_i, k in enumerate(kinds):
-            dim = "fsdp" if k == "hsdp" else "dp"
+            hybrid = kind_of(k).hybrid  # sharded along "fsdp", replicated along "dp"
+            dim = "fsdp" if hybrid else "dp"
             renamed = strategy_mesh(mesh, roles, k)
             size = renamed.size(dim) if dim in renamed.dim_names else 1
             cm = renamed.cost_model(dim, ref.cost_model) if size > 1 else None
@@ -168,7 +172,7 @@ def build_program(model: nn.Module, roles: Roles, mesh: Mesh, base: dict[str, Ca
             for c_i in range(len(choices)):
                 per = g.numel / (t if c_i else 1)
                 stored, comm = _data_costs(k, cm, size, g.itemsize, gsize, states)
-                if k == "hsdp" and renamed.size("dp") > 1:  # shards averaged over replicas
+                if hybrid and renamed.size("dp") > 1:  # shards averaged over replicas
                     replicas = renamed.cost_model("dp", ref.cost_model)
                     comm += _slope(replicas, "all_reduce") * g.itemsize / size
                 costs[(k_i, c_i)] = Choice(name="", bytes=per * stored, hidden=per * comm)

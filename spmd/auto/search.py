@@ -60,6 +60,7 @@ from spmd.auto.program import Search, assignment, build_program, decode, layer_i
 from spmd.auto.solver import Infeasible, evaluate, solve
 from spmd.lowering.options import Options
 from spmd.lowering.placements import Replicate, divides
+from spmd.lowering.strategy import kind_of
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["AutoPlan", "Candidate", "Roles", "plan_auto", "parse_budget", "checkpoint_modules",
@@ -297,7 +298,7 @@ def _what_would_fit(least: Candidate | None, budget: float, optimizer: str, mesh
     rest = view.peak - state
     data = math.prod(mesh.size(d) for d in least.roles.data)
     hints = []
-    if least.strategy != "ddp" and budget > rest:
+    if kind_of(least.strategy).shards and budget > rest:
         ranks = math.ceil(state * data / (budget - rest))
         hints.append(f"about {ranks} data ranks instead of {data} (the sharded state "
                      f"divides over them)")

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from spmd.lowering import ops
+from spmd.lowering.strategy import Gathered
 
 __all__ = ["MemoryView", "memory_view", "OPTIMIZER_STATES"]
 
@@ -253,7 +254,7 @@ def memory_view(plan: Any, optimizer: str | None = "adamw") -> MemoryView:
     transient, at, gathered, activations = 0, "-", 0, 0
     layers: dict[str, list] = {}
     # zero1/zero2: the gathered parameters stay whole from one optimizer step to the next
-    kept = plan.options is not None and plan.options.gathered == "per step"
+    kept = plan.options is not None and plan.options.gathered is Gathered.PER_STEP
     held_whole = sum(b.bytes for b in plan.buckets
                      if kept and b.kind == "all_gather" and b.phase == "forward")
     regions = sorted({name.rsplit(".", 1)[0] for name in plan.graphs})

@@ -180,11 +180,11 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
         from spmd.state.resolve import layout_options, resolve_layout
 
         placed, activations = resolve_layout(module, mesh, options.placements, where)
-        strategy = resolve_strategy(options.strategy, mesh, where, dims, placed)
+        strategy = resolve_strategy(options.kind_name, mesh, where, dims, placed)
         strategy = with_fields(strategy, activations=activations,
                                **layout_options(options.placements))
     else:
-        strategy = resolve_strategy(options.strategy, mesh, where)
+        strategy = resolve_strategy(options.kind_name, mesh, where)
     if options.shard_placement_fn is not None and strategy.shards_parameters:
         from dataclasses import replace as with_fields
 

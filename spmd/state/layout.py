@@ -40,6 +40,7 @@ from spmd.lowering import ops
 from spmd.lowering.options import Options
 from spmd.lowering.placements import Replicate, Shard, Sharding, divides
 from spmd.lowering.specs import Handles, PlaceSpec, ShardSpec, TPSpec, lookup
+from spmd.lowering.strategy import Gathered, Reduced
 from spmd.runtime.sizecheck import labelled
 from spmd.state.chunked import ChunkedTensor
 from spmd.state.writethrough import write_through
@@ -67,12 +68,15 @@ class ParameterPlacement:
         rows: rows of the sharded dimension per rank (dim 0 unless
             ``shard_placement_fn`` chose another); ``padding``: rows of zeros this rank's
             shard ends with (those beyond the whole tensor).
-        gathered: when the stored shards are gathered for compute: ``"each use"``
-            (fsdp, hsdp), ``"per step"`` (zero1, zero2: kept whole until the shard
-            changes, i.e. after the optimizer step) or ``"never"``.
-        reduced: how its gradient leaves the data dimensions: ``"all-reduce"`` (ddp),
-            ``"reduce-scatter"`` (fsdp, hsdp, zero2), ``"all-reduce, own rows kept"``
-            (zero1) or ``"none"`` (no data dimension of more than one rank).
+        gathered: when the stored shards are gathered for compute (a ``Gathered``,
+            printed as its value): ``"each use"`` (fsdp, hsdp), ``"per forward, kept for
+            backward"`` (their ``reshard_after_forward=False``), ``"per step"`` (zero1,
+            zero2: kept whole until the shard changes, i.e. after the optimizer step) or
+            ``"never"``.
+        reduced: how its gradient leaves the data dimensions (a ``Reduced``):
+            ``"all-reduce"`` (ddp), ``"reduce-scatter"`` (fsdp, hsdp, zero2),
+            ``"all-reduce, own rows kept"`` (zero1) or ``"none"`` (no data dimension of
+            more than one rank).
     """
 
     name: str
@@ -82,8 +86,8 @@ class ParameterPlacement:
     local_shape: tuple[int, ...]
     rows: int
     padding: int
-    gathered: str = "never"
-    reduced: str = "none"
+    gathered: Gathered = Gathered.NEVER
+    reduced: Reduced = Reduced.NONE
 
     @property
     def stored(self) -> Sharding:
@@ -212,8 +216,8 @@ def _shard_spec(name: str, shape: tuple[int, ...], param: torch.Tensor, setup: A
         replicate_size=mesh.size(replicate) if replicate else 1, replicate_dim=replicate or "",
         param_dtype=options.param_dtype if floating else None,
         reduce_dtype=options.reduce_dtype if floating else None,
-        persistent=strategy.gathered == "per step",
-        all_reduce=strategy.reduced == "all-reduce, own rows kept")
+        persistent=strategy.gathered is Gathered.PER_STEP,
+        all_reduce=strategy.reduced is Reduced.ALL_REDUCE_OWN_ROWS)
 
 
 def _record(name: str, shape: tuple[int, ...], strategy: Any, shard: ShardSpec | None,
@@ -228,8 +232,8 @@ def _record(name: str, shape: tuple[int, ...], strategy: Any, shard: ShardSpec |
         name=name, shape=shape, sharding=stored, computed=computed, local_shape=local,
         rows=shard.rows if shard is not None else (local[0] if local else 1),
         padding=0 if shard is None else shard.rows - shard.valid_rows(),
-        gathered=strategy.gathered if shard is not None else "never",
-        reduced=strategy.reduced if strategy.data_size > 1 else "none")
+        gathered=strategy.gathered if shard is not None else Gathered.NEVER,
+        reduced=strategy.reduced if strategy.data_size > 1 else Reduced.NONE)
 
 
 def place_module(module: nn.Module, setup: Any, options: Options, handles: Handles) -> Layout:

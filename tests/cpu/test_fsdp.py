@@ -90,6 +90,7 @@ def equivalence_job(rank: int, names: list[str], strategy: str, options: dict) -
                 "scattered": [p for c in plan.collectives if c.kind == "reduce_scatter"
                               for p in c.provenance.params],
                 "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
+                "modes": {str(spmd.placement_of(p).gathered) for p in model.parameters()},
             }
     finally:
         dist.destroy_process_group()
@@ -154,14 +155,17 @@ def test_four_ranks_and_a_2x2_hybrid_mesh(strategy):
                    f"{strategy} encoder/{opt_name} rank {rank}")
 
 
-def test_keeping_gathered_parameters_for_backward_trains_the_same():
-    runs = dist.spawn(equivalence_job, args=(["encoder"], "fsdp",
+@pytest.mark.parametrize("strategy,ranks", [("fsdp", 2), ("hsdp", 4)])
+def test_keeping_gathered_parameters_for_backward_trains_the_same(strategy, ranks):
+    """The rows ``reshard_after_forward=False`` selects, against one process."""
+    runs = dist.spawn(equivalence_job, args=(["encoder"], strategy,
                                              {"reshard_after_forward": False}),
-                      nprocs=2, start_method="forkserver", timeout=115)
+                      nprocs=ranks, start_method="forkserver", timeout=115)
     for opt_name in OPTIMIZERS:
         want = _reference("encoder", opt_name)
         for run in runs:
             _close(run[("encoder", opt_name)], want, ATOL[opt_name], opt_name)
+            assert run[("plan", "encoder")]["modes"] == {"per forward, kept for backward"}
 
 
 # -- everything else DDP mode promises ------------------------------------------------------
