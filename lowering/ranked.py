@@ -26,6 +26,7 @@ import torch
 from spmd.lowering import ring
 from spmd.lowering.ops import define
 from spmd.lowering.specs import RankSpec, lookup, sending
+from spmd.lowering.strategy import Strategy
 from spmd.runtime import collectives
 
 __all__ = ["Ranked", "RANKED", "vocab_embedding", "vocab_embedding_backward",
@@ -199,7 +200,7 @@ def _ring_backward_local(r: int, size: int, *args: Any) -> tuple:
     return tuple(g.chunk(size, dim=2)[r] for g in grads)
 
 
-def _ring_spec(dim: str, size: int, group: Any, strategy: Any) -> Any:
+def _ring_spec(dim: str, size: int, group: Any, strategy: Strategy) -> Any:
     return ring.RingSpec(dim=dim, size=size, group=group,
                          load_balance=strategy.load_balance.get(dim, True))
 

@@ -22,6 +22,7 @@ from spmd.lowering.options import Options
 from spmd.lowering.passes import Provenance
 from spmd.lowering.placements import divides
 from spmd.lowering.state import CollectiveInfo, OptimizerFusion, find
+from spmd.lowering.strategy import Strategy
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["Plan", "Bucket", "Collective", "Fallback", "Placed", "Verification",
@@ -413,7 +414,7 @@ def price_on_hardware(plan: Plan, records: list, options: Options, hardware: Any
     return priced
 
 
-def tokens_of(records: list, strategy: Any = None) -> int:
+def tokens_of(records: list, strategy: Strategy | None = None) -> int:
     """Tokens each device trains on per step: the elements of the first integer data
     input (token ids) of the first record, if any, shared by the ranks of every
     tensor-parallel (and context-parallel) dimension, which all see the same batch."""

@@ -40,7 +40,7 @@ from spmd.lowering import ops
 from spmd.lowering.options import Options
 from spmd.lowering.placements import Replicate, Shard, Sharding, divides
 from spmd.lowering.specs import Handles, PlaceSpec, ShardSpec, TPSpec, lookup
-from spmd.lowering.strategy import Gathered, Reduced
+from spmd.lowering.strategy import Gathered, Reduced, Strategy
 from spmd.runtime.sizecheck import labelled
 from spmd.state.chunked import ChunkedTensor
 from spmd.state.writethrough import write_through
@@ -155,7 +155,7 @@ def shard_evenly(param: torch.Tensor, size: int | None = None,
                  if shape[d] % size == 0 and d not in avoid), None)
 
 
-def shard_dims_for(module: nn.Module, strategy: Any, fn: Any, where: str) -> dict[str, int]:
+def shard_dims_for(module: nn.Module, strategy: Strategy, fn: Any, where: str) -> dict[str, int]:
     """Every parameter name -> the dimension ``fn`` (``shard_placement_fn``) shards it
     along, where not 0; ``ValueError`` naming a parameter whose choice cannot be kept
     (out of range, split by tensor parallelism already, or not dividing evenly)."""
@@ -220,7 +220,7 @@ def _shard_spec(name: str, shape: tuple[int, ...], param: torch.Tensor, setup: A
         all_reduce=strategy.reduced is Reduced.ALL_REDUCE_OWN_ROWS)
 
 
-def _record(name: str, shape: tuple[int, ...], strategy: Any, shard: ShardSpec | None,
+def _record(name: str, shape: tuple[int, ...], strategy: Strategy, shard: ShardSpec | None,
             piece: TPSpec | None) -> ParameterPlacement:
     stored = strategy.parameter_sharding(name)
     computed = stored
@@ -539,7 +539,7 @@ def _stored_hook(layout: Layout, local: list[tuple[str, str]], weak: Any) -> Any
 # -- placed activations (sequence parallelism) ------------------------------------------
 
 
-def place_activations(module: nn.Module, strategy: Any, handles: Handles
+def place_activations(module: nn.Module, strategy: Strategy, handles: Handles
                       ) -> dict[str, PlaceSpec]:
     """Give every module whose output ``strategy.activations`` places a forward hook that
     passes the output through ``spmd::place`` (its first tensor, for a module returning a
