@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from spmd.lowering import ops, ranked
+from spmd.lowering import ops, ranked, ring
 
 __all__ = ["rewrite_for_meta", "fused_attention", "cross_entropy", "nll_loss", "ATTENTION",
            "ATTENTION_FORWARD", "ATTENTION_BACKWARD",
@@ -46,33 +46,11 @@ __all__ = ["rewrite_for_meta", "fused_attention", "cross_entropy", "nll_loss", "
 _aten = torch.ops.aten
 
 
-def _math_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    bias: torch.Tensor | None, is_causal: bool, scale: float | None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention written out (the reference of the fused op): keys and values repeated
-    to the query's heads, scores scaled, biased and causally masked, softmax, the
-    weighted sum; and the rows' log-sum-exp in float32."""
-    group = query.shape[-3] // key.shape[-3]
-    if group > 1:
-        key, value = (t.repeat_interleave(group, dim=-3) for t in (key, value))
-    factor = scale if scale is not None else query.shape[-1] ** -0.5
-    scores = (query @ key.transpose(-2, -1)) * factor
-    if bias is not None:
-        scores = scores + bias
-    if is_causal:
-        sq, sk = scores.shape[-2:]
-        # top-left aligned, as SDPA's is_causal
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).tril()
-        scores = scores.masked_fill(keep.logical_not(), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.softmax(scores, dim=-1) @ value, lse.float()
-
-
 def _attention(query, key, value, bias, dropout_p, is_causal, scale):
     if dropout_p > 0 and not query.is_meta:  # on meta only shapes run: dropout is free
         raise NotImplementedError("spmd::attention is the meta-tracing stand-in of a GPU's "
                                   "fused attention; it runs dropout only as a shape")
-    out, lse = _math_attention(query, key, value, bias, is_causal, scale)
+    out, lse = ring.math_attention(query, key, value, bias, is_causal, scale)
     return out.contiguous(), lse.contiguous()
 
 

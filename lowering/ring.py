@@ -34,7 +34,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 __all__ = ["RingSpec", "ring_forward", "ring_backward", "block_attention",
-           "block_attention_backward", "zigzag_chunks"]
+           "block_attention_backward", "math_attention", "zigzag_chunks"]
 
 # p2p tags: key/value blocks, their gradients, the load-balancing exchange
 _KV, _GRAD, _SWAP = 11, 12, 13
@@ -72,6 +72,29 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def math_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   bias: torch.Tensor | None, is_causal: bool, scale: float | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention written out (the reference of the fused op): keys and values repeated
+    to the query's heads, scores scaled, biased and causally masked, softmax, the
+    weighted sum; and the rows' log-sum-exp in float32. A block's attention off CPU
+    here, and the whole of ``spmd::attention`` (``spmd.lowering.meta_trace``)."""
+    group = query.shape[-3] // key.shape[-3]
+    if group > 1:
+        key, value = (t.repeat_interleave(group, dim=-3) for t in (key, value))
+    factor = scale if scale is not None else query.shape[-1] ** -0.5
+    scores = (query @ key.transpose(-2, -1)) * factor
+    if bias is not None:
+        scores = scores + bias
+    if is_causal:
+        sq, sk = scores.shape[-2:]
+        # top-left aligned, as SDPA's is_causal
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(keep.logical_not(), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.softmax(scores, dim=-1) @ value, lse.float()
+
+
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                     scale: float | None, mask: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,13 +106,11 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     else:
-        from spmd.lowering.meta_trace import _math_attention
-
         bias = mask
         if mask is not None and mask.dtype == torch.bool:
             bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
                 ~mask, float("-inf"))
-        out, lse = _math_attention(q, k, v, bias, causal, scale)
+        out, lse = math_attention(q, k, v, bias, causal, scale)
     acc = _acc(q.dtype)
     out, lse = out.to(acc), lse.to(acc)
     if mask is not None:  # (the CPU kernel gives such rows a log-sum-exp of 0)

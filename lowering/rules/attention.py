@@ -27,7 +27,7 @@ import torch.fx as fx
 from spmd.lowering.meta_trace import attention as _meta_attention
 from spmd.lowering.meta_trace import attention_backward as _meta_attention_backward
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
-from spmd.lowering.rules import Decision, op, register, replicate_all, shape, tensor_args
+from spmd.lowering.rules.registry import Decision, op, register, replicate_all, shape, tensor_args
 
 _FORWARD = [op("_scaled_dot_product_flash_attention_for_cpu.default"),
             op("_scaled_dot_product_flash_attention.default"),

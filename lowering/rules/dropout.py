@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from spmd.lowering.placements import Partial, Placement
-from spmd.lowering.rules import Decision, op, register, replicate_all
+from spmd.lowering.rules.registry import Decision, op, register, replicate_all
 
 
 @register(op("native_dropout.default"))

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from spmd.lowering import ops, ranked
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
-from spmd.lowering.rules import Decision, norm_dim, op, register, replicate_all, shape
+from spmd.lowering.rules.registry import Decision, norm_dim, op, register, replicate_all, shape
 from spmd.lowering.specs import lookup
 
 

@@ -14,7 +14,7 @@ import torch.fx as fx
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
 from spmd.lowering.meta_trace import nll as _meta_nll
 from spmd.lowering.meta_trace import nll_backward as _meta_nll_backward
-from spmd.lowering.rules import Decision, op, register, replicate_all, shape
+from spmd.lowering.rules.registry import Decision, op, register, replicate_all, shape
 
 
 def _fused(node: fx.Node) -> bool:

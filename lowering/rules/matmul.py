@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard, StridedShard
-from spmd.lowering.rules import Decision, op, register, shape, tensor_args
+from spmd.lowering.rules.registry import Decision, op, register, shape, tensor_args
 from spmd.lowering.rules.pointwise import aligned_dim
 
 R = Replicate

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
-from spmd.lowering.rules import Decision, op, register, replicate_all, shape, tensor_args
+from spmd.lowering.rules.registry import Decision, op, register, replicate_all, shape, tensor_args
 
 
 def _normalized(node: fx.Node, index: int) -> int:

@@ -14,7 +14,7 @@ import torch.fx as fx
 from spmd.lowering import ops
 from spmd.lowering.placements import Placement, Replicate
 from spmd.lowering.annotate import ShardingError
-from spmd.lowering.rules import Decision, register, shape
+from spmd.lowering.rules.registry import Decision, register, shape
 from spmd.lowering.specs import lookup
 
 

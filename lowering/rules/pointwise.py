@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch.fx as fx
 
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard, StridedShard
-from spmd.lowering.rules import Decision, op, register, shape, tensor_args
+from spmd.lowering.rules.registry import Decision, op, register, shape, tensor_args
 
 __all__ = ["broadcast_decisions", "aligned_dim"]
 

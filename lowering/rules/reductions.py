@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from spmd.lowering.placements import Partial, Placement, Shard, StridedShard
-from spmd.lowering.rules import Decision, norm_dim, op, register, replicate_all, shape, tensor_args
+from spmd.lowering.rules.registry import (Decision, norm_dim, op, register, replicate_all, shape,
+                                          tensor_args)
 
 
 def _reduced_dims(node: fx.Node) -> tuple[list[int], bool]:

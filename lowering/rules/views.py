@@ -18,8 +18,8 @@ from typing import Sequence
 import torch.fx as fx
 
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard, StridedShard
-from spmd.lowering.rules import (Decision, norm_dim, op, outputs_of, register, replicate_all,
-                                 shape, tensor_args)
+from spmd.lowering.rules.registry import (Decision, norm_dim, op, outputs_of, register,
+                                          replicate_all, shape, tensor_args)
 
 __all__ = ["reshape_map"]
 

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 import spmd
 from spmd import runtime as dist
 
+from ..jobs import Jobs, pack
+
 STRATEGIES = ["ddp", "fsdp", "hsdp", "zero1", "zero2"]
 STEPS = 4
 # the forward's plain attribute, changed by the loop (at a step where nothing else changes)
@@ -88,26 +90,30 @@ def _whole_step(model: nn.Module, rank: int, world: int, strategy: str) -> list[
     return seen
 
 
-def converted(rank: int) -> dict:
+def converted(rank: int, cases: list[str]) -> dict:
+    """Each case: a strategy's trainings converted to float64 (before the first step,
+    between steps, and a whole step traced again), or "submodule": the state dicts of
+    a placed submodule under fsdp and tp."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=90))
-    out = {}
+    out: dict = {}
     try:
-        for strategy in STRATEGIES:
+        for strategy in cases:
+            if strategy == "submodule":
+                out[strategy] = {layout: _submodule_state(layout) for layout in ("fsdp", "tp")}
+                continue
+            out[strategy] = mine = {}
             for convert_at, how in ((0, "double"), (1, "to")):
                 torch.manual_seed(0)
                 model = spmd.parallelize(Scaled(), strategy=strategy, mesh=_mesh(strategy))
                 _train(model, rank, 2, convert_at, how)
                 grads_dtype = {p.dtype for p in model.parameters()}
-                out[strategy, convert_at] = (
+                mine[convert_at] = (
                     {k: v.clone() for k, v in model.state_dict().items()}, grads_dtype)
             torch.manual_seed(0)
             model = Scaled()
             seen = _whole_step(model, rank, 2, strategy)
-            out[strategy, "step"] = ({k: v.clone() for k, v in model.state_dict().items()},
-                                     seen)
-        for layout in ("fsdp", "tp"):
-            out[layout, "submodule"] = _submodule_state(layout)
+            mine["step"] = ({k: v.clone() for k, v in model.state_dict().items()}, seen)
     finally:
         dist.destroy_process_group()
     return out
@@ -141,9 +147,10 @@ def _plain_with_doubled_fc2() -> nn.Module:
     return plain
 
 
-@pytest.fixture(scope="module")
-def runs():
-    return dist.spawn(converted, nprocs=2, start_method="forkserver", timeout=110)
+# the six cases took 43 s as one job at a load of 3.5 on 2 cores (2026-11-29), 2.6x under
+# its 110 s timeout; packed under tests.jobs' budget by an even share each: two jobs, of
+# 20 s (the forkserver's start included) and 13 s at a load of 1-2
+JOBS = Jobs(converted, pack({case: 25 / 6 for case in [*STRATEGIES, "submodule"]}), nprocs=2)
 
 
 def _reference(convert_at: int) -> dict:
@@ -154,10 +161,10 @@ def _reference(convert_at: int) -> dict:
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_converted_before_the_first_step_equals_one_process(runs, strategy):
+def test_converted_before_the_first_step_equals_one_process(strategy):
     want = _reference(0)
-    for run in runs:
-        got, dtypes = run[strategy, 0]
+    for run in JOBS.results(strategy):
+        got, dtypes = run[0]
         assert dtypes == {torch.float64}
         for key, value in want.items():
             assert got[key].dtype == torch.float64, key
@@ -165,10 +172,10 @@ def test_converted_before_the_first_step_equals_one_process(runs, strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_converted_between_steps_equals_one_process(runs, strategy):
+def test_converted_between_steps_equals_one_process(strategy):
     want = _reference(1)  # one float32 step (its all-reduce rounds), then float64
-    for run in runs:
-        got, dtypes = run[strategy, 1]
+    for run in JOBS.results(strategy):
+        got, dtypes = run[1]
         assert dtypes == {torch.float64}
         for key, value in want.items():
             assert got[key].dtype == torch.float64, key
@@ -176,10 +183,10 @@ def test_converted_between_steps_equals_one_process(runs, strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_whole_step_traces_again_after_a_conversion_and_runs_later_hooks(runs, strategy):
+def test_a_whole_step_traces_again_after_a_conversion_and_runs_later_hooks(strategy):
     want = _reference(2)
-    for run in runs:
-        got, seen = run[strategy, "step"]
+    for run in JOBS.results(strategy):
+        got, seen = run["step"]
         assert seen == [1, 2, 3]  # registered before the second call, it ran at every step
         for key, value in want.items():
             assert got[key].dtype == torch.float64, key
@@ -187,11 +194,11 @@ def test_a_whole_step_traces_again_after_a_conversion_and_runs_later_hooks(runs,
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
-def test_a_submodules_state_dict_holds_whole_tensors(runs, layout):
+def test_a_submodules_state_dict_holds_whole_tensors(layout):
     torch.manual_seed(0)
     want = Scaled().fc1.state_dict()
-    for run in runs:
-        got = run[layout, "submodule"]["fc1"]
+    for run in JOBS.results("submodule"):
+        got = run[layout]["fc1"]
         assert got.keys() == want.keys()
         for key, value in want.items():
             assert got[key].shape == value.shape, key  # not this rank's shard
@@ -199,10 +206,10 @@ def test_a_submodules_state_dict_holds_whole_tensors(runs, layout):
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
-def test_a_submodule_loads_the_plain_submodules_state_dict(runs, layout):
+def test_a_submodule_loads_the_plain_submodules_state_dict(layout):
     want = _plain_with_doubled_fc2().state_dict()
-    for run in runs:
-        got = run[layout, "submodule"]["after load"]
+    for run in JOBS.results("submodule"):
+        got = run[layout]["after load"]
         assert got.keys() == want.keys()
         for key, value in want.items():
             torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)

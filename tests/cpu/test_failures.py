@@ -66,7 +66,7 @@ def _report(outbox, rank, result):
     return result
 
 
-def _answers(outbox, ranks, timeout=30.0):
+def _answers(outbox, ranks, timeout=90.0):
     import pickle
 
     deadline = time.monotonic() + timeout

@@ -10,6 +10,7 @@ a partial sum too), and LLaMA with sequence and vocabulary parallelism under fsd
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 
 import pytest
@@ -21,6 +22,7 @@ import spmd
 from spmd import runtime as dist
 from spmd.lowering import ranked
 
+from ..jobs import Jobs
 from ..zoo import entry
 
 pytest.importorskip("transformers")
@@ -102,28 +104,28 @@ def job(rank: int, runs: list[str]) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def results():
-    two = [r for r in RUNS if len(RUNS[r][1]) == 1]
-    four = [r for r in RUNS if len(RUNS[r][1]) == 2]
-    found = {}
-    for runs, n in ((two, 2), (four, 4)):
-        ranks = dist.spawn(job, args=(runs,), nprocs=n, start_method="forkserver",
-                           timeout=115)
-        for run in runs:
-            found[run] = [r[run] for r in ranks]
-    return found
+def _world(run: str) -> int:
+    return math.prod(RUNS[run][1])
 
 
+# a job per run, spawned in its own test's time (one fixture spawning the 2-rank runs and
+# then the 4-rank one, 77 s quiet together, shared one test's 120 s). Each test took
+# 11-21 s at a load of 4-5 on 2 cores (2026-11-29), the 4-rank one 64 s: its spawn gets
+# 180 s, and the test 200 s
+JOBS = Jobs(job, [[run] for run in RUNS], nprocs=lambda runs: _world(runs[0]),
+            timeout=180)
+
+
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("run", list(RUNS))
-def test_trains_like_one_process_without_gathering_the_logits(results, run):
+def test_trains_like_one_process_without_gathering_the_logits(run):
     name = RUNS[run][0]
     e = entry(name)
     # one process: the mean over every rank's rows (fsdp splits the rows: the mean of the
     # two halves' means, as their targets kept count alike) is the whole batch's
     want_losses, want_params = _train(WithLoss(e.model(), _smoothing(run)), e,
                                       slice(0, ROWS))
-    for rank, got in enumerate(results[run]):
+    for rank, got in enumerate(JOBS.results(run)):
         assert got["fallbacks"] == []
         assert got["ops"] == sorted(SHARDED), f"rank {rank}: {got['ops']}"
         assert got["gathered logits"] == [], f"rank {rank}: logits gathered"

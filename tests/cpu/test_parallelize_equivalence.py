@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import spmd
 from spmd import runtime as dist
 
+from ..jobs import Jobs, pack
 from ..models import MODELS, batch
 
 STEPS = 3
@@ -47,7 +48,7 @@ def model_name(model) -> str:
     return getattr(model, "_test_name", None) or model.module._test_name
 
 
-def rank_job(rank: int, names: list[str]) -> dict:
+def rank_job(rank: int, cases: list[tuple[int, str]]) -> dict:
     import torch.distributed as tdist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -56,7 +57,9 @@ def rank_job(rank: int, names: list[str]) -> dict:
     world = dist.get_world_size()
     assert tdist.get_rank() == rank  # torch's DDP below runs on our group, as torch sees it
     out: dict = {}
-    for name in names:
+    for case in cases:
+        _, name = case
+        out[case] = mine = {}
         model = MODELS[name]()
         model._test_name = name
         initial = {k: v.clone() for k, v in model.state_dict().items()}
@@ -65,16 +68,15 @@ def rank_job(rank: int, names: list[str]) -> dict:
             model.load_state_dict(initial)
             if hasattr(model, "calls"):
                 model.calls = 0
-            out[("spmd", name, opt_name)] = _train(model, make_opt(model.parameters()), rank,
-                                                   world)
+            mine[("spmd", opt_name)] = _train(model, make_opt(model.parameters()), rank, world)
             reference = MODELS[name]()
             reference._test_name = name
             ddp = DistributedDataParallel(reference, find_unused_parameters=(
                 name == "sometimes_unused"))
-            out[("ddp", name, opt_name)] = _train(ddp, make_opt(ddp.parameters()), rank, world)
+            mine[("ddp", opt_name)] = _train(ddp, make_opt(ddp.parameters()), rank, world)
         plan = spmd.inspect(model)
-        out[("plan", name)] = (len(plan.buckets), [f.param for f in plan.fallbacks],
-                               list(plan.frozen))
+        mine["plan"] = (len(plan.buckets), [f.param for f in plan.fallbacks],
+                        list(plan.frozen))
     dist.destroy_process_group()
     assert not tdist.is_initialized()  # torch's view went with ours
     return out
@@ -90,10 +92,18 @@ def single_process(name: str, opt_name: str) -> dict:
 NAMES = list(MODELS)
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
-def runs(request):
-    return dist.spawn(rank_job, args=(NAMES,), nprocs=request.param, start_method="forkserver",
-                      timeout=110)
+RANKS = pytest.mark.parametrize("ranks", [2, 3], ids=["2-ranks", "3-ranks"])
+# every model on 2 ranks is one job (15 s quiet on 2 cores); on 3 ranks they took 38 s,
+# too close to a spawn's timeout on a loaded machine: packed into jobs under tests.jobs'
+# budget, each model costing its share
+JOBS = Jobs(rank_job, [[(2, name) for name in NAMES]]
+            + pack({(3, name): 38 / len(NAMES) for name in NAMES}),
+            nprocs=lambda cases: cases[0][0])
+
+
+def runs(ranks: int, name: str) -> list[dict]:
+    """Each rank's results for ``name`` on ``ranks`` ranks."""
+    return JOBS.results((ranks, name))
 
 
 def _close(a: dict, b: dict, what: str, atol: float) -> None:
@@ -108,25 +118,27 @@ def _close(a: dict, b: dict, what: str, atol: float) -> None:
 
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("name", NAMES)
-def test_parallelize_equals_one_process_and_ddp(runs, name, opt_name):
-    ours = [r[("spmd", name, opt_name)] for r in runs]
+@RANKS
+def test_parallelize_equals_one_process_and_ddp(ranks, name, opt_name):
+    ours = [r[("spmd", opt_name)] for r in runs(ranks, name)]
     params = [k for k in ours[0] if "running" not in k and "num_batches" not in k]
     for rank_state in ours[1:]:  # buffers are each rank's own after its last forward
         _close({k: rank_state[k] for k in params}, {k: ours[0][k] for k in params},
                f"{name}/{opt_name}: ranks disagree", ATOL[opt_name])
-    for rank, r in enumerate(runs):
-        _close(ours[rank], r[("ddp", name, opt_name)], f"{name}/{opt_name} against DDP",
+    for rank, r in enumerate(runs(ranks, name)):
+        _close(ours[rank], r[("ddp", opt_name)], f"{name}/{opt_name} against DDP",
                ATOL[opt_name])
     if name != "batchnorm":  # batch statistics of a shard are not those of the whole batch
         _close(ours[0], single_process(name, opt_name), f"{name}/{opt_name} against one process",
                ATOL[opt_name])
 
 
-def test_plans_record_buckets_frozen_and_fallbacks(runs):
-    buckets, fallbacks, frozen = runs[0][("plan", "frozen")]
+@RANKS
+def test_plans_record_buckets_frozen_and_fallbacks(ranks):
+    buckets, fallbacks, frozen = runs(ranks, "frozen")[0]["plan"]
     assert frozen == ["fc1.weight", "fc1.bias"] and buckets >= 1 and not fallbacks
-    _, fallbacks, _ = runs[0][("plan", "eager_region")]
+    _, fallbacks, _ = runs(ranks, "eager_region")[0]["plan"]
     assert fallbacks == ["fc2.bias", "fc2.weight"] or sorted(fallbacks) == ["fc2.bias",
                                                                            "fc2.weight"]
     for name in ("mlp", "cnn", "encoder", "graph_break", "batchnorm"):
-        assert runs[0][("plan", name)][1] == [], name
+        assert runs(ranks, name)[0]["plan"][1] == [], name

@@ -233,7 +233,7 @@ def _bad_input_rank(rank):
     import gc
 
     gc.collect()  # the failed remote()'s RRef, held by its error's traceback until now
-    deadline = time.monotonic() + 5  # its deletion is a message to this worker itself
+    deadline = time.monotonic() + 30  # its deletion is a message to this worker itself
     while (rpc.debug_info()["owner_rrefs"] or rpc.debug_info()["pending_requests"]) and \
             time.monotonic() < deadline:
         time.sleep(0.02)
@@ -307,7 +307,7 @@ def test_async_execution_answers_a_batch_when_its_future_completes():
     out = spawn(_batching_rank, nprocs=3, start_method="forkserver", timeout=60)
     for total, elapsed in out[1:]:
         assert float(total) == 3.0  # both trainers' values: answered after the second came
-        assert elapsed < 15
+        assert elapsed < OPTS["rpc_timeout"]  # answered when the batch was, not timed out
 
 
 def _thread_rank(rank):

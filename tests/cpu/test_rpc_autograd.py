@@ -197,7 +197,7 @@ def _cleanup_rank(rank):
             dist_autograd.backward(cid, [loss])
             out["during"] = [rpc.rpc_sync(f"w{r}", _contexts) for r in range(3)]
             out["grad"] = dist_autograd.get_gradients(cid)[x]
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while True:
             out["after"] = [rpc.rpc_sync(f"w{r}", _contexts) for r in range(3)]
             if out["after"] == [0, 0, 0] or time.monotonic() > deadline:

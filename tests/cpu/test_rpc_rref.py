@@ -61,7 +61,7 @@ def _fork_makers():
     return sorted(fork[0] for r in list(rc.owners.values()) for fork in r.forks)
 
 
-def _until(check, want, timeout=10.0):
+def _until(check, want, timeout=30.0):
     deadline = time.monotonic() + timeout
     while True:
         got = check()

@@ -22,7 +22,9 @@ def assert_invariants(gm: fx.GraphModule, infos: tuple, cap: int | None) -> None
     members = [p for b in buckets(gm) for p in b]
     assert sorted(members) == sorted(trainable), "every gradient in exactly one bucket"
     by_name = {i.name: i for i in infos}
-    for node in collective_nodes(gm):
+    collectives = collective_nodes(gm)
+    assert bool(collectives) == bool(trainable), "a collective exactly when there is a gradient"
+    for node in collectives:
         info = node.meta["spmd_collective"]
         assert len({by_name[p].dtype for p in info.params}) == 1, "one dtype per bucket"
         if cap and len(info.params) > 1:
@@ -31,7 +33,7 @@ def assert_invariants(gm: fx.GraphModule, infos: tuple, cap: int | None) -> None
         assert len(waits) == 1, "one wait per collective"
     check_schedule(gm)  # every node (each wait) after its inputs, acyclic
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for node in collective_nodes(gm):
+    for node in collectives:
         (wait,) = [u for u in node.users if is_wait(u)]
         assert order[wait] > order[node]
 
@@ -42,6 +44,7 @@ def test_unplanned_and_planned_graphs_compute_the_same_gradients():
     expected = gm(*inputs_for(infos))
     planned = lower(gm, infos, bucket_cap_mb=64 / 2**20)
     got = emit(planned)(inputs_for(infos))
+    assert len(got) == len(expected) == len(shapes) + 1  # a gradient per parameter, the data's
     for a, b in zip(expected, got):
         assert (a is None and b is None) or torch.equal(a, b)
 
@@ -91,7 +94,9 @@ def test_frozen_parameters_are_in_no_bucket():
 def test_collective_issued_right_after_its_last_gradient():
     gm, infos = backward_like([(4,)] * 3, [torch.float32] * 3, [2, 0, 1])
     planned = lower(gm, infos, bucket_cap_mb=0)
-    for node in collective_nodes(planned):
+    collectives = collective_nodes(planned)
+    assert len(collectives) == 3  # bucketing off: one per gradient
+    for node in collectives:
         grads = node.args[0]
         assert node.prev in grads
 
@@ -122,6 +127,7 @@ def test_invariants_hold_on_random_graphs(data):
     if cap == 0:
         assert len(collective_nodes(planned)) == n - len(frozen)
     got = emit(planned)(inputs_for(infos))
+    assert len(got) == len(expected) == n + 1
     for a, b in zip(expected, got):
         assert (a is None and b is None) or torch.equal(a, b)
 

@@ -49,9 +49,13 @@ def test_without_schedule_every_wait_and_its_unpacking_follow_the_collective():
     for disabled, options in [(("schedule",), {}), (None, {"overlap": False})]:
         gm, infos = read_mid_graph()
         planned = lower(gm, infos, disabled=disabled, bucket_cap_mb=0, **options)
-        for coll in collective_nodes(planned):
+        collectives = collective_nodes(planned)
+        assert len(collectives) == 2, (disabled, options)  # bucketing off: one per gradient
+        for coll in collectives:
             node = coll
-            for member in chain_of(planned, coll):
+            chain = chain_of(planned, coll)
+            assert chain and is_wait(chain[0]), (disabled, options, coll.name)
+            for member in chain:
                 assert member is node.next, (disabled, options, member.name)
                 node = member
 
@@ -82,7 +86,9 @@ def test_schedule_visibly_changes_the_graph_and_not_the_result():
     off = lower(gm, infos, disabled=("schedule",), bucket_cap_mb=0)
     assert names(on) != names(off) and sorted(names(on)) == sorted(names(off))
     for planned in (on, off):
-        for a, b in zip(expected, emit(planned)(inputs_for(infos))):
+        got = emit(planned)(inputs_for(infos))
+        assert len(got) == len(expected) == 3  # (g0, g1, u)
+        for a, b in zip(expected, got):
             assert torch.equal(a, b)
 
 
@@ -95,7 +101,9 @@ def test_on_random_graphs_collectives_follow_inputs_and_waits_precede_readers(da
     gm, infos = backward_like([(4,)] * n, [torch.float32] * n, list(order))
     planned = lower(gm, infos, bucket_cap_mb=cap / 2**20)
     position = {node: i for i, node in enumerate(planned.graph.nodes)}
-    for coll in collective_nodes(planned):
+    collectives = collective_nodes(planned)
+    assert len(collectives) == n if cap == 0 else 1 <= len(collectives) <= n  # every gradient
+    for coll in collectives:
         assert coll.prev is max(coll.all_input_nodes, key=position.__getitem__)
         chain = chain_of(planned, coll)
         assert is_wait(chain[0])

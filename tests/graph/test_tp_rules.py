@@ -127,10 +127,13 @@ def check_decision(node: fx.Node, values: dict, current: tuple[Placement, ...],
 def check_graph(gm: fx.GraphModule, values: dict, size: int, seed: int,
                 expected_ops: Sequence[object]) -> None:
     """Check every node with a rule, under every (sampled) input placement and every
-    decision; ``expected_ops`` must all be among them."""
+    decision; ``expected_ops`` must all be among them, each with a decision checked where
+    it has a floating-point argument (which can always be ``Partial``; an integer one, as
+    ``repeat_interleave``'s counts, may have no dimension the mesh divides)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     seen = set()
+    checked: set = set()  # ops with at least one decision run on real shards
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -146,8 +149,13 @@ def check_graph(gm: fx.GraphModule, values: dict, size: int, seed: int,
             assert decisions, f"{node.format_node()}: no decision for {current}"
             for decision in decisions:
                 check_decision(node, values, current, decision, size, gen)
+            checked.add(node.target)
     missing = [op for op in expected_ops if op not in seen]
     assert not missing, f"not in the traced graph (or without a rule): {missing}"
+    floating = {n.target for n in gm.graph.nodes if n.op == "call_function"
+                and any(a.meta["val"].is_floating_point() for a in rules.tensor_args(n))}
+    unchecked = [op for op in expected_ops if op in floating and op not in checked]
+    assert checked and not unchecked, f"no input placement tried: {unchecked or 'any op'}"
 
 
 def randn(*shape: int, grad: bool = False) -> torch.Tensor:
@@ -267,10 +275,14 @@ def test_reductions_over_other_dims_keep_the_shards():
     list) keeps a shard along another one, nothing gathered."""
     gm, _ = trace(lambda x: (x.amax(-1, keepdim=True), x.amax([1]), x.sum([1]), x.max(1)),
                   randn(4, 6))
+    checked = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and rules.lookup(node.target):
             outputs = [d.output for d in rules.lookup(node.target)(node, (Shard(0),), 2)]
             assert Shard(0) in outputs or (Shard(0), Shard(0)) in outputs, node.format_node()
+            checked.append(node.target)
+    assert sorted(map(str, checked)) == sorted(map(str, [
+        aten.amax.default, aten.amax.default, aten.sum.dim_IntList, aten.max.dim])), checked
 
 
 @settings(max_examples=10, deadline=None)

@@ -4,8 +4,9 @@ Every test of torch's suites spawns fresh processes that import torch (about 10 
 here), so the whole of them (``make torch-suites``, about 1.5 hours on 2 cores) is not
 part of ``make test``: that runs ``SAMPLE``, a few tests of each suite. ``SPMD_TORCH_SUITES=all``
 runs everything. ``EXCEPTIONS`` lists, by cause, the tests that read torch's internals
-or an exact message of torch's; they are expected to fail (xfail, not strict) and
-nothing else is.
+or an exact message of torch's; they are expected to fail and nothing else is. The
+xfail is strict: a listed test that passes fails the run (``[XPASS(strict)]`` and its
+cause), so an entry that no longer holds is seen and taken off the list.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def pytest_collection_modifyitems(config, items):
             drop.append(item)
             continue
         if cause is not None:
-            item.add_marker(pytest.mark.xfail(reason=cause, strict=False))
+            item.add_marker(pytest.mark.xfail(reason=cause, strict=True))
         keep.append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
