@@ -14,9 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from spmd.auto.live import parallelize_auto
 from spmd.lowering.options import Options
+from spmd.lowering.strategy import flatten_data_dims, resolve_strategy
+from spmd.pipeline.module import check_pipeline
 from spmd.program.build import build
 from spmd.runtime.mesh import Mesh
+from spmd.tp import tp_dims_of
 
 __all__ = ["parallelize"]
 
@@ -107,8 +111,6 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         print(spmd.inspect(model))
     """
     if strategy == "auto":
-        from spmd.auto.live import parallelize_auto
-
         if pipeline is not None:
             raise TypeError("parallelize: strategy='auto' with pipeline= is searched by "
                             "spmd.inspect(model, x, mesh=Mesh.simulated(...), strategy='auto', "
@@ -142,15 +144,11 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         if not isinstance(mesh, Mesh):
             raise TypeError(f"parallelize: mesh must be an spmd.Mesh or None, got "
                             f"{type(mesh).__name__}")
-        from spmd.lowering.strategy import flatten_data_dims, resolve_strategy
-        from spmd.tp import tp_dims_of
 
         # refuse a mesh it cannot use (before any group is made: on a simulated copy);
         # with a pipeline, the dimensions its stages run on
         dims = [(n, s) for n, s in zip(mesh.dim_names, mesh.shape)]
         if pipeline is not None:
-            from spmd.pipeline.module import check_pipeline
-
             check_pipeline(pipeline, mesh, "parallelize")
             dims = [(n, s) for n, s in dims if n != pipeline.dim]
         if dims:
