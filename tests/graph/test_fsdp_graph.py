@@ -66,7 +66,9 @@ def test_each_parameter_is_gathered_exactly_once_before_its_uses(name):
     params = [n for n, _ in model.named_parameters()]
     assert sorted(_gathered_params(fw)) == sorted(params)  # tied weights: once
     order = {n: i for i, n in enumerate(fw.graph.nodes)}
-    for whole in _whole_values(fw):
+    wholes = _whole_values(fw)
+    assert wholes, "no gathered parameter is unpacked in the forward"
+    for whole in wholes:
         wait = whole.args[0].args[0]
         assert is_wait(wait)
         assert all(order[use] > order[wait] for use in whole.users)
