@@ -12,27 +12,38 @@ Options are keyword-only and checked before anything is traced; a bad one raises
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Mapping, Sequence, Union
+
+import torch
 
 from spmd.auto.live import parallelize_auto
 from spmd.lowering.options import Options
+from spmd.lowering.placements import Placement, Shard
 from spmd.lowering.strategy import flatten_data_dims, resolve_strategy
 from spmd.pipeline.module import check_pipeline
+from spmd.pp import Schedule
 from spmd.program.build import build
 from spmd.runtime.mesh import Mesh
 from spmd.tp import tp_dims_of
+
+# what ``placements=`` takes: patterns per mesh dimension, a preset (``spmd.tp.megatron()``,
+# ``spmd.cp.ring()``: anything with ``resolve(model)``), or a list of both
+Placements = Union[Mapping[str, Mapping[str, Placement]], Any, Sequence[Any]]
 
 __all__ = ["parallelize"]
 
 
 def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "ddp",
-                reshard_after_forward: bool = True, param_dtype: Any = None,
+                reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
                 bucket_cap_mb: float | None = None, overlap: bool = True,
-                reduce_dtype: Any = None, broadcast_buffers: bool = True,
+                reduce_dtype: torch.dtype | None = None, broadcast_buffers: bool = True,
                 compile_compute: bool | None = None, calibrate: bool = False,
-                placements: Any = None, comm_hook: Any = None, comm_state: Any = None,
-                sync_batchnorm: bool = False, shard_placement_fn: Any = None,
-                pipeline: Any = None, memory_budget: Any = None) -> Any:
+                placements: Placements | None = None,
+                comm_hook: Callable[..., Any] | None = None, comm_state: Any = None,
+                sync_batchnorm: bool = False,
+                shard_placement_fn: Callable[[torch.nn.Parameter], Shard | None] | None = None,
+                pipeline: Schedule | None = None,
+                memory_budget: int | float | str | None = None) -> Any:
     """Data parallelism and parameter sharding, planned by a compiler: capture, bucket,
     overlap, run.
 
