@@ -22,7 +22,6 @@ import torch.fx as fx
 
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.placements import Sharding, Varying
-from spmd.lowering.reshard import forward_name
 from spmd.lowering.state import Boundary, Gradient, put
 
 __all__ = ["annotate", "PlanningError", "ShardingError", "EmptyBackwardError", "graph_outputs",
@@ -105,6 +104,8 @@ def _input_shardings(gm: fx.GraphModule, ctx: LoweringContext) -> None:
     local = Sharding.on(strategy.mesh, {d: Varying() for d in strategy.data_dims})
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if ctx.role == "backward":
+        from spmd.lowering.reshard import forward_name
+
         for node in placeholders:  # a resharded input holds the forward's shard instead
             node.meta["sharding"] = ctx.saved.get(forward_name(node), local)
         return

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 
 from spmd.lowering.cost_model import CostModel
-from spmd.runtime.calibration import measure_all_reduce
 
 __all__ = ["calibrate", "fit"]
 
@@ -37,6 +36,7 @@ def fit(samples: list[tuple[int, float]], model: CostModel) -> CostModel:
 
 def calibrate(group: Any, model: CostModel) -> CostModel:
     """Measure ``group``'s all-reduce and fit ``model`` to it (same result on every rank)."""
+    from spmd.runtime.calibration import measure_all_reduce
 
     if group is None or group.size() <= 1:
         return model

@@ -28,14 +28,11 @@ from spmd.lowering.annotate import PlanningError
 from spmd.lowering.context import InputInfo, LoweringContext
 from spmd.lowering.emit import emit
 from spmd.lowering.graph import copy_graph
-from spmd.lowering.meta_trace import rewrite_for_meta
-from spmd.lowering.partition import partition
 from spmd.lowering.pipeline import plan_graph
 from spmd.lowering.reshard import forward_name
 from spmd.lowering.run_check import RunCheck
-from spmd.lowering.specs import dry_run
-from spmd.lowering.tensor_parallel import SAVED_RENAMES
 from spmd.runtime import sizecheck
+from spmd.lowering.tensor_parallel import SAVED_RENAMES
 
 __all__ = ["GraphRecord", "Capture", "time_forward"]
 
@@ -158,6 +155,7 @@ class Capture:
         name = f"graph{len(records)}"
         inputs = self.describe(example_inputs)
         record = GraphRecord(name=name, inputs=inputs)
+        from spmd.lowering.meta_trace import rewrite_for_meta
 
         record.traced_as = rewrite_for_meta(gm, example_inputs, self.fused_attention)
         record.reason = _reason(record, records)
@@ -237,6 +235,7 @@ class Capture:
             from torch._inductor.decomposition import select_decomp_table
 
             decompositions = select_decomp_table()
+        from spmd.lowering.partition import partition
 
         # AOTAutograd plans a static graph's backward at its first backward call and a
         # dynamic one's now, inside Dynamo's compile: ranks whose graphs differ only there
@@ -371,6 +370,7 @@ def time_forward(record: GraphRecord, repeats: int = 3) -> float | None:
         return record.forward_seconds
     from torch.utils._python_dispatch import _disable_current_modes
 
+    from spmd.lowering.specs import dry_run
     try:
         values = [n.meta["val"] for n in record.forward.graph.nodes if n.op == "placeholder"]
         def make(v: Any) -> Any:

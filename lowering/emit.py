@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from spmd.lowering import ops, optimizer
+from spmd.lowering import ops
 from spmd.lowering.graph import copy_graph
 
 __all__ = ["emit"]
@@ -31,6 +31,7 @@ __all__ = ["emit"]
 def _direct() -> dict:
     """Our ops' Python implementations, called straight instead of through the
     dispatcher."""
+    from spmd.lowering import optimizer  # noqa: F401  (defines optimizer_step)
 
     return dict(ops.IMPLEMENTATIONS)
 

@@ -13,7 +13,6 @@ from typing import Sequence
 import torch
 
 import spmd.kernels as kernels
-from spmd.kernels import packing_triton
 from spmd.kernels.layout import SUPPORTED_DTYPES, BucketTables
 
 __all__ = ["pack", "pack_planned", "unpack", "views"]
@@ -61,6 +60,8 @@ def pack_planned(tensors: list[torch.Tensor], scale: float, dtype: torch.dtype,
     """
     device = tensors[0].device
     if kernels.implementation(device) == "triton" and _kernels_take(tensors, dtype):
+        from spmd.kernels import packing_triton
+
         if out is None:
             out = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
         packing_triton.copy(tensors, out, scale, to_flat=True, accumulate=False, tables=tables)

@@ -17,21 +17,20 @@ dropped from the graph.
 from __future__ import annotations
 
 import itertools
+
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-import spmd.kernels as kernels
 from spmd.kernels.layout import SUPPORTED_DTYPES
-from spmd.lowering import ops
-from spmd.lowering.annotate import PlanningError
 from spmd.lowering.collectives import bucket_results
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import collective_nodes, is_wait
-from spmd.lowering.shard_params import scattered_results
+from spmd.lowering import ops
 from spmd.lowering.specs import Handles, lookup
+from spmd.lowering.shard_params import scattered_results
 from spmd.lowering.state import Boundary, OptimizerFusion, Role, needs, put
 
 __all__ = ["fusable", "why_not_fusable", "register_optimizer", "fuse_optimizer",
@@ -115,6 +114,8 @@ def _group_runs(owner: dict[int, dict], params: list[torch.Tensor]):
 
 
 def _optimizer_step(params: list[torch.Tensor], flat: torch.Tensor, handle: int) -> None:
+    import spmd.kernels as kernels
+
     spec: OptimizerSpec = lookup(handle)
     opt = spec.optimizer
     for group, start, members in _group_runs(spec.owners(), list(params)):
@@ -208,6 +209,8 @@ def fuse_optimizer(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
     readers = _gradient_readers(gm, boundary.gradients)
     reading = tuple(sorted({r for rs in readers.values() for r in rs}))
     if readers and ctx.strategy.shards_parameters:
+        from spmd.lowering.annotate import PlanningError
+
         param, who = next(iter(readers.items()))
         raise PlanningError(
             f"the step reads the gradient of {param} itself ({who[0]}), e.g. to clip it; with "

@@ -8,9 +8,6 @@ from typing import Any
 
 import torch
 
-from spmd.lowering.reduction import check_hook
-from spmd.lowering.strategy import KINDS, STRATEGIES, Gathered, kind_name, tp_dims_of
-from spmd.runtime import config
 from spmd.runtime.compressed import FLOAT8_DTYPES as _FP8
 
 __all__ = ["Options"]
@@ -102,6 +99,7 @@ class Options:
             kwargs["compile_compute"] = os.environ["SPMD_COMPILE_COMPUTE"] not in ("0", "")
         options = cls(**kwargs)
         options.check(where)
+        from spmd.runtime import config
 
         try:
             config.verify_plans()  # read while planning, inside torch.compile: checked here
@@ -112,6 +110,7 @@ class Options:
     def check(self, where: str) -> None:
         if not isinstance(self.strategy, str):
             raise TypeError(f"{where}: strategy must be a str, got {type(self.strategy).__name__}")
+        from spmd.lowering.strategy import STRATEGIES
 
         if self.strategy not in STRATEGIES:
             raise ValueError(f"{where}: strategy {self.strategy!r} is not supported; expected one "
@@ -153,6 +152,8 @@ class Options:
                              f"(all-reduces added in float32 by spmd); sharded strategies "
                              f"reduce-scatter in the backend, which cannot add float8")
         if self.comm_hook is not None:
+            from spmd.lowering.reduction import check_hook
+
             check_hook(self.comm_hook, where)
             if self.sharded:
                 raise ValueError(f"{where}: comm_hook reduces all-reduce buckets ('ddp'); "
@@ -183,8 +184,11 @@ class Options:
                 raise ValueError(f"{where}: shard_placement_fn applies to the sharded "
                                  f"strategies; {self.strategy!r} stores whole parameters")
         if self.placements is not None:
+            from spmd.lowering.strategy import tp_dims_of
+
             if not tp_dims_of(self.placements):
                 raise ValueError(f"{where}: placements names no mesh dimension")
+        from spmd.lowering.strategy import KINDS, Gathered
 
         takes = [k.strategy for k in KINDS.values()
                  if k.reshard_after_forward == self.reshard_after_forward]
@@ -200,18 +204,21 @@ class Options:
     @property
     def kind_name(self) -> str:
         """The row of ``KINDS`` that ``strategy`` and ``reshard_after_forward`` select."""
+        from spmd.lowering.strategy import kind_name
 
         return kind_name(self.strategy, self.reshard_after_forward)
 
     @property
     def kind(self) -> Any:
         """That row (a ``StrategyKind``)."""
+        from spmd.lowering.strategy import KINDS
 
         return KINDS[self.kind_name]
 
     @property
     def sharded(self) -> bool:
         """Parameters are stored as shards (fsdp, hsdp, zero1, zero2)."""
+        from spmd.lowering.strategy import KINDS
 
         return KINDS[self.strategy].shards
 
@@ -224,6 +231,7 @@ class Options:
     def reshards(self) -> bool:
         """Gathered parameters are freed after the forward and gathered again in
         backward."""
+        from spmd.lowering.strategy import Gathered
 
         return self.gathered is Gathered.EACH_USE
 

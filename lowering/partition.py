@@ -30,9 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from spmd.lowering import ops
 from spmd.lowering.reshard import SAVED_AS, reshard_saved
-from spmd.lowering.tensor_parallel import USER_OUTPUTS
 
 __all__ = ["partition", "drop_copies", "save_placed"]
 
@@ -97,6 +95,7 @@ def save_placed(fw: fx.GraphModule, bw: fx.GraphModule, saved_from: int) -> list
     save the placed value instead and redo the reshapes where the backward first reads
     it; the names of the values no longer saved. ``saved_from``: the index of the first saved
     value among the forward's outputs."""
+    from spmd.lowering import ops
 
     output = fw.graph.output_node()
     values = list(output.args[0])
@@ -157,6 +156,7 @@ def partition(joint: fx.GraphModule, joint_inputs: Any, *, reshard: bool = False
 
     fw, bw = default_partition(joint, joint_inputs, **kwargs)
     if "num_fwd_outputs" in kwargs:  # the rest are saved for the backward
+        from spmd.lowering.tensor_parallel import USER_OUTPUTS
 
         fw.meta[USER_OUTPUTS] = kwargs["num_fwd_outputs"]
     drop_copies(fw, bw)

@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 import torch.fx as fx
 
 from spmd.lowering.context import LoweringContext
-from spmd.lowering.state import Provenance, state_of
+from spmd.lowering.state import Provenance
 from spmd.runtime import config
 
 __all__ = ["Pass", "Provenance", "run_passes", "debug_plan"]
@@ -32,6 +32,7 @@ def run_passes(gm: fx.GraphModule, ctx: LoweringContext,
                passes: Iterable[tuple[str, Pass]], disabled: Iterable[str] = ()) -> fx.GraphModule:
     """Run ``passes`` in order on ``gm``, but those named in ``disabled``; each one's
     time is recorded in the graph's state (``state_of(gm).pass_seconds``)."""
+    from spmd.lowering.state import state_of
 
     skip = set(disabled)
     verbose = debug_plan()

@@ -30,11 +30,11 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 
-from spmd.lowering import ops, ranked, rules
+from spmd.lowering import rules
 from spmd.lowering.annotate import ShardingError
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.placements import (Partial, Placement, Replicate, Sharding, StridedShard,
-                                      Varying)
+                                     Varying)
 from spmd.lowering.redistribute import redistribution
 from spmd.lowering.state import Boundary, needs
 
@@ -289,6 +289,7 @@ def _placing(node: fx.Node) -> bool:
 def _ranked(node: fx.Node) -> bool:
     """The node is an op whose ranks compute differently, put there by a decision
     (``Decision.ranked``): its inputs were brought whole, its output is the decision's."""
+    from spmd.lowering import ranked
 
     return node.target in ranked.RANKED
 
@@ -297,6 +298,7 @@ def _gathered_piece(node: fx.Node) -> Sharding | None:
     """A parameter's whole tensor out of a bucket of sharded parameters' gather: placed as
     that parameter's shard was, but whole along the gathered dimension (parameters of
     one bucket may differ on a tensor-parallel dimension)."""
+    from spmd.lowering import ops
 
     if node.target is not operator.getitem:
         return None
@@ -313,6 +315,7 @@ def _gathered_piece(node: fx.Node) -> Sharding | None:
 
 def _decided(node: fx.Node) -> bool:
     """A collective or a wait: the pass that inserted it decided its sharding."""
+    from spmd.lowering import ops
 
     role = node.meta.get("spmd_role")
     return ("spmd_collective" in node.meta or (role is not None and role.kind == "wait")

@@ -28,7 +28,6 @@ from spmd.lowering.ops import define
 from spmd.lowering.specs import RankSpec, lookup, sending
 from spmd.lowering.strategy import Strategy
 from spmd.runtime import collectives
-from spmd.runtime.reduction import ReduceOp
 
 __all__ = ["Ranked", "RANKED", "vocab_embedding", "vocab_embedding_backward",
            "ring_attention", "ring_attention_backward", "sharded_log_softmax",
@@ -213,6 +212,8 @@ def _reduce_over(t: torch.Tensor, spec: RankSpec, op: str) -> torch.Tensor:
     """``t`` reduced in place over ``spec``'s group (max or sum); as it is on a simulated
     mesh or inside ``dry_run``."""
     if spec.group is not None and spec.size > 1 and sending():
+        from spmd.runtime.reduction import ReduceOp
+
         collectives.all_reduce(t, ReduceOp.MAX if op == "max" else ReduceOp.SUM,
                                group=spec.group)
     return t

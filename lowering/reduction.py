@@ -21,11 +21,9 @@ from typing import Any, Callable
 
 import torch
 
-from spmd.kernels import reduce_chunks
 from spmd.lowering.flat import views
 from spmd.runtime import collectives
-from spmd.runtime.compressed import FLOAT8_DTYPES as FP8
-from spmd.runtime.compressed import all_reduce_compressed
+from spmd.runtime.compressed import FLOAT8_DTYPES as FP8, all_reduce_compressed
 
 __all__ = ["choose", "start", "start_bucket", "GradBucket", "HookWork", "check_hook", "FP8"]
 
@@ -50,6 +48,8 @@ def choose(wire: torch.dtype, dtype: torch.dtype, ranks: int) -> tuple[str, str]
 
 
 def _combine(chunks: torch.Tensor, scales: torch.Tensor | None, scale: float) -> torch.Tensor:
+    from spmd.kernels import reduce_chunks
+
     return reduce_chunks(chunks, scales=scales, scale=scale, dtype=torch.float32)
 
 

@@ -33,9 +33,6 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from spmd.lowering.specs import sending
-from spmd.runtime import p2p
-
 __all__ = ["RingSpec", "ring_forward", "ring_backward", "block_attention",
            "block_attention_backward", "math_attention", "zigzag_chunks"]
 
@@ -58,6 +55,8 @@ class RingSpec:
         return 0 if self.group is None else self.group.rank()
 
     def live(self) -> bool:
+        from spmd.lowering.specs import sending
+
         return self.group is not None and self.size > 1 and sending()
 
 
@@ -197,6 +196,8 @@ class _Ring:
         self.next, self.prev = ranks[(self.r + 1) % self.n], ranks[(self.r - 1) % self.n]
 
     def start(self, buffer: torch.Tensor, tag: int) -> tuple[torch.Tensor, list[Any]]:
+        from spmd.runtime import p2p
+
         incoming = torch.empty_like(buffer)
         works = [p2p.isend(buffer, self.next, group=self.spec.group, tag=tag),
                  p2p.irecv(incoming, self.prev, group=self.spec.group, tag=tag)]
@@ -213,6 +214,7 @@ def _swap(spec: RingSpec, parts: Sequence[torch.Tensor], dims: Sequence[int],
     """``parts`` (each sharded along its ``dims`` entry) from the contiguous layout to the
     load-balanced one (``to_zigzag``) or back: each of this rank's two halves goes to the
     rank holding that chunk in the other layout."""
+    from spmd.runtime import p2p
 
     n, r = spec.size, spec.rank()
     ranks = spec.group.ranks

@@ -31,7 +31,7 @@ import torch.fx as fx
 from spmd.lowering.collectives import build_bucket, new_node
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.passes import Provenance
-from spmd.lowering.placements import Partial, Replicate, Sharding, Varying
+from spmd.lowering.placements import Partial, Replicate
 from spmd.lowering.propagate import derive, module_of
 from spmd.lowering.redistribute import Step
 from spmd.lowering.state import Boundary, needs, put
@@ -57,6 +57,7 @@ def _whole(gm: fx.GraphModule, ctx: LoweringContext, values: list[fx.Node], name
            why: str) -> list[fx.Node]:
     """``values`` summed over every data dimension's ranks (one all-reduce per dimension,
     all of them in one bucket). Each is this rank's own until then."""
+    from spmd.lowering.placements import Sharding, Varying
 
     local = Sharding.on(ctx.mesh, {d: Varying() for d in ctx.strategy.data_dims})
     for v in values:

@@ -48,19 +48,17 @@ from typing import Any, ClassVar, Sequence
 import torch
 import torch.fx as fx
 
-from spmd.lowering import ops
+from spmd.lowering import ops, rules
 from spmd.lowering import ranked as ranked_ops
-from spmd.lowering import rules
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import is_collective
-from spmd.lowering.placements import Partial, Placement, Replicate, Sharding, Varying, divides
+from spmd.lowering.placements import (Partial, Placement, Replicate, Sharding, Varying,
+                                     divides)
 from spmd.lowering.propagate import module_of, seeded
 from spmd.lowering.reshard import RESHARDED, forward_name
 from spmd.lowering.rule_check import on_shards, random_like, run_op
 from spmd.lowering.specs import lookup
 from spmd.lowering.state import Boundary, Record, find, put, state_of
-from spmd.lowering.tensor_parallel import USER_OUTPUTS
-from spmd.runtime import config
 
 __all__ = ["verify", "verify_pass", "PlanVerificationError", "Verified", "NUMERIC_LIMIT"]
 
@@ -491,6 +489,8 @@ class _Verifier:
     # -- what leaves the graph ---------------------------------------------------------
 
     def outputs(self, node: fx.Node) -> None:
+        from spmd.lowering.tensor_parallel import USER_OUTPUTS
+
         raw = node.args[0]
         values = list(raw) if isinstance(raw, (tuple, list)) else [raw]
         boundary = find(self.gm, Boundary)
@@ -561,5 +561,6 @@ def verify(gm: fx.GraphModule, ctx: LoweringContext | None = None,
 def verify_pass(gm: fx.GraphModule, ctx: LoweringContext) -> fx.GraphModule:
     """:func:`verify` as the pass list's last pass: real shards too unless
     ``SPMD_VERIFY=structure``."""
+    from spmd.runtime import config
 
     return verify(gm, ctx, numerics=0 if config.verify_plans() == "structure" else None)

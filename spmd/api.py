@@ -12,23 +12,24 @@ Options are keyword-only and checked before anything is traced; a bad one raises
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
-from spmd.auto.live import parallelize_auto
 from spmd.lowering.options import Options
 from spmd.lowering.placements import Placement, Shard
-from spmd.lowering.strategy import flatten_data_dims, resolve_strategy
-from spmd.pipeline.module import check_pipeline
-from spmd.pp import Schedule
 from spmd.program.build import build
 from spmd.runtime.mesh import Mesh
-from spmd.tp import tp_dims_of
 
-# what ``placements=`` takes: patterns per mesh dimension, a preset (``spmd.tp.megatron()``,
-# ``spmd.cp.ring()``: anything with ``resolve(model)``), or a list of both
-Placements = Union[Mapping[str, Mapping[str, Placement]], Any, Sequence[Any]]
+if TYPE_CHECKING:
+    from spmd.cp import ContextParallel
+    from spmd.pp import Schedule
+    from spmd.tp import Preset
+
+    # what ``placements=`` takes: patterns per mesh dimension, a preset
+    # (``spmd.tp.megatron()``, ``spmd.cp.ring()``), or a list of them
+    Spec = Mapping[str, Mapping[str, Placement]]
+    Placements = Spec | Preset | ContextParallel | Sequence[Spec | Preset | ContextParallel]
 
 __all__ = ["parallelize"]
 
@@ -122,6 +123,8 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         print(spmd.inspect(model))
     """
     if strategy == "auto":
+        from spmd.auto.live import parallelize_auto
+
         if pipeline is not None:
             raise TypeError("parallelize: strategy='auto' with pipeline= is searched by "
                             "spmd.inspect(model, x, mesh=Mesh.simulated(...), strategy='auto', "
@@ -155,11 +158,15 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         if not isinstance(mesh, Mesh):
             raise TypeError(f"parallelize: mesh must be an spmd.Mesh or None, got "
                             f"{type(mesh).__name__}")
+        from spmd.lowering.strategy import flatten_data_dims, resolve_strategy
+        from spmd.tp import tp_dims_of
 
         # refuse a mesh it cannot use (before any group is made: on a simulated copy);
         # with a pipeline, the dimensions its stages run on
         dims = [(n, s) for n, s in zip(mesh.dim_names, mesh.shape)]
         if pipeline is not None:
+            from spmd.pipeline.module import check_pipeline
+
             check_pipeline(pipeline, mesh, "parallelize")
             dims = [(n, s) for n, s in dims if n != pipeline.dim]
         if dims:

@@ -8,6 +8,7 @@ one layout should load under any other, on any number of ranks, and into a plain
 These functions, with torch's names for the same job
 (``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict``), do that
 for every layout::
+
     import torch.distributed.checkpoint as dcp
 
     model_sd, optim_sd = spmd.checkpoint.get_state_dict(model, opt)
@@ -52,11 +53,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from spmd.lowering.specs import ShardSpec, TPSpec
-from spmd.pipeline.module import PipelineModule
-from spmd.program.program import program_of
 from spmd.state.chunked import Chunk, ChunkedTensor
 from spmd.state.layout import Layout, layout_of, local_state_dicts, stored_part
+from spmd.lowering.specs import ShardSpec, TPSpec
 
 __all__ = ["ChunkedTensor", "get_state_dict", "set_state_dict"]
 
@@ -103,6 +102,8 @@ def _chunked(name: str, stored: torch.Tensor, shard: ShardSpec | None,
 
 def _pipeline(model: nn.Module) -> Any:
     """``model`` if it is a pipelined model (``spmd.pipeline.module.PipelineModule``), else None."""
+    from spmd.pipeline.module import PipelineModule
+    from spmd.program.program import program_of
 
     program = program_of(model)
     return program if isinstance(program, PipelineModule) else None

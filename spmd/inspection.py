@@ -7,12 +7,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from spmd.auto.pipeline import plan_pipeline_auto
-from spmd.auto.search import plan_auto
 from spmd.lowering.options import Options
-from spmd.pipeline.planning import inspect_pipeline
 from spmd.plan.plan import Plan
-from spmd.plan.planning import plan_model, planning_mesh
 from spmd.program.program import program_of
 from spmd.runtime.mesh import Mesh
 
@@ -20,6 +16,9 @@ __all__ = ["inspect"]
 
 
 def _inspect_auto(obj: Any, example_inputs: tuple, mesh: Mesh | None, options: dict) -> Any:
+    from spmd.auto.search import plan_auto
+    from spmd.plan.planning import planning_mesh
+
     if not isinstance(obj, nn.Module):
         raise TypeError(f"spmd.inspect: strategy='auto' searches a model's layout, got "
                         f"{type(obj).__name__}")
@@ -30,6 +29,8 @@ def _inspect_auto(obj: Any, example_inputs: tuple, mesh: Mesh | None, options: d
         raise TypeError("spmd.inspect: strategy='auto' needs example inputs (one rank's batch)")
     options = dict(options)
     if options.get("pipeline") is not None:
+        from spmd.auto.pipeline import plan_pipeline_auto
+
         if mesh is None or not mesh.simulated:
             raise ValueError("spmd.inspect: plan a pipeline on mesh=spmd.Mesh.simulated(shape, "
                              "dim_names) naming its 'pp' dimension")
@@ -77,6 +78,8 @@ def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: 
         raise TypeError("spmd.inspect: memory_budget= is the budget of strategy='auto'")
     pipeline = options.get("pipeline")
     if pipeline is not None or {"loss_fn", "target"} & set(options):
+        from spmd.pipeline.planning import inspect_pipeline
+
         return inspect_pipeline(obj, example_inputs, mesh, strategy, options)
     if not example_inputs and not options and mesh is None and strategy == "ddp":
         program = program_of(obj)
@@ -85,5 +88,6 @@ def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: 
                             f"object spmd.parallelize returned, or example inputs and a mesh to "
                             f"plan it")
         return program.plan()
+    from spmd.plan.planning import plan_model
 
     return plan_model(obj, example_inputs, mesh, strategy, options)

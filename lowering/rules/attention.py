@@ -24,12 +24,10 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
-from spmd.lowering import ranked
 from spmd.lowering.meta_trace import attention as _meta_attention
 from spmd.lowering.meta_trace import attention_backward as _meta_attention_backward
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
-from spmd.lowering.rules.registry import (Decision, op, register, replicate_all, shape,
-                                          tensor_args)
+from spmd.lowering.rules.registry import Decision, op, register, replicate_all, shape, tensor_args
 
 _FORWARD = [op("_scaled_dot_product_flash_attention_for_cpu.default"),
             op("_scaled_dot_product_flash_attention.default"),
@@ -166,6 +164,7 @@ def _ring_decision(node: fx.Node, size: int) -> Decision | None:
     (``spmd::ring_attention``); outputs, log-sum-exps and gradients stay sharded along the
     sequence. Self-attention without dropout; a causal mask by ``is_causal``, or an
     explicit mask read whole (each rank applies its rows and each block's columns)."""
+    from spmd.lowering import ranked
 
     phase = _RING.get(node.target)
     if phase is None or size < 2:

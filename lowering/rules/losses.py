@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from spmd.lowering import ranked
-from spmd.lowering.meta_trace import nll
-from spmd.lowering.meta_trace import nll as _meta_nll
-from spmd.lowering.meta_trace import nll_backward
-from spmd.lowering.meta_trace import nll_backward as _meta_nll_backward
 from spmd.lowering.placements import Partial, Placement, Replicate, Shard
+from spmd.lowering.meta_trace import nll as _meta_nll
+from spmd.lowering.meta_trace import nll_backward as _meta_nll_backward
 from spmd.lowering.rules.registry import Decision, op, register, replicate_all, shape
 
 
 def _fused(node: fx.Node) -> bool:
     """The meta trace's fused ``spmd::nll`` (no weight argument)."""
+    from spmd.lowering.meta_trace import nll, nll_backward
 
     return node.target in (nll, nll_backward)
 
@@ -32,6 +30,7 @@ def nll_loss(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[De
     after a sharded log-softmax): each rank picks the targets in its range, the others
     read as 0 (``spmd::sharded_nll_loss``): the ranks' losses are partial sums, the
     total weight (the targets counted) every rank's alike. Class weights: whole."""
+    from spmd.lowering import ranked
 
     decisions = []
     x = node.args[0]
@@ -52,6 +51,7 @@ def nll_loss_backward(node: fx.Node, inputs: tuple[Placement, ...], size: int
                       ) -> list[Decision]:
     """The gradient of the log-probabilities, split along the classes as they are: each
     rank writes the targets in its range (``spmd::sharded_nll_loss_backward``)."""
+    from spmd.lowering import ranked
 
     decisions = []
     x = node.args[1]

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from spmd.lowering import ranked as ranked_ops
 from spmd.lowering.placements import Partial, Placement, Shard, StridedShard
-from spmd.lowering.rules.registry import (Decision, norm_dim, op, register, replicate_all,
-                                          shape, tensor_args)
+from spmd.lowering.rules.registry import (Decision, norm_dim, op, register, replicate_all, shape,
+                                          tensor_args)
 
 
 def _reduced_dims(node: fx.Node) -> tuple[list[int], bool]:
@@ -97,6 +96,7 @@ def softmax(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Dec
             and shape(tensor_args(node)[0])[dim] % size == 0:
         # loss parallelism: the row maximum and the sum of exponentials are reduced over
         # the ranks inside the op, never the logits
+        from spmd.lowering import ranked as ranked_ops
 
         decisions.append(Decision(
             output=Shard(dim), inputs=(Shard(dim),) * len(inputs),

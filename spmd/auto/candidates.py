@@ -15,9 +15,8 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from spmd.lowering.strategy import KINDS, kind_of
 from spmd.plan.plan import Plan
-from spmd.plan.planning import plan_model
+from spmd.lowering.strategy import KINDS, kind_of
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["Roles", "Candidate", "parse_budget", "checkpoint_modules", "plan_candidate",
@@ -206,6 +205,7 @@ def plan_candidate(model: nn.Module, args: tuple, mesh: Mesh, cand: Candidate,
     is measured on this machine; a layout that replicates the model (every dimension
     data) computes what ``ref`` computes, so it takes ``ref``'s measurement, and the
     candidates differ by their communication and memory, not by a timer's noise."""
+    from spmd.plan.planning import plan_model
 
     copy_ = copy.deepcopy(model)
     checkpoint_modules(copy_, cand.recompute)

@@ -16,16 +16,10 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from spmd.auto.candidates import Candidate, checkpoint_modules, parse_budget, strategy_mesh
 from spmd.auto.search import AutoPlan, plan_auto
-from spmd.lowering.annotate import PlanningError
-from spmd.lowering.options import Options
+from spmd.auto.candidates import Candidate, checkpoint_modules, parse_budget, strategy_mesh
 from spmd.lowering.strategy import kind_of
-from spmd.program.wrapper import parallelize_instance
-from spmd.runtime import collectives, groups
 from spmd.runtime.mesh import Mesh
-from spmd.runtime.objects import broadcast_object_list
-from spmd.runtime.reduction import ReduceOp
 
 __all__ = ["Searched", "parallelize_auto"]
 
@@ -113,6 +107,10 @@ def _measure(module: nn.Module, mesh: Mesh, layouts: list[tuple], args: tuple,
     random state are untouched); the slowest rank's median, the same on every rank."""
     import statistics
 
+    from spmd.program.wrapper import parallelize_instance
+    from spmd.lowering.options import Options
+    from spmd.runtime import collectives
+    from spmd.runtime.reduction import ReduceOp
 
     out = []
     for kind, roles, pieces, recompute, _ in layouts:
@@ -145,6 +143,10 @@ def _first_call(module: nn.Module, mesh: Mesh | None, memory_budget: Any,
                 placements: Any, options: dict, where: str, args: tuple) -> Any:
     """The search on the first rank, its finalists sent to every rank and, when several
     are close, measured there; the fastest measured is applied to ``module``."""
+    from spmd.program.wrapper import parallelize_instance
+    from spmd.lowering.options import Options
+    from spmd.runtime import groups
+    from spmd.runtime.objects import broadcast_object_list
 
     if mesh is None:
         mesh = Mesh(groups.get_world_size())
@@ -169,6 +171,8 @@ def _first_call(module: nn.Module, mesh: Mesh | None, memory_budget: Any,
         group = mesh.get_group(d)
         broadcast_object_list(choice, src=group.ranks[0], group=group)
     if choice[0][0] == "error":
+        from spmd.lowering.annotate import PlanningError
+
         raise PlanningError(f"{where}: strategy='auto' (searched on rank {first}): "
                             f"{choice[0][1]}: {choice[0][2]}")
     _, layouts, summary = choice[0]

@@ -27,13 +27,9 @@ from typing import Any
 import torch.nn as nn
 
 from spmd.auto.candidates import SEARCHED, Planned, gib, parse_budget, tiled
-from spmd.lowering.annotate import PlanningError
 from spmd.lowering.options import Options
 from spmd.lowering.strategy import kind_of
-from spmd.pipeline.module import check_pipeline
-from spmd.pipeline.planning import inspect_pipeline
 from spmd.runtime.mesh import Mesh
-from spmd.tp import megatron
 
 __all__ = ["PipelineSearch", "PipelineCandidate", "plan_pipeline_auto"]
 
@@ -82,6 +78,10 @@ def plan_pipeline_auto(model: nn.Module, args: tuple, *, mesh: Mesh, pipeline: A
                        **options: Options) -> Any:
     """The fastest pipeline layout within the budget (see the module doc): its
     :class:`~spmd.pipeline.plan.PipelinePlan`, with ``auto`` the :class:`PipelineSearch`."""
+    from spmd.lowering.annotate import PlanningError
+    from spmd.pipeline.module import check_pipeline
+    from spmd.pipeline.planning import inspect_pipeline
+    from spmd.tp import megatron
 
     check_pipeline(pipeline, mesh, where)
     started = time.perf_counter()

@@ -17,7 +17,6 @@ from spmd.auto.candidates import Candidate, Roles, kinds_for, strategy_mesh
 from spmd.auto.solver import Choice, Edge, Problem, Recompute, Solution, Variable, evaluate
 from spmd.lowering.placements import Shard, divides
 from spmd.lowering.strategy import kind_of
-from spmd.plan.memory import OPTIMIZER_STATES
 from spmd.plan.plan import Plan
 from spmd.runtime.mesh import Mesh
 
@@ -129,6 +128,7 @@ def build_program(model: nn.Module, roles: Roles, mesh: Mesh, base: dict[str, Ca
     """The integer program of one role assignment from its planned candidates ``base``
     (kind -> the candidate: every parameter its piece on the tp dimension, if any) and
     the all-data ddp candidate's compute (``base["@data"]``)."""
+    from spmd.plan.memory import OPTIMIZER_STATES
 
     states = OPTIMIZER_STATES[optimizer]
     mixed = options.get("param_dtype") is not None

@@ -58,13 +58,10 @@ from spmd.auto.candidates import (SEARCHED, Candidate, Roles, checkpoint_modules
                                   kinds_for, parse_budget, plan_candidate, roles_of)
 from spmd.auto.program import Search, assignment, build_program, decode, layer_io, own_cost
 from spmd.auto.solver import Infeasible, evaluate, solve
-from spmd.lowering.annotate import PlanningError
 from spmd.lowering.options import Options
 from spmd.lowering.placements import Replicate, divides
 from spmd.lowering.strategy import kind_of
 from spmd.runtime.mesh import Mesh
-from spmd.state.resolve import resolve_placements
-from spmd.tp import megatron, tp_dims_of
 
 __all__ = ["AutoPlan", "Candidate", "Roles", "plan_auto", "parse_budget", "checkpoint_modules",
            "SEARCHED"]
@@ -170,6 +167,8 @@ def plan_auto(model: nn.Module, args: tuple, *, mesh: Mesh, memory_budget: Any =
     """Search the layout of ``model`` on ``mesh`` (see the module doc); the
     :class:`AutoPlan`, whose ``chosen.plan`` is the chosen layout's
     :class:`~spmd.plan.plan.Plan`. ``args``: one rank's batch when every dimension is data."""
+    from spmd.lowering.annotate import PlanningError
+    from spmd.tp import megatron, tp_dims_of
 
     started = time.perf_counter()
     budget = parse_budget(memory_budget, where)
@@ -196,6 +195,8 @@ def plan_auto(model: nn.Module, args: tuple, *, mesh: Mesh, memory_budget: Any =
         candidates_tp, spec = (), None
     pieces: dict[str, Any] = {}
     if spec is not None:
+        from spmd.state.resolve import resolve_placements
+
         try:
             dim = named[0] if named else "tp"
             src = spec if named else megatron(dim="tp")

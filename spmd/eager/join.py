@@ -25,7 +25,6 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
-from spmd.eager.reducer import broadcast_coalesced
 from spmd.program.module import ModuleState
 from spmd.program.program import program_of
 
@@ -140,6 +139,7 @@ class Join:
         source = torch.tensor([float(me if last_joiner else -1)])
         all_reduce(source, op=ReduceOp.MAX, group=self.group)
         src = self.group.ranks[int(source.item())]
+        from spmd.eager.reducer import broadcast_coalesced
 
         for model in self.models:
             broadcast_coalesced([*model.parameters(), *model.buffers()], src, self.group)

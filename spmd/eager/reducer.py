@@ -21,7 +21,6 @@ from typing import Any, Iterable
 import torch
 
 from spmd.lowering import flat as buffers
-from spmd.lowering import reduction
 from spmd.lowering.bucketing import plan_buckets
 from spmd.runtime import sizecheck
 
@@ -100,6 +99,7 @@ class EagerReducer:
 
     def _launch(self, pending: list, parts: list[torch.Tensor], groups: list[list[int]],
                 hook: Any, works: list) -> None:
+        from spmd.lowering import reduction
 
         for index, members in enumerate(groups):
             chunk = [parts[i] for i in members]

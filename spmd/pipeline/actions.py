@@ -15,11 +15,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from spmd.eager.reducer import broadcast_coalesced
 from spmd.lowering.stages import Cut
-from spmd.pipeline.split_backward import backward_input, backward_weight
 from spmd.pp import Action
-from spmd.runtime.p2p import irecv, isend
+from spmd.pipeline.split_backward import backward_input, backward_weight
 
 __all__ = ["Actions", "Traced", "StepState"]
 
@@ -67,6 +65,7 @@ class Actions:
 
     def _post(self, program: Traced, state: StepState, action: Action) -> None:
         """Post the receives ``action`` needs (once)."""
+        from spmd.runtime.p2p import irecv
 
         crossings = program.cut.crossings
         stage = program.cut.stages[action.stage]
@@ -98,6 +97,7 @@ class Actions:
 
     def _forward(self, program: Traced, state: StepState, action: Action,
                  training: bool) -> None:
+        from spmd.runtime.p2p import isend
 
         crossings = program.cut.crossings
         stage = program.cut.stages[action.stage]
@@ -133,6 +133,8 @@ class Actions:
             state.saved[(action.stage, mb)] = (received, tuple(outs))
 
     def _backward(self, program: Traced, state: StepState, action: Action) -> None:
+        from spmd.runtime.p2p import isend
+
         crossings = program.cut.crossings
         stage = program.cut.stages[action.stage]
         mb = action.microbatch
@@ -244,6 +246,7 @@ class Actions:
         holder, and added to what ``.grad`` held before the step (``before``). A
         parameter no holder computed a gradient for keeps what it held; a frozen one sends
         nothing (every rank of a pipeline runs the same loop: they agree)."""
+        from spmd.runtime.p2p import irecv, isend
 
         for k, name, holders in self._tied_here(program):
             param = self.module.get_parameter(name)
@@ -284,6 +287,7 @@ class Actions:
     def _broadcast_buffers(self) -> None:
         """Each stage's buffers from the first rank of its data group, as DDP does before
         a training forward: once per step."""
+        from spmd.eager.reducer import broadcast_coalesced
 
         for module in self._stages.values():
             st = getattr(module, "_spmd", None)

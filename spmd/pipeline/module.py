@@ -45,21 +45,15 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from spmd.eager.clip import install_clip
 from spmd.lowering.balance import balance
 from spmd.lowering.options import Options
 from spmd.lowering.stages import Cut, candidates, cut, trace
 from spmd.pipeline.actions import Actions, StepState, Traced
-from spmd.pipeline.plan import of_run
 from spmd.pipeline.stage import (StageModule, siblings, stage_mesh_group, stage_of,
                                  stage_placements, standing_in)
 from spmd.pipeline.stored import Stored
 from spmd.pp import Action, Schedule
-from spmd.program.setup import _check_materialized, prepare_model, resolve_mesh
-from spmd.program.step import RETRACE_WARNING, _attributes, _changed
-from spmd.program.wrapper import parallelize_module
 from spmd.runtime.mesh import Mesh
-from spmd.runtime.objects import all_gather_object
 
 __all__ = ["PipelineModule", "parallelize_pipeline", "check_pipeline"]
 
@@ -115,6 +109,8 @@ class PipelineModule(Actions, Stored, nn.Module):
         return [s for s in range(n) if self.schedule.rank_of(s, self._ranks) == self._pp_rank]
 
     def _program(self, leaves: list, spec: Any, loss_fn: Any) -> Traced:
+        from spmd.program.step import RETRACE_WARNING, _attributes, _changed
+
         # a trace bakes in the shapes, the loss, grad mode and every module's training
         # flag (dropout, BatchNorm, anything reading self.training): one program for each
         key = (spec, tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
@@ -170,6 +166,7 @@ class PipelineModule(Actions, Stored, nn.Module):
         hang. Compared once per microbatch shape; a difference is named by rank."""
         if self._group is None or self._ranks == 1:
             return
+        from spmd.runtime.objects import all_gather_object
 
         mine = (result.split_points, [(c.src, c.dsts, c.shape, str(c.dtype), c.grad)
                                       for c in result.crossings],
@@ -243,6 +240,7 @@ class PipelineModule(Actions, Stored, nn.Module):
             self._stages[s] = module
         if self._planning:
             return
+        from spmd.eager.clip import install_clip
 
         install_clip()  # torch's clip_grad_norm_ on a stage's parameters: the whole norm
         first_holder = {name: min(self.schedule.rank_of(s, self._ranks) for s in stages)
@@ -263,6 +261,8 @@ class PipelineModule(Actions, Stored, nn.Module):
     def _compose(self, module: StageModule, stage: Any) -> nn.Module:
         from dataclasses import replace
 
+        from spmd.program.setup import prepare_model
+        from spmd.program.wrapper import parallelize_module
 
         options = self._options
         if options.placements is not None:
@@ -371,6 +371,7 @@ class PipelineModule(Actions, Stored, nn.Module):
         """The stages (where the graph was cut and why), what crosses between them, the
         schedule and its predicted timeline (:class:`spmd.pipeline.plan.PipelinePlan`);
         after the first step."""
+        from spmd.pipeline.plan import of_run
 
         if self._last_cut is None:
             raise RuntimeError(f"{self._where}.plan(): the stages are cut at the first step "
@@ -397,6 +398,7 @@ def check_pipeline(schedule: Any, mesh: Mesh, where: str) -> None:
 
 def parallelize_pipeline(module: nn.Module, options: Options, mesh: Mesh, where: str) -> PipelineModule:
     """``parallelize(module, mesh=, pipeline=)``: checks, then the pipelined model."""
+    from spmd.program.setup import _check_materialized, resolve_mesh
 
     mesh = resolve_mesh(mesh, where)
     check_pipeline(options.pipeline, mesh, where)

@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from spmd.lowering.cost_model import CostModel
 from spmd.plan.plan import Plan
 from spmd.pp import Schedule, Simulation, simulate
 
@@ -312,6 +311,7 @@ def of_run(cut: Any, schedule: Schedule, ranks: int, stages: dict[int, Any],
     """The plan of a running pipeline, from this rank's view: its stages' own plans where
     they are parallelized, else what it measured for them in the last step (``spans``);
     the other stages' times carried over by FLOPs (:func:`scaled_costs`)."""
+    from spmd.lowering.cost_model import CostModel
 
     plans = {s: m.plan() for s, m in stages.items() if hasattr(m, "_spmd")}
     known: dict[int, tuple[float, float]] = {}

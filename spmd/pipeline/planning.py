@@ -11,14 +11,7 @@ import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from spmd.lowering.annotate import PlanningError
-from spmd.lowering.balance import balance
-from spmd.lowering.cost_model import CostModel
 from spmd.lowering.options import Options
-from spmd.lowering.stages import Cut
-from spmd.pipeline.module import parallelize_pipeline
-from spmd.pipeline.plan import build, in_flight, stage_seconds_from_plan
-from spmd.pipeline.stage import stage_placements
 from spmd.plan.planning import plan_model
 from spmd.runtime.mesh import Mesh
 
@@ -27,6 +20,7 @@ __all__ = ["inspect_pipeline"]
 
 def inspect_pipeline(obj: Any, example_inputs: tuple, mesh: Mesh | None, strategy: str,
                       options: dict) -> Any:
+    from spmd.lowering.options import Options
 
     options = dict(options)
     loss_fn, target = options.pop("loss_fn", None), options.pop("target", None)
@@ -71,8 +65,15 @@ def _plan_pipeline(model: nn.Module, args: tuple, *, target: Any, loss_fn: Any, 
     every activation's send priced on the pipeline dimension's link."""
     from dataclasses import replace
 
+    from spmd.lowering.annotate import PlanningError
+    from spmd.lowering.cost_model import CostModel
+    from spmd.pipeline.plan import build, stage_seconds_from_plan
 
     where = "spmd.inspect"
+    from spmd.lowering.balance import balance
+    from spmd.lowering.stages import Cut
+    from spmd.pipeline.module import parallelize_pipeline
+    from spmd.pipeline.stage import stage_placements
 
     pm = parallelize_pipeline(model, options, mesh, where)
     m = pm.schedule.microbatches
@@ -187,6 +188,8 @@ def _plan_pipeline(model: nn.Module, args: tuple, *, target: Any, loss_fn: Any, 
 
 
 def _peaks(cut: Any, plans: dict[int, Any], schedule: Any, ranks: int) -> dict[int, float]:
+    from spmd.pipeline.plan import in_flight
+
     held = in_flight(schedule, ranks)
     views = {s: plans[s].memory("adamw") for s in plans}
     return {s: v.peak + max(held.get(s, 1) - 1, 0) * v.activations for s, v in views.items()}
@@ -209,6 +212,7 @@ def _memory_bound(cut: Any, plans: dict[int, Any], schedule: Any, ranks: int,
     activations times the microbatches the schedule makes that stage hold, and the
     largest transient any stage's plan showed, within ``capacity - margin``. None when
     every stage fits."""
+    from spmd.pipeline.plan import in_flight
 
     if capacity is None:
         return None

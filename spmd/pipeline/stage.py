@@ -11,10 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from spmd.runtime.groups import new_group, world
 from spmd.runtime.mesh import Mesh
-from spmd.state.resolve import resolve_layout
-from spmd.tp import tp_dims_of
 
 __all__ = ["StageModule", "stage_of", "siblings", "standing_in", "stage_mesh_group", "tp_dims",
            "stage_placements"]
@@ -103,6 +100,8 @@ def stage_of(module: nn.Module) -> StageModule:
 
 
 def tp_dims(placements: Any) -> tuple[str, ...]:
+    from spmd.tp import tp_dims_of
+
     return tuple(tp_dims_of(placements))
 
 
@@ -135,6 +134,7 @@ def stage_mesh_group(mesh: Mesh, dim: str) -> Any:
     """A group over this rank's stage mesh (every dimension but the pipeline's), for
     strategies whose batch spans several of them. Every rank of the world makes every
     slice's group, in the same order, and keeps its own."""
+    from spmd.runtime.groups import new_group, world
 
     state = world("parallelize")
     state.meshes += 1  # every rank counts the same meshes: the names agree
@@ -154,6 +154,7 @@ def stage_placements(model: nn.Module, mesh: Mesh, placements: Any, stage_params
     as ``megatron()`` resolved on the whole model, where it can see the layers), for the
     stage parallelized on its own. Placements of module outputs (sequence and context
     parallelism) are refused: a stage has its parameters, not the model's modules."""
+    from spmd.state.resolve import resolve_layout
 
     params, activations = resolve_layout(model, mesh, placements, where)
     if activations:

@@ -10,9 +10,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from spmd.eager.clip import clip_grad_norm_
-from spmd.state.layout import Layout, layout_of, local_state_dicts, stored_part
-
 __all__ = ["Stored"]
 
 
@@ -52,6 +49,7 @@ class Stored:
         model does not have."""
         from torch.nn.modules.module import _IncompatibleKeys
 
+        from spmd.state.layout import local_state_dicts
 
         if not self._stages:  # not cut yet: what the checkpoint holds (a stage's entries)
             result = self.module.load_state_dict(state_dict, strict=False, assign=assign)
@@ -100,6 +98,7 @@ class Stored:
             model.release_with(opt)
             opt.load_state_dict(torch.load(path))  # a plain model's, before the first step
         """
+        from spmd.state.layout import layout_of, stored_part
 
         if not self._stages:
             self._optimizers.add(optimizer)
@@ -124,6 +123,7 @@ class Stored:
         """The :class:`spmd.state.layout.Layout` of this rank's stages merged (each parallelized
         on its own over the other mesh dimensions; names are the model's); None where no
         stage is (a pipeline alone, or before the cut)."""
+        from spmd.state.layout import Layout, layout_of
 
         parts = [p for p in map(layout_of, self._stages.values()) if p is not None]
         if not parts:
@@ -163,12 +163,14 @@ class Stored:
         ``torch.nn.utils.clip_grad_norm_`` does on one process (which, on these
         parameters, is rerouted to do the same); the total norm, on every rank. Every rank
         must call it, after ``step``."""
+        from spmd.eager.clip import clip_grad_norm_
 
         return clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
 
 
 def _all_keys_local(pipe: Stored) -> set[str]:
     """The keys of ``pipe.state_dict()``, read without gathering."""
+    from spmd.state.layout import local_state_dicts
 
     with local_state_dicts(lambda name, stored, shard, piece: stored):
         return set(pipe.state_dict(keep_vars=True))

@@ -20,7 +20,6 @@ import torch
 import torch.fx as fx
 
 from spmd.lowering import ops
-from spmd.lowering.propagate import module_of
 from spmd.lowering.strategy import Gathered
 
 __all__ = ["MemoryView", "memory_view", "OPTIMIZER_STATES"]
@@ -217,6 +216,7 @@ def _saved_by_layer(forward: fx.GraphModule, saved: dict[str, int]
     saves is its input), else to the layer that computed it."""
     from torch.utils.checkpoint import CheckpointPolicy
 
+    from spmd.lowering.propagate import module_of
 
     recompute = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
     checkpointed: set[str] = set()

@@ -16,23 +16,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-import spmd.kernels as kernels
-from spmd.lowering import ranked
 from spmd.lowering.cost_model import CostModel
 from spmd.lowering.graph import collective_nodes
 from spmd.lowering.options import Options
 from spmd.lowering.passes import Provenance
 from spmd.lowering.placements import divides
-from spmd.lowering.propagate import module_of
-from spmd.lowering.specs import lookup
-from spmd.lowering.state import CollectiveInfo, OptimizerFusion, find, state_of
+from spmd.lowering.state import CollectiveInfo, OptimizerFusion, find
 from spmd.lowering.strategy import Strategy
-from spmd.lowering.verify import Verified, verify
-from spmd.plan.fit import profile_record
-from spmd.plan.memory import memory_view
-from spmd.plan.roofline import node_times, throughput
-from spmd.plan.timeline import predict
-from spmd.plan.views import explain, html, timeline_figure, to_networkx
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["Plan", "Bucket", "Collective", "Fallback", "Placed", "Verification",
@@ -183,6 +173,7 @@ class Plan:
         ``"sgd"`` or None) as this rank stores them, the forward's saved activations, the
         most parameter bytes held gathered at once, and the predicted peak with the node
         where it happens."""
+        from spmd.plan.memory import memory_view
 
         return memory_view(self, optimizer)
 
@@ -256,6 +247,8 @@ class Plan:
         if self.frozen:
             lines.append(f"frozen (no gradient, never reduced): {', '.join(self.frozen)}")
         if self.mesh is not None and self.mesh.hardware is not None and self.compute:
+            from spmd.plan.roofline import throughput
+
             lines.append(throughput(self))
         lines.append(f"predicted communication per step: "
                      f"{self.predicted_communication_seconds() * 1e3:.3f} ms; plan {self.fingerprint()}")
@@ -268,6 +261,7 @@ class Plan:
 
     def to_networkx(self) -> Any:
         """The dependency graph of every captured graph (``networkx.DiGraph``)."""
+        from spmd.plan.views import to_networkx
 
         return to_networkx(self)
 
@@ -277,12 +271,14 @@ class Plan:
         cluster it ends with ``optimizer``'s step (``"adamw"``, ``"adam"``,
         ``"sgd_momentum"``, ``"sgd"`` or None) and, with ``clip_grad_norm``, gradient
         clipping; ``compute_scale`` stretches the compute (:func:`spmd.plan.timeline.predict`)."""
+        from spmd.plan.timeline import predict
 
         return predict(self, optimizer, clip_grad_norm, compute_scale)
 
     def timeline(self) -> Any:
         """A matplotlib figure: compute, communication and exposed lanes, predicted and,
         after ``spmd.profile``, measured."""
+        from spmd.plan.views import timeline_figure
 
         return timeline_figure(self)
 
@@ -292,6 +288,7 @@ class Plan:
         model to."""
         import json
 
+        from spmd.plan.fit import profile_record
 
         with open(path, "w") as f:
             json.dump(profile_record(self), f)
@@ -313,6 +310,8 @@ class Plan:
             spmd.inspect(model, x, mesh=spmd.Mesh.simulated((2, 4), ("fsdp", "tp")),
                          strategy="fsdp", placements=spmd.tp.megatron()).verify()
         """
+        from spmd.lowering.state import state_of
+        from spmd.lowering.verify import Verified, verify
 
         checked: dict[str, Verified] = {}
         for name, gm in self.graphs.items():  # a forward before its backward
@@ -324,6 +323,7 @@ class Plan:
 
     def explain(self, x: Any) -> str:
         """Why a collective, a bucket or a parameter's communication exists, and its cost."""
+        from spmd.plan.views import explain
 
         if self.auto is not None and isinstance(x, str):
             why = self.auto.explain(x)
@@ -335,6 +335,8 @@ class Plan:
         return explain(self, x)
 
     def _repr_html_(self) -> str:
+        from spmd.plan.views import html
+
         return html(self)
 
     def __repr__(self) -> str:
@@ -351,6 +353,7 @@ def module_plan(records: list, *, setup: Any, options: Options, layout: Any,
     measured backward estimate), every parameter's bytes stored and whole
     (``layout``: the module's :class:`spmd.state.layout.Layout`), the tokens a step takes, and
     the profiled timelines."""
+    import spmd.kernels as kernels
 
     device = next(iter(params.values())).device if params else torch.device("cpu")
     plan = plan_from_records(records, setup=setup, options=options, fallbacks=fallbacks,
@@ -387,6 +390,7 @@ def price_on_hardware(plan: Plan, records: list, options: Options, hardware: Any
     (``plan.compute``, ``plan.node_seconds``; a whole step traced as one graph is all
     "backward"), and what tracing on meta rewrote (``plan.traced_as``). Returns the names
     of the records priced."""
+    from spmd.plan.roofline import node_times
 
     plan.fused = compiled_on_gpu(options, records, hardware)
     priced: set[str] = set()
@@ -505,6 +509,9 @@ def _rings(graph: fx.GraphModule, name: str, phase: str, mesh: Mesh, setup: Any
     """The key/value blocks ring attention (context parallelism) passes between ranks in
     ``graph``: one record per attention node, its sends per rank and their predicted
     time (a ring all-gather of the same blocks moves the same bytes)."""
+    from spmd.lowering import ranked
+    from spmd.lowering.propagate import module_of
+    from spmd.lowering.specs import lookup
 
     found = []
     for node in graph.graph.nodes:
@@ -545,6 +552,8 @@ def _rings(graph: fx.GraphModule, name: str, phase: str, mesh: Mesh, setup: Any
 
 
 def _spec_of(info: CollectiveInfo) -> Any:
+    from spmd.lowering.specs import lookup
+
     try:
         return lookup(info.handle)
     except RuntimeError:
@@ -553,6 +562,7 @@ def _spec_of(info: CollectiveInfo) -> Any:
 
 def _placed(graph: fx.GraphModule, name: str, phase: str) -> list[Placed]:
     """The tensor-parallel decisions ``propagate`` recorded on ``graph``'s nodes."""
+    from spmd.lowering.propagate import module_of
 
     found = []
     for node in graph.graph.nodes:

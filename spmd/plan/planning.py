@@ -13,12 +13,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from spmd.lowering.options import Options
 from spmd.plan.plan import Plan
-from spmd.program.build import Target, build, target_of
-from spmd.program.program import program_of
-from spmd.program.step import ParallelStep
-from spmd.runtime import groups
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["planning_mesh", "plan_model"]
@@ -30,6 +25,7 @@ def planning_mesh(mesh: Mesh | None) -> Mesh:
         if not isinstance(mesh, Mesh):
             raise TypeError(f"spmd.inspect: mesh must be an spmd.Mesh, got {type(mesh).__name__}")
         return mesh if mesh.simulated else Mesh.simulated(mesh.shape, mesh.dim_names)
+    from spmd.runtime import groups
 
     if groups.is_initialized():
         return Mesh.simulated(groups.get_world_size())
@@ -41,6 +37,9 @@ def plan_model(obj: Any, example_inputs: tuple, mesh: Mesh | None, strategy: str
                options: dict) -> Plan:
     """``spmd.inspect(obj, *example_inputs, mesh=, strategy=, **options)`` of a model (a
     copy runs one forward and backward) or a step function (traced on fake tensors)."""
+    from spmd.lowering.options import Options
+    from spmd.program.build import Target, build, target_of
+    from spmd.program.program import program_of
 
     planning = planning_mesh(mesh)
     opts = Options.from_kwargs("spmd.inspect", strategy=strategy, **options)
@@ -66,6 +65,7 @@ def plan_model(obj: Any, example_inputs: tuple, mesh: Mesh | None, strategy: str
                              "inputs; there is no backward to plan")
         sum(t.float().sum() for t in leaves).backward()
         return model._spmd.plan()
+    from spmd.program.step import ParallelStep
 
     fn = obj.fn if isinstance(obj, ParallelStep) else obj
     if opts.sharded:  # sharding replaces parameters: plan on copies (model, optimizer)

@@ -14,8 +14,6 @@ import time
 from typing import Any
 
 from spmd.plan.timeline import Span, Timeline
-from spmd.program.module import ModuleState
-from spmd.program.program import program_of
 
 __all__ = ["Profiler", "profile"]
 
@@ -101,6 +99,8 @@ def profile(model: Any, steps: int = 1) -> Profiler:
             loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
         spmd.inspect(model).timeline()        # predicted beside measured
     """
+    from spmd.program.module import ModuleState
+    from spmd.program.program import program_of
 
     state = program_of(model)
     if not isinstance(state, ModuleState):

@@ -35,12 +35,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from spmd.lowering import ranked
-from spmd.lowering.capture import size_hint
-from spmd.lowering.graph import is_collective, is_wait, tensor_vals
-from spmd.lowering.meta_trace import ATTENTION, ATTENTION_BACKWARD, attention_causal
-from spmd.lowering.specs import lookup
-
 __all__ = ["op_class", "class_seconds", "throughput", "node_flops", "node_bytes", "node_times", "graph_seconds",
            "graph_flops", "step_flops", "StepFlops", "matmul_dtype"]
 
@@ -58,6 +52,8 @@ def _name(node: fx.Node) -> str:
 
 def op_class(node: fx.Node) -> str:
     """``"matmul"``, ``"attention"``, ``"memory"`` or ``"free"`` (see the module doc)."""
+    from spmd.lowering.graph import is_collective, is_wait
+    from spmd.lowering.meta_trace import ATTENTION
 
     if node.op != "call_function" or is_collective(node) or is_wait(node):
         return "free"
@@ -81,6 +77,7 @@ def node_flops(node: fx.Node, *, causal_halved: bool = True) -> int:
     from torch.fx.node import map_aggregate
     from torch.utils.flop_counter import flop_registry
 
+    from spmd.lowering.meta_trace import ATTENTION, attention_causal
 
     if node.op != "call_function":
         return 0
@@ -105,6 +102,7 @@ def node_flops(node: fx.Node, *, causal_halved: bool = True) -> int:
 def _attention_flops(node: fx.Node) -> int:
     """2·b·h·s_q·s_k·(d + d_v) forward (scores, then the weighted sum); the backward
     recomputes the scores and takes four more products: 2.5 times that."""
+    from spmd.lowering.meta_trace import ATTENTION_BACKWARD
 
     names = [a.name for a in node.target._schema.arguments]  # type: ignore[union-attr]
 
@@ -127,6 +125,8 @@ def _attention_flops(node: fx.Node) -> int:
 
 def _ring_size(node: fx.Node) -> int:
     """Ranks along a ring attention node's dimension (0: not ring attention)."""
+    from spmd.lowering import ranked
+    from spmd.lowering.specs import lookup
 
     if node.target not in (ranked.ring_attention, ranked.ring_attention_backward):
         return 0
@@ -139,12 +139,14 @@ def _ring_size(node: fx.Node) -> int:
 def _nbytes(t: torch.Tensor) -> int:
     """A value's bytes; a symbolic size (a dynamic graph's) at this trace's value, so the
     prices stay numbers rather than growing sympy expressions."""
+    from spmd.lowering.capture import size_hint
 
     return size_hint(t.numel()) * t.element_size()
 
 
 def node_bytes(node: fx.Node) -> int:
     """Bytes the node reads (its tensor inputs) and writes (its tensor outputs)."""
+    from spmd.lowering.graph import tensor_vals
 
     total = 0
     for arg in node.all_input_nodes:
@@ -154,6 +156,8 @@ def node_bytes(node: fx.Node) -> int:
 
 
 def _out_bytes(node: fx.Node) -> int:
+    from spmd.lowering.graph import tensor_vals
+
     return sum(_nbytes(t) for t in tensor_vals(node.meta.get("val")))
 
 

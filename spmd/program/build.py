@@ -12,9 +12,6 @@ from typing import Any
 import torch.nn as nn
 
 from spmd.lowering.options import Options
-from spmd.pipeline.module import parallelize_pipeline
-from spmd.program.step import ParallelStep
-from spmd.program.wrapper import parallelize_instance
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["Target", "target_of", "build"]
@@ -54,18 +51,24 @@ def build(target: Any, options: Options, mesh: Mesh | None, where: str = "parall
     :class:`~spmd.pipeline.module.PipelineModule`."""
     kind = target_of(target, options, where)
     if kind is Target.PIPELINE:
+        from spmd.pipeline.module import parallelize_pipeline
+
         return parallelize_pipeline(target, options, mesh,
                                     f"{where}({type(target).__name__})")
     if kind is Target.MODULE:
+        from spmd.program.wrapper import parallelize_instance
+
         return parallelize_instance(target, options, mesh)
     if kind is Target.CLASS:
         return _parallelize_class(target, options, mesh)
+    from spmd.program.step import ParallelStep
 
     return ParallelStep(target, options, mesh)
 
 
 def _parallelize_class(cls: type, options: Options, mesh: Mesh | None) -> type:
     """A subclass whose instances are parallelized when constructed."""
+    from spmd.program.wrapper import parallelize_instance
 
     original_init = cls.__init__
 

@@ -25,20 +25,16 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from spmd.eager.reducer import EagerReducer, broadcast_coalesced
-from spmd.eager.safety_net import SafetyNet
-from spmd.lowering.annotate import EmptyBackwardError, ShardingError
 from spmd.lowering.capture import Capture, GraphRecord
 from spmd.lowering.context import LoweringContext
-from spmd.lowering.options import Options
 from spmd.lowering.specs import Handles, ShardSpec, SyncState
-from spmd.lowering.verify import PlanVerificationError
-from spmd.plan.plan import Fallback, Plan, compiled_on_gpu, module_plan
-from spmd.plan.roofline import graph_seconds
+from spmd.lowering.options import Options
 from spmd.program.agreement import Agreement
-from spmd.program.setup import Setup
+from spmd.plan.plan import Fallback, Plan, module_plan
+from spmd.eager.reducer import EagerReducer, broadcast_coalesced
+from spmd.eager.safety_net import SafetyNet
 from spmd.runtime.errors import DistError
-from spmd.state.layout import place_activations, place_module
+from spmd.program.setup import Setup
 
 __all__ = ["ModuleState"]
 
@@ -62,9 +58,12 @@ class ModuleState:
         self.handles = Handles()  # the specs this model's graphs refer to
         # one record per parameter: fsdp/hsdp/zero store shards, tensor parallelism pieces
         # (then shards of those), ddp the whole tensors
+        from spmd.state.layout import place_module
 
         self.layout = place_module(module, setup, options, self.handles)
         if setup.strategy.activations:
+            from spmd.state.layout import place_activations
+
             self.placed_activations = place_activations(module, setup.strategy, self.handles)
         self.shards: dict[str, ShardSpec] = self.layout.shards
         self.sharded = setup.strategy.shards_parameters
@@ -120,6 +119,9 @@ class ModuleState:
         """
         hardware = self.setup.strategy.mesh.hardware
         if hardware is not None and record.forward is not None:
+            from spmd.plan.plan import compiled_on_gpu
+            from spmd.plan.roofline import graph_seconds
+
             fused = compiled_on_gpu(self.options, [record], hardware)
             seconds = 2.0 * graph_seconds(record.forward, hardware.device, fused)
             self.estimates[record.name] = seconds
@@ -241,6 +243,8 @@ class ModuleState:
                 if not isinstance(e, TorchDynamoException):
                     raise  # the model's own error, not a capture failure
                 inner = getattr(e, "inner_exception", None) or e.__cause__ or e
+                from spmd.lowering.annotate import EmptyBackwardError, ShardingError
+                from spmd.lowering.verify import PlanVerificationError
 
                 # tensor parallelism cannot place an op, a backward lost its gradients,
                 # the plan is wrong (a compiler bug), or the ranks disagree (they traced

@@ -12,17 +12,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from spmd.eager.reducer import broadcast_coalesced
-from spmd.lowering.calibrate import calibrate
 from spmd.lowering.cost_model import CostModel, overlap_share
 from spmd.lowering.options import Options
 from spmd.lowering.strategy import Strategy, flatten_data_dims, resolve_strategy
-from spmd.runtime import context, groups
+from spmd.runtime import context
 from spmd.runtime.mesh import Mesh
-from spmd.runtime.objects import all_gather_object, broadcast_object_list
-from spmd.state.layout import shard_dims_for
-from spmd.state.resolve import layout_options, resolve_layout
-from spmd.tp import tp_dims_of
 
 __all__ = ["Setup", "resolve_mesh", "prepare_model", "check_same_model", "cost_model_for"]
 
@@ -54,6 +48,7 @@ class Setup:
 
 def resolve_mesh(mesh: Mesh | None, where: str) -> Mesh:
     """``mesh``, or a 1-D mesh ``("dp",)`` over the default process group."""
+    from spmd.runtime import groups
 
     if mesh is None:
         if not groups.is_initialized():
@@ -77,6 +72,7 @@ def _signature(module: nn.Module) -> list[tuple]:
 def check_same_model(module: nn.Module, group: Any, where: str) -> None:
     """Every rank of ``group`` must hold the same parameters and buffers (names, shapes,
     dtypes, trainability); ``ValueError`` naming the first difference otherwise."""
+    from spmd.runtime.objects import all_gather_object
 
     mine = _signature(module)
     every: list[Any] = [None] * group.size()
@@ -103,6 +99,8 @@ def cost_model_for(group: Any, world_size: int, backend: str, options: Options) 
     first rank and shared, so every rank derives the same buckets."""
     model = CostModel.default(backend, world_size)
     if group is not None and world_size > 1 and options.calibrate:
+        from spmd.lowering.calibrate import calibrate
+
         model = calibrate(group, model)
     # ranks sharing this machine: the launcher says; a live group without one is taken as
     # one machine; a simulated mesh plans for the machine it runs on, whatever its size
@@ -114,6 +112,8 @@ def cost_model_for(group: Any, world_size: int, backend: str, options: Options) 
     share, why = overlap_share(backend, local, cores, torch.get_num_threads())
     model = replace(model, overlap=share, source=f"{model.source}; overlap {share:g}: {why}")
     if group is not None and world_size > 1:
+        from spmd.runtime.objects import broadcast_object_list
+
         box = [model]
         broadcast_object_list(box, src=group.ranks[0], group=group)
         model = box[0]
@@ -137,6 +137,7 @@ def _data_group(strategy: Strategy) -> Any:
     whole = getattr(mesh, "_whole_group", None)  # a pipeline's stage mesh: made by all
     if whole is not None:
         return whole
+    from spmd.runtime import groups
 
     state = groups.world("parallelize")
     if list(mesh.ranks) == list(range(state.size)):
@@ -161,6 +162,7 @@ def _check_materialized(module: nn.Module, where: str) -> None:
 def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
                   where: str) -> Setup:
     """Set ``module`` up on every rank (see the module doc); the agreed :class:`Setup`."""
+    from spmd.eager.reducer import broadcast_coalesced
 
     mesh = resolve_mesh(mesh, where)
     if not mesh.simulated:
@@ -168,11 +170,14 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
     placed: dict = {}
     dims: tuple[str, ...] = ()
     if options.placements is not None:
+        from spmd.tp import tp_dims_of
+
         dims = tp_dims_of(options.placements)
     mesh = flatten_data_dims(options.strategy, mesh, where, dims)  # 2-D fsdp
     if options.placements is not None:
         from dataclasses import replace as with_fields
 
+        from spmd.state.resolve import layout_options, resolve_layout
 
         placed, activations = resolve_layout(module, mesh, options.placements, where)
         strategy = resolve_strategy(options.kind_name, mesh, where, dims, placed)
@@ -183,6 +188,7 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
     if options.shard_placement_fn is not None and strategy.shards_parameters:
         from dataclasses import replace as with_fields
 
+        from spmd.state.layout import shard_dims_for
 
         strategy = with_fields(strategy, shard_dims=shard_dims_for(
             module, strategy, options.shard_placement_fn, where))

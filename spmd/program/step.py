@@ -35,22 +35,19 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-import spmd.kernels as kernels
-from spmd.eager.reducer import broadcast_coalesced
+from spmd.lowering.specs import Handles, SyncState
 from spmd.lowering.annotate import PlanningError
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.emit import emit
 from spmd.lowering.optimizer import register_optimizer, why_not_fusable
 from spmd.lowering.options import Options
 from spmd.lowering.pipeline import plan_graph
-from spmd.lowering.specs import Handles, SyncState
 from spmd.lowering.state import OptimizerFusion, find
 from spmd.lowering.trace_step import TracedStep, trace_step
 from spmd.plan.plan import Plan, plan_from_records, price_on_hardware, tokens_of
-from spmd.program.setup import Setup, prepare_model
+from spmd.eager.reducer import broadcast_coalesced
 from spmd.runtime.mesh import Mesh
-from spmd.state.layout import place_module
-from spmd.state.ownership import own
+from spmd.program.setup import Setup, prepare_model
 
 __all__ = ["ParallelStep"]
 
@@ -250,7 +247,9 @@ class ParallelStep:
         sharded strategies, their shards. The ``nn.Parameter`` objects stay the same, so an optimizer over them, made
         before the first call or after, steps the shards; it must not hold state yet:
         state made for whole parameters cannot be cut the same way silently."""
+        from spmd.state.layout import place_module
 
+        from spmd.state.ownership import own
 
         model._spmd_step_shards = place_module(model, setup, self.options, handles).shards
         own(model, self._where)
@@ -385,6 +384,7 @@ class ParallelStep:
         if bound is None:
             raise RuntimeError(f"spmd.inspect: {self.fn.__name__} has not run yet; call it once "
                                f"(or use spmd.inspect with example inputs)")
+        import spmd.kernels as kernels
 
         records = self._records[-1:]
         plan = plan_from_records(records, setup=bound.setup, options=self.options,

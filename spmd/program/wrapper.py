@@ -14,15 +14,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from spmd.eager.batchnorm import prepare_batchnorms
-from spmd.eager.clip import clip_grad_norm_
-from spmd.eager.join import Join
 from spmd.lowering.options import Options
-from spmd.lowering.reduction import check_hook
 from spmd.program.module import ModuleState
-from spmd.program.setup import Setup, prepare_model
+from spmd.program.setup import Setup
 from spmd.runtime.mesh import Mesh
-from spmd.state.ownership import own
 
 __all__ = ["DataParallel", "parallelize_module", "parallelize_instance"]
 
@@ -51,6 +46,7 @@ class DataParallel:
         """A context for uneven inputs (:class:`spmd.Join` over this model), as
         ``DistributedDataParallel.join``: ranks that run out of batches shadow the others'
         collectives until all are done, and all end with the same parameters."""
+        from spmd.eager.join import Join
 
         return Join([self], enable=enable,  # type: ignore[list-item]
                     throw_on_early_termination=throw_on_early_termination,
@@ -62,6 +58,7 @@ class DataParallel:
         are: ``bf16_compress_hook``, ``powerSGD_hook`` with a ``PowerSGDState``, ...);
         ``parallelize(comm_hook=, comm_state=)`` is the same from the start. Once, before
         the first backward, on every rank."""
+        from spmd.lowering.reduction import check_hook
 
         st: ModuleState = self._spmd  # type: ignore[attr-defined]
         where = "register_comm_hook"
@@ -89,6 +86,7 @@ class DataParallel:
         gradients, whose local norm is not the norm: this sums the ranks' parts first
         (torch's function on ``model.parameters()`` is rerouted to do the same). Every
         rank must call it."""
+        from spmd.eager.clip import clip_grad_norm_
 
         return clip_grad_norm_(self.parameters(), max_norm, norm_type)  # type: ignore
 
@@ -109,6 +107,8 @@ def _parallel_class(cls: type) -> type:
 def parallelize_module(module: nn.Module, options: Options, setup: Setup) -> nn.Module:
     """Turn ``module`` (in place) into a data-parallel module; returns it. The caller has
     set it up on every rank first (``spmd.program.setup.prepare_model``)."""
+    from spmd.eager.batchnorm import prepare_batchnorms
+    from spmd.state.ownership import own
 
     options = prepare_batchnorms(module, options, setup)
     state = ModuleState(module, options, setup)
@@ -121,6 +121,7 @@ def parallelize_module(module: nn.Module, options: Options, setup: Setup) -> nn.
 def parallelize_instance(module: nn.Module, options: Options, mesh: Mesh) -> nn.Module:
     """``parallelize(module, ...)`` of an instance, in place: its setup on ``mesh`` (the
     strategy resolved, every rank's copy checked and broadcast), then its parallel class."""
+    from spmd.program.setup import prepare_model
 
     if isinstance(module, DataParallel):
         raise ValueError("parallelize: this module is already parallelized")

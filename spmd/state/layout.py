@@ -36,7 +36,6 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from spmd.eager.clip import install_clip
 from spmd.lowering import ops
 from spmd.lowering.options import Options
 from spmd.lowering.placements import Replicate, Shard, Sharding, divides
@@ -242,6 +241,7 @@ def place_module(module: nn.Module, setup: Any, options: Options, handles: Handl
     give its class the properties that compute with them, and make its state dicts whole;
     the :class:`Layout`. Every rank of each dimension must hold the same whole
     parameters (``prepare_model`` checks and broadcasts)."""
+    from spmd.eager.clip import install_clip
 
     strategy = setup.strategy
     if strategy.shards_parameters or strategy.tensor_parallel:
