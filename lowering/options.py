@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from spmd.runtime.compressed import FLOAT8_DTYPES as _FP8
+
+if TYPE_CHECKING:
+    from spmd.lowering.strategy import Gathered, StrategyKind
 
 __all__ = ["Options"]
 _WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, *_FP8)
@@ -209,8 +212,8 @@ class Options:
         return kind_name(self.strategy, self.reshard_after_forward)
 
     @property
-    def kind(self) -> Any:
-        """That row (a ``StrategyKind``)."""
+    def kind(self) -> StrategyKind:
+        """That row."""
         from spmd.lowering.strategy import KINDS
 
         return KINDS[self.kind_name]
@@ -223,8 +226,8 @@ class Options:
         return KINDS[self.strategy].shards
 
     @property
-    def gathered(self) -> Any:
-        """When shards are gathered (``StrategyKind.gathered``, a ``Gathered``)."""
+    def gathered(self) -> Gathered:
+        """When shards are gathered (``StrategyKind.gathered``)."""
         return self.kind.gathered
 
     @property

@@ -352,12 +352,12 @@ class PipelineModule(Actions, Stored, nn.Module):
     # -- the program (spmd.program.program.Program) -----------------------------------
 
     @property
-    def options(self) -> Any:
+    def options(self) -> Options:
         """The options the pipeline was built with (each stage runs under them)."""
         return self._options
 
     @property
-    def mesh(self) -> Any:
+    def mesh(self) -> Mesh:
         """The whole mesh, the pipeline dimension included."""
         return self._mesh
 
