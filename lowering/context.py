@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
-from spmd.lowering.cost_model import CostModel
+from spmd.lowering.cost_model import CostModel, along
 from spmd.lowering.specs import Handles, SyncState
 from spmd.lowering.options import Options
 from spmd.lowering.state import InputInfo
@@ -65,7 +65,7 @@ class LoweringContext:
     def cost_model_along(self, dim: str) -> CostModel:
         """The cost model of collectives along mesh dimension ``dim``: the hardware
         model's link for it on a simulated cluster, else this model at its size."""
-        return self.mesh.cost_model(dim, self.cost_model)
+        return along(self.mesh, dim, self.cost_model)
 
     def group(self, dim: str) -> Any:
         """The process group along mesh dimension ``dim``; None on a simulated mesh."""

@@ -33,10 +33,14 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import sympy
 
-__all__ = ["CostModel", "TwoLevelCostModel", "formula", "DEFAULTS", "overlap_share"]
+if TYPE_CHECKING:
+    from spmd.runtime.mesh import Mesh
+
+__all__ = ["CostModel", "TwoLevelCostModel", "formula", "DEFAULTS", "overlap_share", "along"]
 
 p, n, alpha, beta, gamma = sympy.symbols("p n alpha beta gamma", positive=True)
 _log_p = sympy.ceiling(sympy.log(p, 2))
@@ -221,3 +225,17 @@ class TwoLevelCostModel(CostModel):
             two = inner.seconds("reduce_scatter", nbytes) + outer.seconds(
                 "reduce_scatter", share)
         return min(flat, two)
+
+
+def along(mesh: "Mesh", dim: str, measured: CostModel | None) -> CostModel:
+    """The cost model of collectives along mesh dimension ``dim``: on a simulated cluster
+    (``Mesh.simulated(..., hardware=...)``) the hardware model's link for it, else
+    ``measured`` (this machine's, default or calibrated) at the dimension's size. The one
+    place the planner asks what a collective costs; the mesh itself only carries the
+    cluster description it was made with."""
+    if mesh.hardware is not None:
+        return mesh.hardware.cost_model(mesh, dim)
+    if measured is None:
+        raise ValueError(f"no cost model along {dim!r}: {mesh} has no hardware model and "
+                         f"none was measured")
+    return replace(measured, world_size=mesh.size(dim))

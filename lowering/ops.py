@@ -38,7 +38,8 @@ from spmd.lowering import redistribute as table
 from spmd.lowering import reduction
 from spmd.lowering.flat import pack_planned
 from spmd.lowering.specs import (CollectiveSpec, ShardBucketSpec,
-                                 ShardSpec, TPSpec, gather_rows, lookup, sending)
+                                 ShardSpec, TPSpec, _version_key, gather_rows, lookup,
+                                 sending)
 from spmd.runtime import collectives
 
 __all__ = ["bucket_all_reduce", "wait", "wait_cast", "all_gather", "reduce_scatter",
@@ -228,6 +229,12 @@ def _bucket_all_gather(shards: list[torch.Tensor], handle: int) -> torch.Tensor:
     held = s.held_result(shards)
     if held is not None:
         return held
+    if s.regathers and s.live:
+        regathered = _regather(s, shards)
+        if regathered is not None:
+            return regathered
+    if s.keeps_parts:
+        s.versions = tuple(_version_key(t) for t in shards)
     dtype = s.shards[0].gather_dtype
     flat = pack_planned(shards, 1.0, dtype, tables=s.tables)
     if not s.live:
@@ -250,7 +257,66 @@ def _unpack_gathered(flat: torch.Tensor, handle: int) -> list[torch.Tensor]:
     """The whole parameters out of a gathered bucket: rank r's rows of parameter i sit at
     ``[r, offset_i : offset_i + n_i]`` of the ``(size, total)`` buffer."""
     s: ShardBucketSpec = lookup(handle)
-    return [shard.whole(c) for shard, c in zip(s.shards, s.columns(flat))]
+    wholes = [shard.whole(c) for shard, c in zip(s.shards, s.columns(flat))]
+    if s.keeps_parts and s.versions:  # reshard_after_forward=N: 1/N kept for backward
+        for shard, key, whole in zip(s.shards, s.versions, wholes):
+            shard.keep_part(key, whole)
+        s.versions = ()
+    return wholes
+
+
+def _regather(s: ShardBucketSpec, shards: list[torch.Tensor]) -> torch.Tensor | None:
+    """A backward gather under ``reshard_after_forward=N``: every parameter's part kept by
+    the forward, gathered among the N ranks of its group (none for N = 1) and laid out as
+    the full gather lays its result out (``(size, total)``, rank r's shards in row r), so
+    the unpacking after the wait is the same. None when a part is missing (the forward
+    ran elsewhere, or a shard changed since): the caller gathers every rank's shard."""
+    parts = [spec.take_part(t) for spec, t in zip(s.shards, shards)]
+    if any(p is None for p in parts):
+        return None
+    first = s.shards[0]
+    flat = torch.cat([p.reshape(-1) for p in parts])
+    out = flat.new_empty(s.size * s.total)
+    issued = time.perf_counter()
+    if first.regroup is None:  # N = 1: this rank kept the whole
+        gathered, work = flat, None
+    else:
+        from spmd.runtime.collectives import all_gather_into_tensor
+
+        gathered = flat.new_empty(first.regroup_size * flat.numel())
+        work = all_gather_into_tensor(gathered, flat, group=first.regroup, async_op=True)
+    s.regathered += 1
+    s.started(out, _Regathered(work, gathered, out, s), issued)
+    return out
+
+
+class _Regathered:
+    """The wait of :func:`_regather`: the N ranks' parts, once arrived, become each whole
+    parameter and are laid out rank by rank into the buffer the graph holds."""
+
+    def __init__(self, work: Any, gathered: torch.Tensor, out: torch.Tensor,
+                 spec: ShardBucketSpec) -> None:
+        self.work, self.gathered, self.out, self.spec = work, gathered, out, spec
+
+    def wait(self) -> bool:
+        if self.gathered is None:
+            return True
+        if self.work is not None:
+            self.work.wait()
+        s = self.spec
+        n = s.shards[0].regroup_size
+        grid = self.gathered.view(n, -1)
+        at = 0
+        for shard, target in zip(s.shards, s.columns(self.out)):
+            numel = shard.part_rows * (shard.local_numel // shard.rows)
+            whole = shard.whole_from_parts(grid[:, at:at + numel])
+            target.copy_(shard.padded(whole, whole.dtype).reshape(s.size, -1))
+            at += numel
+        self.gathered = None
+        return True
+
+    def get_future(self) -> Any:
+        raise RuntimeError("no future: the layout is made at the wait")
 
 
 def _bucket_reduce_scatter(grads: list[torch.Tensor], handle: int) -> torch.Tensor:

@@ -31,9 +31,12 @@ class Options:
             gradient all-reduced whole (DeepSpeed's ZeRO stages 2 and 1).
         reshard_after_forward: (``fsdp``, ``hsdp``) free the gathered parameters after
             the forward and gather them again in backward (True, ZeRO-3), or keep the
-            forward's copies for backward (False: less communication, more memory). With
-            ``strategy`` it selects a row of ``KINDS``; FSDP2's integer (reshard to a
-            smaller group) is refused.
+            forward's copies for backward (False: less communication, more memory), or, as
+            FSDP2's integer N, keep 1/N of each after the forward and gather it again among
+            N consecutive ranks of the sharding dimension in backward (N ranks per host:
+            the backward's gathers stay on the host's links). N divides the sharding
+            dimension; N equal to it is True, 1 keeps the whole. With ``strategy`` it
+            selects a row of ``KINDS``.
         param_dtype: (sharded strategies) the dtype parameters are gathered and computed
             in (mixed precision, e.g. ``torch.bfloat16``); floating inputs of the model
             are cast to it. The shards, their gradients and the optimizer stay in the
@@ -72,7 +75,7 @@ class Options:
     """
 
     strategy: str = "ddp"
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | int = True
     param_dtype: torch.dtype | None = None
     bucket_cap_mb: float | None = None
     overlap: bool = True
@@ -126,16 +129,15 @@ class Options:
             if cap < 0 or cap != cap:
                 raise ValueError(f"{where}: bucket_cap_mb must be >= 0 (0 turns bucketing off), "
                                  f"got {cap}")
-        if (isinstance(self.reshard_after_forward, int)
-                and not isinstance(self.reshard_after_forward, bool)):
-            raise TypeError(f"{where}: reshard_after_forward must be a bool, got the integer "
-                            f"{self.reshard_after_forward}: FSDP2's resharding to a smaller "
-                            f"group after the forward is not supported; pass True (reshard "
-                            f"to the whole sharding dimension), False (keep the gathered "
-                            f"parameters for backward), or strategy='hsdp' on a mesh whose "
-                            f"'fsdp' dimension has that many ranks")
-        for name in ("overlap", "broadcast_buffers", "calibrate", "reshard_after_forward",
-                     "sync_batchnorm"):
+        raf = self.reshard_after_forward
+        if not isinstance(raf, int):  # (a bool is an int)
+            raise TypeError(f"{where}: reshard_after_forward must be a bool or an int, got "
+                            f"{type(raf).__name__}")
+        if not isinstance(raf, bool) and raf < 1:
+            raise ValueError(f"{where}: reshard_after_forward={raf}: an integer is the number "
+                             f"of ranks the backward gathers among (FSDP2's), at least 1 and "
+                             f"a divisor of the sharding dimension")
+        for name in ("overlap", "broadcast_buffers", "calibrate", "sync_batchnorm"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{where}: {name} must be a bool, got "
                                 f"{type(getattr(self, name)).__name__}")
@@ -193,12 +195,12 @@ class Options:
                 raise ValueError(f"{where}: placements names no mesh dimension")
         from spmd.lowering.strategy import KINDS, Gathered
 
-        takes = [k.strategy for k in KINDS.values()
-                 if k.reshard_after_forward == self.reshard_after_forward]
+        argument = int if not isinstance(raf, bool) else raf
+        takes = [k.strategy for k in KINDS.values() if k.reshard_after_forward is argument]
         if self.strategy not in takes:
             own = KINDS[self.strategy].gathered
             raise ValueError(
-                f"{where}: reshard_after_forward={self.reshard_after_forward!r} applies to the "
+                f"{where}: reshard_after_forward={raf!r} applies to the "
                 f"sharded strategies that gather parameters at each use "
                 f"({', '.join(map(repr, takes))}); {self.strategy!r} "
                 + ("never reshards" if own is Gathered.NEVER
@@ -233,10 +235,10 @@ class Options:
     @property
     def reshards(self) -> bool:
         """Gathered parameters are freed after the forward and gathered again in
-        backward."""
+        backward (among every rank of the sharding dimension, or N of them)."""
         from spmd.lowering.strategy import Gathered
 
-        return self.gathered is Gathered.EACH_USE
+        return self.gathered in (Gathered.EACH_USE, Gathered.REGROUPED)
 
     @property
     def bucket_cap_bytes(self) -> int | None:

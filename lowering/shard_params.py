@@ -59,11 +59,14 @@ def _bucket_spec(ctx: LoweringContext, kind: str, specs: list[ShardSpec],
     first = specs[0]
     placed = Shard(first.dim)  # (one dimension per bucket)
     src, dst = (placed, Replicate()) if kind == "all_gather" else (Partial("avg"), placed)
+    regroups = kind == "all_gather" and first.regroup_size > 0
     spec = ShardBucketSpec(step=Step(src=src, dst=dst, kind=kind, mesh_dim=first.mesh_dim),
                                group=first.group, size=first.size,
                                params=tuple(s.param for s in specs), shards=tuple(specs),
                                wire_dtype=wire, sync=ctx.sync,  # sync: the profiler's hook
-                               copy_held=ctx.compute == "inductor")
+                               copy_held=ctx.compute == "inductor",
+                               keeps_parts=regroups and ctx.role == "forward",
+                               regathers=regroups and ctx.role == "backward")
     return spec, ctx.handles.add(spec)
 
 
@@ -81,11 +84,19 @@ def build_gather(gm: fx.GraphModule, ctx: LoweringContext, shards: list[fx.Node]
                         name="all_gather")
     spec.name = f"{ctx.graph_name}:{coll.name}"
     dtype = specs[0].gather_dtype
+    within = 0
+    if spec.regathers:
+        within = specs[0].regroup_size
+        provenance = Provenance(
+            params=provenance.params, pass_name=provenance.pass_name,
+            reason=f"{provenance.reason}; gathered among {within} rank(s) from the 1/{within} "
+                   f"of each parameter that every rank kept after the forward "
+                   f"(reshard_after_forward={within})")
     coll.meta["spmd_collective"] = CollectiveInfo(
         kind="all_gather", mesh_dim=spec.step.mesh_dim, src=spec.step.src, dst=spec.step.dst,
         params=spec.params, numels=tuple(s.local_numel for s in specs), dtype=dtype,
         wire_dtype=dtype, bytes=spec.size * spec.total * dtype.itemsize, handle=handle,
-        provenance=provenance)
+        provenance=provenance, within=within)
     unpack = Role(kind="unpack", collective=coll.name)
     with graph.inserting_before(before):
         done = new_node(graph, ops.wait, (coll, handle), sharding=whole,

@@ -25,7 +25,7 @@ import torch
 
 from spmd.kernels.layout import BucketTables
 from spmd.lowering import redistribute as table
-from spmd.lowering.placements import StridedShard, divides
+from spmd.lowering.placements import Placement, Shard, Sharding, StridedShard, divides
 from spmd.runtime import collectives
 
 __all__ = ["CollectiveSpec", "ShardSpec", "ShardBucketSpec", "TPSpec", "PlaceSpec", "RankSpec",
@@ -233,6 +233,9 @@ class ShardSpec:
 
     Attributes:
         param: the parameter's name in the model.
+        sharding: where it is stored on every mesh dimension (the record
+            ``spmd.placement_of`` returns): ``Shard(dim)`` on ``mesh_dim``, and its
+            tensor-parallel placements, if any; the spec checks that its own fields agree.
         shape: its global shape; ``dtype``: the dtype it is stored and stepped in.
         rows: rows of the sharded dimension per rank (padded).
         dim: the sharded dimension.
@@ -245,9 +248,14 @@ class ShardSpec:
             ``zero2``: gathered once per optimizer step, not at every use).
         all_reduce: the gradient is all-reduced whole and this rank keeps its rows
             (``zero1``) rather than reduce-scattered.
+        regroup_size, regroup: ``reshard_after_forward=N``: after the forward's gather
+            this rank keeps :meth:`part_of` the whole (1/N of it, its place among the N
+            consecutive ranks of ``regroup``, None for N = 1) and the backward gathers
+            the parts among those N ranks; 0 for every other strategy.
     """
 
     param: str
+    sharding: Sharding
     shape: tuple[int, ...]
     dtype: torch.dtype
     rows: int
@@ -262,6 +270,8 @@ class ShardSpec:
     persistent: bool = False
     all_reduce: bool = False
     dim: int = 0
+    regroup_size: int = 0
+    regroup: Any = None
     eager: bool = False  # gathered outside any planned graph at least once
     # persistent: where this parameter's last gather lies, (version key, flat, total,
     # offset): columns [offset, offset + local_numel) of ``flat`` viewed (size, total)
@@ -270,6 +280,20 @@ class ShardSpec:
     # rank makes alike (it depends on the parameters' versions only, not on which
     # graphs a rank compiled)
     held: Any = field(default=None, repr=False)
+    # reshard_after_forward=N: (version key of the shard, this rank's part of the whole)
+    # from the last forward, until a backward takes it
+    part: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        mesh = self.sharding.mesh
+        placed = self.sharding[self.mesh_dim]
+        if placed != Shard(self.dim) or mesh.size(self.mesh_dim) != self.size:
+            raise ValueError(f"ShardSpec of {self.param}: stored {self.sharding}, but the "
+                             f"spec cuts it Shard({self.dim}) over {self.size} ranks of "
+                             f"{self.mesh_dim!r}")
+        if self.replicate_dim and mesh.size(self.replicate_dim) != self.replicate_size:
+            raise ValueError(f"ShardSpec of {self.param}: {self.replicate_size} replicas, "
+                             f"but {self.replicate_dim!r} has {mesh.size(self.replicate_dim)}")
 
     @property
     def live(self) -> bool:
@@ -324,10 +348,15 @@ class ShardSpec:
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's padded piece of the whole tensor ``full`` (a new tensor)."""
+        return self._cut(full, self.rows, self.rank())
+
+    def _cut(self, full: torch.Tensor, rows: int, index: int) -> torch.Tensor:
+        """Rows ``[index * rows, (index + 1) * rows)`` of the sharded dimension of
+        ``full`` (the whole tensor), zero padded past its end (a new tensor)."""
         front = full.detach().reshape(self.shape or (1,)).movedim(self.dim, 0)
-        start = self.rank() * self.rows
-        piece = front[start:start + self.rows]
-        out = front.new_zeros((self.rows, *front.shape[1:]))
+        start = index * rows
+        piece = front[start:start + rows]
+        out = front.new_zeros((rows, *front.shape[1:]))
         out[:piece.shape[0]] = piece
         return out.movedim(0, self.dim).contiguous() if self.dim else out
 
@@ -393,6 +422,41 @@ class ShardSpec:
         out[:self.rows_global] = rows
         return out
 
+    # -- reshard_after_forward=N: a part of the whole kept from forward to backward ----
+
+    @property
+    def part_rows(self) -> int:
+        """Rows of the sharded dimension in each of the N parts (padded)."""
+        return -(-self.rows_global // self.regroup_size)
+
+    def part_of(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the whole tensor among its N ranks (a new tensor)."""
+        index = self.regroup.rank() if self.regroup is not None else 0
+        return self._cut(whole, self.part_rows, index)
+
+    def keep_part(self, key: tuple[int, int], whole: torch.Tensor) -> None:
+        """Keep this rank's part of ``whole``, gathered from the shard whose version key
+        was ``key``, for the backward's gather among N ranks. Not inside
+        :func:`dry_run`, whose "gathers" are this rank's shard repeated."""
+        if self.regroup_size and self.live:
+            self.part = (key, self.part_of(whole))
+
+    def take_part(self, shard: torch.Tensor) -> torch.Tensor | None:
+        """The part kept by the last forward, if ``shard`` has not changed since (else
+        None: the backward gathers every rank's shard); it is handed over once, and no
+        longer held here."""
+        kept, self.part = self.part, None
+        if kept is None or kept[0] != _version_key(shard):
+            return None
+        return kept[1]
+
+    def whole_from_parts(self, parts: torch.Tensor) -> torch.Tensor:
+        """The whole tensor from the N ranks' parts laid end to end, rank by rank."""
+        shape = list(self.shape or (1,))
+        shape[self.dim] = self.part_rows
+        joined = torch.cat(list(parts.reshape(self.regroup_size, *shape)), dim=self.dim)
+        return joined.narrow(self.dim, 0, self.rows_global).reshape(self.shape)
+
 
 @dataclass(eq=False, kw_only=True)
 class ShardBucketSpec(CollectiveSpec):
@@ -401,6 +465,13 @@ class ShardBucketSpec(CollectiveSpec):
     :func:`shard_reduce`). ``shards`` are the parameters' specs, in bucket order."""
 
     shards: tuple[ShardSpec, ...] = ()
+    # reshard_after_forward=N: a forward gather keeps each parameter's part after it
+    # (``keeps_parts``, the shards' version keys in ``versions``); a backward gather
+    # gathers those parts among N ranks instead (``regathers``; ``regathered`` counts it)
+    keeps_parts: bool = False
+    regathers: bool = False
+    regathered: int = 0
+    versions: tuple = field(default=(), repr=False)
     # a persistent gather in a graph Inductor compiles hands out copies of what it holds
     # (Inductor may reuse a returned buffer's memory once the graph is done reading it)
     copy_held: bool = False
@@ -481,24 +552,43 @@ class RankSpec:
 
 @dataclass(eq=False, kw_only=True)
 class PlaceSpec:
-    """Where one module's output activation is placed on the tensor-parallel dimensions
-    (sequence parallelism: ``Shard(1)`` on "tp"), and its gradient with it. ``module``
+    """Where one module's output activation is placed (sequence parallelism: ``Shard(1)``
+    on "tp"), and its gradient with it: the activation's :class:`Sharding` along the
+    tensor-parallel dimensions ``dims`` (the others are left to the compiler). ``module``
     names it in plans and errors."""
 
     module: str
-    placements: dict[str, Any]
+    sharding: Sharding
+    dims: tuple[str, ...]
+
+    @functools.cached_property
+    def placements(self) -> dict[str, Placement]:
+        """The placement on each dimension of :attr:`dims`."""
+        return {d: self.sharding[d] for d in self.dims}
 
 
 @dataclass(eq=False, kw_only=True)
 class TPSpec:
-    """One tensor-parallel parameter: its whole shape, its placement per tensor-parallel
-    dimension, and the groups along them (None: a simulated mesh)."""
+    """One tensor-parallel parameter: its whole shape, where it is stored (its
+    :class:`Sharding`, the same record ``spmd.placement_of`` returns), the tensor-parallel
+    dimensions ``dims`` this spec cuts it along, and the process groups along them (None:
+    a simulated mesh)."""
 
     param: str
     shape: tuple[int, ...]
-    placements: dict[str, Any]
-    sizes: dict[str, int]
+    sharding: Sharding
+    dims: tuple[str, ...]
     groups: dict[str, Any] = field(default_factory=dict)
+
+    @functools.cached_property
+    def placements(self) -> dict[str, Placement]:
+        """The placement on each tensor-parallel dimension."""
+        return {d: self.sharding[d] for d in self.dims}
+
+    @functools.cached_property
+    def sizes(self) -> dict[str, int]:
+        """Ranks along each tensor-parallel dimension."""
+        return {d: self.sharding.mesh.size(d) for d in self.dims}
 
     def rank(self, dim: str) -> int:
         group = self.groups.get(dim)

@@ -119,6 +119,8 @@ class CollectiveInfo:
         provenance: which pass inserted it and why.
         sent_as: the collective that runs when it is not ``kind`` (zero1's reduce-scatter
             is an all-reduce of the same buffer); priced as that.
+        within: the ranks it runs among when fewer than ``mesh_dim``'s (the backward
+            gathers of ``reshard_after_forward=N``: N consecutive ranks); 0 for all.
     """
 
     kind: str
@@ -133,6 +135,7 @@ class CollectiveInfo:
     handle: int
     provenance: Provenance
     sent_as: str = ""
+    within: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -27,6 +27,11 @@ the collectives, the buckets) is derived by the passes.
 - ``fsdp``/``hsdp`` with ``reshard_after_forward=False`` (FSDP2's): gathered in the
   forward and kept for the backward (one gather per step instead of two; every layer's
   whole parameters alive at the end of the forward).
+- ``fsdp``/``hsdp`` with ``reshard_after_forward=N`` (FSDP2's integer): after the
+  forward's gather each rank keeps 1/N of the whole parameter, and the backward gathers
+  it again among N ranks only (consecutive ranks of the sharding dimension: a host's,
+  when N is the ranks per host) instead of all of them. ``N`` divides the sharding
+  dimension; N equal to it is ``True``, 1 keeps the whole (``False``'s memory).
 
 Each is one row of :data:`KINDS`, selected by ``strategy=`` and
 ``reshard_after_forward=``: whether it stores shards, when they are gathered
@@ -66,20 +71,24 @@ class Gathered(StrEnum):
 
     EACH_USE = "each use"  # in every forward and again in backward (ZeRO-3)
     PER_FORWARD = "per forward, kept for backward"  # FSDP2's reshard_after_forward=False
+    # FSDP2's reshard_after_forward=N: 1/N of the whole kept after the forward, gathered
+    # again among N ranks in backward
+    REGROUPED = "per forward, again in backward within a smaller group"
     PER_STEP = "per step"  # kept whole until the shards change (after the optimizer step)
     NEVER = "never"  # stored whole
 
     @property
     def gathers(self) -> int:
         """All-gathers of the whole parameter per training step (one forward, one
-        backward)."""
-        return {Gathered.EACH_USE: 2, Gathered.PER_FORWARD: 1, Gathered.PER_STEP: 1,
-                Gathered.NEVER: 0}[self]
+        backward; ``REGROUPED``'s second runs among fewer ranks, and counts as one where
+        the group's size is not known)."""
+        return {Gathered.EACH_USE: 2, Gathered.PER_FORWARD: 1, Gathered.REGROUPED: 2,
+                Gathered.PER_STEP: 1, Gathered.NEVER: 0}[self]
 
     @property
     def holds_whole(self) -> bool:
         """The whole parameter is alive at the step's peak (the end of the forward)."""
-        return self is not Gathered.EACH_USE
+        return self not in (Gathered.EACH_USE, Gathered.REGROUPED)
 
 
 class Reduced(StrEnum):
@@ -111,7 +120,7 @@ class StrategyKind:
     Attributes:
         strategy: the ``strategy=`` argument that selects this row.
         reshard_after_forward: the ``reshard_after_forward=`` argument that selects it
-            (with ``strategy``).
+            (with ``strategy``): True, False, or ``int`` for the row of every integer.
         shards: parameters (so gradients and optimizer state) are stored as shards.
         gathered: when shards are gathered whole (:class:`Gathered`).
         reduced: how a gradient leaves (:class:`Reduced`).
@@ -124,7 +133,7 @@ class StrategyKind:
     """
 
     strategy: str
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | type[int] = True
     shards: bool
     gathered: Gathered
     reduced: Reduced
@@ -138,6 +147,8 @@ class StrategyKind:
         """The ``parallelize`` keywords that select this row."""
         if self.reshard_after_forward is True:
             return {"strategy": self.strategy}
+        if self.reshard_after_forward is int:
+            return {"strategy": self.strategy, "reshard_after_forward": "N"}
         return {"strategy": self.strategy, "reshard_after_forward": self.reshard_after_forward}
 
 
@@ -164,19 +175,35 @@ KINDS: dict[str, StrategyKind] = {
     "hsdp(reshard_after_forward=False)": StrategyKind(
         strategy="hsdp", reshard_after_forward=False, shards=True,
         gathered=Gathered.PER_FORWARD, reduced=Reduced.REDUCE_SCATTER, hybrid=True),
+    # FSDP2's integer: 1/N kept after the forward, gathered again among N ranks
+    "fsdp(reshard_after_forward=N)": StrategyKind(
+        strategy="fsdp", reshard_after_forward=int, shards=True,
+        gathered=Gathered.REGROUPED, reduced=Reduced.REDUCE_SCATTER,
+        preferred=("fsdp", "dp")),
+    "hsdp(reshard_after_forward=N)": StrategyKind(
+        strategy="hsdp", reshard_after_forward=int, shards=True,
+        gathered=Gathered.REGROUPED, reduced=Reduced.REDUCE_SCATTER, hybrid=True),
 }
 STRATEGIES = tuple(sorted({k.strategy for k in KINDS.values()}))
 
 
-def kind_name(strategy: str, reshard_after_forward: bool = True) -> str:
+def _argument(reshard_after_forward: bool | int) -> bool | type[int]:
+    """What a row records for a ``reshard_after_forward`` value: the bool, or ``int``."""
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        return int
+    return reshard_after_forward
+
+
+def kind_name(strategy: str, reshard_after_forward: bool | int = True) -> str:
     """The row of :data:`KINDS` that ``parallelize``'s ``strategy=`` and
     ``reshard_after_forward=`` select; ``ValueError`` naming an unknown strategy, or a
     ``reshard_after_forward`` no row of it takes."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r} is not supported; expected one of "
                          f"{', '.join(STRATEGIES)}")
+    argument = _argument(reshard_after_forward)
     for name, kind in KINDS.items():
-        if kind.strategy == strategy and kind.reshard_after_forward == reshard_after_forward:
+        if kind.strategy == strategy and kind.reshard_after_forward is argument:
             return name
     raise ValueError(f"reshard_after_forward={reshard_after_forward!r} does not apply to "
                      f"strategy {strategy!r}")
@@ -215,6 +242,8 @@ class Strategy:
             parallelism; True where not named).
         row: its row of :data:`KINDS` (``name`` unless ``reshard_after_forward`` chose
             another).
+        reshard_to: ``reshard_after_forward=N``'s N (0 for every other row): the ranks of
+            the sharding dimension a backward gathers among.
     """
 
     name: str
@@ -231,6 +260,7 @@ class Strategy:
                                                               compare=False)
     load_balance: Mapping[str, bool] = field(default_factory=dict, compare=False)
     row: str = ""
+    reshard_to: int = 0
 
     def __post_init__(self) -> None:
         if not self.data_dims and self.data_dim is not None:

@@ -181,6 +181,47 @@ class Mesh:
                                 f"{mesh._slice_index(mesh._coordinate, first)}")
         return mesh
 
+    def unflatten(self, dim: str, sizes: Sequence[int], names: Sequence[str]) -> "Mesh":
+        """This mesh with dimension ``dim`` split into consecutive dimensions of ``sizes``
+        named ``names`` (torch's ``DeviceMesh._unflatten``), the same ranks in the same
+        order: ``Mesh(8).unflatten("dp", (2, 4), ("node", "local"))`` puts ranks 0-3 on
+        node 0. The other dimensions keep their groups; each new one gets a group per
+        slice, which every rank of this mesh must make (call it on every rank)."""
+        index = self._dim(dim)
+        sizes, names = tuple(int(n) for n in sizes), tuple(names)
+        if len(sizes) < 2 or len(names) != len(sizes) or any(n < 1 for n in sizes):
+            raise ValueError(f"Mesh.unflatten: {len(sizes)} sizes {sizes} and {len(names)} "
+                             f"names {names}: pass two or more of each")
+        if math.prod(sizes) != self.shape[index]:
+            raise ValueError(f"Mesh.unflatten: sizes {sizes} do not multiply to the "
+                             f"{self.shape[index]} ranks of {dim!r}")
+        others = self.dim_names[:index] + self.dim_names[index + 1:]
+        if len(set(names)) != len(names) or set(names) & set(others):
+            raise ValueError(f"Mesh.unflatten: names {names} must be new and distinct "
+                             f"(the mesh keeps {others})")
+        mesh = Mesh.__new__(Mesh)
+        mesh.shape = self.shape[:index] + sizes + self.shape[index + 1:]
+        mesh.dim_names = self.dim_names[:index] + names + self.dim_names[index + 1:]
+        mesh.simulated, mesh.hardware, mesh.ranks = self.simulated, self.hardware, list(self.ranks)
+        mesh._groups, mesh._coordinate = {}, None
+        if self.simulated or self._coordinate is None:
+            return mesh
+        state = world("Mesh.unflatten")
+        mesh._coordinate = mesh.coordinate_of(state.rank)
+        new = range(index, index + len(sizes))
+        for d in range(mesh.ndim):
+            if d < index:
+                mesh._groups[d] = self._groups[d]
+            elif d >= index + len(sizes):
+                mesh._groups[d] = self._groups[d - len(sizes) + 1]
+        state.meshes += 1
+        for d in new:
+            members = mesh._slice(mesh._coordinate, d)
+            mesh._groups[d] = new_group(
+                members, group_name=f"mesh{state.meshes}/{mesh.dim_names[d]}/"
+                                    f"{mesh._slice_index(mesh._coordinate, d)}")
+        return mesh
+
     def __getitem__(self, dims: str | Sequence[str]) -> "Mesh":
         """The sub-mesh of ``dims`` through this rank (torch's ``mesh["dp", "tp"]``): the
         ranks that share this rank's coordinates on every other dimension, with the same
@@ -232,17 +273,6 @@ class Mesh:
         if not isinstance(dim, int) or not -self.ndim <= dim < self.ndim:
             raise ValueError(f"Mesh dimension {dim!r} is out of range for {self.ndim} dimensions")
         return dim % self.ndim
-
-    def cost_model(self, dim: str, measured: Any) -> Any:
-        """The collective cost model (``spmd.lowering.cost_model.CostModel``) along mesh
-        dimension ``dim``: on a simulated cluster the hardware model's link for it, else
-        ``measured`` (this machine's, default or calibrated) at the dimension's size. The
-        one place the planner asks what a collective costs."""
-        if self.hardware is not None:
-            return self.hardware.cost_model(self, dim)
-        from dataclasses import replace
-
-        return replace(measured, world_size=self.size(dim))
 
     def size(self, dim: int | str | None = None) -> int:
         """Ranks along ``dim``, or in the whole mesh."""

@@ -35,7 +35,7 @@ __all__ = ["parallelize"]
 
 
 def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "ddp",
-                reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
+                reshard_after_forward: bool | int = True, param_dtype: torch.dtype | None = None,
                 bucket_cap_mb: float | None = None, overlap: bool = True,
                 reduce_dtype: torch.dtype | None = None, broadcast_buffers: bool = True,
                 compile_compute: bool | None = None, calibrate: bool = False,
@@ -73,7 +73,10 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
             searches at the first call (on the first rank, sent to the others), then
             parallelizes the model in place with the choice.
         reshard_after_forward: (``fsdp``/``hsdp``) free gathered parameters after the
-            forward and gather them again in backward (True), or keep them (False).
+            forward and gather them again in backward (True), keep them (False), or
+            (an int N, FSDP2's) keep 1/N of each and gather it again among N consecutive
+            ranks of the sharding dimension (N ranks per host: the backward's gathers
+            stay on the host's links).
         param_dtype: (``fsdp``/``hsdp``) gather and compute in this dtype (mixed
             precision); the shards, gradients and optimizer stay in the parameters'.
         bucket_cap_mb: gradient bytes per all-reduce (MiB); None: the cost model decides;

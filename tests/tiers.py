@@ -55,6 +55,9 @@ LONG: dict[str, tuple[float, str]] = {
         35, "sequence_parallel-ddp (the project's transformer), graph test_sequence_parallel"),
     "tests/cpu/test_training_loops.py::test_loop_equals_one_process[changing_batch_encoder-ddp]": (
         16, "changing_batch_encoder-fsdp and changing_batch-ddp"),
+    # 2026-11-29 (afternoon): room for test_reshard_groups (21 s)
+    "tests/cpu/test_launch.py::test_a_hanging_rank_is_reported_after_the_timeout[forkserver-15]": (
+        15, "the thread case of the same test; every spawn test starts forkserver ranks"),
     "tests/cpu/test_parallelize_equivalence.py::test_plans_record_buckets_frozen_and_fallbacks[3-ranks]": (
         23, "the same test on 2 ranks; 3 ranks in test_sync_batchnorm"),
     # every dp2xtp2 case shares one spawn (18 s)

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from spmd.auto.candidates import Candidate, Roles, kinds_for, strategy_mesh
 from spmd.auto.solver import Choice, Edge, Problem, Recompute, Solution, Variable, evaluate
+from spmd.lowering.cost_model import along
 from spmd.lowering.placements import Shard, divides
 from spmd.lowering.strategy import kind_of
 from spmd.plan.plan import Plan
@@ -152,7 +153,7 @@ def build_program(model: nn.Module, roles: Roles, mesh: Mesh, base: dict[str, Ca
     # the data strategy: its correction is set after calibration below
     variables.append(Variable(name="data", choices=tuple(Choice(name=k) for k in kinds)))
     edges: list[Edge] = []
-    tp_cm = mesh.rename(roles.names).cost_model("tp", ref.cost_model) if roles.tp else None
+    tp_cm = along(mesh.rename(roles.names), "tp", ref.cost_model) if roles.tp else None
     for g in groups:
         choices = [Choice(name="Replicate()")]
         if g in split:
@@ -167,13 +168,13 @@ def build_program(model: nn.Module, roles: Roles, mesh: Mesh, base: dict[str, Ca
             dim = "fsdp" if hybrid else "dp"
             renamed = strategy_mesh(mesh, roles, k)
             size = renamed.size(dim) if dim in renamed.dim_names else 1
-            cm = renamed.cost_model(dim, ref.cost_model) if size > 1 else None
+            cm = along(renamed, dim, ref.cost_model) if size > 1 else None
             gsize = torch.empty((), dtype=gather).element_size() if gather else g.itemsize
             for c_i in range(len(choices)):
                 per = g.numel / (t if c_i else 1)
                 stored, comm = _data_costs(k, cm, size, g.itemsize, gsize, states)
                 if hybrid and renamed.size("dp") > 1:  # shards averaged over replicas
-                    replicas = renamed.cost_model("dp", ref.cost_model)
+                    replicas = along(renamed, "dp", ref.cost_model)
                     comm += _slope(replicas, "all_reduce") * g.itemsize / size
                 costs[(k_i, c_i)] = Choice(name="", bytes=per * stored, hidden=per * comm)
         edges.append(Edge(a="data", b=g.pattern, costs=costs, count=len(g.names)))

@@ -257,6 +257,8 @@ def memory_view(plan: Any, optimizer: str | None = "adamw") -> MemoryView:
     kept = plan.options is not None and plan.options.gathered is Gathered.PER_STEP
     held_whole = sum(b.bytes for b in plan.buckets
                      if kept and b.kind == "all_gather" and b.phase == "forward")
+    kept_part = getattr(plan, "kept_part", 0.0)
+    peak_forward = 0
     regions = sorted({name.rsplit(".", 1)[0] for name in plan.graphs})
     for region in regions:
         forward = plan.graphs.get(f"{region}.forward")
@@ -266,6 +268,7 @@ def memory_view(plan: Any, optimizer: str | None = "adamw") -> MemoryView:
             names = ({n.name for n in backward.graph.nodes if n.op == "placeholder"}
                      if backward is not None else set())
             peak, where, g, saved = _walk(forward, f"{region}.forward", {}, names, kept)
+            peak_forward = peak
             if peak > transient:
                 transient, at = peak, where
             gathered = max(gathered, g)
@@ -276,9 +279,18 @@ def memory_view(plan: Any, optimizer: str | None = "adamw") -> MemoryView:
                 row[1] = row[1] or ckpt
         if backward is not None:
             held = dict(saved)
+            parts = 0  # reshard_after_forward=N: the parts kept from forward to backward
             for node in backward.graph.nodes:  # a resharded input holds a forward shard
                 if node.op == "placeholder" and "spmd_resharded" in node.meta:
-                    held[node.name] = _bytes(node.meta.get("val"))
+                    shard = _bytes(node.meta.get("val"))
+                    part = int(shard * kept_part)
+                    held[node.name] = shard + part  # (the part until its gather)
+                    parts += part
+            if parts:  # alive from the forward's gathers: at its end, all of them
+                activations += parts
+                fw_peak = peak_forward + parts
+                if fw_peak > transient:
+                    transient, at = fw_peak, f"{region}.forward:end (+ parts kept for backward)"
             peak, where, g, _ = _walk(backward, f"{region}.backward", held, set(), kept)
             if peak > transient:
                 transient, at = peak, where

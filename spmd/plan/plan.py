@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from spmd.lowering.cost_model import CostModel
+from spmd.lowering.cost_model import CostModel, along
 from spmd.lowering.graph import collective_nodes
 from spmd.lowering.options import Options
 from spmd.lowering.passes import Provenance
@@ -158,6 +158,9 @@ class Plan:
     measured: Any = None  # a measured Timeline, after spmd.profile
     measured_steps: list = field(default_factory=list)  # every profiled step's Timeline
     auto: Any = None  # strategy="auto": what was searched and chosen (spmd.auto.search.AutoPlan)
+    # reshard_after_forward=N: how many times a shard's bytes each rank keeps of a
+    # parameter from its forward to its backward (the sharding dimension's ranks / N)
+    kept_part: float = 0.0
 
     def fingerprint(self) -> str:
         """A hash of the decisions every rank must share (bucket layout and collectives)."""
@@ -475,15 +478,18 @@ def plan_from_records(records: list, *, setup: Any, options: Options,
                      else getattr(record, "label", "backward"))
             for node in collective_nodes(graph):
                 info: CollectiveInfo = node.meta["spmd_collective"]
-                model = mesh.cost_model(info.mesh_dim, setup.cost_model)
+                model = _model_of(info, mesh, setup)
                 spec = _spec_of(info)
                 algorithm = getattr(spec, "algorithm", "native")
                 seconds = model.seconds(info.sent_as or info.kind, info.bytes,
                                         "fp32" if algorithm == "fp32" else None)
                 name, ranks = group_name, group_ranks
                 if info.mesh_dim in setup.strategy.tp_dims and not mesh.simulated:
-                    along = mesh.get_group(info.mesh_dim)
-                    name, ranks = along.name, tuple(along.ranks)
+                    along_dim = mesh.get_group(info.mesh_dim)
+                    name, ranks = along_dim.name, tuple(along_dim.ranks)
+                elif info.within and getattr(spec, "shards", None) and spec.shards[0].regroup:
+                    regroup = spec.shards[0].regroup
+                    name, ranks = regroup.name, tuple(regroup.ranks)
                 index = len(plan.buckets)
                 plan.buckets.append(Bucket(
                     index=index, graph=record.name, params=info.params, dtype=info.dtype,
@@ -499,6 +505,9 @@ def plan_from_records(records: list, *, setup: Any, options: Options,
             plan.collectives.extend(_rings(graph, record.name, phase, mesh, setup))
             plan.placed.extend(_placed(graph, record.name, phase))
     strategy = setup.strategy
+    if strategy.reshard_to and strategy.shard_dim is not None:
+        ranks = mesh.size(strategy.shard_dim)
+        plan.kept_part = ranks / strategy.reshard_to if strategy.reshard_to < ranks else 0.0
     if strategy.tp_dims:
         plan.tp_placements = {n: strategy.tp_placement(n) for n in strategy.placements}
     return plan
@@ -526,7 +535,7 @@ def _rings(graph: fx.GraphModule, name: str, phase: str, mesh: Mesh, setup: Any
         block = k.numel() * k.element_size() + v.numel() * v.element_size()
         n = spec.size
         hops = 2 * n - 1 if backward else n - 1  # (backward: the gradients travel too)
-        model = mesh.cost_model(spec.dim, setup.cost_model)
+        model = along(mesh, spec.dim, setup.cost_model)
         seconds = model.seconds("all_gather", block * n) * (2 if backward else 1)
         module = module_of(node)
         causal = bool(node.args[5 if backward else 4])
@@ -549,6 +558,20 @@ def _rings(graph: fx.GraphModule, name: str, phase: str, mesh: Mesh, setup: Any
             predicted_seconds=seconds, mesh_dim=spec.dim,
             placements="Shard(2) -> Shard(2)", phase=phase))
     return found
+
+
+def _model_of(info: CollectiveInfo, mesh: Mesh, setup: Any) -> CostModel:
+    """The cost model of the link ``info``'s collective runs on: its mesh dimension's,
+    or, for the backward gathers of ``reshard_after_forward=N`` (``info.within``), the
+    groups of N consecutive ranks of it (on a simulated cluster, the link those ranks
+    share)."""
+    model = along(mesh, info.mesh_dim, setup.cost_model)
+    if not info.within:
+        return model
+    reshard_mesh = getattr(setup, "reshard_mesh", None)
+    if reshard_mesh is not None:
+        return along(reshard_mesh, f"{info.mesh_dim}_within", setup.cost_model)
+    return replace(model, world_size=info.within)
 
 
 def _spec_of(info: CollectiveInfo) -> Any:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from spmd.lowering.cost_model import along
 from spmd.lowering.graph import is_wait
 
 __all__ = ["Span", "Timeline", "predict", "node_cost"]
@@ -198,7 +199,7 @@ def predict(plan: Any, optimizer: str | None = "adamw", clip_grad_norm: bool = F
         label = f"{optimizer} step" if optimizer else ""
         if clip_grad_norm:
             seconds += 3 * trainable / rate * compute_scale + sum(
-                plan.mesh.cost_model(d, plan.cost_model).seconds("all_reduce", 4)
+                along(plan.mesh, d, plan.cost_model).seconds("all_reduce", 4)
                 for d in plan.mesh.dim_names)
             label = f"{label} and clipping" if label else "clipping"
         network_free = max(network_free, t)  # the step needs every gradient reduced

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from spmd.lowering.cost_model import CostModel, overlap_share
+from spmd.lowering.cost_model import CostModel, along, overlap_share
 from spmd.lowering.options import Options
-from spmd.lowering.strategy import Strategy, flatten_data_dims, resolve_strategy
+from spmd.lowering.strategy import Gathered, Strategy, flatten_data_dims, resolve_strategy
 from spmd.runtime import context
 from spmd.runtime.mesh import Mesh
 
@@ -32,6 +32,10 @@ class Setup:
         world_size: ranks in it.
         cost_model: the collective cost model every rank plans with.
         index: the how-many-th model this rank parallelized (the same on every rank).
+        reshard_mesh: ``reshard_after_forward=N`` (1 < N < the sharding dimension's
+            ranks): the mesh with the sharding dimension split into groups of N
+            consecutive ranks (``"<dim>_across"``, ``"<dim>_within"``), whose
+            ``"<dim>_within"`` groups the backward gathers among; None otherwise.
     """
 
     strategy: Strategy
@@ -39,6 +43,7 @@ class Setup:
     world_size: int
     cost_model: CostModel
     index: int
+    reshard_mesh: Mesh | None = None
 
     @property
     def communicates(self) -> bool:
@@ -185,6 +190,9 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
                                **layout_options(options.placements))
     else:
         strategy = resolve_strategy(options.kind_name, mesh, where)
+    reshard_mesh = None
+    if strategy.gathered is Gathered.REGROUPED:
+        strategy, reshard_mesh = _regroup(strategy, options.reshard_after_forward, where)
     if options.shard_placement_fn is not None and strategy.shards_parameters:
         from dataclasses import replace as with_fields
 
@@ -199,7 +207,7 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
     if live:
         check_same_model(module, group, where)
     if mesh.hardware is not None:  # a simulated cluster: its links, not this machine
-        cost_model = mesh.cost_model(strategy.data_dim or mesh.dim_names[0], None)
+        cost_model = along(mesh, strategy.data_dim or mesh.dim_names[0], None)
     else:
         cost_model = cost_model_for(group, world_size, backend, options)
     # only live models number their store keys: a plan on a simulated mesh made on one
@@ -215,4 +223,23 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
                 broadcast_coalesced([*module.parameters(), *module.buffers()],
                                     tp_group.ranks[0], tp_group)
     return Setup(strategy=strategy, group=group, world_size=world_size, cost_model=cost_model,
-                 index=index)
+                 index=index, reshard_mesh=reshard_mesh)
+
+
+def _regroup(strategy: Strategy, n: int, where: str) -> tuple[Strategy, Mesh | None]:
+    """``reshard_after_forward=n`` bound to the mesh: the strategy with ``reshard_to``,
+    and the mesh whose ``"<dim>_within"`` groups of ``n`` ranks the backward gathers
+    among (made here, on every rank, in the same order); ``ValueError`` for an ``n`` that
+    does not divide the sharding dimension. As FSDP2: ``n`` equal to the dimension is
+    ``True``'s behaviour, and 1 keeps the whole parameter (``False``'s memory)."""
+    mesh, dim = strategy.mesh, strategy.shard_dim
+    assert dim is not None
+    size = mesh.size(dim)
+    if n > size or size % n:
+        raise ValueError(f"{where}: reshard_after_forward={n} must divide the {size} ranks of "
+                         f"the sharding dimension {dim!r} (FSDP2's rule): the backward gathers "
+                         f"among groups of {n} consecutive ranks")
+    strategy = replace(strategy, reshard_to=n)
+    if not 1 < n < size:
+        return strategy, None
+    return strategy, mesh.unflatten(dim, (size // n, n), (f"{dim}_across", f"{dim}_within"))

@@ -207,8 +207,13 @@ def _shard_spec(name: str, shape: tuple[int, ...], param: torch.Tensor, setup: A
     dim = strategy.shard_dims.get(name, 0)
     rows = shape[dim] if shape else 1
     floating = param.is_floating_point()
+    regroup_size, regroup = strategy.reshard_to, None
+    if regroup_size >= size:  # reshard_after_forward=N of the whole dimension: True's
+        regroup_size = 0
+    elif regroup_size > 1 and not mesh.simulated:
+        regroup = setup.reshard_mesh.get_group(f"{mesh_dim}_within")
     return ShardSpec(
-        param=name, shape=shape, dtype=param.dtype, rows=-(-rows // size), dim=dim,
+        param=name, sharding=strategy.parameter_sharding(name), shape=shape, dtype=param.dtype, rows=-(-rows // size), dim=dim,
         group=None if mesh.simulated else mesh.get_group(mesh_dim), size=size,
         mesh_dim=mesh_dim,
         replicate_group=(None if mesh.simulated or replicate is None
@@ -217,7 +222,8 @@ def _shard_spec(name: str, shape: tuple[int, ...], param: torch.Tensor, setup: A
         param_dtype=options.param_dtype if floating else None,
         reduce_dtype=options.reduce_dtype if floating else None,
         persistent=strategy.gathered is Gathered.PER_STEP,
-        all_reduce=strategy.reduced is Reduced.ALL_REDUCE_OWN_ROWS)
+        all_reduce=strategy.reduced is Reduced.ALL_REDUCE_OWN_ROWS,
+        regroup_size=regroup_size, regroup=regroup)
 
 
 def _record(name: str, shape: tuple[int, ...], strategy: Strategy, shard: ShardSpec | None,
@@ -286,8 +292,8 @@ def _place(name: str, param: nn.Parameter, setup: Any, options: Options, handles
     piece = shard = None
     value = param.detach()
     if any(divides(p) for p in placed.values()):
-        piece = TPSpec(param=name, shape=shape, placements=placed,
-                       sizes={d: mesh.size(d) for d in strategy.tp_dims},
+        piece = TPSpec(param=name, shape=shape, sharding=strategy.parameter_sharding(name),
+                       dims=strategy.tp_dims,
                        groups={d: None if mesh.simulated else mesh.get_group(d)
                                for d in strategy.tp_dims})
         value = piece.piece(value)
@@ -550,7 +556,8 @@ def place_activations(module: nn.Module, strategy: Strategy, handles: Handles
     specs: dict[str, PlaceSpec] = {}
     for path, placed in strategy.activations.items():
         sub = module.get_submodule(path)
-        spec = PlaceSpec(module=path, placements=dict(placed))
+        spec = PlaceSpec(module=path, sharding=Sharding.on(strategy.mesh, dict(placed)),
+                         dims=tuple(placed))
         handle = handles.add(spec)
         deepest = max((p.dim for p in placed.values() if isinstance(p, Shard)), default=-1)
         sub.register_forward_hook(_placing_hook(handle, deepest))

@@ -13,6 +13,7 @@ import torch
 
 import spmd
 from spmd.checkpoint import ChunkedTensor, chunks_of
+from spmd.lowering.placements import Sharding
 from spmd.lowering.specs import ShardSpec, TPSpec
 
 
@@ -38,15 +39,18 @@ def _parts(shape, placement, tp, fsdp, dim):
     """Every (tp rank, fsdp rank): (stored part, chunks)."""
     whole = torch.arange(1, max(1, torch.Size(shape).numel()) + 1).reshape(shape)
     out = {}
+    mesh = spmd.Mesh.simulated((tp, fsdp), ("tp", "fsdp"))
+    placed = {} if placement is None else {"tp": placement}
     for t, f in itertools.product(range(tp), range(fsdp)):
         piece = None if placement is None else TPSpec(
-            param="w", shape=shape, placements={"tp": placement}, sizes={"tp": tp},
+            param="w", shape=shape, sharding=Sharding.on(mesh, placed), dims=("tp",),
             groups={"tp": _group(t)})
         value = whole if piece is None else piece.piece(whole)
         shard = None
         if fsdp > 1:
             rows = value.shape[dim] if value.dim() else 1
             shard = ShardSpec(param="w", shape=tuple(value.shape), dtype=value.dtype,
+                              sharding=Sharding.on(mesh, {**placed, "fsdp": spmd.Shard(dim)}),
                               rows=-(-rows // fsdp), group=_group(f), size=fsdp,
                               mesh_dim="fsdp", dim=dim)
             value = shard.shard_of(value)

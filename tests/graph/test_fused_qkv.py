@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import spmd
-from spmd.lowering.placements import StridedShard
+from spmd.lowering.placements import Sharding, StridedShard
 from spmd.lowering.redistribute import to_locals
 from spmd.lowering.specs import TPSpec
 
@@ -55,7 +55,8 @@ def test_a_piece_is_each_rank_s_part_of_every_block():
         def rank(self) -> int:
             return self.r
 
-    pieces = [TPSpec(param="w", shape=(12, 2), placements={"tp": p}, sizes={"tp": 2},
+    placed = Sharding.on(spmd.Mesh.simulated((2,), ("tp",)), {"tp": p})
+    pieces = [TPSpec(param="w", shape=(12, 2), sharding=placed, dims=("tp",),
                      groups={"tp": Rank(r)}).piece(w) for r in range(2)]
     # blocks of 4 rows (q, k, v): rank 0 rows 0-1, 4-5, 8-9; rank 1 rows 2-3, 6-7, 10-11
     assert pieces[0][:, 0].tolist() == [0.0, 2.0, 8.0, 10.0, 16.0, 18.0]

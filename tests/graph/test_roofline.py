@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 import spmd
 from spmd.hardware import A100_80GB, H100_SXM, H200, Efficiency
+from spmd.lowering.cost_model import along
 from spmd.lowering.meta_trace import cross_entropy, fused_attention, nll_loss
 from spmd.plan.roofline import node_bytes, node_flops, node_times, step_flops
 
@@ -285,7 +286,7 @@ def test_the_optimizer_step_and_clipping_are_in_the_step_time():
     assert adamw.optimizer_seconds == pytest.approx(7 * trainable / rate)
     assert adamw.step_seconds == pytest.approx(bare.step_seconds + 7 * trainable / rate)
     clipped = plan.predicted_timeline(clip_grad_norm=True)
-    norm = plan.mesh.cost_model("dp", plan.cost_model).seconds("all_reduce", 4)
+    norm = along(plan.mesh, "dp", plan.cost_model).seconds("all_reduce", 4)
     assert clipped.optimizer_seconds == pytest.approx((10 * trainable) / rate + norm)
     assert plan.predicted_timeline("sgd").optimizer_seconds == pytest.approx(3 * trainable / rate)
     with pytest.raises(ValueError, match="optimizer must be one of"):

@@ -2,8 +2,9 @@
 print as plans always printed them; the search's costs and the strategies it tries are
 read from a row's fields, so a row the code has never seen is priced and searched from
 them alone; an unknown strategy is refused by name (never given another's costs); and
-FSDP2's ``reshard_after_forward=False`` is a row that the layout, the memory view and the
-options read (its equality with one process: ``tests/cpu/test_fsdp.py``)."""
+FSDP2's ``reshard_after_forward=False`` and its integer are rows that the layout, the
+memory view and the options read (their equality with one process:
+``tests/cpu/test_fsdp.py``, ``tests/cpu/test_reshard_groups.py``)."""
 
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ def _expected(row: StrategyKind, size: int, itemsize: int, gather: int, states: 
     stored = ((itemsize if whole_param else itemsize / size)
               + (itemsize if whole_grad else itemsize / size)
               + states * itemsize / (size if row.shards else 1))
-    gathers = {Gathered.EACH_USE: 2, Gathered.PER_FORWARD: 1, Gathered.PER_STEP: 1,
-               Gathered.NEVER: 0}[row.gathered]
+    gathers = {Gathered.EACH_USE: 2, Gathered.PER_FORWARD: 1, Gathered.REGROUPED: 2,
+               Gathered.PER_STEP: 1, Gathered.NEVER: 0}[row.gathered]
     reduce = SLOPE["reduce_scatter" if row.reduced is Reduced.REDUCE_SCATTER
                    else "all_reduce"] * itemsize
     return stored, gathers * SLOPE["all_gather"] * gather + reduce
@@ -149,8 +150,63 @@ def test_reshard_after_forward_false_selects_its_row():
     assert model._spmd.setup.strategy.kind is KINDS["fsdp(reshard_after_forward=False)"]
 
 
-def test_reshard_after_forward_an_integer_is_refused_naming_what_to_use():
-    with pytest.raises(TypeError, match="reshard_after_forward must be a bool.*integer 2.*"
-                       "True.*False.*hsdp"):
-        spmd.parallelize(Net(), strategy="fsdp", reshard_after_forward=2,
+def test_reshard_after_forward_an_integer_selects_its_row_and_plans_smaller_gathers():
+    """FSDP2's integer: one row for every N; the backward's all-gathers priced among N
+    consecutive ranks (cheaper than the forward's among all), and the 1/N each rank
+    keeps from forward to backward counted in the memory view."""
+    assert kind_name("fsdp", 2) == "fsdp(reshard_after_forward=N)"
+    assert kind_name("hsdp", 4) == "hsdp(reshard_after_forward=N)"
+    assert Options.from_kwargs("here", strategy="fsdp", reshard_after_forward=2).reshards
+    x = torch.randn(8, 8)
+    # (keyed by name: True == 1 as a dict key)
+    plans = {str(n): spmd.inspect(Net(), x, strategy="fsdp", reshard_after_forward=n,
+                                  mesh=spmd.Mesh.simulated(4, ("fsdp",)))
+             for n in (True, 2, 1, 4)}
+
+    def gathers(plan, phase):
+        return [c for c in plan.collectives if c.kind == "all_gather" and c.phase == phase]
+
+    for n in ("2", "1"):
+        assert sum(c.predicted_seconds for c in gathers(plans[n], "forward")) == \
+            pytest.approx(sum(c.predicted_seconds for c in gathers(plans["True"], "forward")))
+    full, two, one = (sum(c.predicted_seconds for c in gathers(plans[n], "backward"))
+                      for n in ("True", "2", "1"))
+    assert full > two > one and one == 0.0
+    # N = 4, the whole dimension: True's gathers, nothing kept
+    assert [(c.phase, c.kind, c.predicted_seconds) for c in plans["4"].collectives] == \
+        [(c.phase, c.kind, c.predicted_seconds) for c in plans["True"].collectives]
+    assert plans["4"].memory().activations == plans["True"].memory().activations
+    assert all("gathered among 2 rank(s)" in c.provenance.reason
+               for c in gathers(plans["2"], "backward"))
+    # fc2's weight is saved for backward: its shard (True), and 2 or 4 shards more kept
+    saved = {n: plan.memory().activations for n, plan in plans.items()}
+    assert saved["True"] < saved["2"] < saved["1"]
+    assert saved["1"] - saved["True"] == 2 * (saved["2"] - saved["True"])
+    model = spmd.parallelize(Net(), mesh=spmd.Mesh.simulated(4), strategy="fsdp",
+                             reshard_after_forward=2)
+    assert spmd.placement_of(model.fc1.weight).gathered is Gathered.REGROUPED
+    assert model._spmd.setup.strategy.reshard_to == 2
+
+
+def test_an_hsdp_integer_splits_the_sharding_dimension_only():
+    plan = spmd.inspect(Net(), torch.randn(8, 8), strategy="hsdp", reshard_after_forward=2,
+                        mesh=spmd.Mesh.simulated((2, 4), ("dp", "fsdp")))
+    backward = [c for c in plan.collectives if c.kind == "all_gather" and c.phase == "backward"]
+    assert backward and all("among 2 rank(s)" in c.provenance.reason for c in backward)
+
+
+@pytest.mark.parametrize("n, exc, match", [
+    (3, ValueError, "reshard_after_forward=3 must divide the 4 ranks of the sharding "
+                    "dimension 'dp'"),
+    (8, ValueError, "reshard_after_forward=8 must divide"),
+    (0, ValueError, "at least 1"),
+    (-2, ValueError, "at least 1"),
+    (2.0, TypeError, "must be a bool or an int, got float"),
+])
+def test_a_bad_integer_is_refused_before_anything_runs(n, exc, match):
+    with pytest.raises(exc, match=match):
+        spmd.parallelize(Net(), strategy="fsdp", reshard_after_forward=n,
+                         mesh=spmd.Mesh.simulated(4))
+    with pytest.raises(ValueError, match="applies to the sharded strategies"):
+        spmd.parallelize(Net(), strategy="zero2", reshard_after_forward=2,
                          mesh=spmd.Mesh.simulated(4))
