@@ -1,7 +1,7 @@
 """Step time and memory of ``strategy="fsdp"`` against torch FSDP2 (and spmd's DDP).
 
     python benchmarks/fsdp.py [--nprocs 2,4] [--steps 20] [--rounds 5] [--layers 8]
-                              [--width 128]
+                              [--width 128] [--reshard-after-forward true|false|N]
 
 Local ranks (processes), one thread each, Gloo over loopback; the same model, data and
 optimizer (AdamW) for every variant:
@@ -11,6 +11,10 @@ optimizer (AdamW) for every variant:
 - ``torch FSDP2``: ``torch.distributed.fsdp.fully_shard`` on each transformer layer, then
   on the root, over the same Gloo group (torch.distributed sees the group spmd made);
 - ``spmd ddp``: ``spmd.parallelize(model)`` (parameters replicated, gradients averaged).
+
+``--reshard-after-forward`` (default true) is given to both fsdp variants alike: false
+keeps the forward's gathered parameters for backward; an integer N (FSDP2's) keeps 1/N
+and gathers it again among N ranks in backward.
 
 The model: token embedding, ``--layers`` pre-norm ``nn.TransformerEncoderLayer``s of
 width ``--width`` (4 heads, feed-forward 4x, no dropout), a final LayerNorm and a head;
@@ -159,14 +163,15 @@ def memory_between(prof, start_ns: int, end_ns: int) -> tuple[int, int]:
     return peak, alive
 
 
-def rank_main(rank: int, steps: int, rounds: int, width: int, layers: int) -> dict | None:
+def rank_main(rank: int, steps: int, rounds: int, width: int, layers: int,
+              reshard: bool | int = True) -> dict | None:
     with harness.group(rank) as world:  # torch sees it: FSDP2 runs over the same Gloo
-        out = _measure(rank, world, steps, rounds, width, layers)
+        out = _measure(rank, world, steps, rounds, width, layers, reshard)
     return out if rank == 0 else None
 
 
-def _measure(rank: int, world: int, steps: int, rounds: int, width: int, layers: int
-             ) -> dict:
+def _measure(rank: int, world: int, steps: int, rounds: int, width: int, layers: int,
+             reshard: bool | int = True) -> dict:
     import torch.distributed as tdist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -183,11 +188,12 @@ def _measure(rank: int, world: int, steps: int, rounds: int, width: int, layers:
     def fsdp2() -> nn.Module:
         model = _fresh(width, layers)
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
 
     make = {
-        "spmd fsdp": lambda: spmd.parallelize(_fresh(width, layers), strategy="fsdp"),
+        "spmd fsdp": lambda: spmd.parallelize(_fresh(width, layers), strategy="fsdp",
+                                              reshard_after_forward=reshard),
         "torch FSDP2": fsdp2,
         "spmd ddp": lambda: spmd.parallelize(_fresh(width, layers)),
     }
@@ -261,11 +267,12 @@ def _lanes(timeline) -> str:
             f"{busy['exposed']:.1f} ms")
 
 
-def report(world: int, res: dict, steps: int, rounds: int, width: int, layers: int) -> None:
+def report(world: int, res: dict, steps: int, rounds: int, width: int, layers: int,
+           reshard: bool | int = True) -> None:
     mib = 2**20
     times, memory = res["times"], res["memory"]
     print(f"\n### {world} ranks: {layers} layers of width {width}, AdamW, {steps} steps x "
-          f"{rounds} rounds\n")
+          f"{rounds} rounds, reshard_after_forward={reshard}\n")
     harness.table(("variant", "ms/step", "vs FSDP2 (x faster)", "spread over rounds",
                    "persistent MiB", "measured peak MiB", "predicted peak MiB",
                    "prediction error"), "lrrlrrrr")
@@ -293,26 +300,38 @@ def report(world: int, res: dict, steps: int, rounds: int, width: int, layers: i
           f"(FSDP2's weights moved up to {res['moved']:.2e} from their initial values)")
 
 
-def cli(doc: str, rank_main, report, nprocs: str) -> None:
-    """Parse this model's options (world sizes, steps, rounds, layers, width), run
-    ``rank_main`` on each world size and print ``report`` of rank 0's result; shared by
-    the benchmarks of this model (``zero.py``)."""
+def _reshard(value: str) -> bool | int:
+    """``--reshard-after-forward``: true, false or an integer."""
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return int(value)
+
+
+def cli(doc: str, rank_main, report, nprocs: str, reshard: bool = False) -> None:
+    """Parse this model's options (world sizes, steps, rounds, layers, width; with
+    ``reshard``, ``--reshard-after-forward``), run ``rank_main`` on each world size and
+    print ``report`` of rank 0's result; shared by the benchmarks of this model
+    (``zero.py``)."""
     parser = harness.parser(doc, steps=20, rounds=5)
     parser.add_argument("--nprocs", default=nprocs, help="comma-separated world sizes")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=128)
+    if reshard:
+        parser.add_argument("--reshard-after-forward", type=_reshard, default=True,
+                            help="true, false or N, for both fsdp variants")
     args = parser.parse_args()
     worlds = harness.world_sizes(args.nprocs, parser)
     if args.width % 4:
         parser.error("--width: a multiple of 4 (4 attention heads)")
+    extra = (args.reshard_after_forward,) if reshard else ()
     for world in worlds:
         res = harness.spawn(rank_main, args.steps, args.rounds, args.width, args.layers,
-                            nprocs=world, start_method="forkserver")[0]
-        report(world, res, args.steps, args.rounds, args.width, args.layers)
+                            *extra, nprocs=world, start_method="forkserver")[0]
+        report(world, res, args.steps, args.rounds, args.width, args.layers, *extra)
 
 
 def main() -> None:
-    cli(__doc__, rank_main, report, "2,4")
+    cli(__doc__, rank_main, report, "2,4", reshard=True)
 
 
 if __name__ == "__main__":

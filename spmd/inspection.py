@@ -78,9 +78,7 @@ def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: 
         raise TypeError("spmd.inspect: memory_budget= is the budget of strategy='auto'")
     pipeline = options.get("pipeline")
     if pipeline is not None or {"loss_fn", "target"} & set(options):
-        from spmd.pipeline.planning import inspect_pipeline
-
-        return inspect_pipeline(obj, example_inputs, mesh, strategy, options)
+        return _inspect_pipeline(obj, example_inputs, mesh, strategy, options)
     if not example_inputs and not options and mesh is None and strategy == "ddp":
         program = program_of(obj)
         if program is None:
@@ -88,6 +86,32 @@ def inspect(obj: Any, *example_inputs: Any, mesh: Mesh | None = None, strategy: 
                             f"object spmd.parallelize returned, or example inputs and a mesh to "
                             f"plan it")
         return program.plan()
-    from spmd.plan.planning import plan_model
+    from spmd.plan.planning import planning_mesh
+    from spmd.program.build import plan_for
 
-    return plan_model(obj, example_inputs, mesh, strategy, options)
+    if not callable(obj):
+        raise TypeError(f"spmd.inspect: expected a model or a step function, got "
+                        f"{type(obj).__name__}")
+    opts = Options.from_kwargs("spmd.inspect", strategy=strategy, **options)
+    return plan_for(obj, example_inputs, opts, planning_mesh(mesh))
+
+
+def _inspect_pipeline(obj: Any, example_inputs: tuple, mesh: Mesh | None, strategy: str,
+                      options: dict) -> Any:
+    """``spmd.inspect(model, *inputs, mesh=Mesh.simulated(...), pipeline=, loss_fn=,
+    target=)``: the pipeline ``parallelize`` would build, planned for the inputs."""
+    from spmd.program.build import plan_for
+
+    options = dict(options)
+    loss_fn, target = options.pop("loss_fn", None), options.pop("target", None)
+    if options.get("pipeline") is None:
+        raise TypeError("spmd.inspect: loss_fn= and target= plan a pipeline; pass "
+                        "pipeline=spmd.pp.schedule(...) too")
+    if not isinstance(obj, nn.Module):
+        raise TypeError(f"spmd.inspect: a pipeline is cut from a model, got "
+                        f"{type(obj).__name__}")
+    if mesh is None or not mesh.simulated:
+        raise ValueError("spmd.inspect: plan a pipeline on mesh=spmd.Mesh.simulated(shape, "
+                         "dim_names) naming its 'pp' dimension")
+    opts = Options.from_kwargs("spmd.inspect", strategy=strategy, **options)
+    return plan_for(obj, tuple(example_inputs), opts, mesh, loss_fn=loss_fn, target=target)

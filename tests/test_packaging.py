@@ -59,7 +59,12 @@ def _imports_in(source: str, name: str, is_package: bool,
     ``P``; relative imports are resolved against ``name``'s package."""
     package = name if is_package else name.rpartition(".")[0]
     names = []
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    typing_only = {id(inner) for node in ast.walk(tree) if _is_type_checking(node)
+                   for stmt in node.body for inner in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:  # read by annotations only: nothing runs it
+            continue
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -71,6 +76,16 @@ def _imports_in(source: str, name: str, is_package: bool,
                 names.append(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules
                              else base)
     return list(dict.fromkeys(names))
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``): a block only type checkers
+    read."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def test_imports_see_submodules_relative_and_function_local_imports():
@@ -86,6 +101,14 @@ def test_imports_see_submodules_relative_and_function_local_imports():
     found = _imports_in(source, "spmd.lowering.rules.probe", False, modules)
     assert found == ["spmd.lowering.ranked", "spmd.lowering.rules", "spmd.lowering.placements",
                      "spmd.lowering.rules.matmul", "spmd.runtime"]
+    # names only annotations read (under TYPE_CHECKING) are no import: nothing runs them
+    typed = ("from typing import TYPE_CHECKING\n"
+             "if TYPE_CHECKING:\n"
+             "    from spmd.lowering.ranked import Ring\n"
+             "else:\n"
+             "    from spmd.lowering import placements\n")
+    assert _imports_in(typed, "spmd.lowering.probe", False, modules) == [
+        "typing", "spmd.lowering.placements"]
 
 
 def test_dependencies_point_one_way():

@@ -80,7 +80,8 @@ def plan_pipeline_auto(model: nn.Module, args: tuple, *, mesh: Mesh, pipeline: A
     :class:`~spmd.pipeline.plan.PipelinePlan`, with ``auto`` the :class:`PipelineSearch`."""
     from spmd.lowering.annotate import PlanningError
     from spmd.pipeline.module import check_pipeline
-    from spmd.pipeline.planning import inspect_pipeline
+    from spmd.lowering.options import Options as Built
+    from spmd.program.build import plan_for
     from spmd.tp import megatron
 
     check_pipeline(pipeline, mesh, where)
@@ -112,9 +113,10 @@ def plan_pipeline_auto(model: nn.Module, args: tuple, *, mesh: Mesh, pipeline: A
         try:
             row = kind_of(kind).arguments  # the keywords that select it
             strategy = row.pop("strategy")
-            plan = inspect_pipeline(model, tiled(args, factor), mesh.rename(names), strategy, {
-                **kwargs, **row, "pipeline": pipeline, "loss_fn": loss_fn,
-                "target": tiled((target,), factor)[0]})
+            built = Built.from_kwargs(where, strategy=strategy,
+                                      **{**kwargs, **row, "pipeline": pipeline})
+            plan = plan_for(model, tiled(args, factor), built, mesh.rename(names), where,
+                            loss_fn=loss_fn, target=tiled((target,), factor)[0])
         except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
             cand.error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             candidates.append(cand)

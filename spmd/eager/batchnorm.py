@@ -8,13 +8,16 @@ tensors): the statistics are the whole batch's either way, never silently one ra
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from spmd.lowering.options import Options
+
+if TYPE_CHECKING:
+    from spmd.program.setup import Setup
 
 __all__ = ["prepare_batchnorms", "WholeBatchNorm"]
 
@@ -97,7 +100,7 @@ class WholeBatchNorm(_BatchNorm):
         return _BatchNorm.forward(self, input)
 
 
-def prepare_batchnorms(module: nn.Module, options: Options, setup: Any) -> Any:
+def prepare_batchnorms(module: nn.Module, options: Options, setup: Setup) -> Any:
     """Swap the batch norms of ``module`` when statistics must be whole (the options, with
     ``sync_batchnorm`` on where the model holds ``nn.SyncBatchNorm``)."""
     norms = [m for m in module.modules() if isinstance(m, _BatchNorm)]

@@ -53,12 +53,13 @@ from spmd.pipeline.stage import (StageModule, siblings, stage_mesh_group, stage_
                                  stage_placements, standing_in)
 from spmd.pipeline.stored import Stored
 from spmd.pp import Action, Schedule
+from spmd.program.program import Program
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["PipelineModule", "parallelize_pipeline", "check_pipeline"]
 
 
-class PipelineModule(Actions, Stored, nn.Module):
+class PipelineModule(Actions, Stored, nn.Module, Program):
     """A model split into pipeline stages over a mesh dimension (``"pp"``); see the module
     docstring. ``module`` is the model (this rank's stages' parameters; the others empty
     after the first step); ``step`` trains on one batch; ``plan()`` shows the stages, the
@@ -86,7 +87,7 @@ class PipelineModule(Actions, Stored, nn.Module):
         self._programs: dict[Any, Traced] = {}
         self._stages: dict[int, nn.Module] = {}  # this rank's, by stage index
         # planning without processes: every stage here, none composed (each is planned on
-        # its own, see spmd.inspection._plan_pipeline), no parameter released
+        # its own, see spmd.pipeline.planning.plan_pipeline), no parameter released
         self._planning = mesh.simulated
         self._composed = (self._others is not None and self._others.size() > 1
                           and not self._planning)
@@ -366,6 +367,24 @@ class PipelineModule(Actions, Stored, nn.Module):
         return self  # the program of a pipeline is the pipeline (spmd.program.program_of)
 
     # -- inspection ------------------------------------------------------------------
+
+    def plan_for(self, *example_inputs: Any, target: Any = None, loss_fn: Any = None,
+                 **kwargs: Any) -> Any:
+        """The plan of a step on ``example_inputs`` (one batch, cut into the schedule's
+        microbatches) and ``target``, made without processes on a simulated mesh: the
+        model cut as a run would cut it, each distinct stage planned on the other mesh
+        dimensions, the schedule simulated on those stages' times
+        (:func:`spmd.pipeline.planning.plan_pipeline`)."""
+        from spmd.pipeline.planning import plan_pipeline
+
+        if kwargs:
+            raise TypeError(f"{self._where}.plan_for: unexpected keyword(s) "
+                            f"{', '.join(sorted(kwargs))}; the inputs are positional, with "
+                            f"target= and loss_fn=")
+        if not self._mesh.simulated:
+            raise RuntimeError(f"{self._where}.plan_for plans on a simulated mesh; a live "
+                               f"pipeline's plan is plan() after its first step")
+        return plan_pipeline(self, tuple(example_inputs), target=target, loss_fn=loss_fn)
 
     def plan(self) -> Any:
         """The stages (where the graph was cut and why), what crosses between them, the

@@ -15,27 +15,7 @@ from spmd.lowering.options import Options
 from spmd.plan.planning import plan_model
 from spmd.runtime.mesh import Mesh
 
-__all__ = ["inspect_pipeline"]
-
-
-def inspect_pipeline(obj: Any, example_inputs: tuple, mesh: Mesh | None, strategy: str,
-                      options: dict) -> Any:
-    from spmd.lowering.options import Options
-
-    options = dict(options)
-    loss_fn, target = options.pop("loss_fn", None), options.pop("target", None)
-    if options.get("pipeline") is None:
-        raise TypeError("spmd.inspect: loss_fn= and target= plan a pipeline; pass "
-                        "pipeline=spmd.pp.schedule(...) too")
-    if not isinstance(obj, nn.Module):
-        raise TypeError(f"spmd.inspect: a pipeline is cut from a model, got "
-                        f"{type(obj).__name__}")
-    if mesh is None or not mesh.simulated:
-        raise ValueError("spmd.inspect: plan a pipeline on mesh=spmd.Mesh.simulated(shape, "
-                         "dim_names) naming its 'pp' dimension")
-    opts = Options.from_kwargs("spmd.inspect", strategy=strategy, **options)
-    return _plan_pipeline(obj, tuple(example_inputs), target=target, loss_fn=loss_fn,
-                          mesh=mesh, options=opts)
+__all__ = ["plan_pipeline"]
 
 
 def _structure(stage: Any) -> tuple:
@@ -54,10 +34,9 @@ def _structure(stage: Any) -> tuple:
     return (tuple(rows), stage.loss)
 
 
-def _plan_pipeline(model: nn.Module, args: tuple, *, target: Any, loss_fn: Any, mesh: Mesh,
-                     options: Options) -> Any:
-    """``spmd.inspect(model, *args, mesh=Mesh.simulated(...), pipeline=, loss_fn=,
-    target=)``: the pipeline's plan without processes. The model is cut as a run would
+def plan_pipeline(pm: Any, args: tuple, *, target: Any, loss_fn: Any) -> Any:
+    """``PipelineModule.plan_for`` (``spmd.inspect(model, *args, mesh=Mesh.simulated(...),
+    pipeline=, loss_fn=, target=)``): the plan of pipeline ``pm`` without processes. The model is cut as a run would
     cut it; each distinct stage is planned on the other mesh dimensions with the strategy
     and placements (``spmd.inspect`` of the stage: its collectives, its roofline on the
     simulated device, its memory); stages of the same structure (the middle ones of a
@@ -72,10 +51,9 @@ def _plan_pipeline(model: nn.Module, args: tuple, *, target: Any, loss_fn: Any, 
     where = "spmd.inspect"
     from spmd.lowering.balance import balance
     from spmd.lowering.stages import Cut
-    from spmd.pipeline.module import parallelize_pipeline
     from spmd.pipeline.stage import stage_placements
 
-    pm = parallelize_pipeline(model, options, mesh, where)
+    model, mesh, options = pm.module, pm.mesh, pm.options
     m = pm.schedule.microbatches
     leaves, spec = pytree.tree_flatten((args, target))
     rows = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim()}

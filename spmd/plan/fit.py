@@ -5,12 +5,15 @@ links and the compute). Public as ``spmd.hardware.fit`` and ``spmd.hardware.fit_
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from spmd.plan.hardware import COMPUTE_CLASSES, Efficiency, Hardware, Link
 from spmd.plan.roofline import matmul_dtype, node_bytes, node_flops, op_class
+
+if TYPE_CHECKING:
+    from spmd.plan.plan import Plan
 
 __all__ = ["compute_factor", "fit_step", "profile_record", "fit"]
 
@@ -18,7 +21,7 @@ __all__ = ["compute_factor", "fit_step", "profile_record", "fit"]
 # -- fitting a hardware model to a measured step ----------------------------------------
 
 
-def compute_factor(plan: Any, step_seconds: float, *, optimizer: str | None = "adamw",
+def compute_factor(plan: Plan, step_seconds: float, *, optimizer: str | None = "adamw",
                    clip_grad_norm: bool = False) -> float:
     """How many times the roofline's compute must stretch for ``plan``'s predicted step
     to take ``step_seconds`` (bisection: the step grows with it; the collectives keep
@@ -48,7 +51,7 @@ def compute_factor(plan: Any, step_seconds: float, *, optimizer: str | None = "a
     return (low * high) ** 0.5
 
 
-def fit_step(plan: Any, step_seconds: float, *, optimizer: str | None = "adamw",
+def fit_step(plan: Plan, step_seconds: float, *, optimizer: str | None = "adamw",
              clip_grad_norm: bool = False) -> Hardware:
     """The plan's hardware with its compute efficiencies fitted to one measured step.
 
@@ -98,7 +101,7 @@ _TERMS = {
 }
 
 
-def profile_record(plan: Any) -> dict:
+def profile_record(plan: Plan) -> dict:
     """What :func:`fit` needs from a profiled plan (``spmd.profile``, then
     ``spmd.inspect``): each collective's kind, bytes, ranks and measured seconds (median
     over the profiled steps), and each graph's measured compute with its nodes' FLOPs

@@ -14,13 +14,16 @@ effect of resharding and prefetch is visible.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 
 from spmd.lowering import ops
 from spmd.lowering.strategy import Gathered
+
+if TYPE_CHECKING:
+    from spmd.plan.plan import Plan
 
 __all__ = ["MemoryView", "memory_view", "OPTIMIZER_STATES"]
 
@@ -243,7 +246,7 @@ def _saved_by_layer(forward: fx.GraphModule, saved: dict[str, int]
                   key=lambda row: order.get(row[0], -1))
 
 
-def memory_view(plan: Any, optimizer: str | None = "adamw") -> MemoryView:
+def memory_view(plan: Plan, optimizer: str | None = "adamw") -> MemoryView:
     """The :class:`MemoryView` of ``plan`` (see the module doc)."""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"Plan.memory: optimizer must be one of "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -24,6 +24,11 @@ from spmd.lowering.placements import divides
 from spmd.lowering.state import CollectiveInfo, OptimizerFusion, find
 from spmd.lowering.strategy import Strategy
 from spmd.runtime.mesh import Mesh
+
+if TYPE_CHECKING:
+    from spmd.plan.hardware import Hardware
+    from spmd.program.setup import Setup
+    from spmd.state.layout import Layout
 
 __all__ = ["Plan", "Bucket", "Collective", "Fallback", "Placed", "Verification",
            "plan_from_records", "module_plan"]
@@ -347,7 +352,7 @@ class Plan:
                 f"collectives={len(self.collectives)}, fallbacks={len(self.fallbacks)})")
 
 
-def module_plan(records: list, *, setup: Any, options: Options, layout: Any,
+def module_plan(records: list, *, setup: Setup, options: Options, layout: Layout,
                 params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
                 estimates: dict[str, float], fallbacks: list[Fallback], frozen: list[str],
                 measured: Any = None, measured_steps: list | None = None) -> Plan:
@@ -387,7 +392,7 @@ def module_plan(records: list, *, setup: Any, options: Options, layout: Any,
     return plan
 
 
-def price_on_hardware(plan: Plan, records: list, options: Options, hardware: Any
+def price_on_hardware(plan: Plan, records: list, options: Options, hardware: Hardware | None
                       ) -> set[str]:
     """On a simulated cluster, each record's graphs priced by the cluster's roofline
     (``plan.compute``, ``plan.node_seconds``; a whole step traced as one graph is all
@@ -431,7 +436,7 @@ def tokens_of(records: list, strategy: Strategy | None = None) -> int:
     return 0
 
 
-def compiled_on_gpu(options: Options, records: list, hardware: Any = None) -> bool:
+def compiled_on_gpu(options: Options, records: list, hardware: Hardware | None = None) -> bool:
     """Whether the roofline prices a plan's graphs as Inductor compiles them (memory-bound
     chains fused): ``compile_compute=True``, a graph that was compiled so, or, on a
     simulated GPU cluster with ``compile_compute`` left to the planner, the Inductor it
@@ -442,7 +447,7 @@ def compiled_on_gpu(options: Options, records: list, hardware: Any = None) -> bo
                                        for r in records)
 
 
-def plan_from_records(records: list, *, setup: Any, options: Options,
+def plan_from_records(records: list, *, setup: Setup, options: Options,
                       fallbacks: list[Fallback], frozen: list[str], kernel: str) -> Plan:
     """Read the plan off the planned graphs: the graphs are the source of truth.
 
@@ -513,7 +518,7 @@ def plan_from_records(records: list, *, setup: Any, options: Options,
     return plan
 
 
-def _rings(graph: fx.GraphModule, name: str, phase: str, mesh: Mesh, setup: Any
+def _rings(graph: fx.GraphModule, name: str, phase: str, mesh: Mesh, setup: Setup
            ) -> list[Collective]:
     """The key/value blocks ring attention (context parallelism) passes between ranks in
     ``graph``: one record per attention node, its sends per rank and their predicted
@@ -560,7 +565,7 @@ def _rings(graph: fx.GraphModule, name: str, phase: str, mesh: Mesh, setup: Any
     return found
 
 
-def _model_of(info: CollectiveInfo, mesh: Mesh, setup: Any) -> CostModel:
+def _model_of(info: CollectiveInfo, mesh: Mesh, setup: Setup) -> CostModel:
     """The cost model of the link ``info``'s collective runs on: its mesh dimension's,
     or, for the backward gathers of ``reshard_after_forward=N`` (``info.within``), the
     groups of N consecutive ranks of it (on a simulated cluster, the link those ranks

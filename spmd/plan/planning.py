@@ -1,6 +1,7 @@
-"""Plans made without processes, under ``spmd.inspect`` and the layout search
-(``strategy="auto"``): a model's (a copy runs one forward and backward on a simulated
-mesh) and a step function's (traced on fake tensors). A pipeline's:
+"""Plans of a model made without processes: the simulated mesh to plan on, and a copy of
+a model parallelized on it whose program plans one forward and backward
+(:func:`plan_model`, what ``strategy="auto"`` and a pipeline's stages plan with).
+``spmd.inspect`` of anything: :func:`spmd.program.build.plan_for`; a pipeline's:
 :mod:`spmd.pipeline.planning`."""
 
 from __future__ import annotations
@@ -8,10 +9,6 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 from typing import Any
-
-import torch
-import torch.fx
-import torch.utils._pytree as pytree
 
 from spmd.plan.plan import Plan
 from spmd.runtime.mesh import Mesh
@@ -33,42 +30,23 @@ def planning_mesh(mesh: Mesh | None) -> Mesh:
                      "process group is initialized to take the size from)")
 
 
-def plan_model(obj: Any, example_inputs: tuple, mesh: Mesh | None, strategy: str,
+def plan_model(model: Any, example_inputs: tuple, mesh: Mesh | None, strategy: str,
                options: dict) -> Plan:
-    """``spmd.inspect(obj, *example_inputs, mesh=, strategy=, **options)`` of a model (a
-    copy runs one forward and backward) or a step function (traced on fake tensors)."""
+    """The plan of a copy of ``model`` (an unparallelized ``nn.Module``) with ``strategy``
+    and ``options`` on the simulated ``mesh``: the copy is parallelized as ``parallelize``
+    would, and its program's ``plan_for(*example_inputs)`` runs one forward and backward
+    without sending anything; the model itself is untouched. What ``strategy="auto"``
+    plans each candidate with, and a pipeline each stage with; ``spmd.inspect`` reaches
+    it through :func:`spmd.program.build.plan_for`."""
     from spmd.lowering.options import Options
-    from spmd.program.build import Target, build, target_of
     from spmd.program.program import program_of
+    from spmd.program.wrapper import parallelize_instance
 
-    planning = planning_mesh(mesh)
+    if program_of(model) is not None:
+        raise ValueError("spmd.inspect: this model is already parallelized; call "
+                         "spmd.inspect(model) for its plan, or plan an unparallelized copy")
     opts = Options.from_kwargs("spmd.inspect", strategy=strategy, **options)
-    if not callable(obj):
-        raise TypeError(f"spmd.inspect: expected a model or a step function, got "
-                        f"{type(obj).__name__}")
-    kind = target_of(obj, opts, "spmd.inspect")
-    if kind is Target.CLASS:
-        raise TypeError(f"spmd.inspect: {obj.__name__} is a model class; plan an instance")
-    if kind is Target.MODULE:
-        if program_of(obj) is not None:
-            raise ValueError("spmd.inspect: this model is already parallelized; call "
-                             "spmd.inspect(model) for its plan, or plan an unparallelized copy")
-        # a simulated mesh has no group to calibrate on: the plan records calibrate=False
-        model = build(copy.deepcopy(obj), replace(opts, calibrate=False), planning,
-                      "spmd.inspect")
-        model.train()
-        out = model(*example_inputs)
-        leaves = [t for t in pytree.tree_leaves(out)
-                  if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not leaves:
-            raise ValueError("spmd.inspect: the model's output does not require grad on these "
-                             "inputs; there is no backward to plan")
-        sum(t.float().sum() for t in leaves).backward()
-        return model._spmd.plan()
-    from spmd.program.step import ParallelStep
-
-    fn = obj.fn if isinstance(obj, ParallelStep) else obj
-    if opts.sharded:  # sharding replaces parameters: plan on copies (model, optimizer)
-        example_inputs = copy.deepcopy(example_inputs)
-    step = build(fn, opts, planning, "spmd.inspect")
-    return step.plan_for(*example_inputs)
+    # a simulated mesh has no group to calibrate on: the plan records calibrate=False
+    copied = parallelize_instance(copy.deepcopy(model), replace(opts, calibrate=False),
+                                  planning_mesh(mesh))
+    return copied._spmd.plan_for(*example_inputs)

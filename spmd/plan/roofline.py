@@ -30,10 +30,13 @@ halved.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
+
+if TYPE_CHECKING:
+    from spmd.plan.plan import Plan
 
 __all__ = ["op_class", "class_seconds", "throughput", "node_flops", "node_bytes", "node_times", "graph_seconds",
            "graph_flops", "step_flops", "StepFlops", "matmul_dtype"]
@@ -318,7 +321,7 @@ def step_flops(graphs: dict[str, fx.GraphModule], device: Any | None = None) -> 
     return StepFlops(model=model, hardware=hardware, dtype=dtype)
 
 
-def throughput(plan: Any) -> str:
+def throughput(plan: Plan) -> str:
     """Lines for a plan on a simulated cluster: the predicted step (compute, exposed
     communication, the optimizer step), MFU as the field defines it (model FLOPs per
     step, the matmul dtype's peak) beside HFU (the FLOPs the device executes,

@@ -20,12 +20,15 @@ every gradient is reduced.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
 from spmd.lowering.cost_model import along
 from spmd.lowering.graph import is_wait
+
+if TYPE_CHECKING:
+    from spmd.plan.plan import Plan
 
 __all__ = ["Span", "Timeline", "predict", "node_cost"]
 
@@ -151,7 +154,7 @@ def _phase(timeline: Timeline, graph: fx.GraphModule | None, label: str, seconds
 STEP_BYTES = {"adamw": 7, "adam": 7, "sgd_momentum": 5, "sgd": 3, None: 0}
 
 
-def predict(plan: Any, optimizer: str | None = "adamw", clip_grad_norm: bool = False,
+def predict(plan: Plan, optimizer: str | None = "adamw", clip_grad_norm: bool = False,
             compute_scale: float = 1.0) -> Timeline:
     """The cost model's timeline for one step of ``plan``: every region's forward graph in
     capture order, then the backward graphs in reverse, replayed node by node (each

@@ -19,17 +19,20 @@ import html as _html
 import io
 import shutil
 import subprocess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
 from spmd.lowering.graph import dependency_graph, is_collective, is_wait
 from spmd.plan.timeline import node_cost, predict
 
+if TYPE_CHECKING:
+    from spmd.plan.plan import Plan
+
 __all__ = ["to_networkx", "overview", "explain", "timeline_figure", "html", "svg"]
 
 
-def to_networkx(plan: Any) -> nx.DiGraph:
+def to_networkx(plan: Plan) -> nx.DiGraph:
     """One DiGraph of all captured graphs; nodes named ``"<graph>.<phase>/<node>"``, each
     node and edge with the ``sharding`` of its value (placements per mesh dimension)."""
     out = nx.DiGraph()
@@ -56,7 +59,7 @@ def to_networkx(plan: Any) -> nx.DiGraph:
     return out
 
 
-def overview(plan: Any) -> nx.DiGraph:
+def overview(plan: Plan) -> nx.DiGraph:
     """Compute segments, collectives and waits, in program order, per graph."""
     g = nx.DiGraph()
     by_collective = {c.name: c for c in plan.collectives}
@@ -89,7 +92,7 @@ def overview(plan: Any) -> nx.DiGraph:
     return g
 
 
-def explain(plan: Any, x: Any) -> str:
+def explain(plan: Plan, x: Any) -> str:
     """Why ``x`` (a collective's name, a bucket index or Bucket, or a parameter name)
     exists and what it costs."""
     buckets = plan.buckets
@@ -128,7 +131,7 @@ def explain(plan: Any, x: Any) -> str:
                    f"parameter in this plan")
 
 
-def _explain_tensor_parallel(plan: Any, x: str) -> str | None:
+def _explain_tensor_parallel(plan: Plan, x: str) -> str | None:
     """Why the collectives of module (or parameter) ``x`` exist under tensor parallelism:
     each one's rule, placements in and out and cost, then the placements the rules chose
     for its ops; None when ``x`` names nothing tensor-parallel."""
@@ -163,7 +166,7 @@ def _explain_tensor_parallel(plan: Any, x: str) -> str | None:
     return "\n".join(lines)
 
 
-def _explain_bucket(plan: Any, b: Any) -> str:
+def _explain_bucket(plan: Plan, b: Any) -> str:
     c = next(c for c in plan.collectives if c.bucket == b.index)
     shown = ", ".join(b.params[:8]) + (f" and {len(b.params) - 8} more" if len(b.params) > 8
                                        else "")
@@ -182,7 +185,7 @@ def _explain_bucket(plan: Any, b: Any) -> str:
 _COLORS = {"compute": "#4c72b0", "communication": "#dd8452", "exposed": "#c44e52"}
 
 
-def timeline_figure(plan: Any) -> Any:
+def timeline_figure(plan: Plan) -> Any:
     """A matplotlib Figure: one row of lanes per timeline (predicted, and measured if any)."""
     import matplotlib.pyplot as plt
 
@@ -219,7 +222,7 @@ def _dot(g: nx.DiGraph) -> str:
     return "\n".join(lines)
 
 
-def svg(plan: Any, max_nodes: int = 60) -> str:
+def svg(plan: Plan, max_nodes: int = 60) -> str:
     """An SVG drawing of :func:`overview` (truncated to ``max_nodes`` nodes)."""
     g = overview(plan)
     if g.number_of_nodes() > max_nodes:
@@ -246,7 +249,7 @@ def svg(plan: Any, max_nodes: int = 60) -> str:
     return buf.getvalue()
 
 
-def html(plan: Any) -> str:
+def html(plan: Plan) -> str:
     """The bucket table and the overview drawing, for a notebook cell."""
     rows = "".join(
         f"<tr><td>{b.index}</td><td>{b.graph}</td><td>{len(b.params)}</td>"

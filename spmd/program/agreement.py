@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -40,6 +40,9 @@ from spmd.lowering.graph import collective_nodes
 from spmd.runtime import sizecheck
 from spmd.runtime.errors import DistError
 
+if TYPE_CHECKING:
+    from spmd.program.setup import Setup
+
 __all__ = ["Agreement", "collective_signature"]
 
 
@@ -47,7 +50,7 @@ class Agreement:
     """The shared estimates and agreed plans of one parallelized module (see the module
     doc); ``setup`` is its :class:`spmd.program.setup.Setup`."""
 
-    def __init__(self, setup: Any) -> None:
+    def __init__(self, setup: Setup) -> None:
         self.group = setup.group
         self.index = setup.index  # the how-many-th parallelized model: its store keys
         self.communicates = setup.communicates

@@ -1,12 +1,14 @@
 """``parallelize``'s one dispatch: what the user gave (a model instance, a model class, a
-training-step function, a model with a pipeline schedule) to the object that runs it.
-``spmd.inspect`` plans without running by building the same object on a simulated mesh
-(:mod:`spmd.plan.planning`, :mod:`spmd.pipeline.planning`)."""
+training-step function, a model with a pipeline schedule) to the program that runs it
+(:func:`build`). ``spmd.inspect`` plans without running by building the same program on
+a simulated mesh and asking it for ``plan_for(*example_inputs)`` (:func:`plan_for`)."""
 
 from __future__ import annotations
 
+import copy
 import enum
 import functools
+from dataclasses import replace
 from typing import Any
 
 import torch.nn as nn
@@ -14,7 +16,7 @@ import torch.nn as nn
 from spmd.lowering.options import Options
 from spmd.runtime.mesh import Mesh
 
-__all__ = ["Target", "target_of", "build"]
+__all__ = ["Target", "target_of", "build", "plan_for"]
 
 
 class Target(enum.Enum):
@@ -82,3 +84,33 @@ def _parallelize_class(cls: type, options: Options, mesh: Mesh | None) -> type:
                                           "__qualname__": cls.__qualname__,
                                           "__doc__": cls.__doc__})
     return new_cls
+
+
+def plan_for(obj: Any, example_inputs: tuple, options: Options, mesh: Mesh,
+             where: str = "spmd.inspect", **extras: Any) -> Any:
+    """The plan of ``obj`` on ``example_inputs`` made without running a step: the
+    program :func:`build` makes of it on the simulated ``mesh``, asked for
+    ``Program.plan_for`` (``extras``: a pipeline's ``target=`` and ``loss_fn=``). A model
+    is planned as a copy (it stays untouched), a sharded step on copies of its inputs."""
+    from spmd.program.program import program_of
+
+    kind = target_of(obj, options, where)
+    if kind is Target.CLASS:
+        raise TypeError(f"{where}: {obj.__name__} is a model class; plan an instance")
+    if kind is Target.MODULE:
+        if program_of(obj) is not None:
+            raise ValueError(f"{where}: this model is already parallelized; call "
+                             f"spmd.inspect(model) for its plan, or plan an unparallelized "
+                             f"copy")
+        # a simulated mesh has no group to calibrate on: the plan records calibrate=False
+        obj, options = copy.deepcopy(obj), replace(options, calibrate=False)
+    elif kind is Target.STEP:
+        from spmd.program.step import ParallelStep
+
+        if isinstance(obj, ParallelStep):
+            obj = obj.fn
+        if options.sharded:  # sharding replaces parameters: plan on copies
+            example_inputs = copy.deepcopy(example_inputs)
+    program = program_of(build(obj, options, mesh, where))
+    assert program is not None
+    return program.plan_for(*example_inputs, **extras)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import types
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -34,6 +35,7 @@ from spmd.plan.plan import Fallback, Plan, module_plan
 from spmd.eager.reducer import EagerReducer, broadcast_coalesced
 from spmd.eager.safety_net import SafetyNet
 from spmd.runtime.errors import DistError
+from spmd.program.program import Program
 from spmd.program.setup import Setup
 
 __all__ = ["ModuleState"]
@@ -41,10 +43,12 @@ __all__ = ["ModuleState"]
 log = logging.getLogger("spmd")
 
 
-class ModuleState:
-    """What ``parallelize`` attached to one module: its group, options, graphs and plan."""
+class ModuleState(Program):
+    """What ``parallelize`` attached to one module: its group, options, graphs and plan
+    (the :class:`~spmd.program.program.Program` of a model)."""
 
     def __init__(self, module: nn.Module, options: Options, setup: Setup) -> None:
+        self._module = weakref.ref(module)  # (the module holds this state)
         self.options = options
         self.setup = setup
         self.group = setup.group
@@ -163,6 +167,26 @@ class ModuleState:
             frozen=frozen, measured=self.measured, measured_steps=self.measured_steps)
         plan.auto = self.auto  # strategy="auto": what was searched (spmd.auto.live.Searched)
         return plan
+
+    def plan_for(self, *example_inputs: Any, **kwargs: Any) -> Plan:
+        """One training forward of the model on ``example_inputs`` and a backward of the
+        sum of its outputs that require grad, then :meth:`plan`. On a simulated mesh
+        nothing is sent (the planning of ``spmd.inspect(model, *inputs, mesh=...)``);
+        live, it is a step without the optimizer, which every rank must take."""
+        import torch.utils._pytree as pytree
+
+        module = self._module()
+        if module is None:
+            raise RuntimeError("plan_for: the parallelized model was collected")
+        module.train()
+        out = module(*example_inputs, **kwargs)
+        leaves = [t for t in pytree.tree_leaves(out)
+                  if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not leaves:
+            raise ValueError("spmd.inspect: the model's output does not require grad on these "
+                             "inputs; there is no backward to plan")
+        sum(t.float().sum() for t in leaves).backward()
+        return self.plan()
 
     # -- profiling --------------------------------------------------------------------
 

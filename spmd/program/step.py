@@ -47,6 +47,7 @@ from spmd.lowering.trace_step import TracedStep, trace_step
 from spmd.plan.plan import Plan, plan_from_records, price_on_hardware, tokens_of
 from spmd.eager.reducer import broadcast_coalesced
 from spmd.runtime.mesh import Mesh
+from spmd.program.program import Program
 from spmd.program.setup import Setup, prepare_model
 
 __all__ = ["ParallelStep"]
@@ -164,8 +165,9 @@ def _fusable_calls(calls: list[tuple[str, dict]]) -> bool:
     return names.count("step") == 1 and "backward" in names
 
 
-class ParallelStep:
-    """The callable ``parallelize`` returns for a training-step function."""
+class ParallelStep(Program):
+    """The callable ``parallelize`` returns for a training-step function (the
+    :class:`~spmd.program.program.Program` of a whole step)."""
 
     def __init__(self, fn: Callable[..., Any], options: Options, mesh: Mesh | None) -> None:
         functools.update_wrapper(self, fn)
@@ -242,7 +244,7 @@ class ParallelStep:
                              f"parameters at the first call, but the optimizer already holds "
                              f"state for the whole ones; create it just before the first step")
 
-    def _place(self, model: nn.Module, setup: Any, handles: Handles) -> None:
+    def _place(self, model: nn.Module, setup: Setup, handles: Handles) -> None:
         """The model's parameters come to hold what the strategy stores (once per model):
         sharded strategies, their shards. The ``nn.Parameter`` objects stay the same, so an optimizer over them, made
         before the first call or after, steps the shards; it must not hold state yet:

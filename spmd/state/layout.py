@@ -31,7 +31,7 @@ import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -44,6 +44,9 @@ from spmd.lowering.strategy import Gathered, Reduced, Strategy
 from spmd.runtime.sizecheck import labelled
 from spmd.state.chunked import ChunkedTensor
 from spmd.state.writethrough import write_through
+
+if TYPE_CHECKING:
+    from spmd.program.setup import Setup
 
 __all__ = ["ParameterPlacement", "Layout", "placement_of", "place_module", "hold_piece",
            "shard_evenly", "shard_dims_for", "place_activations", "layout_of",
@@ -195,7 +198,7 @@ def shard_dims_for(module: nn.Module, strategy: Strategy, fn: Any, where: str) -
     return dims
 
 
-def _shard_spec(name: str, shape: tuple[int, ...], param: torch.Tensor, setup: Any,
+def _shard_spec(name: str, shape: tuple[int, ...], param: torch.Tensor, setup: Setup,
                 options: Options) -> ShardSpec:
     """How a parameter (or its tensor-parallel piece, of ``shape``) is cut along the
     strategy's sharding dimension: along dim 0 (or the dimension ``shard_placement_fn``
@@ -242,7 +245,7 @@ def _record(name: str, shape: tuple[int, ...], strategy: Strategy, shard: ShardS
         reduced=strategy.reduced if strategy.data_size > 1 else Reduced.NONE)
 
 
-def place_module(module: nn.Module, setup: Any, options: Options, handles: Handles) -> Layout:
+def place_module(module: nn.Module, setup: Setup, options: Options, handles: Handles) -> Layout:
     """Store every parameter of ``module`` where ``setup``'s strategy says (in place),
     give its class the properties that compute with them, and make its state dicts whole;
     the :class:`Layout`. Every rank of each dimension must hold the same whole
@@ -282,7 +285,7 @@ def place_module(module: nn.Module, setup: Any, options: Options, handles: Handl
 _NONE = 0  # "no spec" in a module's handle pair
 
 
-def _place(name: str, param: nn.Parameter, setup: Any, options: Options, handles: Handles
+def _place(name: str, param: nn.Parameter, setup: Setup, options: Options, handles: Handles
            ) -> tuple[ShardSpec | None, TPSpec | None, tuple[int, int]]:
     """Store one distinct parameter as its record says; its specs and handle pair."""
     strategy = setup.strategy

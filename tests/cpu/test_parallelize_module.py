@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from datetime import timedelta
 
 import pytest
@@ -278,11 +279,16 @@ def _diverging(rank):
 def test_ranks_that_trace_different_graphs_get_an_error_not_a_hang():
     # named by the size check's row at the backward's first run (each rank's graph and
     # its signature), before the plans are compared (with SPMD_SIZE_CHECK=0 the plan
-    # comparison names them: "planned graph0 differently")
+    # comparison names them: "planned graph0 differently"). Each rank's own words come
+    # through the store when they arrive within a few seconds; on a loaded machine a
+    # rank's may not, and its line is then what its header says (the graph's signature)
     out = dist.spawn(_diverging, nprocs=2, start_method="forkserver", timeout=60)
     for message in out:
         assert message is not None and "collectives disagree" in message, message
-        assert "rank 0: graph0 backward" in message and "rank 1: graph0 backward" in message
+        for rank in (0, 1):
+            assert re.search(rf"rank {rank}: (graph0 backward|a compiled graph \(signature)",
+                             message), message
+        assert "rank(s) 1 differ from rank 0" in message, message
 
 
 def test_single_rank_group_runs_without_collectives():
