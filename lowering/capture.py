@@ -48,6 +48,9 @@ class GraphRecord:
     forward: fx.GraphModule | None = None
     backward: fx.GraphModule | None = None
     fallback_reason: str | None = None
+    # why the forward was left unplanned (it runs as traced, each spmd op eagerly): its
+    # backward, which receives what that forward saved, is left unplanned with it
+    unplanned: str | None = None
     forward_seconds: float | None = None  # the first real forward call, timed
     forward_run: Callable[[list], Any] | None = None  # the emitted forward
     compute: str = "emit"  # "emit" (generated Python) or "inductor"
@@ -201,6 +204,7 @@ class Capture:
                     record.saved[old] = nodes[new].meta["sharding"]
             except PlanningError as e:
                 log.warning("spmd: %s's forward left unplanned: %s", name, e)
+                record.unplanned = str(e)
             record.forward = fw
             run = compile_graph(fw, fake_inputs)
             record.forward_run = run
@@ -210,11 +214,17 @@ class Capture:
 
         def backward_compiler(bw: fx.GraphModule, fake_inputs: list[Any]) -> Callable[..., Any]:
             record = this_record()
-            try:
-                bw = plan_graph(bw, self.owner().context(record, "backward"))
-            except PlanningError as e:
-                record.fallback_reason = str(e)
-                log.warning("spmd: %s left to the eager safety net: %s", name, e)
+            if record.unplanned is not None:
+                # its saved values are what an unplanned forward computed (whole tensors
+                # where a plan would keep pieces): planned, it would read them as pieces
+                record.fallback_reason = f"its forward was left unplanned: {record.unplanned}"
+                log.warning("spmd: %s's backward left unplanned with its forward", name)
+            else:
+                try:
+                    bw = plan_graph(bw, self.owner().context(record, "backward"))
+                except PlanningError as e:
+                    record.fallback_reason = str(e)
+                    log.warning("spmd: %s left to the eager safety net: %s", name, e)
             record.backward = bw
             forward = record.forward
             returned = {} if forward is None else {
