@@ -35,7 +35,7 @@ from spmd.lowering.annotate import ShardingError
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.placements import (Partial, Placement, Replicate, Sharding, StridedShard,
                                      Varying)
-from spmd.lowering.redistribute import redistribution
+from spmd.lowering.redistribute import redistribution_path
 from spmd.lowering.state import Boundary, needs
 
 __all__ = ["propagate", "derive", "TPChoice", "choose", "module_of", "seeded"]
@@ -86,10 +86,11 @@ def _price(decision: rules.Decision, args: list[fx.Node], incoming: tuple[Placem
     total = 0.0
     for arg, have, want in zip(args, incoming, decision.required(incoming)):
         try:
-            step = redistribution(have, want)
+            steps = redistribution_path(have, want)
         except ValueError:
             return None
-        total += step.seconds(_bytes(arg), ctx.cost_model_along(dim), size)
+        total += sum(step.seconds(_bytes(arg), ctx.cost_model_along(dim), size)
+                     for step in steps)
     return total
 
 

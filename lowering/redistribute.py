@@ -31,7 +31,8 @@ from spmd.lowering.placements import (Partial, Placement, Replicate, Shard, Shar
 if TYPE_CHECKING:
     from spmd.lowering.cost_model import CostModel
 
-__all__ = ["Step", "redistribution", "plan_redistribution", "simulate", "to_locals",
+__all__ = ["Step", "redistribution", "redistribution_path", "plan_redistribution", "simulate",
+           "to_locals",
            "from_locals", "COLLECTIVES"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
@@ -106,6 +107,20 @@ def redistribution(src: Placement, dst: Placement) -> Step:
     if isinstance(dst, Shard):
         return Step(src=src, dst=dst, kind="slice")
     return Step(src=src, dst=dst, kind="zero" if dst.reduce_op == "sum" else "none")
+
+
+def redistribution_path(src: Placement, dst: Placement) -> list[Step]:
+    """The steps from ``src`` to ``dst`` on one mesh dimension: the table's one step, or,
+    for a pair with a ``StridedShard`` that no one step realises (a fused gate/up
+    projection's gradient, strided by the ``chunk`` after it, brought to the contiguous
+    ``Shard(0)`` its weight is stored in), gathered to ``Replicate()`` and placed from
+    there. ``ValueError`` for a pair neither reaches."""
+    try:
+        return [redistribution(src, dst)]
+    except ValueError:
+        if not (isinstance(src, StridedShard) or isinstance(dst, StridedShard)):
+            raise
+        return [redistribution(src, Replicate()), redistribution(Replicate(), dst)]
 
 
 def plan_redistribution(src: Sharding, dst: Sharding) -> list[Step]:

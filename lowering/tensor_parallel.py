@@ -48,7 +48,7 @@ from spmd.lowering.graph import fill_val
 from spmd.lowering.passes import Provenance
 from spmd.lowering.placements import Partial, Placement, Replicate, Sharding, divides
 from spmd.lowering.propagate import TPChoice, derive, module_of
-from spmd.lowering.redistribute import redistribution
+from spmd.lowering.redistribute import redistribution_path
 from spmd.lowering.reshard import RESHARDED
 from spmd.lowering.state import Boundary, find, put
 
@@ -138,7 +138,13 @@ class _Localizer:
         key = (value, dim, want)
         if key in self.brought:
             return self.brought[key]
-        step = redistribution(have, want)
+        path = redistribution_path(have, want)
+        if len(path) > 1:  # a StridedShard no one step reaches: gathered, then placed
+            whole = self.bring(value, dim, path[0].dst, user, choice, why, gradient_of)
+            node = self.bring(whole, dim, want, user, choice, why, gradient_of)
+            self.brought[key] = node
+            return node
+        step = path[0]
         if step.kind == "none":
             return value
         step = dc_replace(step, mesh_dim=dim)

@@ -64,7 +64,7 @@ class Entry:
 
     Attributes:
         name: its name in :data:`ZOO`.
-        family: 'transformer', 'encoder', 'llama', 'gpt2', 'mistral' or 'qwen2'.
+        family: 'transformer', 'encoder', 'llama', 'gpt2', 'mistral', 'qwen2' or 'glm'.
         build: the model (float64, the same weights every call); :meth:`model` calls it.
         blocks: the module path of each transformer block, in order: what a structural
             test counts collectives per (a module path starting with one is in it).
@@ -158,6 +158,15 @@ def _qwen2() -> nn.Module:
     return Logits(Qwen2ForCausalLM(Qwen2Config(**DECODER)))  # q, k, v with biases
 
 
+def _glm() -> nn.Module:
+    from transformers import GlmConfig, GlmForCausalLM
+
+    # gate and up fused in one projection, its plan 'colwise_gather_output' (the chunk
+    # after it splits the two), rotary on half of each head
+    return Logits(GlmForCausalLM(GlmConfig(**DECODER, head_dim=HIDDEN // HEADS,
+                                           pad_token_id=0)))
+
+
 def _gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -187,6 +196,8 @@ ZOO: dict[str, Entry] = {e.name: e for e in [
     Entry(name="mistral", family="mistral", build=_double(_mistral),
           blocks=_blocks("hf.model.layers")),
     Entry(name="qwen2", family="qwen2", build=_double(_qwen2),
+          blocks=_blocks("hf.model.layers")),
+    Entry(name="glm", family="glm", build=_double(_glm),
           blocks=_blocks("hf.model.layers")),
 ]}
 

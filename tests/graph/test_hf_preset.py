@@ -163,3 +163,23 @@ def test_each_model_plans_on_a_simulated_mesh(name, blocks_split):
     assert [c.kind for c in forward] == ["all_reduce"] * (blocks_split * len(entry.blocks))
     modules = {p.module for p in plan.placed}
     assert any(m.startswith(entry.block + ".") for m in modules), sorted(modules)[:5]
+
+
+def test_a_fused_gate_up_projection_gathered_for_its_chunk_plans():
+    """GLM's plan: the fused gate/up projection 'colwise_gather_output' (its output
+    gathered for the chunk that splits the two), the down projection
+    'rowwise_split_input'. The weight's gradient comes out strided by the chunk
+    (StridedShard) and is brought to the contiguous Shard(0) its piece is stored in
+    through Replicate (it crashed: 'offers no decision reachable from inputs
+    [StridedShard(0, split=2)]'). Its equality with one process: tests/cpu/test_zoo.py."""
+    entry = ZOO["glm"]
+    inputs, _ = entry.make_batch(0, 2)
+    plan = spmd.inspect(entry.model(), inputs, mesh=spmd.Mesh.simulated((2,), ("tp",)),
+                        placements=spmd.tp.megatron())
+    assert plan.tp_placements["hf.model.layers.0.mlp.gate_up_proj.weight"] == {"tp": Shard(0)}
+    assert plan.tp_placements["hf.model.layers.0.mlp.down_proj.weight"] == {"tp": Shard(1)}
+    grads = [c for c in plan.collectives if c.phase == "backward" and "tp_grad" in
+             c.provenance.reason and "gate_up_proj" in str(c.provenance.params)]
+    assert [c.kind for c in grads] == ["all_gather"] * len(entry.blocks), \
+        [(c.kind, c.provenance.reason) for c in grads]
+    assert "StridedShard(0, split=2) -> Replicate()" in grads[0].provenance.reason

@@ -13,9 +13,10 @@ import torch
 
 import spmd
 from spmd.lowering.cost_model import CostModel
-from spmd.lowering.placements import Partial, Replicate, Shard, Sharding, Varying
+from spmd.lowering.placements import (Partial, Replicate, Shard, Sharding, StridedShard,
+                                      Varying)
 from spmd.lowering.redistribute import (from_locals, plan_redistribution, redistribution,
-                                        simulate, to_locals)
+                                        redistribution_path, simulate, to_locals)
 
 PLACEMENTS = [Replicate(), Shard(0), Shard(1), Partial("sum"), Partial("avg")]
 EXPECTED = {  # the design's table, written out
@@ -116,3 +117,17 @@ def test_cost_comes_from_the_cost_model_and_local_steps_are_free():
     for src, dst in [(Replicate(), Shard(0)), (Partial("sum"), Partial("avg"))]:
         assert redistribution(src, dst).seconds(nbytes, model, 8) == 0.0
     assert redistribution(Partial("sum"), Replicate()).seconds(nbytes, model, 1) == 0.0
+
+
+def test_a_strided_shard_no_step_reaches_goes_through_replicate():
+    """StridedShard <-> Shard has no one step: gathered, then placed; a pair one step
+    reaches stays one step, and a pair nothing reaches still raises."""
+    assert [s.kind for s in redistribution_path(StridedShard(0, 2), Shard(0))] == [
+        "all_gather", "slice"]
+    assert [s.kind for s in redistribution_path(Shard(1), StridedShard(0, 2))] == [
+        "all_gather", "slice"]
+    assert [s.kind for s in redistribution_path(StridedShard(0, 2), Replicate())] == [
+        "all_gather"]
+    assert [s.kind for s in redistribution_path(Shard(0), Shard(1))] == ["all_to_all"]
+    with pytest.raises(ValueError, match="Varying"):
+        redistribution_path(Varying(), Shard(0))
