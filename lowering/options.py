@@ -193,9 +193,9 @@ class Options:
 
             if not tp_dims_of(self.placements):
                 raise ValueError(f"{where}: placements names no mesh dimension")
-        from spmd.lowering.strategy import KINDS, Gathered
+        from spmd.lowering.strategy import KINDS, Gathered, row_argument
 
-        argument = int if not isinstance(raf, bool) else raf
+        argument = row_argument(raf)
         takes = [k.strategy for k in KINDS.values() if k.reshard_after_forward is argument]
         if self.strategy not in takes:
             own = KINDS[self.strategy].gathered

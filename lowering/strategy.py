@@ -62,6 +62,7 @@ from spmd.lowering.placements import Partial, Placement, Replicate, Shard, Shard
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["Strategy", "StrategyKind", "Gathered", "Reduced", "KINDS", "kind_name", "kind_of",
+           "row_argument",
            "resolve_strategy", "STRATEGIES", "tp_dims_of", "dims_to_flatten", "flatten_data_dims"]
 
 
@@ -187,7 +188,7 @@ KINDS: dict[str, StrategyKind] = {
 STRATEGIES = tuple(sorted({k.strategy for k in KINDS.values()}))
 
 
-def _argument(reshard_after_forward: bool | int) -> bool | type[int]:
+def row_argument(reshard_after_forward: bool | int) -> bool | type[int]:
     """What a row records for a ``reshard_after_forward`` value: the bool, or ``int``."""
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         return int
@@ -201,7 +202,7 @@ def kind_name(strategy: str, reshard_after_forward: bool | int = True) -> str:
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r} is not supported; expected one of "
                          f"{', '.join(STRATEGIES)}")
-    argument = _argument(reshard_after_forward)
+    argument = row_argument(reshard_after_forward)
     for name, kind in KINDS.items():
         if kind.strategy == strategy and kind.reshard_after_forward is argument:
             return name

@@ -260,7 +260,7 @@ def memory_view(plan: Plan, optimizer: str | None = "adamw") -> MemoryView:
     kept = plan.options is not None and plan.options.gathered is Gathered.PER_STEP
     held_whole = sum(b.bytes for b in plan.buckets
                      if kept and b.kind == "all_gather" and b.phase == "forward")
-    kept_part = getattr(plan, "kept_part", 0.0)
+    kept_part = plan.kept_part
     peak_forward = 0
     regions = sorted({name.rsplit(".", 1)[0] for name in plan.graphs})
     for region in regions:

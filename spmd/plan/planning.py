@@ -13,7 +13,7 @@ from typing import Any
 from spmd.plan.plan import Plan
 from spmd.runtime.mesh import Mesh
 
-__all__ = ["planning_mesh", "plan_model"]
+__all__ = ["planning_mesh", "plan_model", "plan_module"]
 
 
 def planning_mesh(mesh: Mesh | None) -> Mesh:
@@ -39,14 +39,21 @@ def plan_model(model: Any, example_inputs: tuple, mesh: Mesh | None, strategy: s
     plans each candidate with, and a pipeline each stage with; ``spmd.inspect`` reaches
     it through :func:`spmd.program.build.plan_for`."""
     from spmd.lowering.options import Options
+
+    opts = Options.from_kwargs("spmd.inspect", strategy=strategy, **options)
+    return plan_module(model, example_inputs, opts, mesh)
+
+
+def plan_module(model: Any, example_inputs: tuple, options: Any, mesh: Mesh | None,
+                where: str = "spmd.inspect") -> Plan:
+    """:func:`plan_model` with ``options`` already checked (an ``Options``)."""
     from spmd.program.program import program_of
     from spmd.program.wrapper import parallelize_instance
 
     if program_of(model) is not None:
-        raise ValueError("spmd.inspect: this model is already parallelized; call "
-                         "spmd.inspect(model) for its plan, or plan an unparallelized copy")
-    opts = Options.from_kwargs("spmd.inspect", strategy=strategy, **options)
+        raise ValueError(f"{where}: this model is already parallelized; call "
+                         f"spmd.inspect(model) for its plan, or plan an unparallelized copy")
     # a simulated mesh has no group to calibrate on: the plan records calibrate=False
-    copied = parallelize_instance(copy.deepcopy(model), replace(opts, calibrate=False),
+    copied = parallelize_instance(copy.deepcopy(model), replace(options, calibrate=False),
                                   planning_mesh(mesh))
     return copied._spmd.plan_for(*example_inputs)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import enum
 import functools
-from dataclasses import replace
 from typing import Any
 
 import torch.nn as nn
@@ -98,13 +97,10 @@ def plan_for(obj: Any, example_inputs: tuple, options: Options, mesh: Mesh,
     if kind is Target.CLASS:
         raise TypeError(f"{where}: {obj.__name__} is a model class; plan an instance")
     if kind is Target.MODULE:
-        if program_of(obj) is not None:
-            raise ValueError(f"{where}: this model is already parallelized; call "
-                             f"spmd.inspect(model) for its plan, or plan an unparallelized "
-                             f"copy")
-        # a simulated mesh has no group to calibrate on: the plan records calibrate=False
-        obj, options = copy.deepcopy(obj), replace(options, calibrate=False)
-    elif kind is Target.STEP:
+        from spmd.plan.planning import plan_module
+
+        return plan_module(obj, example_inputs, options, mesh, where)
+    if kind is Target.STEP:
         from spmd.program.step import ParallelStep
 
         if isinstance(obj, ParallelStep):
