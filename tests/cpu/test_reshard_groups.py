@@ -2,7 +2,8 @@
 process on the whole batch: after the forward's all-gather each rank keeps 1/N of every
 parameter, and the backward gathers those parts among N consecutive ranks instead of
 gathering every rank's shard. Checked on two model families (an MLP whose rows pad, and a
-Hugging Face LLaMA from a tiny config) with AdamW, clipping and accumulation, by the
+Hugging Face LLaMA from a tiny config) with AdamW, clipping and accumulation, on changing
+batch sizes and in a whole training-step function, by the
 groups each all-gather really ran on, and by the plan; N = 1 (the whole kept: no
 backward gather) too. (N = 4, the whole dimension, is ``True``: the spec keeps no part;
 ``tests/graph/test_strategy_kinds.py`` plans it.)"""
@@ -20,21 +21,43 @@ import spmd
 from spmd import runtime as dist
 from spmd.runtime import collectives
 
+from ..jobs import Jobs
 from ..zoo import entry
+from .test_training_loops import plain_step
 from .test_zero import make
 
 WORLD = 4
 ROWS = 8  # the batch: 2 rows per rank
 
 
-def _batch(i: int, rank: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(i: int, rank: int | None, rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(300 + i)
-    x = torch.randn(ROWS, 8, generator=g, dtype=torch.float64)
-    y = torch.randn(ROWS, 4, generator=g, dtype=torch.float64)
+    x = torch.randn(rows, 8, generator=g, dtype=torch.float64)
+    y = torch.randn(rows, 4, generator=g, dtype=torch.float64)
     if rank is None:
         return x, y
-    per = ROWS // WORLD
+    per = rows // WORLD
     return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
+def _changing(model: nn.Module, rank: int | None) -> dict:
+    """SGD steps on batches of 8, 4 and 12 rows in turn (the graph traced again for each
+    shape), the optimizer made before the first."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for i, rows in enumerate((8, 4, 12, 8)):
+        x, y = _batch(50 + i, rank, rows)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _whole_steps(model: nn.Module, step, rank: int | None) -> dict:
+    """Three AdamW steps of a whole training-step function."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for i in range(3):
+        step(model, *_batch(70 + i, rank), opt)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _tokens(i: int, rank: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,56 +125,80 @@ def _gathers(model: nn.Module, family: str, rank: int) -> dict:
             "backward_count": len(backward.sizes)}
 
 
-def job(rank: int) -> dict:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
-    out: dict = {}
-    mesh = spmd.Mesh(WORLD, ("fsdp",))
-    for family, n in CASES:
-        build = FAMILIES[family][0]
-        model = spmd.parallelize(build(), strategy="fsdp", reshard_after_forward=n, mesh=mesh)
-        out[(family, n)] = _train(family, model, rank)
-        out[(family, n, "gathers")] = _gathers(model, family, rank)
-        plan = spmd.inspect(model)
-        out[(family, n, "plan")] = [(c.phase, c.kind, c.group_ranks, c.provenance.reason)
-                                    for c in plan.collectives if c.kind == "all_gather"]
-        out[(family, n, "gathered")] = {str(spmd.placement_of(p).gathered)
-                                        for p in model.parameters()}
-    dist.destroy_process_group()
+def _case(case: tuple, rank: int, mesh: spmd.Mesh) -> dict:
+    """What the tests read of one case: a (family, N) run, or "changing" / "whole step"."""
+    if case == ("changing",):
+        model = spmd.parallelize(make(), strategy="fsdp", reshard_after_forward=2, mesh=mesh)
+        return {"state": _changing(model, rank)}
+    if case == ("whole step",):
+        step = spmd.parallelize(plain_step, strategy="fsdp", reshard_after_forward=2,
+                                mesh=mesh)
+        return {"state": _whole_steps(make(), step, rank)}
+    family, n = case
+    model = spmd.parallelize(FAMILIES[family][0](), strategy="fsdp",
+                             reshard_after_forward=n, mesh=mesh)
+    out = {"state": _train(family, model, rank), "gathers": _gathers(model, family, rank)}
+    plan = spmd.inspect(model)
+    out["plan"] = [(c.phase, c.kind, c.group_ranks, c.provenance.reason)
+                   for c in plan.collectives if c.kind == "all_gather"]
+    out["gathered"] = {str(spmd.placement_of(p).gathered) for p in model.parameters()}
     return out
 
 
-@pytest.fixture(scope="module")
-def runs():
-    return dist.spawn(job, nprocs=WORLD, start_method="forkserver", timeout=240)
+def job(rank: int, cases: list) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
+    try:
+        mesh = spmd.Mesh(WORLD, ("fsdp",))
+        return {case: _case(case, rank, mesh) for case in cases}
+    finally:
+        dist.destroy_process_group()
+
+
+# two jobs, each within tests.jobs.BUDGET quiet seconds on 2 cores (all in one: 18 s)
+JOBS = Jobs(job, [[("mlp", 2), ("llama", 2)], [("mlp", 1), ("changing",), ("whole step",)]],
+            nprocs=WORLD)
+
+
+def runs(case: tuple) -> list[dict]:
+    """Each rank's result of ``case``."""
+    return JOBS.results(case)
 
 
 @pytest.mark.parametrize("family,n", CASES, ids=[f"{f}-{n}" for f, n in CASES])
-def test_trains_like_one_process(runs, family, n):
+def test_trains_like_one_process(family, n):
     want = _train(family, FAMILIES[family][0](), None)
-    for rank, out in enumerate(runs):
+    for rank, out in enumerate(runs((family, n))):
         for name, value in want.items():
-            assert torch.allclose(out[(family, n)][name], value, rtol=1e-12, atol=1e-12), \
+            assert torch.allclose(out["state"][name], value, rtol=1e-12, atol=1e-12), \
                 (rank, name)
 
 
 @pytest.mark.parametrize("family", ["mlp", "llama"])
-def test_the_backward_gathers_among_n_ranks(runs, family):
-    for out in runs:
-        counts = out[(family, 2, "gathers")]
+def test_the_backward_gathers_among_n_ranks(family):
+    for rank, out in enumerate(runs((family, 2))):
+        counts = out["gathers"]
         assert counts["forward"] == [WORLD], counts  # the whole dimension
         assert counts["backward"] == [2], counts  # the parts, among 2 ranks
-    for rank, out in enumerate(runs):
-        backward = [c for c in out[(family, 2, "plan")] if c[0] == "backward"]
-        assert backward, out[(family, 2, "plan")]
+        backward = [c for c in out["plan"] if c[0] == "backward"]
+        assert backward, out["plan"]
         for _, _, ranks, reason in backward:
             assert ranks == ((0, 1) if rank < 2 else (2, 3)), ranks  # consecutive ranks
             assert "gathered among 2 rank(s)" in reason, reason
-        assert out[(family, 2, "gathered")] == {
-            "per forward, again in backward within a smaller group"}
+        assert out["gathered"] == {"per forward, again in backward within a smaller group"}
 
 
-def test_one_keeps_the_whole_and_gathers_nothing_in_backward(runs):
-    for out in runs:
-        assert out[("mlp", 1, "gathers")]["forward"] == [WORLD]
-        assert out[("mlp", 1, "gathers")]["backward_count"] == 0  # nothing sent
+def test_one_keeps_the_whole_and_gathers_nothing_in_backward():
+    for out in runs(("mlp", 1)):
+        assert out["gathers"]["forward"] == [WORLD]
+        assert out["gathers"]["backward_count"] == 0  # nothing sent
+
+
+@pytest.mark.parametrize("case", ["changing", "whole step"])
+def test_changing_batch_sizes_and_a_whole_step_train_like_one_process(case):
+    want = (_changing(make(), None) if case == "changing"
+            else _whole_steps(make(), plain_step, None))
+    for rank, out in enumerate(runs((case,))):
+        for name, value in want.items():
+            assert torch.allclose(out["state"][name], value, rtol=1e-12, atol=1e-12), \
+                (rank, case, name)
