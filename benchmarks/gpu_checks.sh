@@ -24,8 +24,8 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log
 status=0
 python3 -m pytest -q -p no:cacheprovider tests/gpu -rA 2>&1 | tee "$out/gpu_tests.log" \
     || status=1
-python3 benchmarks/kernels.py "$@" 2>&1 | tee "$out/kernels.md" || status=1
-python3 benchmarks/kernels.py --host 2>&1 | tee "$out/kernels_host.md" || status=1
+python3 benchmarks/kernel_speed.py "$@" 2>&1 | tee "$out/kernels.md" || status=1
+python3 benchmarks/kernel_speed.py --host 2>&1 | tee "$out/kernels_host.md" || status=1
 python3 benchmarks/gpu_step.py ${GPU_STEP_ARGS:-} 2>&1 | tee "$out/gpu_step.md" || status=1
 python3 benchmarks/gpu_llama.py ${GPU_LLAMA_ARGS:-} 2>&1 | tee "$out/gpu_llama.md" || status=1
 exit $status

@@ -14,6 +14,33 @@ Triton on CUDA tensors, the plain-torch reference on CPU. Importing this package
 import Triton; the first Triton launch does.
 """
 
+import sys
+
+if __name__ == "kernels":  # pragma: no cover - the repository root is on sys.path
+    # This folder is spmd.kernels. Imported as a top-level ``kernels`` (the repository root
+    # on sys.path: ``python -m pytest`` or a script run from it), it would shadow PyPI's
+    # ``kernels`` (Hugging Face's kernel hub, which transformers >= 5.25 imports): load
+    # that package in its place, or say why none can be.
+    def _installed() -> None:
+        import importlib.machinery
+        import importlib.util
+        import os
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        for entry in sys.path:
+            if os.path.abspath(entry or os.getcwd()) == root:
+                continue
+            spec = importlib.machinery.PathFinder.find_spec("kernels", [entry])
+            if spec is not None and spec.loader is not None:
+                module = importlib.util.module_from_spec(spec)
+                sys.modules["kernels"] = module  # what the import statement returns
+                spec.loader.exec_module(module)
+                return
+        raise ImportError("'kernels' here is spmd's kernels folder, imported as "
+                          "spmd.kernels; no other package named 'kernels' is installed")
+
+    _installed()
+
 from spmd.kernels.dispatch import implementation, kernels_setting
 from spmd.kernels.optim import adamw_step, sgd_step
 from spmd.kernels.packing import pack, unpack

@@ -196,3 +196,21 @@ def test_built_wheel_installs_and_imports(tmp_path):
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(target)}, cwd=tmp_path, check=True)
     assert out.stdout.startswith(str(target)) and out.stdout.strip().endswith("b'v'")
+
+
+def test_the_kernels_folder_does_not_shadow_pypis_kernels_package():
+    """Run from the repository root, ``import kernels`` finds this folder first (transformers
+    >= 5.25 imports Hugging Face's ``kernels`` package and failed on ours): the folder loads
+    the installed package in its place, and ``spmd.kernels`` stays ours."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("no package named 'kernels' is installed here")
+    code = ("import kernels, spmd.kernels, os; "
+            "print(os.path.dirname(kernels.__file__), os.path.dirname(spmd.kernels.__file__))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    assert out[0] != str(ROOT / "kernels") and "site-packages" in out[0]
+    assert out[1] == str(ROOT / "kernels")

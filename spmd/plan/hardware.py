@@ -220,7 +220,7 @@ _MAMF = ("measured, published: Stas Bekman, Machine Learning Engineering, 'Maxim
 _FA2_H100 = ("published: FlashAttention-3 (Shah et al., 2024), abstract: FlashAttention-2, "
              "torch's SDPA flash kernel, reaches 35% of the H100's peak")
 _COPY = ("measured here: a device-to-device copy moved 4.20 of the H200's 4.8 TB/s "
-         "(benchmarks/kernels.py, 2026-11-26, BENCHMARKS.md)")
+         "(benchmarks/kernel_speed.py, 2026-11-26, BENCHMARKS.md)")
 _NCCL_TESTS = ("published: nccl-tests all_reduce_perf -g 8 large-message busbw (Alaya New, "
                "'NCCL-tests in practice', 2026-05-06): ")
 

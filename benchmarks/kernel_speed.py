@@ -1,10 +1,10 @@
 """spmd.kernels against torch on the same GPU, in the same run, as GB/s and as a share of
 a device-to-device copy measured on that card.
 
-    python benchmarks/kernels.py [--layers 2] [--dim 1024] [--tiny 10000]
-    python benchmarks/kernels.py --device cpu --layers 1 --dim 64 --tiny 200   # checks the
+    python benchmarks/kernel_speed.py [--layers 2] [--dim 1024] [--tiny 10000]
+    python benchmarks/kernel_speed.py --device cpu --layers 1 --dim 64 --tiny 200   # checks the
                                                                 # script; figures mean nothing
-    python benchmarks/kernels.py --host [--device cpu]   # host work per pack launch
+    python benchmarks/kernel_speed.py --host [--device cpu]   # host work per pack launch
 
 ``--host`` times what a pack launch costs the host before any kernel starts, for buckets
 of 10 to 10,000 tiny tensors: the launch plan built from every tensor (``pack``'s path),
@@ -216,7 +216,7 @@ def main() -> None:
         host(device)
         return
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("benchmarks/kernels.py: no CUDA device here; nothing measured")
+        print("benchmarks/kernel_speed.py: no CUDA device here; nothing measured")
         sys.exit(0)
     import triton
 
