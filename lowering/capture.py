@@ -214,6 +214,7 @@ class Capture:
 
         def backward_compiler(bw: fx.GraphModule, fake_inputs: list[Any]) -> Callable[..., Any]:
             record = this_record()
+            unreached = _unreached_gradients(bw)
             if record.unplanned is not None:
                 # its saved values are what an unplanned forward computed (whole tensors
                 # where a plan would keep pieces): planned, it would read them as pieces
@@ -233,7 +234,7 @@ class Capture:
             if forward is not None:
                 for old, new in forward.meta.get(SAVED_RENAMES, {}).items():
                     returned[old] = returned[new]
-            run = compile_graph(bw, fake_inputs, returned)
+            run = _none_where_unreached(compile_graph(bw, fake_inputs, returned), unreached)
             # resolved at the call: the compiled function outlives the module in Dynamo's
             # caches, and must not keep its state alive
             first = None if record.fallback_reason is not None else (
@@ -288,6 +289,54 @@ def _plain(gm: fx.GraphModule) -> fx.GraphModule:
         for key in _OURS:
             node.meta.pop(key, None)
     return plain
+
+
+def _unreached_gradients(bw: fx.GraphModule) -> dict[int, tuple[int, ...]]:
+    """Output position -> the backward's inputs it reads among the output gradients
+    (``tangents_*``), for each gradient computed from some of them but not all: a
+    parameter that only a graph output the loss may ignore reaches (BigBird's pooler: the
+    model returns its output, the caller reads the logits). Read before planning: a
+    planned graph's bucketed collectives join every gradient."""
+    placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    tangents = {n: i for i, n in enumerate(placeholders) if n.name.startswith("tangents")}
+    if len(tangents) < 2:
+        return {}
+    reads: dict[fx.Node, frozenset[int]] = {}
+    for n in bw.graph.nodes:
+        if n in tangents:
+            reads[n] = frozenset((tangents[n],))
+        else:
+            reads[n] = frozenset().union(*(reads[a] for a in n.all_input_nodes))
+    every = frozenset(tangents.values())
+    outputs = bw.graph.output_node().args[0]
+    return {k: tuple(sorted(reads[o])) for k, o in enumerate(outputs)
+            if isinstance(o, fx.Node) and reads[o] and reads[o] != every}
+
+
+def _none_where_unreached(run: Callable[[list], Any], unreached: dict[int, tuple[int, ...]]
+                          ) -> Callable[[list], Any]:
+    """``run``, returning no gradient (None) where every output gradient it is computed
+    from is all zeros, as eager autograd leaves ``.grad`` None for a parameter the loss
+    never reaches. AOTAutograd gives the graph zeros for an output nothing used, and its
+    gradients would come out zeros: AdamW would then decay a weight eager training leaves
+    alone. (A loss that multiplies such an output by 0 reaches it in eager and gets zeros;
+    here None: the one case this cannot tell apart.)"""
+    if not unreached:
+        return run
+    read = sorted({i for inputs in unreached.values() for i in inputs})
+
+    def call(args: list) -> Any:
+        zero = {i: isinstance(args[i], torch.Tensor) and not bool(args[i].any())
+                for i in read}  # before the call, which frees its arguments
+        out = run(args)
+        if not any(zero.values()):
+            return out
+        out = list(out)
+        for k, inputs in unreached.items():
+            if all(zero[i] for i in inputs):
+                out[k] = None
+        return out
+    return call
 
 
 def _instrument(run: Callable[[list], Any], capture: "Capture", record: GraphRecord,

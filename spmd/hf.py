@@ -38,45 +38,60 @@ import torch.nn as nn
 __all__ = ["STYLES", "PlanEntry", "inside", "is_conv1d", "layer_kind", "plan_entries"]
 
 # transformers' tensor-parallel styles (ALL_PARALLEL_STYLES in
-# transformers/distributed/tensor_parallel.py, v5.24) whose parameters are placed exactly as
-# a spmd placement places them -> the role the layer plays. A style also fixes where the
-# layer's input and output live ("_rep", "_gather_output": output gathered; "_split_input":
-# input replicated, split locally); in spmd those are the compiler's decision from the
-# placements, so styles that differ only there mean the same here. A replicated
-# parameter's gradient is always reduced over the ranks it is replicated on, which is what
-# "replicated_with_grad_allreduce" adds to "replicate".
+# transformers/distributed/tensor_parallel.py, v5.25, and the older ones of v4.5x) -> the role
+# their parameters play. A style fixes two things: how the parameters are split, and where
+# the layer's input and output live and which collectives move them ("_rep",
+# "_gather_output": output gathered; "_split_input": input replicated, split locally;
+# "local_*": the output left as this rank's tensor; "unit_*": heads kept whole; "all_reduce",
+# "gather", "sequence_parallel": a module's output reduced, gathered or split along the
+# sequence). In spmd only the first is the user's: the compiler derives every activation's
+# placement and the collectives from the parameters' (exactly, whatever the split), so
+# styles that differ only in the second mean the same here. Roles (spmd.tp's _SPLITS):
+# "column" splits the output features (Shard(ndim - 2); a bias Shard(0)), "row" the input
+# features (Shard(ndim - 1); a bias stays whole), "packed_column"/"packed_row" the same for a
+# weight that packs two projections (gate and up) side by side: StridedShard(.., 2), each
+# rank its part of both; "vocabulary"/"embedding" a table's rows/columns; "whole" keeps the
+# parameters replicated. A replicated parameter's gradient is always reduced over the ranks
+# it is replicated on (what "replicated_with_grad_allreduce" and "mla_kv_a_proj" add).
 STYLES: dict[str, str] = {
     "colwise": "column",
     "colwise_rep": "column",
     "colwise_gather_output": "column",
+    "local_colwise": "column",
+    "unit_colwise": "column",
     "rowwise": "row",
     "rowwise_rep": "row",
     "rowwise_split_input": "row",
+    "local_rowwise": "row",
+    "unit_rowwise": "row",
+    "packed_colwise": "packed_column",
+    "packed_rowwise": "packed_row",
+    "local_packed_rowwise": "packed_row",
     "embedding_rowwise": "vocabulary",  # the table's rows (vocabulary): Shard(0)
     "embedding_colwise": "embedding",   # the table's columns (embedding): Shard(1)
     "replicate": "whole",
     "replicated_with_grad_allreduce": "whole",
+    # a projection whose output splits into a part that meets a column-parallel layer and a
+    # part (the rotary keys) that does not: the weight stays whole
+    "mla_kv_a_proj": "whole",
+    # styles on a module, about its output, not its parameters: a parameter of the module
+    # without a key of its own stays whole, as transformers leaves it
+    "all_reduce": "whole",
+    "gather": "whole",
+    "sequence_parallel": "whole",   # megatron(sequence_parallel=True) splits these outputs
+    "local_params": "whole",        # the module's own keyed parameters are split by theirs
+    "local": "whole",
+    "isolated": "whole",            # whole parameters, the output summed: the same values
+    "moe_tp_experts": "whole",      # the experts' weights are split by their own keys
+    "moe_identity_expert": "whole",
 }
 
-# why the other styles transformers knows (and a few older ones) have no exact placement
+# the styles of expert parallelism (transformers' base_model_ep_plan): experts split by
+# expert index, tokens dispatched to them. Not read as tensor parallelism.
 _REFUSED: dict[str, str] = {
-    "packed_colwise": "a fused weight (gate and up, or q, k and v) split in interleaved "
-                      "blocks; a contiguous Shard would give one rank all of one projection",
-    "packed_rowwise": "a fused weight split in interleaved blocks along its input",
-    "sequence_parallel": "activations split along the sequence: not a parameter placement",
-    "all_reduce": "a module whose output is all-reduced, not a parameter placement",
-    "mla_kv_a_proj": "a projection whose output is split in two parts, each kept whole",
-    "moe_tp_experts": "experts split by expert, with routing",
-    "moe_identity_expert": "an expert scaled by the ranks' count",
-    "local_params": "parameters used as this rank's local tensors",
-    "local_colwise": "a column split whose output stays local, outside any layout",
-    "local_rowwise": "a row split whose output stays local, outside any layout",
-    "local": "parameters used as this rank's local tensors",
-    "gather": "a module whose output is gathered, not a parameter placement",
-    "isolated": "a module kept on one rank's group",
     "ep_router": "expert-parallel routing",
-    "ep_dispatch_experts": "expert-parallel dispatch",
-    "grouped_gemm": "experts run as one grouped matrix product",
+    "ep_dispatch_experts": "expert-parallel dispatch of tokens to the ranks holding experts",
+    "grouped_gemm": "experts split by expert index and run as one grouped matrix product",
 }
 
 
@@ -188,14 +203,18 @@ def _check_agrees(entry: PlanEntry, instances: Mapping[str, Mapping[str, str]]) 
 
 
 def _refuse(entry: PlanEntry) -> None:
-    why = _REFUSED.get(entry.style, "a style spmd does not know")
+    why = _REFUSED.get(entry.style)
     where = f"{entry.base}." if entry.base else ""
+    what = (f"an expert-parallel style ({why}): spmd has no expert parallelism yet; keep "
+            f"the experts whole by leaving them out of placements, or split each expert's "
+            f"weights with 'colwise'/'rowwise' keys" if why else
+            "a style spmd does not know")
     raise ValueError(
-        f"spmd.tp.megatron: {entry.describe()}: style {entry.style!r} has no exact meaning in "
-        f"spmd's placements ({why}). Write placements by name instead: "
-        f"{{'tp': {{'{where}{entry.pattern}.weight': spmd.Shard(0)}}}} splits an nn.Linear "
-        f"column-parallel, Shard(1) row-parallel, and a parameter left out stays replicated "
-        f"(what a fused weight needs for now). Styles read from a plan: {', '.join(STYLES)}")
+        f"spmd.tp.megatron: {entry.describe()}: style {entry.style!r} is {what}. Write "
+        f"placements by name instead: {{'tp': {{'{where}{entry.pattern}.weight': "
+        f"spmd.Shard(0)}}}} splits an nn.Linear column-parallel, Shard(1) row-parallel, and "
+        f"a parameter left out stays replicated. Styles read from a plan: "
+        f"{', '.join(STYLES)}")
 
 
 def _style(plan: Mapping[str, str], name: str) -> tuple[str, str] | None:

@@ -63,7 +63,28 @@ _SPLITS: dict[tuple[str, str], dict[str, Placement]] = {
     ("fused", "linear"): {"weight": StridedShard(0, 3), "bias": StridedShard(0, 3)},
     ("fused", "conv1d"): {"weight": StridedShard(1, 3), "bias": StridedShard(0, 3)},
     ("embedding", "embedding"): {"weight": Shard(1)},
+    ("packed_column", "linear"): {"weight": StridedShard(0, 2), "bias": StridedShard(0, 2)},
+    ("packed_column", "conv1d"): {"weight": StridedShard(1, 2), "bias": StridedShard(0, 2)},
+    ("packed_row", "linear"): {"weight": StridedShard(1, 2)},
+    ("packed_row", "conv1d"): {"weight": StridedShard(0, 2)},
 }
+
+
+def _by_rank(role: str, ndim: int) -> Placement | None:
+    """A role's placement for a parameter that is not an nn.Linear's, Conv1D's or
+    nn.Embedding's (a module's own tensor: an MoE's experts (experts, out, in), attention
+    sinks (heads,)), by its number of dimensions as transformers splits it: the output
+    features are the second to last dimension, the input features the last; a vector is
+    split as a bias (column) or left whole (row). None: left whole."""
+    if ndim == 0 or role == "whole":
+        return None
+    out, inp = max(ndim - 2, 0), ndim - 1
+    return {"column": Shard(out),
+            "row": Shard(inp) if ndim > 1 else None,
+            "packed_column": StridedShard(out, 2),
+            "packed_row": StridedShard(inp, 2) if ndim > 1 else None,
+            "vocabulary": Shard(0),
+            "embedding": Shard(ndim - 1)}[role]
 
 Spec = Mapping[str, Mapping[str, Placement]]
 
@@ -238,13 +259,19 @@ def megatron(model: Any = None, *, dim: str = "tp", sequence_parallel: bool = Fa
         path, _, local = entry.param.rpartition(".")
         layer = model.get_submodule(path)
         split = _SPLITS.get((entry.role, layer_kind(layer) or ""))
-        if split is None and entry.role != "whole":
+        if split is not None:
+            placement = split.get(local)
+        elif entry.pattern.rpartition(".")[2] == local or entry.role == "whole":
+            # a key of the parameter itself (an MoE's experts, attention sinks)
+            placement = _by_rank(entry.role, getattr(layer, local).dim())
+        else:  # a key of a module whose kind the style does not split
             raise ValueError(f"spmd.tp.megatron: {entry.describe()} places {entry.param}, a "
                              f"parameter of a {type(layer).__name__}; {entry.style!r} splits "
-                             f"nn.Linear and Conv1D layers (embedding_* styles nn.Embedding); "
-                             f"write placements by name instead")
-        if split and local in split:
-            placed[entry.param] = split[local]
+                             f"nn.Linear and Conv1D layers (embedding_* styles nn.Embedding) "
+                             f"and parameters named by their own key; write placements by "
+                             f"name instead")
+        if placement is not None:
+            placed[entry.param] = placement
             source[entry.param] = entry.describe()
     for prefix, module in model.named_modules():
         if inside(prefix, governed):

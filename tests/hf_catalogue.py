@@ -80,12 +80,10 @@ def _shrink(config: Any, seen: set[int]) -> None:
         value = getattr(config, key, None)
         if isinstance(value, PretrainedConfig):
             _shrink(value, seen)
-        elif key in TINY and not isinstance(value, (list, dict)) and value is not None:
+        elif key in TINY and not isinstance(value, (list, dict)):
             _set(config, key, TINY[key])
         elif any(w in key for w in _DROPOUT_WORDS) and isinstance(value, float):
             _set(config, key, 0.0)
-    if getattr(config, "qk_rope_head_dim", None) and hasattr(config, "head_dim"):
-        _set(config, "head_dim", config.qk_rope_head_dim)  # multi-head latent attention
     types = getattr(config, "layer_types", None)
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(types, list) and isinstance(layers, int) and len(types) != layers:
@@ -110,7 +108,6 @@ def config(family: str) -> Any:
     for c in [cfg, *(getattr(cfg, k) for k in vars(cfg) if k.endswith("_config"))]:
         _set(c, "_experts_implementation", "eager")
         _set(c, "use_cache", False)
-    _set(cfg, "_attn_implementation", "sdpa")
     return cfg
 
 

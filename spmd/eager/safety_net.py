@@ -59,8 +59,9 @@ class SafetyNet:
                 self.hooks[name] = param.register_hook(functools.partial(self._on_grad, name))
 
     def _on_grad(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """Every parameter's summed gradient for this backward passes here once."""
-        if not self.sync.backward:  # the forward ran under no_sync(): accumulate locally
+        """Every parameter's summed gradient for this backward passes here once (None
+        where a graph gave it none: nothing to reduce, as eager leaves it)."""
+        if grad is None or not self.sync.backward:  # the forward ran under no_sync(): accumulate locally
             return grad
         if self.reducer.pending:
             self.queue_finish()

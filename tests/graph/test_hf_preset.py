@@ -102,19 +102,69 @@ def test_the_plan_wins_over_names():
                       for n, d in (("up_proj", 0), ("gate_proj", 0), ("down_proj", 1))}
 
 
-@pytest.mark.parametrize("style", ["packed_colwise", "sequence_parallel", "local_colwise",
-                                   "moe_tp_experts", "a_style_of_the_future"])
-def test_a_style_with_no_exact_placement_is_refused(style):
+@pytest.mark.parametrize("style", ["grouped_gemm", "ep_dispatch_experts",
+                                   "a_style_of_the_future"])
+def test_a_style_with_no_placement_is_refused(style):
     model = _llama({"layers.*.self_attn.q_proj": "colwise",
                     "layers.*.mlp.up_proj": style})
     with pytest.raises(ValueError, match=rf"\['layers.\*.mlp.up_proj'\] = '{style}'.*"
-                                         rf"style '{style}' has no exact meaning.*by name"):
+                                         rf"style '{style}' is .*by name"):
         spmd.tp.megatron(model)
+
+
+# every style transformers' plans use (v5.25's ALL_PARALLEL_STYLES and v4.5x's), on a
+# LLaMA's up_proj (nn.Linear, weight (out, in)): what it places there
+_STYLE_PLACEMENTS = {
+    "colwise": Shard(0), "colwise_rep": Shard(0), "colwise_gather_output": Shard(0),
+    "local_colwise": Shard(0), "unit_colwise": Shard(0),
+    "rowwise": Shard(1), "rowwise_rep": Shard(1), "rowwise_split_input": Shard(1),
+    "local_rowwise": Shard(1), "unit_rowwise": Shard(1),
+    "packed_colwise": StridedShard(0, 2), "packed_rowwise": StridedShard(1, 2),
+    "local_packed_rowwise": StridedShard(1, 2),
+    "replicate": None, "replicated_with_grad_allreduce": None, "mla_kv_a_proj": None,
+    "all_reduce": None, "gather": None, "sequence_parallel": None, "local_params": None,
+    "local": None, "isolated": None, "moe_tp_experts": None, "moe_identity_expert": None,
+}
+
+
+@pytest.mark.parametrize("style", sorted(_STYLE_PLACEMENTS))
+def test_every_style_of_transformers_plans_is_read(style):
+    placed = spmd.tp.megatron(_llama({"layers.*.self_attn.q_proj": "colwise",
+                                      "layers.*.mlp.up_proj": style}))["tp"]
+    assert placed.get("model.layers.0.mlp.up_proj.weight") == _STYLE_PLACEMENTS[style]
+
+
+def test_every_style_transformers_registers_is_read_or_refused():
+    registry = pytest.importorskip("transformers.distributed.parallel_utils")
+    known = set(spmd.hf.STYLES) | set(spmd.hf._REFUSED)
+    assert set(registry.ALL_PARALLEL_STYLES) <= known, set(registry.ALL_PARALLEL_STYLES) - known
+    assert set(spmd.hf.STYLES) == set(_STYLE_PLACEMENTS) | {"embedding_rowwise",
+                                                            "embedding_colwise"}
+
+
+def test_a_parameters_own_key_splits_it_by_its_dimensions():
+    """A key naming a module's own tensor (an MoE's experts (experts, out, in), attention
+    sinks (heads,)) splits it as transformers does: output features the second to last
+    dimension, input features the last, a packed weight by StridedShard."""
+    model = _llama({"layers.*.self_attn.q_proj": "colwise"})
+    for layer in model.model.layers:
+        layer.mlp.experts = torch.nn.Module()
+        layer.mlp.experts.gate_up = torch.nn.Parameter(torch.zeros(4, 16, 8))
+        layer.mlp.experts.down = torch.nn.Parameter(torch.zeros(4, 8, 8))
+        layer.self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
+    model.config.base_model_tp_plan.update({
+        "layers.*.mlp.experts.gate_up": "packed_colwise",
+        "layers.*.mlp.experts.down": "rowwise", "layers.*.self_attn.sinks": "colwise",
+        "layers.*.mlp.experts": "moe_tp_experts", "layers.*.self_attn": "local_params"})
+    placed = spmd.tp.megatron(model)["tp"]
+    assert placed["model.layers.1.mlp.experts.gate_up"] == StridedShard(1, 2)
+    assert placed["model.layers.1.mlp.experts.down"] == Shard(2)
+    assert placed["model.layers.1.self_attn.sinks"] == Shard(0)
 
 
 def test_a_style_for_the_wrong_layer_is_refused():
     model = _llama({"layers.*.input_layernorm": "colwise"})
-    with pytest.raises(ValueError, match="LlamaRMSNorm; 'colwise' splits nn.Linear"):
+    with pytest.raises(ValueError, match="LlamaRMSNorm; 'colwise' splits nn.Linear.*own key"):
         spmd.tp.megatron(model)
 
 

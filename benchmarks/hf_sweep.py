@@ -1,0 +1,146 @@
+"""Issue 43's sweep, whole: every Hugging Face causal-LM family that the installed
+transformers builds offline from ``tests/hf_catalogue.py``'s tiny configs, trained 3 AdamW
+steps with clipping in float64 under ddp, fsdp, tp (2 ranks, the family's own plan) and
+fsdp x tp (2 x 2), each compared with one process (``tests/hf_sweep.py`` says how a cell
+is judged: equal, refused, differs, crash, hang).
+
+    python benchmarks/hf_sweep.py [--only llama,glm] [--strategies ddp,tp]
+                                  [--json hf_sweep.json] [--readme]
+
+Prints every cell as it ends, then the table and the counts. ``--json`` keeps the cells
+(a later ``--readme --from-json F`` writes the table without running again);
+``--readme`` writes the table into README.md between its ``hf-sweep`` markers. About an
+hour on 2 cores for every family.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+
+import harness
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+BEGIN, END = "<!-- hf-sweep:begin -->", "<!-- hf-sweep:end -->"
+SHORT = {"equal": "equal", "refused": "refused", "differs": "DIFFERS", "crash": "CRASH",
+         "hang": "HANG", "skipped": "not run"}
+
+
+def cell_text(cell: dict) -> str:
+    text = SHORT[cell["outcome"]]
+    if cell["outcome"] == "equal" and cell["eager"]:
+        text += f" ({cell['eager']} eager)"
+    return text
+
+
+def table(cells: list[dict], built: dict[str, str], strategies: list[str],
+          versions: str) -> str:
+    """The README's section: the counts, a row per family, and the refusals' reasons."""
+    by_family: dict[str, dict[str, dict]] = {}
+    for c in cells:
+        by_family.setdefault(c["family"], {})[c["strategy"]] = c
+    tried = [f for f in by_family]
+    lines = [f"Trained by `python benchmarks/hf_sweep.py --readme` ({versions}): "
+             f"{len(built)} causal-LM families in transformers' catalogue, "
+             f"{len(tried)} built offline from a tiny config; each trained 3 AdamW steps "
+             f"with clipping in float64 and compared with one process.", ""]
+    lines += ["| strategy | equal | refused | differs | crash | hang | not run |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for s in strategies:
+        row = [c for c in cells if c["strategy"] == s]
+        count = {k: sum(c["outcome"] == k for c in row) for k in SHORT}
+        lines.append(f"| {s} | {count['equal']} | {count['refused']} | {count['differs']} "
+                     f"| {count['crash']} | {count['hang']} | {count['skipped']} |")
+    lines += ["", "| family | " + " | ".join(strategies) + " |",
+              "|---|" + "---|" * len(strategies)]
+    for family in sorted(by_family):
+        row = by_family[family]
+        lines.append(f"| {family} | " + " | ".join(
+            cell_text(row[s]) if s in row else "" for s in strategies) + " |")
+    reasons: dict[str, list[str]] = {}
+    for c in cells:
+        if c["outcome"] != "equal":
+            reasons.setdefault(c["detail"], []).append(f"{c['family']} ({c['strategy']})")
+    if reasons:
+        lines += ["", "What the other cells said:", ""]
+        for detail, where in sorted(reasons.items(), key=lambda kv: -len(kv[1])):
+            lines.append(f"- {', '.join(where)}: {detail}")
+    missing = {f: why for f, why in built.items() if why}
+    if missing:
+        lines += ["", f"Not built from a tiny config ({len(missing)}): " + "; ".join(
+            f"{f} ({why})" for f, why in sorted(missing.items()))]
+    return "\n".join(lines)
+
+
+def write_readme(section: str) -> None:
+    path = os.path.join(ROOT, "README.md")
+    text = open(path).read()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"README.md has no {BEGIN} ... {END} markers")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(path, "w") as f:
+        f.write(f"{head}{BEGIN}\n{section}\n{END}{tail}")
+
+
+def main() -> None:
+    parser = harness.parser(__doc__)
+    parser.add_argument("--only", default="", help="comma-separated model types")
+    parser.add_argument("--strategies", default="", help="comma-separated, of ddp, fsdp, "
+                        "tp, 'fsdp x tp'")
+    parser.add_argument("--json", default="", help="write the cells here")
+    parser.add_argument("--from-json", default="", help="read the cells, run nothing")
+    parser.add_argument("--readme", action="store_true", help="write README.md's table")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    import torch
+    import transformers
+
+    from tests import hf_catalogue, hf_sweep
+
+    torch.set_num_threads(1)
+    strategies = args.strategies.split(",") if args.strategies else list(hf_sweep.STRATEGIES)
+    versions = (f"{time.strftime('%Y-%m-%d')}, transformers {transformers.__version__}, "
+                f"torch {torch.__version__}")
+    if args.from_json:
+        saved = json.load(open(args.from_json))
+        cells, built, versions = saved["cells"], saved["built"], saved["versions"]
+    else:
+        families = hf_catalogue.families()
+        if args.only:
+            families = [f for f in families if f in args.only.split(",")]
+        built = {}
+        for family in families:
+            model, why = hf_catalogue.try_build(family)
+            built[family] = why
+        runnable = [f for f in families if not built[f]]
+        print(f"{len(runnable)} of {len(families)} families build", flush=True)
+
+        def log(o) -> None:
+            print(f"{o.family:<28} {o.strategy:<10} {o.outcome:<8} {o.seconds:6.1f} s "
+                  f"{o.detail[:160]}", flush=True)
+
+        start = time.perf_counter()
+        outcomes = hf_sweep.sweep([(f, s) for s in strategies for f in runnable], log=log)
+        print(f"\n{len(outcomes)} cells in {time.perf_counter() - start:.0f} s")
+        cells = [{"family": o.family, "strategy": o.strategy, "outcome": o.outcome,
+                  "detail": o.detail, "diff": o.diff, "eager": o.eager,
+                  "seconds": round(o.seconds, 2),
+                  "trace": next((r["trace"] for r in o.ranks if "trace" in r), "")}
+                 for o in outcomes]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"cells": cells, "built": built, "versions": versions}, f,
+                          indent=1)
+    section = table(cells, built, strategies, versions)
+    print(section)
+    if args.readme:
+        write_readme(section)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""Issue 43's sweep: every Hugging Face causal-LM family of ``tests/hf_catalogue.py``
+trained 3 AdamW steps with its gradients clipped, in float64, under ``ddp``, ``fsdp``,
+Megatron tensor parallelism from the family's own plan (``tp``: ``spmd.tp.megatron()`` on
+2 ranks) and ``fsdp x tp`` (2 x 2), each compared with one process on the whole batch.
+
+Each family/strategy cell ends as one of :data:`OUTCOMES`:
+
+- ``equal``: every step's output (this rank's rows) and every parameter at the end within
+  :data:`ATOL` of one process on every rank (``eager`` says how many of its graphs or
+  gradients the plan left to the eager path, which is correct and listed in the plan);
+- ``refused``: every rank raised the same ``ValueError``/``TypeError``/
+  ``NotImplementedError``/``ShardingError`` naming spmd, while parallelizing or compiling
+  the first step, before any step ran: a clear refusal;
+- ``differs``: it trained, not like one process (a silent wrong answer: a bug);
+- ``crash``: anything else raised (a bug, or a refusal that does not say spmd);
+- ``hang``: a rank did not finish in time (a bug).
+
+The ranks run a list of cells in one spawned job (``run_cells``); a cell that raises on
+any rank ends the job there (the process group may be in a collective the others left),
+and :func:`sweep` starts the rest in a new job. One process's result per family
+(:func:`reference`) is computed twice: a family whose two runs differ is not
+deterministic, and no parallel run could be compared with it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+STEPS = 3
+ROWS = 4
+LENGTH = 8
+ATOL = 1e-9
+LR, CLIP = 1e-2, 0.5
+OUTCOMES = ("equal", "refused", "differs", "crash", "hang")
+
+# name -> (mesh shape, dimension names, strategy, tensor parallel)
+STRATEGIES: dict[str, tuple[tuple[int, ...], tuple[str, ...], str, bool]] = {
+    "ddp": ((2,), ("dp",), "ddp", False),
+    "fsdp": ((2,), ("fsdp",), "fsdp", False),
+    "tp": ((2,), ("tp",), "ddp", True),
+    "fsdp x tp": ((2, 2), ("fsdp", "tp"), "fsdp", True),
+}
+_REFUSALS = ("ValueError", "TypeError", "NotImplementedError", "ShardingError",
+             "EmptyBackwardError", "Infeasible")
+
+
+def world(strategy: str) -> int:
+    return math.prod(STRATEGIES[strategy][0])
+
+
+def make_batch(step: int, rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (rows, LENGTH) and their next-token targets, the same for a given step;
+    ids from 3 (0-2 are the catalogue's pad, bos and eos)."""
+    from .hf_catalogue import VOCAB
+
+    g = torch.Generator().manual_seed(2000 + step)
+    seq = torch.randint(3, VOCAB, (rows, LENGTH + 1), generator=g)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def train(model: torch.nn.Module, rows: slice, clip) -> tuple[list[torch.Tensor], dict]:
+    """STEPS AdamW steps on ``rows`` of each batch: (each step's output, parameters)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    outputs = []
+    for step in range(STEPS):
+        x, y = make_batch(step)
+        out = model(x[rows])
+        outputs.append(out.detach().clone())
+        lm_loss(out, y[rows]).backward()
+        clip(model)
+        opt.step()
+        opt.zero_grad()
+    return outputs, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference(family: str) -> tuple[list[torch.Tensor], dict] | str:
+    """One process on the whole batch: (outputs, parameters), or why there is none (the
+    family does not train in one process, or two runs of it differ)."""
+    from .hf_catalogue import build
+
+    def once() -> tuple[list[torch.Tensor], dict]:
+        return train(build(family), slice(0, ROWS),
+                     lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP))
+
+    try:
+        first, second = once(), once()
+    except Exception as e:  # the family itself does not train
+        return f"does not train in one process: {type(e).__name__}: {_first_line(e)}"
+    same = all(torch.equal(a, b) for a, b in zip(first[0], second[0])) and all(
+        torch.equal(first[1][k], second[1][k]) for k in first[1])
+    return first if same else "not deterministic: two runs in one process differ"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+def _data_index(mesh, strategy) -> tuple[int, int]:
+    index, count = 0, 1
+    for dim in strategy.data_dims:
+        size = mesh.size(dim)
+        index, count = index * size + mesh.get_group(dim).rank(), count * size
+    return index, count
+
+
+def _cell(family: str, strategy: str) -> dict:
+    """This rank's run of one cell: its rows, outputs and parameters, or where and what it
+    raised."""
+    import spmd
+
+    from .hf_catalogue import build
+
+    shape, names, kind, tp = STRATEGIES[strategy]
+    start = time.perf_counter()
+    stage = "parallelize"
+    try:
+        mesh = spmd.Mesh(shape, dim_names=names)
+        model = spmd.parallelize(build(family), mesh=mesh, strategy=kind,
+                                 placements=spmd.tp.megatron() if tp else None)
+        planned = model._spmd.setup.strategy
+        index, count = _data_index(planned.mesh, planned)
+        per = ROWS // count
+        rows = slice(index * per, (index + 1) * per)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        outputs = []
+        for step in range(STEPS):
+            stage = f"step {step}"
+            x, y = make_batch(step)
+            out = model(x[rows])
+            outputs.append(out.detach().clone())
+            lm_loss(out, y[rows]).backward()
+            model.clip_grad_norm_(CLIP)
+            opt.step()
+            opt.zero_grad()
+        stage = "state"
+        params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        plan = spmd.inspect(model)
+        eager = len(plan.fallbacks) + len({p.op for p in plan.placed if p.fallback})
+        return {"rows": (rows.start, rows.stop), "outputs": outputs, "params": params,
+                "eager": eager, "seconds": time.perf_counter() - start}
+    except Exception as e:  # the cell's outcome, classified by the caller
+        return {"error": type(e).__name__, "message": _first_line(e), "stage": stage,
+                "trace": traceback.format_exc()[-3000:],
+                "seconds": time.perf_counter() - start}
+
+
+def run_cells(rank: int, cells: list[tuple[str, str]], progress: str) -> dict:
+    """Spawned on the cells' world size: each cell in turn, until one raises on this rank
+    (the job ends there; :func:`sweep` runs the rest anew). ``progress``: a file each rank
+    appends the cell it starts to, which names the cell a hang was in."""
+    import warnings
+
+    from spmd import runtime as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=45))
+    results: dict = {}
+    try:
+        for cell in cells:
+            with open(progress, "a") as f:
+                f.write(f"{rank}\t{cell[0]}\t{cell[1]}\n")
+            results[cell] = _cell(*cell)
+            if "error" in results[cell]:
+                break
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a group left in a collective by a raising rank
+            pass
+    return results
+
+
+@dataclass
+class Outcome:
+    """One family/strategy cell."""
+
+    family: str
+    strategy: str
+    outcome: str
+    detail: str = ""
+    diff: float = 0.0
+    eager: int = 0
+    seconds: float = 0.0
+    ranks: list = field(default_factory=list, repr=False)
+
+
+def judge(family: str, strategy: str, ranks: list[dict],
+          want: tuple[list[torch.Tensor], dict]) -> Outcome:
+    """A cell's outcome from every rank's result and one process's."""
+    seconds = max(r.get("seconds", 0.0) for r in ranks)
+    errors = [r for r in ranks if "error" in r]
+    if errors:
+        first = errors[0]
+        same = len(errors) == len(ranks) and all(
+            (r["error"], r["message"], r["stage"]) == (first["error"], first["message"],
+                                                       first["stage"]) for r in errors)
+        refused = (same and first["error"] in _REFUSALS and "spmd" in first["message"]
+                   and first["stage"] in ("parallelize", "step 0"))
+        detail = f"{first['stage']}: {first['error']}: {first['message']}"
+        return Outcome(family, strategy, "refused" if refused else "crash", detail,
+                       seconds=seconds, ranks=ranks)
+    want_outputs, want_params = want
+    worst, where = 0.0, ""
+    for rank, run in enumerate(ranks):
+        lo, hi = run["rows"]
+        for step, (got, ref) in enumerate(zip(run["outputs"], want_outputs)):
+            diff = (got - ref[lo:hi]).abs().max().item() if got.shape == ref[lo:hi].shape \
+                else math.inf
+            if diff > worst:
+                worst, where = diff, f"rank {rank} step {step} output"
+        if run["params"].keys() != want_params.keys():
+            worst, where = math.inf, f"rank {rank}: other state_dict keys"
+            continue
+        for key, ref in want_params.items():
+            got = run["params"][key]
+            diff = (got - ref).abs().max().item() if got.shape == ref.shape else math.inf
+            if diff > worst:
+                worst, where = diff, f"rank {rank} {key}"
+    eager = max(r["eager"] for r in ranks)
+    if worst <= ATOL:
+        return Outcome(family, strategy, "equal", diff=worst, eager=eager, seconds=seconds)
+    return Outcome(family, strategy, "differs", f"{where} by {worst:.3g}", worst, eager,
+                   seconds, ranks)
+
+
+def run_job(cells: list[tuple[str, str]], timeout: float
+            ) -> tuple[dict[tuple[str, str], list[dict]], tuple[str, str] | None, str]:
+    """The cells on their world size in one spawn: (each finished cell's rank results,
+    the cell that hung or whose job failed, why)."""
+    from spmd import runtime as dist
+
+    nprocs = world(cells[0][1])
+    with tempfile.NamedTemporaryFile("r", suffix=".progress", delete=False) as f:
+        progress = f.name
+    try:
+        try:
+            found = dist.spawn(run_cells, args=(cells, progress), nprocs=nprocs,
+                               start_method="forkserver", timeout=timeout)
+        except Exception as e:  # a hang (timeout) or a rank that died
+            with open(progress) as f:
+                started = [tuple(line.rstrip("\n").split("\t")[1:]) for line in f]
+            stuck = started[-1] if started else cells[0]
+            return {}, (stuck[0], stuck[1]), f"{type(e).__name__}: {_first_line(e)}"
+    finally:
+        os.unlink(progress)
+    done = {cell: [ranks[cell] for ranks in found]
+            for cell in cells if all(cell in ranks for ranks in found)}
+    return done, None, ""
+
+
+def sweep(cells: list[tuple[str, str]], *, timeout: float = 300.0, chunk: int = 6,
+          want=reference, log=None) -> list[Outcome]:
+    """Every cell's outcome. Cells run ``chunk`` at a time per job (grouped by world
+    size); what a job did not reach runs in the next. ``want(family)`` is one process's
+    result (or why there is none: the family's cells are then not run)."""
+    wanted: dict[str, Any] = {}
+    outcomes: dict[tuple[str, str], Outcome] = {}
+    pending = list(cells)
+    while pending:
+        size = world(pending[0][1])
+        batch = [c for c in pending if world(c[1]) == size][:chunk]
+        for family, _ in batch:
+            if family not in wanted:
+                wanted[family] = want(family)
+        skip = [c for c in batch if isinstance(wanted[c[0]], str)]
+        for c in skip:
+            outcomes[c] = Outcome(c[0], c[1], "skipped", wanted[c[0]])
+            pending.remove(c)
+        batch = [c for c in batch if c not in skip]
+        if not batch:
+            continue
+        done, stuck, why = run_job(batch, timeout)
+        for cell, ranks in done.items():
+            outcomes[cell] = judge(*cell, ranks, wanted[cell[0]])
+            pending.remove(cell)
+            if log:
+                log(outcomes[cell])
+        if stuck is not None:
+            outcomes[stuck] = Outcome(*stuck, "hang" if "Timeout" in why else "crash", why)
+            pending.remove(stuck)
+            if log:
+                log(outcomes[stuck])
+        elif not done:
+            raise RuntimeError(f"a job of {batch} returned nothing")
+    return [outcomes[c] for c in cells]
