@@ -105,6 +105,7 @@ def config(family: str) -> Any:
     _shrink(cfg, set())
     for key, value in OWN.get(family, {}).items():
         setattr(cfg, key, value)
+    _set(cfg, "is_decoder", True)  # an encoder family's causal LM attends causally
     for c in [cfg, *(getattr(cfg, k) for k in vars(cfg) if k.endswith("_config"))]:
         _set(c, "_experts_implementation", "eager")
         _set(c, "use_cache", False)
