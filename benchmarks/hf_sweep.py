@@ -32,6 +32,8 @@ SHORT = {"equal": "equal", "refused": "refused", "differs": "DIFFERS", "crash": 
 
 def cell_text(cell: dict) -> str:
     text = SHORT[cell["outcome"]]
+    if cell["outcome"] == "equal" and "float32" in cell["detail"]:
+        text += "³²"
     if cell["outcome"] == "equal" and cell["eager"]:
         text += f" ({cell['eager']} eager)"
     return text
