@@ -35,8 +35,13 @@ TINY: dict[str, Any] = dict(
     n_embd=32, n_layer=2, n_head=4, n_positions=64, d_model=32, num_layers=2, num_heads=4,
     ffn_dim=64, d_ff=64, n_inner=64, moe_intermediate_size=32, num_experts=4,
     num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=0,
-    kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+    kv_lora_rank=8, q_lora_rank=8, n_group=1, topk_group=1, n_groups=1, n_shared_experts=1,
+    num_experts_per_token=2, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
     pad_token_id=0, bos_token_id=1, eos_token_id=2, rotary_dim=8, partial_rotary_factor=1.0,
+    # sparse attention's indexer, linear attention, state-space layers (inner width 64)
+    index_topk=4, index_head_dim=8, index_n_heads=2, linear_head_dim=8, linear_num_heads=4,
+    mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8,
+    n_mamba_heads=4, mamba_headdim=16, chunk_size=8,
     # sub-configs of multimodal models (a vision tower at its default size takes minutes)
     patch_size=4, image_size=16, num_channels=3, depth=2, embed_dim=32, out_hidden_size=32,
     projection_dim=32, text_hidden_size=32, vision_hidden_size=32,
@@ -44,6 +49,8 @@ TINY: dict[str, Any] = dict(
 
 # what a family needs beyond TINY, set after it (in the top-level config)
 OWN: dict[str, dict[str, Any]] = {
+    "mamba2": dict(head_dim=16, state_size=8),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "plbart": dict(encoder_attention_heads=4, decoder_attention_heads=4,
                    encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64, decoder_ffn_dim=64),
     "whisper": dict(encoder_attention_heads=4, decoder_attention_heads=4,
@@ -84,6 +91,13 @@ def _shrink(config: Any, seen: set[int]) -> None:
             _set(config, key, TINY[key])
         elif any(w in key for w in _DROPOUT_WORDS) and isinstance(value, float):
             _set(config, key, 0.0)
+    if isinstance(getattr(config, "qk_rope_head_dim", None), int):
+        # multi-head latent attention: the rotary part is the head dimension rotary reads,
+        # and the query's head is both parts (derived once, at the config's creation)
+        _set(config, "head_dim", config.qk_rope_head_dim)
+        _set(config, "num_key_value_heads", config.num_attention_heads)  # keys per head
+        if isinstance(getattr(config, "qk_nope_head_dim", None), int):
+            _set(config, "qk_head_dim", config.qk_nope_head_dim + config.qk_rope_head_dim)
     types = getattr(config, "layer_types", None)
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(types, list) and isinstance(layers, int) and len(types) != layers:
