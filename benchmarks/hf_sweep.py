@@ -96,6 +96,10 @@ def main() -> None:
                         "tp, 'fsdp x tp'")
     parser.add_argument("--json", default="", help="write the cells here")
     parser.add_argument("--from-json", default="", help="read the cells, run nothing")
+    parser.add_argument("--merge", default="", help="a --json file whose cells the ones run "
+                        "now replace (and --json then writes the whole)")
+    parser.add_argument("--again", action="store_true", help="with --merge: run its cells "
+                        "that were not equal or refused (after a fix)")
     parser.add_argument("--readme", action="store_true", help="write README.md's table")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -112,9 +116,14 @@ def main() -> None:
         saved = json.load(open(args.from_json))
         cells, built, versions = saved["cells"], saved["built"], saved["versions"]
     else:
+        merged = json.load(open(args.merge)) if args.merge else {"cells": [], "built": {}}
         families = hf_catalogue.families()
         if args.only:
             families = [f for f in families if f in args.only.split(",")]
+        if args.again:
+            again = {(c["family"], c["strategy"]) for c in merged["cells"]
+                     if c["outcome"] not in ("equal", "refused")}
+            families = sorted({f for f, _ in again})
         built = {}
         for family in families:
             model, why = hf_catalogue.try_build(family)
@@ -127,13 +136,23 @@ def main() -> None:
                   f"{o.detail[:160]}", flush=True)
 
         start = time.perf_counter()
-        outcomes = hf_sweep.sweep([(f, s) for s in strategies for f in runnable], log=log)
+        todo = [(f, s) for s in strategies for f in runnable]
+        if args.again:
+            todo = [c for c in todo if c in again]
+        outcomes = hf_sweep.sweep(todo, log=log)
         print(f"\n{len(outcomes)} cells in {time.perf_counter() - start:.0f} s")
         cells = [{"family": o.family, "strategy": o.strategy, "outcome": o.outcome,
                   "detail": o.detail, "diff": o.diff, "eager": o.eager,
                   "seconds": round(o.seconds, 2),
                   "trace": next((r["trace"] for r in o.ranks if "trace" in r), "")}
                  for o in outcomes]
+        if args.merge:
+            ran = {(c["family"], c["strategy"]) for c in cells}
+            cells = [c for c in merged["cells"] if (c["family"], c["strategy"]) not in ran
+                     and not (c["family"] in built and built[c["family"]])] + cells
+            built = {**merged["built"], **built}
+            order = {s: i for i, s in enumerate(hf_sweep.STRATEGIES)}
+            cells.sort(key=lambda c: (order[c["strategy"]], c["family"]))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"cells": cells, "built": built, "versions": versions}, f,
