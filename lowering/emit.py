@@ -271,6 +271,9 @@ def _covering(leaves: list[fx.Node], outputs: set[fx.Node]) -> tuple | None:
         return None
     if any(n.target is not target or n.kwargs for n in leaves):
         return None
+    if not all(isinstance(a, int) for n in leaves for a in [*n.args[1], *n.args[2:]]
+               if a is not None):
+        return None  # a dynamic graph's symbolic sizes or positions (nodes): left alone
     sizes = list(leaves[0].args[1])
     dim = leaves[0].args[2] % len(sizes)
     spans = []

@@ -187,3 +187,20 @@ def test_scattered_pieces_that_cover_a_dimension_are_stacked(kind, spans, fused)
         assert f"# {fused}" in source and "_backward" not in source
     else:
         assert "# stack" not in source and "# cat" not in source
+
+
+def test_scattered_pieces_of_a_dynamic_graph_are_left_alone():
+    """A graph Dynamo made dynamic (a module compiled again at another size, in the same
+    process) carries symbolic positions: nodes, not ints, where the stacking compares
+    them (the sweep's laguna crashed there after another family's compile)."""
+    aten = torch.ops.aten
+    graph = fx.Graph()
+    n = graph.placeholder("n")  # a symbolic split point
+    g0, g1 = graph.placeholder("g0"), graph.placeholder("g1")
+    first = graph.call_function(aten.slice_backward.default, (g0, [3, 4], 1, 0, n, 1))
+    second = graph.call_function(aten.slice_backward.default, (g1, [3, 4], 1, n, 4, 1))
+    graph.output((graph.call_function(aten.add.Tensor, (first, second)),))
+    run = emit(fx.GraphModule(torch.nn.Module(), graph))
+    a, b = torch.randn(3, 1, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
+    assert torch.equal(run([1, a, b])[0], torch.cat([a, b], 1))
+    assert "# cat" not in run.spmd_source
