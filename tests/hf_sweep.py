@@ -9,9 +9,9 @@ Each family/strategy cell ends as one of :data:`OUTCOMES`:
   :data:`ATOL` of one process on every rank (``eager`` says how many of its graphs or
   gradients the plan left to the eager path, which is correct and listed in the plan).
   The one process is fed the batch as the cell's data-parallel ranks split it, their
-  gradients accumulated (:func:`reference`); a family that computes parts in float32 is
-  held to 10 times its float32 floor (how far one process moves when its parameters
-  start perturbed by 1e-7), and the detail says so;
+  gradients accumulated (:func:`reference`); a cell of a family that computes parts in
+  float32 and is not within ATOL is held to 10 times its float32 floor (how far one
+  process moves when its parameters start perturbed by 1e-7), and says so;
 - ``refused``: every rank raised the same ``ValueError``/``TypeError``/
   ``NotImplementedError``/``ShardingError`` naming spmd, while parallelizing or compiling
   the first step, before any step ran: a clear refusal;
@@ -106,20 +106,50 @@ def _largest(a: tuple[list[torch.Tensor], dict], b: tuple[list[torch.Tensor], di
     return max(diffs, default=0.0)
 
 
+class _LowPrecision(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops that give a float32 (or narrower) tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.float16,
+                                                           torch.bfloat16):
+                self.ops.add(func.overloadpacket.__name__)
+        return out
+
+
+def low_precision_ops(family: str) -> set[str]:
+    """The ops one forward and backward of the family computes in float32 or narrower (a
+    norm's or a router's ``.float()``, rotary tables), though every parameter and input
+    is float64."""
+    from .hf_catalogue import build
+
+    model = build(family)
+    x, y = make_batch(0)
+    with _LowPrecision() as mode:
+        lm_loss(model(x), y).backward()
+    return mode.ops
+
+
 def reference(family: str) -> dict[Any, Any] | str:
     """One process: {1: on the whole batch, 2: on it as two data-parallel ranks' halves,
     gradients accumulated}, each (outputs, parameters), and ``"floor"``: None where the
-    family's arithmetic is exact in float64, else how far the whole-batch run moves when
+    family computes everything in float64, else how far the whole-batch run moves when
     every parameter starts perturbed by float32's rounding (1e-7 of itself); or why there
     is none (the family does not train in one process, or two runs of it differ).
 
-    Exact in float64: the two splits and a run perturbed by 1e-15 of each parameter stay
-    within :data:`ATOL` of the whole-batch run, and so must every parallel run (any larger
-    difference is spmd's). A family that computes parts in float32 (a router's or a
-    norm's ``.float()``) turns float64's last-bit differences (what a parallel sum's
-    other order gives) into float32 ones, and AdamW can grow those (a gradient near zero,
-    of terms that cancel, becomes a step of up to the learning rate): such a family's
-    cells are held to 10 times its float32 floor, and say so."""
+    In float64 a parallel run differs from one process only by sums taken in another
+    order (~1e-16 relative), so a cell is held to :data:`ATOL`. A family that computes
+    parts in float32 (a norm's or a router's ``.float()``) turns those last-bit
+    differences into float32 ones wherever a parallel run splits what it reduces (a
+    q/k norm over a tensor-parallel projection), and AdamW can grow them (a gradient near
+    zero, of terms that cancel, becomes a step of up to the learning rate): a cell of
+    such a family that is not within ATOL is held to 10 times its float32 floor, and
+    says so."""
     from .hf_catalogue import build
 
     def once(parts: int = 1, nudge: float = 0.0) -> tuple[list[torch.Tensor], dict]:
@@ -134,13 +164,13 @@ def reference(family: str) -> dict[Any, Any] | str:
 
     try:
         first, second, split = once(), once(), once(parts=2)
-        exact = max(_largest(first, split), _largest(first, once(nudge=1e-15))) <= ATOL
-        floor = None if exact else _largest(first, once(nudge=1e-7))
+        low = low_precision_ops(family)
+        floor = _largest(first, once(nudge=1e-7)) if low else None
     except Exception as e:  # the family itself does not train
         return f"does not train in one process: {type(e).__name__}: {_first_line(e)}"
     if _largest(first, second) != 0.0:
         return "not deterministic: two runs in one process differ"
-    return {1: first, 2: split, "floor": floor}
+    return {1: first, 2: split, "floor": floor, "low": sorted(low)}
 
 
 def data_size(strategy: str) -> int:
@@ -264,7 +294,6 @@ def judge(family: str, strategy: str, ranks: list[dict],
     want_outputs, want_params = wanted[data_size(strategy)]
     floor = wanted["floor"]
     tolerance = ATOL if floor is None else max(ATOL, 10 * floor)
-    note = "" if floor is None else f" (float32 inside: floor {floor:.2g})"
     worst, where = 0.0, ""
     for rank, run in enumerate(ranks):
         lo, hi = run["rows"]
@@ -282,10 +311,15 @@ def judge(family: str, strategy: str, ranks: list[dict],
             if diff > worst:
                 worst, where = diff, f"rank {rank} {key}"
     eager = max(r["eager"] for r in ranks)
+    if worst <= ATOL:
+        return Outcome(family, strategy, "equal", "", worst, eager, seconds)
+    note = "" if floor is None else (
+        f"float32 inside ({', '.join(wanted['low'][:4])}): {worst:.2g} against a floor of "
+        f"{floor:.2g}")
     if worst <= tolerance:
-        return Outcome(family, strategy, "equal", note.strip(" ()"), worst, eager, seconds)
-    return Outcome(family, strategy, "differs", f"{where} by {worst:.3g}{note}", worst,
-                   eager, seconds, ranks)
+        return Outcome(family, strategy, "equal", note, worst, eager, seconds)
+    return Outcome(family, strategy, "differs", f"{where} by {worst:.3g}" + (
+        f"; {note}" if note else ""), worst, eager, seconds, ranks)
 
 
 def run_job(cells: list[tuple[str, str]], timeout: float
