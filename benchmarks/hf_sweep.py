@@ -109,6 +109,10 @@ def main() -> None:
     from tests import hf_catalogue, hf_sweep
 
     torch.set_num_threads(1)
+    import resource
+
+    # a family whose one-process runs would take the machine: a MemoryError for it
+    resource.setrlimit(resource.RLIMIT_AS, (16 << 30, resource.RLIM_INFINITY))
     strategies = args.strategies.split(",") if args.strategies else list(hf_sweep.STRATEGIES)
     versions = (f"{time.strftime('%Y-%m-%d')}, transformers {transformers.__version__}, "
                 f"torch {torch.__version__}")
@@ -131,21 +135,39 @@ def main() -> None:
         runnable = [f for f in families if not built[f]]
         print(f"{len(runnable)} of {len(families)} families build", flush=True)
 
+        progress = (args.json or "hf_sweep.json") + "l"  # a line per cell as it ends
+        done = {}
+        if os.path.exists(progress):  # a run that stopped: its cells are kept
+            for line in open(progress):
+                c = json.loads(line)
+                done[c["family"], c["strategy"]] = c
+
+        def record(o) -> dict:
+            return {"family": o.family, "strategy": o.strategy, "outcome": o.outcome,
+                    "detail": o.detail, "diff": o.diff, "eager": o.eager,
+                    "seconds": round(o.seconds, 2),
+                    "trace": next((r["trace"] for r in o.ranks if "trace" in r), "")}
+
         def log(o) -> None:
             print(f"{o.family:<28} {o.strategy:<10} {o.outcome:<8} {o.seconds:6.1f} s "
-                  f"{o.detail[:160]}", flush=True)
+                  f"{o.eager} eager {o.detail[:160]}", flush=True)
+            with open(progress, "a") as f:
+                f.write(json.dumps(record(o)) + "\n")
 
         start = time.perf_counter()
-        todo = [(f, s) for s in strategies for f in runnable]
+        # family by family (each family's one-process runs are made once and dropped
+        # when its cells are done)
+        todo = [(f, s) for f in runnable for s in strategies]
         if args.again:
             todo = [c for c in todo if c in again]
+        else:
+            todo = [c for c in todo if c not in done]
         outcomes = hf_sweep.sweep(todo, log=log)
         print(f"\n{len(outcomes)} cells in {time.perf_counter() - start:.0f} s")
-        cells = [{"family": o.family, "strategy": o.strategy, "outcome": o.outcome,
-                  "detail": o.detail, "diff": o.diff, "eager": o.eager,
-                  "seconds": round(o.seconds, 2),
-                  "trace": next((r["trace"] for r in o.ranks if "trace" in r), "")}
-                 for o in outcomes]
+        ran = {(o.family, o.strategy) for o in outcomes}
+        cells = [c for key, c in done.items() if key not in ran] + [record(o) for o in outcomes]
+        order = {s: i for i, s in enumerate(hf_sweep.STRATEGIES)}
+        cells.sort(key=lambda c: (order[c["strategy"]], c["family"]))
         if args.merge:
             ran = {(c["family"], c["strategy"]) for c in cells}
             cells = [c for c in merged["cells"] if (c["family"], c["strategy"]) not in ran

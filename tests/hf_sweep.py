@@ -381,4 +381,7 @@ def sweep(cells: list[tuple[str, str]], *, timeout: float = 300.0, chunk: int = 
                 log(outcomes[stuck])
         elif not done:
             raise RuntimeError(f"a job of {batch} returned nothing")
+        left = {f for f, _ in pending}
+        for family in [f for f in wanted if f not in left]:
+            del wanted[family]  # (its outputs and parameters: memory)
     return [outcomes[c] for c in cells]
