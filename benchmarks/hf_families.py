@@ -1,7 +1,7 @@
 """Which Hugging Face causal-LM families build offline from the catalogue's tiny configs
 (issue 43's first column): every ``model_type`` of transformers'
 ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, built by ``tests/hf_catalogue.py`` (generic tiny
-sizes in every sub-config, a family's own where it needs them, float64, experts as a loop)
+sizes in every sub-config, a family's own where it needs them, float64, experts as batched_mm)
 and run forward on 2 x 8 tokens, each within ``--seconds``. Nothing is downloaded.
 
     python benchmarks/hf_families.py [--seconds 20] [--only llama,glm]

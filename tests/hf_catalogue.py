@@ -5,7 +5,11 @@ A family is a ``model_type`` of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAME
 config is the family's default, shrunk by :data:`TINY` (hidden 32, 2 layers, 4 heads,
 vocabulary 64) in every sub-config (a multimodal model's vision tower too), with every
 dropout and router jitter at 0 (the one process and the ranks must compute the same), the
-experts as a loop (``torch._grouped_mm`` takes no float64), and then :data:`OWN`: what a
+experts as transformers' ``batched_mm`` (every token's experts' weights gathered and
+multiplied at once: ``torch._grouped_mm`` takes no float64, and the ``eager`` loop over
+the experts a rank's tokens reach runs a graph a data-dependent number of times, which
+fsdp's per-run gathers cannot follow: its ranks stop, naming the collective where they
+disagree), and then :data:`OWN`: what a
 family needs beyond the generic sizes (a rotary dimension, a state-space head count, a
 layer-type list). The model is built in float64 (its buffers too: the default dtype is
 float64 while it is built) from a seeded generator, the same every call, and wrapped in
@@ -121,7 +125,7 @@ def config(family: str) -> Any:
         setattr(cfg, key, value)
     _set(cfg, "is_decoder", True)  # an encoder family's causal LM attends causally
     for c in [cfg, *(getattr(cfg, k) for k in vars(cfg) if k.endswith("_config"))]:
-        _set(c, "_experts_implementation", "eager")
+        _set(c, "_experts_implementation", "batched_mm")
         _set(c, "use_cache", False)
     return cfg
 
