@@ -103,10 +103,17 @@ def main() -> None:
     parser.add_argument("--readme", action="store_true", help="write README.md's table")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    import multiprocessing
+
     import torch
     import transformers
 
     from tests import hf_catalogue, hf_sweep
+
+    # ranks fork from a server that has these imported: a job starts in a second
+    multiprocessing.set_forkserver_preload(["torch", "transformers", "spmd",
+                                            "spmd.runtime.collectives", "tests.hf_sweep",
+                                            "tests.hf_catalogue"])
 
     torch.set_num_threads(1)
     import resource

@@ -26,7 +26,7 @@ CI: dict[str, tuple[str, ...]] = {
     "phi": ("ddp", "tp"),                 # partial rotary, biases, a dense head
     "olmo2": ("fsdp", "tp"),              # q and k norms over the split heads
     "granite_swa": ("tp", "fsdp x tp"),   # attention sinks split by their own key
-    "qwen3_moe": ("tp",),                 # experts as a loop beside a split attention
+    "qwen3_moe": ("tp",),                 # experts (batched) beside a split attention
     "gemma": ("ddp", "fsdp"),             # a scaled, tied embedding
 }
 
