@@ -46,9 +46,10 @@ __all__ = ["megatron", "Preset", "Resolved", "resolve_placements", "resolve_layo
 # merges the batch with each rank's heads in a reshape: a StridedShard of the batch).
 COLUMN = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv", "q", "k",
           "v", "fc1", "linear1", "w1", "w3", "up_proj", "gate_proj", "c_fc",
-          "dense_h_to_4h", "ff1", "mlp_in", "in_proj")
+          "dense_h_to_4h", "ff1", "mlp_in", "in_proj", "Wq", "Wk", "Wv", "project_q",
+          "project_k", "project_v")
 ROW = ("o_proj", "out_proj", "wo", "o", "proj", "fc2", "linear2", "w2", "down_proj", "c_proj",
-       "dense_4h_to_h", "ff2", "mlp_out", "dense")
+       "dense_4h_to_h", "ff2", "mlp_out", "dense", "attention_out")
 # fused projections of q, k and v of equal sizes, concatenated along the output
 FUSED = ("c_attn",)
 

@@ -233,3 +233,19 @@ def test_a_fused_gate_up_projection_gathered_for_its_chunk_plans():
     assert [c.kind for c in grads] == ["all_gather"] * len(entry.blocks), \
         [(c.kind, c.provenance.reason) for c in grads]
     assert "StridedShard(0, split=2) -> Replicate()" in grads[0].provenance.reason
+
+
+@pytest.mark.parametrize("family,column,row", [("ctrl", "Wq", "dense"),
+                                               ("cpmant", "project_q", "attention_out")])
+def test_a_family_without_a_plan_is_split_by_its_layer_names(family, column, row):
+    """CTRL's and CPM-Ant's attention (no base_model_tp_plan): their query projections
+    column-parallel, their output projections row-parallel (the sweep refused them
+    before: no layer name it knew)."""
+    from .. import hf_catalogue
+
+    model = hf_catalogue.build(family)
+    placed = spmd.tp.megatron(model)["tp"]
+    columns = [n for n in placed if n.endswith(f".{column}.weight")]
+    rows = [n for n in placed if n.endswith(f".{row}.weight")]
+    assert len(columns) == 2 and all(placed[n] == Shard(0) for n in columns)
+    assert len(rows) == 2 and all(placed[n] == Shard(1) for n in rows)
