@@ -157,6 +157,11 @@ def _base_models(model: nn.Module) -> Iterator[tuple[str, nn.Module, Mapping[str
             continue
         if prefix and getattr(module, prefix, module) is not module:
             continue  # a wrapper (LlamaForCausalLM): its base model comes later in the walk
+        if any(getattr(child, "config", None) is config
+               and isinstance(getattr(child, "base_model_prefix", None), str)
+               for child in module.children()):
+            continue  # a wrapper whose prefix names no attribute (Llama4ForCausalLM's
+            # "language_model" over its .model): its base model is that child
         if not isinstance(plan, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
             raise TypeError(f"spmd.tp.megatron: {type(config).__name__}.base_model_tp_plan "

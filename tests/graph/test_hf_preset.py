@@ -249,3 +249,18 @@ def test_a_family_without_a_plan_is_split_by_its_layer_names(family, column, row
     rows = [n for n in placed if n.endswith(f".{row}.weight")]
     assert len(columns) == 2 and all(placed[n] == Shard(0) for n in columns)
     assert len(rows) == 2 and all(placed[n] == Shard(1) for n in rows)
+
+
+def test_a_wrapper_whose_prefix_names_no_attribute_keeps_its_plan():
+    """Llama4ForCausalLM's base_model_prefix is 'language_model', but it holds its base
+    model as .model: the plan is read on that child (the sweep refused llama4_text under
+    tp: its plan matched nothing)."""
+    from .. import hf_catalogue
+
+    placed = spmd.tp.megatron(hf_catalogue.build("llama4_text"))["tp"]
+    assert placed["hf.model.layers.0.self_attn.q_proj.weight"] == Shard(0)
+    assert placed["hf.model.layers.1.self_attn.o_proj.weight"] == Shard(1)
+    # the experts' own keys: gate_up 'packed_rowwise' (experts, hidden, 2 x inner), down
+    # 'colwise' (experts, inner, hidden)
+    assert placed["hf.model.layers.0.feed_forward.experts.gate_up_proj"] == StridedShard(2, 2)
+    assert placed["hf.model.layers.0.feed_forward.experts.down_proj"] == Shard(1)
