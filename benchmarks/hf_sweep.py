@@ -55,14 +55,15 @@ def table(cells: list[dict], built: dict[str, str], strategies: list[str],
     for s in strategies:
         row = [c for c in cells if c["strategy"] == s]
         count = {k: sum(c["outcome"] == k for c in row) for k in SHORT}
+        unrun = count["skipped"] + len(tried) - len(row)  # (a sweep stopped part-way)
         lines.append(f"| {s} | {count['equal']} | {count['refused']} | {count['differs']} "
-                     f"| {count['crash']} | {count['hang']} | {count['skipped']} |")
+                     f"| {count['crash']} | {count['hang']} | {unrun} |")
     lines += ["", "| family | " + " | ".join(strategies) + " |",
               "|---|" + "---|" * len(strategies)]
     for family in sorted(by_family):
         row = by_family[family]
         lines.append(f"| {family} | " + " | ".join(
-            cell_text(row[s]) if s in row else "" for s in strategies) + " |")
+            cell_text(row[s]) if s in row else "not yet run" for s in strategies) + " |")
     reasons: dict[str, list[str]] = {}
     for c in cells:
         if c["outcome"] != "equal":
