@@ -58,6 +58,7 @@ def table(cells: list[dict], built: dict[str, str], strategies: list[str],
         unrun = count["skipped"] + len(tried) - len(row)  # (a sweep stopped part-way)
         lines.append(f"| {s} | {count['equal']} | {count['refused']} | {count['differs']} "
                      f"| {count['crash']} | {count['hang']} | {unrun} |")
+    summary = len(lines)
     lines += ["", "| family | " + " | ".join(strategies) + " |",
               "|---|" + "---|" * len(strategies)]
     for family in sorted(by_family):
@@ -76,10 +77,15 @@ def table(cells: list[dict], built: dict[str, str], strategies: list[str],
     if missing:
         lines += ["", f"Not built from a tiny config ({len(missing)}): " + "; ".join(
             f"{f} ({why})" for f, why in sorted(missing.items()))]
-    return "\n".join(lines)
+    short = lines[:summary] + ["", "Every family's row: [docs/hf-families.md]"
+                                   "(docs/hf-families.md)."]
+    return "\n".join(short), "\n".join(lines)
 
 
-def write_readme(section: str) -> None:
+def write_readme(sections: tuple[str, str]) -> None:
+    """The counts into README.md (between its markers), every family's row into
+    docs/hf-families.md."""
+    short, whole = sections
     path = os.path.join(ROOT, "README.md")
     text = open(path).read()
     if BEGIN not in text or END not in text:
@@ -87,7 +93,11 @@ def write_readme(section: str) -> None:
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     with open(path, "w") as f:
-        f.write(f"{head}{BEGIN}\n{section}\n{END}{tail}")
+        f.write(f"{head}{BEGIN}\n{short}\n{END}{tail}")
+    with open(os.path.join(ROOT, "docs", "hf-families.md"), "w") as f:
+        f.write("# Hugging Face families under every strategy\n\nWritten by `python "
+                "benchmarks/hf_sweep.py --readme`; how a cell is judged: README's "
+                "\"Hugging Face families\" and docs/testing.md.\n\n" + whole + "\n")
 
 
 def main() -> None:
@@ -187,10 +197,10 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump({"cells": cells, "built": built, "versions": versions}, f,
                           indent=1)
-    section = table(cells, built, strategies, versions)
-    print(section)
+    sections = table(cells, built, strategies, versions)
+    print(sections[1])
     if args.readme:
-        write_readme(section)
+        write_readme(sections)
 
 
 if __name__ == "__main__":
