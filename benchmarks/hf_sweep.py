@@ -4,12 +4,15 @@ steps with clipping in float64 under ddp, fsdp, tp (2 ranks, the family's own pl
 fsdp x tp (2 x 2), each compared with one process (``tests/hf_sweep.py`` says how a cell
 is judged: equal, refused, differs, crash, hang).
 
-    python benchmarks/hf_sweep.py [--only llama,glm] [--strategies ddp,tp]
-                                  [--json hf_sweep.json] [--readme]
+    python benchmarks/hf_sweep.py [--only llama,glm] [--strategies ddp,tp] [--again]
+                                  [--json benchmarks/hf_sweep.json] [--readme]
 
-Prints every cell as it ends, then the table and the counts. ``--json`` keeps the cells
-(a later ``--readme --from-json F`` writes the table without running again);
-``--readme`` writes the table into README.md between its ``hf-sweep`` markers. About an
+Prints every cell as it ends, then the table and the counts. Each cell is appended to
+``<--json>l`` as it ends (a stopped run resumes there; ``--again`` reruns the cells that
+were not equal or refused), and ``--json`` gets the whole at the end (a later
+``--readme --from-json F`` writes the table without running again);
+``--readme`` writes the counts into README.md (between its ``hf-sweep`` markers) and every
+family's row into docs/hf-families.md. About an
 hour on 2 cores for every family.
 """
 
@@ -107,10 +110,8 @@ def main() -> None:
                         "tp, 'fsdp x tp'")
     parser.add_argument("--json", default="", help="write the cells here")
     parser.add_argument("--from-json", default="", help="read the cells, run nothing")
-    parser.add_argument("--merge", default="", help="a --json file whose cells the ones run "
-                        "now replace (and --json then writes the whole)")
-    parser.add_argument("--again", action="store_true", help="with --merge: run its cells "
-                        "that were not equal or refused (after a fix)")
+    parser.add_argument("--again", action="store_true", help="run the cells of --json's "
+                        "progress file that were not equal or refused (after a fix)")
     parser.add_argument("--readme", action="store_true", help="write README.md's table")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -138,27 +139,25 @@ def main() -> None:
         saved = json.load(open(args.from_json))
         cells, built, versions = saved["cells"], saved["built"], saved["versions"]
     else:
-        merged = json.load(open(args.merge)) if args.merge else {"cells": [], "built": {}}
-        families = hf_catalogue.families()
-        if args.only:
-            families = [f for f in families if f in args.only.split(",")]
-        if args.again:
-            again = {(c["family"], c["strategy"]) for c in merged["cells"]
-                     if c["outcome"] not in ("equal", "refused")}
-            families = sorted({f for f, _ in again})
-        built = {}
-        for family in families:
-            model, why = hf_catalogue.try_build(family)
-            built[family] = why
-        runnable = [f for f in families if not built[f]]
-        print(f"{len(runnable)} of {len(families)} families build", flush=True)
-
-        progress = (args.json or "hf_sweep.json") + "l"  # a line per cell as it ends
+        json_path = args.json or "hf_sweep.json"
+        progress = json_path + "l"  # a line per cell as it ends: a stopped run resumes
         done = {}
-        if os.path.exists(progress):  # a run that stopped: its cells are kept
+        if os.path.exists(progress):
             for line in open(progress):
                 c = json.loads(line)
                 done[c["family"], c["strategy"]] = c
+        families = hf_catalogue.families()
+        if args.only:
+            families = [f for f in families if f in args.only.split(",")]
+        again = {key for key, c in done.items() if c["outcome"] not in ("equal", "refused")}
+        if args.again:
+            families = [f for f in families if f in {g for g, _ in again}]
+        # what an earlier run (of other families) found stays in the table
+        built = json.load(open(json_path))["built"] if os.path.exists(json_path) else {}
+        for family in families:
+            built[family] = hf_catalogue.try_build(family)[1]
+        runnable = [f for f in families if not built[f]]
+        print(f"{len(runnable)} of {len(families)} families build", flush=True)
 
         def record(o) -> dict:
             return {"family": o.family, "strategy": o.strategy, "outcome": o.outcome,
@@ -176,27 +175,15 @@ def main() -> None:
         # family by family (each family's one-process runs are made once and dropped
         # when its cells are done)
         todo = [(f, s) for f in runnable for s in strategies]
-        if args.again:
-            todo = [c for c in todo if c in again]
-        else:
-            todo = [c for c in todo if c not in done]
+        todo = [c for c in todo if (c in again if args.again else c not in done)]
         outcomes = hf_sweep.sweep(todo, log=log)
         print(f"\n{len(outcomes)} cells in {time.perf_counter() - start:.0f} s")
-        ran = {(o.family, o.strategy) for o in outcomes}
-        cells = [c for key, c in done.items() if key not in ran] + [record(o) for o in outcomes]
+        cells = {**done, **{(o.family, o.strategy): record(o) for o in outcomes}}
         order = {s: i for i, s in enumerate(hf_sweep.STRATEGIES)}
-        cells.sort(key=lambda c: (order[c["strategy"]], c["family"]))
-        if args.merge:
-            ran = {(c["family"], c["strategy"]) for c in cells}
-            cells = [c for c in merged["cells"] if (c["family"], c["strategy"]) not in ran
-                     and not (c["family"] in built and built[c["family"]])] + cells
-            built = {**merged["built"], **built}
-            order = {s: i for i, s in enumerate(hf_sweep.STRATEGIES)}
-            cells.sort(key=lambda c: (order[c["strategy"]], c["family"]))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"cells": cells, "built": built, "versions": versions}, f,
-                          indent=1)
+        cells = sorted((c for (f, _), c in cells.items() if not built.get(f)),
+                       key=lambda c: (order[c["strategy"]], c["family"]))
+        with open(json_path, "w") as f:
+            json.dump({"cells": cells, "built": built, "versions": versions}, f, indent=1)
     sections = table(cells, built, strategies, versions)
     print(sections[1])
     if args.readme:
