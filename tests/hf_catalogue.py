@@ -66,9 +66,6 @@ OWN: dict[str, dict[str, Any]] = {
                      lsh_attn_chunk_length=4, num_buckets=4),
 }
 
-# families the catalogue does not build, and why (checked: a family listed here that
-# builds is reported by tests/hf_catalogue's own test)
-SKIP: dict[str, str] = {}
 
 _DROPOUT_WORDS = ("dropout", "pdrop", "drop_rate", "jitter")
 
@@ -145,8 +142,6 @@ def build(family: str) -> nn.Module:
     """The family's causal LM from :func:`config`, float64, the same weights every call."""
     from transformers import AutoModelForCausalLM
 
-    if family in SKIP:
-        raise ValueError(f"{family}: {SKIP[family]}")
     cfg = config(family)
     default = torch.get_default_dtype()
     with torch.random.fork_rng(devices=[]):

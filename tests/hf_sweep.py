@@ -184,20 +184,13 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0][:300] if text else ""
 
 
-def _data_index(mesh, strategy) -> tuple[int, int]:
-    index, count = 0, 1
-    for dim in strategy.data_dims:
-        size = mesh.size(dim)
-        index, count = index * size + mesh.get_group(dim).rank(), count * size
-    return index, count
-
-
 def _cell(family: str, strategy: str) -> dict:
     """This rank's run of one cell: its rows, outputs and parameters, or where and what it
     raised."""
     import spmd
 
     from .hf_catalogue import build
+    from .zoo import data_index
 
     shape, names, kind, tp = STRATEGIES[strategy]
     start = time.perf_counter()
@@ -207,7 +200,7 @@ def _cell(family: str, strategy: str) -> dict:
         model = spmd.parallelize(build(family), mesh=mesh, strategy=kind,
                                  placements=spmd.tp.megatron() if tp else None)
         planned = model._spmd.setup.strategy
-        index, count = _data_index(planned.mesh, planned)
+        index, count = data_index(planned.mesh, planned)
         per = ROWS // count
         rows = slice(index * per, (index + 1) * per)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)

@@ -202,6 +202,16 @@ ZOO: dict[str, Entry] = {e.name: e for e in [
 ]}
 
 
+def data_index(mesh: Any, strategy: Any) -> tuple[int, int]:
+    """This rank's index among a planned strategy's data-parallel ranks, and their count:
+    which rows of the global batch it trains on."""
+    index, count = 0, 1
+    for dim in strategy.data_dims:
+        size = mesh.size(dim)
+        index, count = index * size + mesh.get_group(dim).rank(), count * size
+    return index, count
+
+
 def own_llama_entries() -> list[Entry]:
     """Our own LLaMA-style models (``tests/llama.py``, family 'llama'), one per rotary form
     and grouped-query form, named ``llama_<rope>_<gqa>``; the RMSNorm forms (by hand,

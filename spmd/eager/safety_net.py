@@ -61,7 +61,7 @@ class SafetyNet:
     def _on_grad(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         """Every parameter's summed gradient for this backward passes here once (None
         where a graph gave it none: nothing to reduce, as eager leaves it)."""
-        if grad is None or not self.sync.backward:  # the forward ran under no_sync(): accumulate locally
+        if grad is None or not self.sync.backward:  # (not: under no_sync(), kept locally)
             return grad
         if self.reducer.pending:
             self.queue_finish()

@@ -43,7 +43,7 @@ import spmd
 from spmd import runtime as dist
 
 from ..jobs import Jobs
-from ..zoo import ZOO, all_entries, entry
+from ..zoo import ZOO, all_entries, data_index, entry
 
 pytest.importorskip("transformers")
 
@@ -136,15 +136,6 @@ def _train(model, e, rows: slice, clip, total: int = ROWS
     return outputs, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _data_index(mesh, strategy) -> tuple[int, int]:
-    """This rank's index among the data-parallel ranks, and their count."""
-    index, count = 0, 1
-    for dim in strategy.data_dims:
-        size = mesh.size(dim)
-        index, count = index * size + mesh.get_group(dim).rank(), count * size
-    return index, count
-
-
 def _run(name: str, composition: str) -> dict:
     shape, names, strategy, tp = COMPOSITIONS[composition]
     e = entry(name)
@@ -158,7 +149,7 @@ def _run(name: str, composition: str) -> dict:
                                          vocab_parallel="vp" in tp)
     model = spmd.parallelize(e.model(), mesh=mesh, strategy=strategy, placements=placements)
     planned = model._spmd.setup.strategy  # (2-D fsdp: on the mesh with "dp_fsdp")
-    index, count = _data_index(planned.mesh, planned)
+    index, count = data_index(planned.mesh, planned)
     total = ROWS_OF.get(composition, ROWS)
     per = total // count
     rows = slice(index * per, (index + 1) * per)
