@@ -24,6 +24,8 @@ _LAZY = {
     "ProcessGroup": "spmd.runtime.process_group",
     "Work": "spmd.runtime.process_group",
     "Mesh": "spmd.runtime.mesh",
+    "Topology": "spmd.runtime.topology",
+    "get_topology": "spmd.runtime.topology",
     **{name: "spmd.runtime.groups" for name in (
         "init_process_group", "destroy_process_group", "is_initialized", "get_rank",
         "get_world_size", "get_backend", "new_group", "get_process_group_ranks",

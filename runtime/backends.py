@@ -2,8 +2,8 @@
 
 The data plane is always an existing engine; what we own is how it is set up. Gloo is
 pinned to loopback when every rank is on this machine, so it never resolves the host's
-name (a reverse lookup that can stall for seconds on some machines), and to
-``GLOO_SOCKET_IFNAME`` when set.
+name (a reverse lookup that can stall for seconds on some machines), to the address on
+the route to the master when the job spans hosts, and to ``GLOO_SOCKET_IFNAME`` when set.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.distributed as _dist
 
 from spmd.runtime.store.base import Store
 from spmd.runtime.store.torch_adapter import to_torch_store
+from spmd.runtime.topology import local_address
 
 __all__ = ["BACKENDS", "available", "default_backend", "make_backend"]
 
@@ -72,7 +73,10 @@ def _gloo_device(master_host: str | None) -> object:
         return gloo.create_device(interface=iface.split(",")[0])
     if _is_local(master_host):
         return gloo.create_device(hostname="127.0.0.1")
-    return gloo.create_default_device()
+    # this host's address on the route to the master: what the other hosts reach it by
+    # (Gloo's default device resolves the host's own name, which may map to loopback, or
+    # stall for seconds on a reverse lookup)
+    return gloo.create_device(hostname=local_address(master_host))
 
 
 def make_backend(

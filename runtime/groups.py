@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch.distributed as _dist
 
-from spmd.runtime import backends, config, context, torch_groups
+from spmd.runtime import backends, config, context, topology, torch_groups
 from spmd.runtime.process_group import ProcessGroup
 from spmd.runtime.rendezvous import rendezvous
 from spmd.runtime.store.base import Store, as_seconds
@@ -50,6 +50,7 @@ class _World:
         self.default: ProcessGroup | None = None
         self.counter = 0  # new_group() calls, for names
         self.meshes = 0  # Mesh() calls, for names
+        self.topology: Any = None  # spmd.runtime.topology.get_topology(), once read
 
 
 def _debug_level(debug: object) -> bool:
@@ -168,6 +169,7 @@ def init_process_group(
         base, me, size = rendezvous(url, rank if rank >= 0 else None,
                                     world_size if world_size > 0 else None, pg_timeout)
     master_host, host_rank = _store_host(base, context.getenv("MASTER_ADDR"))
+    topology.publish(base, me)  # where this rank runs; get_topology() reads them all
     state = _World(base, me, size, name, pg_timeout, debug_on, master_host, host_rank,
                    own_store=store is None)
     group = _make_group(state, group_name or "default", list(range(size)), name, pg_timeout)

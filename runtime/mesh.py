@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from spmd.runtime.groups import new_group, world
 from spmd.runtime.process_group import ProcessGroup
+from spmd.runtime.topology import Topology, get_topology
 
 __all__ = ["Mesh"]
 
@@ -264,6 +265,26 @@ class Mesh:
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+    @property
+    def topology(self) -> Topology:
+        """Where the mesh's ranks run (indexed by global rank): on a simulated mesh the
+        hardware model's nodes (``ranks_per_node`` consecutive ranks each; one host
+        without a hardware model), on a live one the job's (:func:`get_topology`)."""
+        if self.simulated:
+            per = getattr(self.hardware, "ranks_per_node", None) or len(self.ranks)
+            return Topology.uniform(len(self.ranks), per)
+        return get_topology()
+
+    def hosts_along(self, dim: int | str) -> int:
+        """The most hosts any slice along ``dim`` spans (1: its collectives stay inside
+        hosts)."""
+        topo = self.topology
+        return max(len(topo.split(s)) for s in self.slices(dim))
+
+    def crosses_hosts(self, dim: int | str) -> bool:
+        """Whether collectives along ``dim`` cross the network between hosts."""
+        return self.hosts_along(dim) > 1
 
     def _dim(self, dim: int | str) -> int:
         if isinstance(dim, str):

@@ -9,7 +9,8 @@ Three schemes, as in ``torch.distributed``:
   ``SLURM_NTASKS`` stand in for ``RANK`` and ``WORLD_SIZE``, and under MPI launchers
   (``mpirun``) ``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE`` (Open MPI) or
   ``PMI_RANK``/``PMI_SIZE`` (MPICH, Intel MPI) do. Under torchrun's agent store
-  (``TORCHELASTIC_USE_AGENT_STORE=True``) every rank is a client of the agent's store.
+  (``TORCHELASTIC_USE_AGENT_STORE=True``) every rank is a client of the agent's store, and
+under ``python -m spmd.runtime.run`` (``SPMD_AGENT_STORE``, the key prefix) of our agent's.
 
 Rank and world size come from the arguments, then the URL's query, then the
 environment; two sources that disagree are an error. Everything is checked before any
@@ -151,6 +152,7 @@ def _rendezvous(
         raise ValueError(f"rendezvous: unknown parameter(s) {sorted(unknown)} in {url!r}")
 
     agent_store = False
+    our_agent = None
     if scheme == "env":
         rank = _pick("rank", rank, query,
                      ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"), url)
@@ -160,6 +162,7 @@ def _rendezvous(
         host = _env("MASTER_ADDR", url)
         port = _port(_env("MASTER_PORT", url), "MASTER_PORT")
         agent_store = getenv("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        our_agent = getenv("SPMD_AGENT_STORE")
     else:
         rank = _pick("rank", rank, query, (), url)
         world_size = _pick("world_size", world_size, query, (), url, need_world_size)
@@ -195,6 +198,9 @@ def _rendezvous(
                 + ("" if parts.path else " (path missing)")
             )
         store = FileStore(parts.path, world_size, timeout)
+    elif our_agent:  # spmd.runtime.run's agent serves the store; every rank is a client
+        store = PrefixStore(our_agent, TCPStore(host, port, world_size, False, timeout,
+                                                rank=rank))
     elif agent_store:
         from spmd.runtime.store.torch_adapter import TorchStore
         import torch.distributed as tdist

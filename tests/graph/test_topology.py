@@ -1,0 +1,52 @@
+"""Topology: which ranks share a host, and which mesh dimensions cross hosts (no
+processes: names as ranks would publish them, and simulated meshes)."""
+
+from __future__ import annotations
+
+import pytest
+
+import spmd
+from spmd.runtime.topology import Topology, host_name
+
+
+def test_hosts_are_numbered_by_first_rank():
+    topo = Topology.from_names(["b", "b", "a", "a", "c", "b"])
+    assert topo.hosts == (0, 0, 1, 1, 2, 0)
+    assert topo.names == ("b", "a", "c")
+    assert topo.ranks_on(0) == [0, 1, 5]
+    assert topo.split([5, 2, 3, 0]) == [[5, 0], [2, 3]]
+    assert topo.per_host([0, 1, 2, 3]) == 2
+    assert topo.per_host([0, 1, 2, 4]) is None  # 2, 1 and 1: not even
+    assert topo.describe() == "3 host(s) (discovered); b: ranks 0-1,5; a: ranks 2-3; c: ranks 4"
+    with pytest.raises(ValueError, match="outside"):
+        topo.host_of(6)
+
+
+def test_uniform_layout():
+    topo = Topology.uniform(8, 4)
+    assert topo.hosts == (0, 0, 0, 0, 1, 1, 1, 1)
+    assert topo.num_hosts == 2
+
+
+def test_host_name_follows_the_launcher(monkeypatch):
+    monkeypatch.delenv("SPMD_HOST", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    own = host_name()
+    assert "/net:" in own  # machine and network namespace
+    monkeypatch.setenv("GROUP_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert host_name() == "node3"  # torchrun's node rank
+    monkeypatch.setenv("SPMD_HOST", "rack1/host7")
+    assert host_name() == "rack1/host7"
+
+
+def test_simulated_mesh_dimensions_cross_hosts_by_the_hardware_model():
+    hw = spmd.hardware.H100_SXM(nodes_of=8)
+    mesh = spmd.Mesh.simulated((4, 8), ("dp", "tp"), hardware=hw)
+    assert mesh.topology.num_hosts == 4
+    assert mesh.crosses_hosts("dp") and not mesh.crosses_hosts("tp")
+    assert mesh.hosts_along("dp") == 4
+    mesh = spmd.Mesh.simulated((8, 4), ("tp", "dp"), hardware=hw)
+    assert mesh.hosts_along("tp") == 4 and mesh.hosts_along("dp") == 1
+    assert not spmd.Mesh.simulated(16).crosses_hosts("dp")  # no hardware model: one host
