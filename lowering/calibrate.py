@@ -8,14 +8,15 @@ model keeps its shape and only its constants change.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
 
-from spmd.lowering.cost_model import CostModel
+from spmd.lowering.cost_model import CostModel, NetworkLink
 
-__all__ = ["calibrate", "fit"]
+__all__ = ["calibrate", "fit", "probe_network"]
 
 
 def fit(samples: list[tuple[int, float]], model: CostModel) -> CostModel:
@@ -41,3 +42,23 @@ def calibrate(group: Any, model: CostModel) -> CostModel:
     if group is None or group.size() <= 1:
         return model
     return fit(measure_all_reduce(group), model)
+
+
+def probe_network(group: Any, model: CostModel) -> CostModel:
+    """``model`` with the link between hosts measured, where ``group`` spans hosts (a
+    short all-reduce probe among one rank per host; the same result on every rank), else
+    ``model`` itself."""
+    from spmd.runtime.calibration import measure_network
+
+    if group is None or group.size() <= 1:
+        return model
+    found = measure_network(group)
+    if found is None:
+        return model
+    hosts, samples = found
+    fitted = fit(samples, CostModel(backend=model.backend, world_size=hosts, alpha=0.0,
+                                    beta=0.0))
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    link = NetworkLink(alpha=fitted.alpha, beta=fitted.beta,
+                       source=f"probed at start-up over {hosts} hosts, {stamp}")
+    return replace(model, network=link)

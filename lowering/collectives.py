@@ -29,6 +29,8 @@ import torch
 import torch.fx as fx
 
 from spmd.lowering import ops, reduction
+from spmd.lowering.cost_model import TwoLevelCostModel
+from spmd.runtime import config
 from spmd.lowering.specs import CollectiveSpec
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import fill_val
@@ -65,6 +67,30 @@ def _spec(ctx: LoweringContext, step: Step, **fields: Any) -> tuple[CollectiveSp
     return spec, ctx.handles.add(spec)
 
 
+def _across_hosts(ctx: LoweringContext, step: Step, nbytes: int, why: str) -> tuple[str, str]:
+    """("hierarchical" or "native", why) for a bucket's all-reduce of ``nbytes``: the
+    two-level algorithm (``spmd.runtime.hierarchical``) where the dimension's groups span
+    hosts and the cost model prices it below the flat ring."""
+    model = ctx.cost_model_along(step.mesh_dim)
+    if not isinstance(model, TwoLevelCostModel) or ctx.mesh.simulated:
+        return "native", why
+    pick, flat, two = model.choice("all_reduce", nbytes)
+    hosts = model.world_size // model.per_node
+    assert two is not None
+    forced = config.hierarchical()
+    if forced != "auto":
+        pick = "hierarchical" if forced == "always" else "native"
+        return pick, (f"{'two-level' if forced == 'always' else 'flat ring'} across {hosts} "
+                      f"hosts (SPMD_HIERARCHICAL={forced}; the cost model predicts "
+                      f"{two * 1e6:.0f} µs two-level, {flat * 1e6:.0f} µs flat)")
+    if pick == "hierarchical":
+        return pick, (f"two-level across {hosts} hosts ({model.per_node} ranks each): "
+                      f"{two * 1e6:.0f} µs predicted against {flat * 1e6:.0f} µs for the flat "
+                      f"ring")
+    return "native", (f"flat ring across {hosts} hosts: {flat * 1e6:.0f} µs predicted against "
+                      f"{two * 1e6:.0f} µs for the two-level all-reduce")
+
+
 def build_bucket(gm: fx.GraphModule, ctx: LoweringContext, grads: list[fx.Node],
                  params: list[str], step: Step, provenance: Provenance,
                  gradients: bool = True) -> tuple[fx.Node, list[fx.Node]]:
@@ -80,6 +106,9 @@ def build_bucket(gm: fx.GraphModule, ctx: LoweringContext, grads: list[fx.Node],
     wire = (ctx.options.reduce_dtype if gradients else None) or dtype
     last = max(grads, key=order.__getitem__)
     algorithm, why = reduction.choose(wire, dtype, ctx.mesh.size(step.mesh_dim))
+    if algorithm == "native":
+        algorithm, why = _across_hosts(ctx, step, sum(int(g.meta["val"].numel()) for g in grads)
+                                       * wire.itemsize, why)
     if why:
         provenance = replace(provenance, reason=f"{provenance.reason}; {why}")
     # the float32 addition reads and writes the bucket in the gradients' dtype

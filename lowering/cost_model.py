@@ -40,7 +40,8 @@ import sympy
 if TYPE_CHECKING:
     from spmd.runtime.mesh import Mesh
 
-__all__ = ["CostModel", "TwoLevelCostModel", "formula", "DEFAULTS", "overlap_share", "along"]
+__all__ = ["CostModel", "TwoLevelCostModel", "NetworkLink", "formula", "DEFAULTS",
+           "overlap_share", "along"]
 
 p, n, alpha, beta, gamma = sympy.symbols("p n alpha beta gamma", positive=True)
 _log_p = sympy.ceiling(sympy.log(p, 2))
@@ -101,8 +102,19 @@ def _optimum(S: float, A: float, B: float, T: float) -> float:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class NetworkLink:
+    """The link between hosts of a live job: α (s per message) and β (s per byte) of one
+    flow on it, and where they came from (a probe at start-up)."""
+
+    alpha: float
+    beta: float
+    source: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class CostModel:
-    """α, β, γ for one backend at one world size, and where they came from."""
+    """α, β, γ for one backend at one world size, and where they came from; ``network``:
+    the link between hosts where the job spans several (None: one host)."""
 
     backend: str
     world_size: int
@@ -113,6 +125,7 @@ class CostModel:
     source: str = ""
     reference_world_size: int = 2  # the world size the constants were measured at
     overlap: float = 1.0  # share of backward compute that communication can hide behind
+    network: NetworkLink | None = None
 
     @classmethod
     def default(cls, backend: str, world_size: int) -> "CostModel":
@@ -203,18 +216,43 @@ class TwoLevelCostModel(CostModel):
     per_node: int = 1
     inner_alpha: float = 0.0
     inner_beta: float = 0.0
+    # β of one across-node group when the per_node groups run at once: beta where each
+    # rank has its own network path (a NIC per GPU), per_node x beta where a host's ranks
+    # share one link (this machine's simulated hosts)
+    outer_beta: float | None = None
 
     def seconds(self, kind: str, nbytes: int, algorithm: str | None = None) -> float:
+        """The time of the cheaper algorithm (``algorithm`` None), of the flat ring
+        (``"ring"``) or of the two-level one (``"hierarchical"``)."""
+        if algorithm == "hierarchical":
+            two = self._two_level(kind, nbytes)
+            if two is None:
+                raise ValueError(f"{kind} has no two-level algorithm over {self.world_size} "
+                                 f"ranks, {self.per_node} per node")
+            return two
         flat = CostModel.seconds(self, kind, nbytes, algorithm)
+        if algorithm is not None:
+            return flat
+        two = self._two_level(kind, nbytes)
+        return flat if two is None else min(flat, two)
+
+    def choice(self, kind: str, nbytes: int) -> tuple[str, float, float | None]:
+        """(``"hierarchical"`` or ``"ring"``, the flat ring's seconds, the two-level
+        algorithm's or None where it has none): which the planner runs for ``nbytes``."""
+        flat = CostModel.seconds(self, kind, nbytes, "ring")
+        two = self._two_level(kind, nbytes)
+        return ("hierarchical" if two is not None and two < flat else "ring"), flat, two
+
+    def _two_level(self, kind: str, nbytes: int) -> float | None:
         k = self.per_node
         nodes = self.world_size // k
-        if (algorithm not in (None, "ring") or k <= 1 or nodes <= 1
+        if (k <= 1 or nodes <= 1 or self.world_size % k
                 or kind not in ("all_reduce", "all_gather", "reduce_scatter")):
-            return flat
+            return None
         inner = CostModel(backend=self.backend, world_size=k, alpha=self.inner_alpha,
                           beta=self.inner_beta)
         outer = CostModel(backend=self.backend, world_size=nodes, alpha=self.alpha,
-                          beta=self.beta)
+                          beta=self.beta if self.outer_beta is None else self.outer_beta)
         share = nbytes // k
         if kind == "all_reduce":
             two = (inner.seconds("reduce_scatter", nbytes) + outer.seconds(
@@ -224,7 +262,7 @@ class TwoLevelCostModel(CostModel):
         else:
             two = inner.seconds("reduce_scatter", nbytes) + outer.seconds(
                 "reduce_scatter", share)
-        return min(flat, two)
+        return two
 
 
 def along(mesh: "Mesh", dim: str, measured: CostModel | None) -> CostModel:
@@ -238,4 +276,31 @@ def along(mesh: "Mesh", dim: str, measured: CostModel | None) -> CostModel:
     if measured is None:
         raise ValueError(f"no cost model along {dim!r}: {mesh} has no hardware model and "
                          f"none was measured")
-    return replace(measured, world_size=mesh.size(dim))
+    size = mesh.size(dim)
+    if measured.network is None or mesh.simulated or size <= 1 or not mesh.crosses_hosts(dim):
+        return replace(measured, world_size=size)
+    return _across_hosts(mesh, dim, measured, measured.network)
+
+
+def _across_hosts(mesh: "Mesh", dim: str, measured: CostModel, net: NetworkLink) -> CostModel:
+    """A live dimension whose groups span hosts: its flat ring runs at the network's speed,
+    slowed by the flows that leave a host at once (one per host where each host's ranks
+    are consecutive in the ring, more where hosts alternate); where each host holds the
+    same number of the group's ranks, the two-level algorithm is priced beside it, its
+    across-host groups sharing the host's one link."""
+    topo = mesh.topology
+    ranks = mesh.slices(dim)[0]
+    hosts = [topo.host_of(r) for r in ranks]
+    leaving = sum(1 for a, b in zip(hosts, hosts[1:] + hosts[:1]) if a != b)
+    flows = max(1, -(-leaving // len(set(hosts))))  # ring edges leaving one host
+    per = topo.per_host(ranks) or 1
+    source = (f"{measured.source}; across hosts: α {net.alpha * 1e6:.1f} µs, β "
+              f"{net.beta * 1e9:.3f} ns/B ({net.source}), {flows} flow(s) per host link")
+    fields = dict(backend=measured.backend, world_size=len(ranks), alpha=net.alpha,
+                  beta=net.beta * flows, gamma=0.0, algorithm="ring", source=source,
+                  reference_world_size=measured.reference_world_size,
+                  overlap=measured.overlap, network=net)
+    if per < 2 or len(ranks) % per:
+        return CostModel(**fields)
+    return TwoLevelCostModel(per_node=per, inner_alpha=measured.alpha,
+                             inner_beta=measured.beta, outer_beta=net.beta * per, **fields)

@@ -2,6 +2,9 @@
 wire, float32 addition), or the user's communication hook.
 
 - ``native``: the backend's all-reduce on the packed bucket, in the wire dtype.
+- ``hierarchical``: ``spmd.runtime.all_reduce_hierarchical``: within each host, across
+  hosts on a share of the bytes, within again; where the group spans hosts and the cost
+  model prices it below the flat ring (``spmd.lowering.collectives``).
 - ``fp32``: ``spmd.runtime.all_reduce_compressed``: sent in a low-precision ``reduce_dtype``
   by all-to-all, added in float32 by ``spmd.kernels.reduce_chunks``, all-gathered. The
   planner takes it where the backend would round partial sums in the wire dtype (bfloat16
@@ -58,6 +61,10 @@ def start(flat: torch.Tensor, group: Any, algorithm: str, wire: torch.dtype | No
     if algorithm == "fp32":
         return all_reduce_compressed(flat, group=group, async_op=True, wire_dtype=wire,
                                      combine=_combine)
+    if algorithm == "hierarchical":
+        from spmd.runtime.hierarchical import all_reduce_hierarchical
+
+        return all_reduce_hierarchical(flat, group=group, async_op=True)
     return collectives.all_reduce(flat, group=group, async_op=True)
 
 

@@ -153,7 +153,7 @@ class CollectiveSpec:
     result_dtype: torch.dtype | None = None
     sync: SyncState | None = None
     name: str = ""
-    algorithm: str = "native"  # "native" or "fp32" (spmd.lowering.reduction)
+    algorithm: str = "native"  # "native", "fp32" or "hierarchical" (spmd.lowering.reduction)
     compress: torch.dtype | None = None  # the "fp32" algorithm's wire dtype
     index: int = 0  # a gradient bucket's index, for communication hooks
     last: bool = False  # the graph's last gradient bucket

@@ -35,6 +35,8 @@ _LAZY = {
         "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
         "all_to_all_single", "barrier")},
     "all_reduce_compressed": "spmd.runtime.compressed",
+    **{name: "spmd.runtime.hierarchical" for name in (
+        "all_reduce_hierarchical", "hierarchy", "Hierarchy", "HierarchicalWork")},
     "CompressedWork": "spmd.runtime.compressed",
     **{name: "spmd.runtime.p2p" for name in (
         "send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv")},

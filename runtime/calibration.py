@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["measure_all_reduce"]
+__all__ = ["measure_all_reduce", "measure_network"]
 
 # Bucket-sized messages: Gloo takes another path below a few KiB (a 4-byte all-reduce
 # measured 173 µs here against 440 µs for 11 KiB), so tiny sizes would skew the fit.
@@ -48,3 +48,31 @@ def measure_all_reduce(group: Any, sizes: Sequence[int] = DEFAULT_SIZES, repeats
     shared = [samples]
     broadcast_object_list(shared, src=group.ranks[0], group=group)
     return shared[0]
+
+
+def measure_network(group: Any, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5,
+                    warmup: int = 1) -> tuple[int, list[tuple[int, float]]] | None:
+    """(hosts, ``(bytes, seconds)`` samples) of all-reduces across the hosts ``group``
+    spans, run by its first rank on each host while the others wait (one flow per host
+    link), shared with every rank of the group; None when the group is on one host.
+    Every rank of ``group`` must call it.
+
+    Example::
+
+        hosts, samples = measure_network(dist.new_group())
+    """
+    from spmd.runtime.groups import new_group, world
+    from spmd.runtime.objects import broadcast_object_list
+    from spmd.runtime.topology import get_topology
+
+    by_host = get_topology().split(group.ranks)
+    if len(by_host) < 2:
+        return None
+    firsts = [ranks[0] for ranks in by_host]
+    shared: list[Any] = [None]
+    if world("measure_network").rank in firsts:
+        name = f"{group.name}/network-probe"
+        probe = world("measure_network").groups.get(name) or new_group(firsts, group_name=name)
+        shared = [measure_all_reduce(probe, sizes, repeats, warmup)]
+    broadcast_object_list(shared, src=group.ranks[0], group=group)
+    return len(by_host), shared[0]

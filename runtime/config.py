@@ -33,6 +33,12 @@ variable                   default          meaning
                                             local shapes, gradients reduced, each decision
                                             on real shards); ``structure``: all but the
                                             real shards. See ``spmd.lowering.verify``
+``SPMD_HIERARCHICAL``      ``auto``         gradient all-reduces of groups across hosts:
+                                            ``auto`` as the cost model prices them,
+                                            ``always`` two-level where the group allows,
+                                            ``never`` the flat ring
+``SPMD_HOST``              unset            this rank's host name, for the topology (see
+                                            ``spmd.runtime.topology``)
 =========================  ===============  ================================================
 """
 
@@ -44,7 +50,7 @@ from datetime import timedelta
 __all__ = ["store_timeout", "auth_token", "store_max_message", "process_group_timeout",
            "debug_levels", "heartbeat_interval", "size_check", "rpc_shutdown_timeout", "rpc_retry_interval",
            "rpc_bind_host", "rpc_cma_enabled", "rpc_cma_threshold", "rpc_auth_token",
-           "verify_plans"]
+           "verify_plans", "hierarchical"]
 
 
 def _float_env(name: str, default: float) -> float:
@@ -163,3 +169,11 @@ def verify_plans() -> str | None:
     if raw == "structure":
         return "structure"
     raise ValueError(f"SPMD_VERIFY={raw!r}: expected 0, 1 or structure")
+
+
+def hierarchical() -> str:
+    """``SPMD_HIERARCHICAL``: ``auto`` (default), ``always`` or ``never``."""
+    raw = (_context_getenv("SPMD_HIERARCHICAL") or "auto").strip().lower()
+    if raw not in ("auto", "always", "never"):
+        raise ValueError(f"SPMD_HIERARCHICAL={raw!r}: expected auto, always or never")
+    return raw

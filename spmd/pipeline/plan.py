@@ -313,7 +313,7 @@ def of_run(cut: Any, schedule: Schedule, ranks: int, stages: dict[int, Any],
     the other stages' times carried over by FLOPs (:func:`scaled_costs`)."""
     from spmd.lowering.cost_model import CostModel
 
-    plans = {s: m.plan() for s, m in stages.items() if hasattr(m, "_spmd")}
+    plans = {s: m._spmd.plan() for s, m in stages.items() if hasattr(m, "_spmd")}
     known: dict[int, tuple[float, float]] = {}
     why: dict[int, str] = {}
     for s, plan in plans.items():

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from spmd.lowering.cost_model import CostModel, along
+from spmd.lowering.cost_model import CostModel, TwoLevelCostModel, along
 from spmd.lowering.graph import collective_nodes
 from spmd.lowering.options import Options
 from spmd.lowering.passes import Provenance
@@ -50,6 +50,7 @@ class Bucket:
     collective: str
     kind: str = "all_reduce"  # the collective's kind
     phase: str = "backward"  # the graph it runs in: "forward", "backward" or "step"
+    algorithm: str = "native"  # "native", "fp32" (compressed) or "hierarchical" (two-level)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -222,6 +223,7 @@ class Plan:
                              if self.shard_dims else ""))
         lines.append(f"cost model: {self.cost_model.backend} α={self.cost_model.alpha * 1e6:.1f} µs "
                      f"β={self.cost_model.beta * 1e9:.3f} ns/B ({self.cost_model.source})")
+        lines += self._links()
         for name, path in self.compute_paths.items():
             why = self.graph_reasons.get(name)
             lines.append(f"{name} ({why}) compute: {path}" if why else f"{name} compute: {path}")
@@ -264,6 +266,23 @@ class Plan:
 
     def __str__(self) -> str:
         return self.summary()
+
+    def _links(self) -> list[str]:
+        """The summary's lines on the link between hosts, where a live mesh spans some."""
+        net = self.cost_model.network
+        if net is None or self.mesh is None or self.mesh.simulated:
+            return []
+        lines = [f"hosts: {self.mesh.topology.describe()}"]
+        for dim in self.mesh.dim_names:
+            if self.mesh.size(dim) > 1 and self.mesh.crosses_hosts(dim):
+                lines.append(f"  mesh dimension {dim!r} crosses {self.mesh.hosts_along(dim)} "
+                             f"hosts: α {net.alpha * 1e6:.1f} µs, β {net.beta * 1e9:.3f} ns/B "
+                             f"per flow ({net.source})")
+        two = [b for b in self.buckets if b.algorithm == "hierarchical"]
+        if two:
+            lines.append(f"  {len(two)} of {len(self.buckets)} bucket(s) all-reduced in two "
+                         f"levels (within hosts, across on a share, within)")
+        return lines
 
     # -- views (spmd.plan.views) ---------------------------------------------------------------
 
@@ -487,7 +506,7 @@ def plan_from_records(records: list, *, setup: Setup, options: Options,
                 spec = _spec_of(info)
                 algorithm = getattr(spec, "algorithm", "native")
                 seconds = model.seconds(info.sent_as or info.kind, info.bytes,
-                                        "fp32" if algorithm == "fp32" else None)
+                                        _priced_as(algorithm, model, mesh))
                 name, ranks = group_name, group_ranks
                 if info.mesh_dim in setup.strategy.tp_dims and not mesh.simulated:
                     along_dim = mesh.get_group(info.mesh_dim)
@@ -500,7 +519,7 @@ def plan_from_records(records: list, *, setup: Setup, options: Options,
                     index=index, graph=record.name, params=info.params, dtype=info.dtype,
                     wire_dtype=info.wire_dtype, numel=sum(info.numels), bytes=info.bytes,
                     kernel=kernel, predicted_seconds=seconds, collective=node.name,
-                    kind=info.kind, phase=phase))
+                    kind=info.kind, phase=phase, algorithm=algorithm))
                 plan.collectives.append(Collective(
                     name=node.name, kind=info.kind, bytes=info.bytes, group=name,
                     group_ranks=ranks, bucket=index, graph=record.name,
@@ -563,6 +582,17 @@ def _rings(graph: fx.GraphModule, name: str, phase: str, mesh: Mesh, setup: Setu
             predicted_seconds=seconds, mesh_dim=spec.dim,
             placements="Shard(2) -> Shard(2)", phase=phase))
     return found
+
+
+def _priced_as(algorithm: str, model: CostModel, mesh: Mesh) -> str | None:
+    """The algorithm a collective is priced by: the one it runs where the planner chose
+    (the compressed or the two-level all-reduce); on a live dimension across hosts the
+    flat ring otherwise (what runs); elsewhere the model's own choice (None)."""
+    if algorithm in ("fp32", "hierarchical"):
+        return algorithm
+    if isinstance(model, TwoLevelCostModel) and not mesh.simulated:
+        return "ring"
+    return None
 
 
 def _model_of(info: CollectiveInfo, mesh: Mesh, setup: Setup) -> CostModel:

@@ -107,6 +107,10 @@ def cost_model_for(group: Any, world_size: int, backend: str, options: Options) 
         from spmd.lowering.calibrate import calibrate
 
         model = calibrate(group, model)
+    if group is not None and world_size > 1:  # the link between hosts, where it spans some
+        from spmd.lowering.calibrate import probe_network
+
+        model = probe_network(group, model)
     # ranks sharing this machine: the launcher says; a live group without one is taken as
     # one machine; a simulated mesh plans for the machine it runs on, whatever its size
     local = int(context.getenv("LOCAL_WORLD_SIZE") or (world_size if group is not None else 1))

@@ -1,0 +1,57 @@
+"""Every strategy across hosts equals one process (float64, 3 AdamW steps): on 2
+loopback hosts x 2 ranks (``SPMD_HOST``) here, with gradient all-reduces forced two-level
+and forced flat; across network namespaces under the launcher in tests/cpu/test_hosts.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from spmd import runtime as dist
+from tests import across_hosts
+
+HOSTS = ["h0", "h0", "h1", "h1"]
+TOL = 1e-12
+
+
+def _job(rank: int, layouts: list[str], mode: str) -> dict:
+    os.environ["SPMD_HIERARCHICAL"] = mode
+    return across_hosts.run(rank, layouts, HOSTS)
+
+
+def check(results: list[dict], layouts: list[str]) -> None:
+    expect = across_hosts.reference()
+    for rank, out in enumerate(results):
+        assert out["topology"] == (0, 0, 1, 1)
+        for layout in layouts:
+            got = out[layout]
+            assert "error" not in got, f"{layout} on rank {rank}: {got.get('error')}"
+            for name, value in expect.items():
+                diff = (got["params"][name] - value).abs().max().item()
+                assert diff <= TOL, f"{layout}: {name} is {diff:.3g} off on rank {rank}"
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_ddp_and_zero1_across_hosts_equal_one_process(mode):
+    layouts = ["ddp", "zero1"]
+    results = dist.spawn(_job, args=(layouts, mode), nprocs=4, start_method="forkserver",
+                         timeout=110)
+    check(results, layouts)
+    for out in results:
+        algorithms = {a for layout in layouts for kind, a in out[layout]["buckets"]
+                      if kind == "all_reduce"}
+        assert algorithms == ({"hierarchical"} if mode == "always" else {"native"})
+        summary = out["ddp"]["summary"]
+        assert "hosts: 2 host(s) (SPMD_HOST); h0: ranks 0-1; h1: ranks 2-3" in summary
+        assert "mesh dimension 'dp' crosses 2 hosts" in summary
+        assert "probed at start-up over 2 hosts" in summary
+
+
+@pytest.mark.parametrize("layouts", [["fsdp", "zero2", "hsdp"], ["tp", "pp", "cp", "auto"]],
+                         ids="-".join)
+def test_every_other_strategy_across_hosts_equals_one_process(layouts):
+    results = dist.spawn(_job, args=(layouts, "auto"), nprocs=4, start_method="forkserver",
+                         timeout=110)
+    check(results, layouts)
