@@ -14,6 +14,11 @@ time per byte of reduction arithmetic, p the number of ranks, n the bytes of the
     fp32 all_reduce     2(p-1)α + 2(p-1)/p·nβ + n·γ     (all-to-all, float32 addition of
                                                          the p received chunks, all-gather)
 
+Gloo's reduce-scatter costs an all-reduce of its whole input, not the ring formula's half:
+measured on 2 simulated hosts x 2 ranks over 1 Gbit/s (benchmarks/hosts.py, 2026-12-04),
+a reduce-scatter of 0.25, 1, 4 and 16 MiB took 1.01, 1.03, 0.97 and 1.11 times the
+all-reduce of the same buffer; the model prices it so for ``backend="gloo"``.
+
 The bucket size is derived, not guessed: with S gradient bytes cut into buckets of b
 bytes, each all-reduce costs A + B·b (A, B from the formula above), and all but the last
 bucket can hide behind η·T seconds of backward compute (η, ``overlap``, is the share of
@@ -141,6 +146,8 @@ class CostModel:
         the model's own for all-reduces and the usual one for the others)."""
         if self.world_size <= 1:
             return 0.0
+        if kind == "reduce_scatter" and self.backend == "gloo" and algorithm in (None, "ring"):
+            kind, algorithm = "all_reduce", None  # Gloo's: an all-reduce (module doc)
         if algorithm is None:
             algorithm = (self.algorithm if kind == "all_reduce"
                          else _ALGORITHMS.get(kind, "ring"))
