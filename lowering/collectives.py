@@ -67,28 +67,32 @@ def _spec(ctx: LoweringContext, step: Step, **fields: Any) -> tuple[CollectiveSp
     return spec, ctx.handles.add(spec)
 
 
-def _across_hosts(ctx: LoweringContext, step: Step, nbytes: int, why: str) -> tuple[str, str]:
-    """("hierarchical" or "native", why) for a bucket's all-reduce of ``nbytes``: the
-    two-level algorithm (``spmd.runtime.hierarchical``) where the dimension's groups span
-    hosts and the cost model prices it below the flat ring."""
-    model = ctx.cost_model_along(step.mesh_dim)
+def across_hosts(ctx: LoweringContext, mesh_dim: str, kind: str, nbytes: int,
+                 why: str = "") -> tuple[str, str]:
+    """("hierarchical" or "native", why) for a ``kind`` collective of ``nbytes`` along
+    ``mesh_dim``: the two-level algorithm (``spmd.runtime.hierarchical``) where the
+    dimension's groups span hosts and the cost model prices it below the flat ring
+    (``SPMD_HIERARCHICAL`` overrides)."""
+    model = ctx.cost_model_along(mesh_dim)
     if not isinstance(model, TwoLevelCostModel) or ctx.mesh.simulated:
         return "native", why
-    pick, flat, two = model.choice("all_reduce", nbytes)
+    pick, flat, two = model.choice(kind, nbytes)
+    if two is None:
+        return "native", why
     hosts = model.world_size // model.per_node
-    assert two is not None
+    name = kind.replace("_", "-")
     forced = config.hierarchical()
     if forced != "auto":
         pick = "hierarchical" if forced == "always" else "native"
-        return pick, (f"{'two-level' if forced == 'always' else 'flat ring'} across {hosts} "
-                      f"hosts (SPMD_HIERARCHICAL={forced}; the cost model predicts "
+        return pick, (f"{'two-level' if forced == 'always' else 'flat ring'} {name} across "
+                      f"{hosts} hosts (SPMD_HIERARCHICAL={forced}; the cost model predicts "
                       f"{two * 1e6:.0f} µs two-level, {flat * 1e6:.0f} µs flat)")
     if pick == "hierarchical":
-        return pick, (f"two-level across {hosts} hosts ({model.per_node} ranks each): "
+        return pick, (f"two-level {name} across {hosts} hosts ({model.per_node} ranks each): "
                       f"{two * 1e6:.0f} µs predicted against {flat * 1e6:.0f} µs for the flat "
                       f"ring")
     return "native", (f"flat ring across {hosts} hosts: {flat * 1e6:.0f} µs predicted against "
-                      f"{two * 1e6:.0f} µs for the two-level all-reduce")
+                      f"{two * 1e6:.0f} µs for the two-level {name}")
 
 
 def build_bucket(gm: fx.GraphModule, ctx: LoweringContext, grads: list[fx.Node],
@@ -107,8 +111,8 @@ def build_bucket(gm: fx.GraphModule, ctx: LoweringContext, grads: list[fx.Node],
     last = max(grads, key=order.__getitem__)
     algorithm, why = reduction.choose(wire, dtype, ctx.mesh.size(step.mesh_dim))
     if algorithm == "native":
-        algorithm, why = _across_hosts(ctx, step, sum(int(g.meta["val"].numel()) for g in grads)
-                                       * wire.itemsize, why)
+        nbytes = sum(int(g.meta["val"].numel()) for g in grads) * wire.itemsize
+        algorithm, why = across_hosts(ctx, step.mesh_dim, "all_reduce", nbytes, why)
     if why:
         provenance = replace(provenance, reason=f"{provenance.reason}; {why}")
     # the float32 addition reads and writes the bucket in the gradients' dtype

@@ -240,17 +240,26 @@ def _bucket_all_gather(shards: list[torch.Tensor], handle: int) -> torch.Tensor:
     if not s.live:
         held = s.hold(shards, flat.repeat(s.size))
         return held.clone() if s.copy_held and s.shards[0].persistent else held
-    from spmd.runtime.collectives import all_gather_into_tensor
-
     out = flat.new_empty(s.size * flat.numel())
     issued = time.perf_counter()
     if s.copy_held and s.shards[0].persistent:  # the held buffer never leaves: a copy does
         held = s.hold(shards, torch.empty_like(out))
-        work = all_gather_into_tensor(held, flat, group=s.group, async_op=True)
+        work = _gather(s)(held, flat, group=s.group, async_op=True)
         s.started(out, _CopyOnWait(work, held, out), issued)
         return out
-    s.started(out, all_gather_into_tensor(out, flat, group=s.group, async_op=True), issued)
+    s.started(out, _gather(s)(out, flat, group=s.group, async_op=True), issued)
     return s.hold(shards, out)
+
+
+def _gather(s: CollectiveSpec) -> Any:
+    """The all-gather a bucket runs: the flat one, or the two-level one across hosts."""
+    if s.algorithm == "hierarchical":
+        from spmd.runtime.hierarchical import all_gather_hierarchical
+
+        return all_gather_hierarchical
+    from spmd.runtime.collectives import all_gather_into_tensor
+
+    return all_gather_into_tensor
 
 
 def _unpack_gathered(flat: torch.Tensor, handle: int) -> list[torch.Tensor]:
@@ -336,14 +345,20 @@ def _bucket_reduce_scatter(grads: list[torch.Tensor], handle: int) -> torch.Tens
     grid.mul_(1.0 / s.size)
     out = grid.new_empty(s.total)
     issued = time.perf_counter()
+    two_level = s.algorithm == "hierarchical"
     if s.shards[0].all_reduce:
-        work = collectives.all_reduce(grid, group=s.group, async_op=True)
+        if two_level:
+            from spmd.runtime.hierarchical import all_reduce_hierarchical as reduce
+        else:
+            reduce = collectives.all_reduce
+        work = reduce(grid, group=s.group, async_op=True)
         s.started(out, _CopyOnWait(work, grid[s.shards[0].rank()], out), issued)
         return out
-    from spmd.runtime.collectives import reduce_scatter_tensor
-
-    s.started(out, reduce_scatter_tensor(out, grid.view(-1), group=s.group, async_op=True),
-              issued)
+    if two_level:
+        from spmd.runtime.hierarchical import reduce_scatter_hierarchical as scatter
+    else:
+        from spmd.runtime.collectives import reduce_scatter_tensor as scatter
+    s.started(out, scatter(out, grid.view(-1), group=s.group, async_op=True), issued)
     return out
 
 

@@ -25,13 +25,14 @@ written.
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
 
 from spmd.lowering import ops
 from spmd.lowering.specs import ShardBucketSpec, ShardSpec, lookup
-from spmd.lowering.collectives import new_node, unpack_after
+from spmd.lowering.collectives import across_hosts, new_node, unpack_after
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.passes import Provenance
 from spmd.lowering.placements import Partial, Replicate, Shard
@@ -60,13 +61,18 @@ def _bucket_spec(ctx: LoweringContext, kind: str, specs: list[ShardSpec],
     placed = Shard(first.dim)  # (one dimension per bucket)
     src, dst = (placed, Replicate()) if kind == "all_gather" else (Partial("avg"), placed)
     regroups = kind == "all_gather" and first.regroup_size > 0
+    sent = "all_reduce" if kind == "reduce_scatter" and first.all_reduce else kind
+    itemsize = (wire or first.gather_dtype).itemsize
+    algorithm, why = across_hosts(ctx, first.mesh_dim, sent,
+                                  first.size * sum(s.local_numel for s in specs) * itemsize)
     spec = ShardBucketSpec(step=Step(src=src, dst=dst, kind=kind, mesh_dim=first.mesh_dim),
                                group=first.group, size=first.size,
                                params=tuple(s.param for s in specs), shards=tuple(specs),
                                wire_dtype=wire, sync=ctx.sync,  # sync: the profiler's hook
                                copy_held=ctx.compute == "inductor",
                                keeps_parts=regroups and ctx.role == "forward",
-                               regathers=regroups and ctx.role == "backward")
+                               regathers=regroups and ctx.role == "backward",
+                               algorithm=algorithm, choice=why)
     return spec, ctx.handles.add(spec)
 
 
@@ -92,6 +98,8 @@ def build_gather(gm: fx.GraphModule, ctx: LoweringContext, shards: list[fx.Node]
             reason=f"{provenance.reason}; gathered among {within} rank(s) from the 1/{within} "
                    f"of each parameter that every rank kept after the forward "
                    f"(reshard_after_forward={within})")
+    if spec.choice:
+        provenance = replace(provenance, reason=f"{provenance.reason}; {spec.choice}")
     coll.meta["spmd_collective"] = CollectiveInfo(
         kind="all_gather", mesh_dim=spec.step.mesh_dim, src=spec.step.src, dst=spec.step.dst,
         params=spec.params, numels=tuple(s.local_numel for s in specs), dtype=dtype,
@@ -128,6 +136,8 @@ def build_scatter(gm: fx.GraphModule, ctx: LoweringContext, grads: list[fx.Node]
         coll = new_node(graph, ops.bucket_reduce_scatter, (list(grads), handle), sharding=src,
                         name="reduce_scatter")
     spec.name = f"{ctx.graph_name}:{coll.name}"
+    if spec.choice:
+        provenance = replace(provenance, reason=f"{provenance.reason}; {spec.choice}")
     coll.meta["spmd_collective"] = CollectiveInfo(
         kind="reduce_scatter", mesh_dim=spec.step.mesh_dim, src=spec.step.src,
         dst=spec.step.dst, params=spec.params, numels=tuple(s.local_numel for s in specs),

@@ -476,6 +476,7 @@ class ShardBucketSpec(CollectiveSpec):
     # (Inductor may reuse a returned buffer's memory once the graph is done reading it)
     copy_held: bool = False
     last: Any = field(default=None, repr=False)  # persistent: this bucket's last result
+    choice: str = ""  # why its algorithm (flat or two-level across hosts), for provenance
 
     @property
     def total(self) -> int:

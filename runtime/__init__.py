@@ -36,7 +36,8 @@ _LAZY = {
         "all_to_all_single", "barrier")},
     "all_reduce_compressed": "spmd.runtime.compressed",
     **{name: "spmd.runtime.hierarchical" for name in (
-        "all_reduce_hierarchical", "hierarchy", "Hierarchy", "HierarchicalWork")},
+        "all_reduce_hierarchical", "all_gather_hierarchical", "reduce_scatter_hierarchical",
+        "hierarchy", "Hierarchy", "HierarchicalWork")},
     "CompressedWork": "spmd.runtime.compressed",
     **{name: "spmd.runtime.p2p" for name in (
         "send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv")},

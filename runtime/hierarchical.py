@@ -9,6 +9,10 @@ For a group of ``h`` hosts holding ``k`` of its ranks each, an all-reduce of ``n
    once, one per local rank, each over ``n/k`` bytes);
 3. all-gather within each host: every rank holds the whole sum.
 
+An all-gather gathers across hosts first (each rank's piece travels the network once to
+each other host) and then within; a reduce-scatter reduces within the host first and
+then across, so the network carries each host's partial sums once.
+
 A flat ring over the same ``h·k`` ranks crosses the network on ``h`` of its edges, each
 carrying ``2(p-1)/p·n`` bytes; here each host sends ``2(h-1)/h·n`` bytes in all, split over
 its ``k`` ranks, and the latency across hosts is paid ``2(h-1)`` times instead of
@@ -42,7 +46,8 @@ from spmd.runtime.process_group import ProcessGroup
 from spmd.runtime.reduction import ReduceOp
 from spmd.runtime.topology import get_topology
 
-__all__ = ["Hierarchy", "hierarchy", "all_reduce_hierarchical", "HierarchicalWork"]
+__all__ = ["Hierarchy", "hierarchy", "all_reduce_hierarchical", "all_gather_hierarchical",
+           "reduce_scatter_hierarchical", "HierarchicalWork"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,6 +65,9 @@ class Hierarchy:
     across: ProcessGroup
     hosts: int
     per_host: int
+    # each group rank's (local index, index in its across group): where its piece sits
+    # in the two-level layouts ``[local][across index]``
+    places: tuple[tuple[int, int], ...] = ()
 
 
 def layout(ranks: list[int]) -> tuple[list[list[int]], int] | None:
@@ -93,7 +101,12 @@ def hierarchy(group: ProcessGroup | None = None) -> Hierarchy | None:
     within = new_group(by_host[host], group_name=f"{pg.name}/within/{host}")
     across = new_group([ranks[local] for ranks in by_host],
                        group_name=f"{pg.name}/across/{local}")
-    made = Hierarchy(within=within, across=across, hosts=len(by_host), per_host=per)
+    where = {}
+    for index in range(per):  # an across group's members in its own (sorted) rank order
+        members = sorted(ranks[index] for ranks in by_host)
+        where.update({r: (index, j) for j, r in enumerate(members)})
+    made = Hierarchy(within=within, across=across, hosts=len(by_host), per_host=per,
+                     places=tuple(where[r] for r in pg.ranks))
     pg._hierarchy = made  # type: ignore[attr-defined]
     return made
 
@@ -222,9 +235,90 @@ def all_reduce_hierarchical(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
         tensor.view(-1).copy_(flat[:n]) if tensor.is_contiguous() else tensor.copy_(
             flat[:n].view(tensor.shape))
 
+    return _submit(pg, name, stages, async_op)
+
+
+def _submit(pg: ProcessGroup, name: str, stages: Callable[[], None],
+            async_op: bool) -> HierarchicalWork | None:
     work = HierarchicalWork(f"{name} on {pg.name}")
     _runner(pg).submit(stages, work)
     if async_op:
         return work
     work.wait()
     return None
+
+
+def all_gather_hierarchical(output: torch.Tensor, input: torch.Tensor,
+                            group: ProcessGroup | None = None,
+                            async_op: bool = False) -> HierarchicalWork | Any:
+    """``all_gather_into_tensor`` in two levels: across hosts among the ranks of one local
+    index, then within each host; ``output`` (group size x ``input``, in group rank
+    order) as the flat one gives it. A group that does not span hosts evenly gets the flat
+    all-gather."""
+    from spmd.runtime.collectives import all_gather_into_tensor
+
+    name = "all_gather_hierarchical"
+    pg = resolve_group(group, name)
+    checks.tensor(output, name, pg, "output")
+    checks.tensor(input, name, pg, "input")
+    if output.numel() != pg.size() * input.numel():
+        raise ValueError(f"{name}: output has {output.numel()} elements; it needs "
+                         f"{pg.size()} x {input.numel()} (group size x input)")
+    levels = hierarchy(pg)
+    if levels is None:
+        return all_gather_into_tensor(output, input, group=pg, async_op=async_op)
+    h, k, m = levels.hosts, levels.per_host, input.numel()
+    piece = input.reshape(-1).clone()
+
+    def stages() -> None:
+        mine = torch.empty(h * m, dtype=piece.dtype, device=piece.device)
+        all_gather_into_tensor(mine, piece, group=levels.across)  # [across index][m]
+        every = torch.empty(k * h * m, dtype=piece.dtype, device=piece.device)
+        all_gather_into_tensor(every, mine, group=levels.within)  # [local][across index][m]
+        grid = every.view(k, h, m)
+        rows = output.view(pg.size(), m)
+        for g, (local, j) in enumerate(levels.places):
+            rows[g].copy_(grid[local, j])
+
+    return _submit(pg, name, stages, async_op)
+
+
+def reduce_scatter_hierarchical(output: torch.Tensor, input: torch.Tensor,
+                                op: ReduceOp = ReduceOp.SUM,
+                                group: ProcessGroup | None = None,
+                                async_op: bool = False) -> HierarchicalWork | Any:
+    """``reduce_scatter_tensor`` in two levels: within each host (the rows bound for each
+    local index), then across hosts; group rank ``g`` keeps the reduced row ``g`` as the
+    flat one gives it. A group that does not span hosts evenly gets the flat one."""
+    from spmd.runtime.collectives import reduce_scatter_tensor
+
+    name = "reduce_scatter_hierarchical"
+    pg = resolve_group(group, name)
+    checks.tensor(output, name, pg, "output")
+    checks.tensor(input, name, pg, "input")
+    if input.numel() != pg.size() * output.numel():
+        raise ValueError(f"{name}: input has {input.numel()} elements; it needs "
+                         f"{pg.size()} x {output.numel()} (group size x output)")
+    levels = hierarchy(pg)
+    if levels is None:
+        return reduce_scatter_tensor(output, input, op, group=pg, async_op=async_op)
+    rop = ReduceOp.of(op)
+    average = rop is ReduceOp.AVG
+    inner_op = ReduceOp.SUM if average else rop
+    h, k, m = levels.hosts, levels.per_host, output.numel()
+    rows = input.reshape(pg.size(), m)
+    grid = torch.empty((k, h, m), dtype=input.dtype, device=input.device)
+    for g, (local, j) in enumerate(levels.places):  # [local][across index][m]
+        grid[local, j].copy_(rows[g])
+    size = pg.size()
+
+    def stages() -> None:
+        mine = torch.empty(h * m, dtype=grid.dtype, device=grid.device)
+        reduce_scatter_tensor(mine, grid.view(-1), inner_op, group=levels.within)
+        out = torch.empty(m, dtype=grid.dtype, device=grid.device)
+        reduce_scatter_tensor(out, mine, inner_op, group=levels.across)
+        if average:
+            out.div_(size)
+        output.view(-1).copy_(out)
+
+    return _submit(pg, name, stages, async_op)

@@ -588,10 +588,10 @@ def _priced_as(algorithm: str, model: CostModel, mesh: Mesh) -> str | None:
     """The algorithm a collective is priced by: the one it runs where the planner chose
     (the compressed or the two-level all-reduce); on a live dimension across hosts the
     flat ring otherwise (what runs); elsewhere the model's own choice (None)."""
-    if algorithm in ("fp32", "hierarchical"):
+    if algorithm == "fp32":
         return algorithm
     if isinstance(model, TwoLevelCostModel) and not mesh.simulated:
-        return "ring"
+        return "hierarchical" if algorithm == "hierarchical" else "ring"
     return None
 
 

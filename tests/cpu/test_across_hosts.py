@@ -34,23 +34,23 @@ def check(results: list[dict], layouts: list[str]) -> None:
 
 
 @pytest.mark.parametrize("mode", ["always", "never"])
-def test_ddp_and_zero1_across_hosts_equal_one_process(mode):
-    layouts = ["ddp", "zero1"]
+def test_data_parallel_across_hosts_equals_one_process_in_two_levels_and_flat(mode):
+    layouts = ["ddp", "zero1", "fsdp", "zero2"]
     results = dist.spawn(_job, args=(layouts, mode), nprocs=4, start_method="forkserver",
                          timeout=110)
     check(results, layouts)
     for out in results:
-        algorithms = {a for layout in layouts for kind, a in out[layout]["buckets"]
-                      if kind == "all_reduce"}
-        assert algorithms == ({"hierarchical"} if mode == "always" else {"native"})
+        algorithms = {(kind, a) for layout in layouts for kind, a in out[layout]["buckets"]}
+        kinds = {"all_reduce", "all_gather", "reduce_scatter"}  # every kind, each bucket
+        expect = "hierarchical" if mode == "always" else "native"
+        assert algorithms == {(kind, expect) for kind in kinds}
         summary = out["ddp"]["summary"]
         assert "hosts: 2 host(s) (SPMD_HOST); h0: ranks 0-1; h1: ranks 2-3" in summary
         assert "mesh dimension 'dp' crosses 2 hosts" in summary
         assert "probed at start-up over 2 hosts" in summary
 
 
-@pytest.mark.parametrize("layouts", [["fsdp", "zero2", "hsdp"], ["tp", "pp", "cp", "auto"]],
-                         ids="-".join)
+@pytest.mark.parametrize("layouts", [["hsdp", "tp"], ["pp", "cp", "auto"]], ids="-".join)
 def test_every_other_strategy_across_hosts_equals_one_process(layouts):
     results = dist.spawn(_job, args=(layouts, "auto"), nprocs=4, start_method="forkserver",
                          timeout=110)

@@ -36,6 +36,20 @@ def _cases(rank: int, hosts: list[str]) -> dict:
     levels = dist.hierarchy()
     out["levels"] = None if levels is None else (levels.hosts, levels.per_host,
                                                  levels.within.ranks, levels.across.ranks)
+    for m in (1, 5):  # gathers and reduce-scatters, in group rank order
+        piece = torch.arange(m, dtype=torch.float64) + 100 * rank
+        flat, hier = torch.empty(4 * m, dtype=torch.float64), torch.zeros(4 * m, dtype=torch.float64)
+        dist.all_gather_into_tensor(flat, piece)
+        dist.all_gather_hierarchical(hier, piece)
+        out[("gather", m)] = (flat, hier)
+        grid = torch.randn(4 * m, dtype=torch.float64, generator=g)
+        for op in ("SUM", "AVG"):
+            flat, hier = torch.empty(m, dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
+            dist.reduce_scatter_tensor(flat, grid.clone(), getattr(dist.ReduceOp, op))
+            work = dist.reduce_scatter_hierarchical(hier, grid.clone(), getattr(dist.ReduceOp, op),
+                                                    async_op=True)
+            work.wait()
+            out[("scatter", m, op)] = (flat, hier)
     ints = torch.tensor([rank, 10 * rank], dtype=torch.int64)
     dist.all_reduce_hierarchical(ints)
     out["ints"] = ints
@@ -44,13 +58,18 @@ def _cases(rank: int, hosts: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "b", "a", "b"],
-                                   ["a", "a", "a", "b"]], ids=["blocked", "interleaved", "uneven"])
+                                   ["a", "b", "b", "a"], ["a", "a", "a", "b"]],
+                         ids=["blocked", "interleaved", "crossed", "uneven"])
 def test_hierarchical_all_reduce_equals_the_flat_one(hosts):
     results = dist.spawn(_cases, args=(hosts,), nprocs=4, start_method="forkserver",
                          timeout=100)
     world = len(hosts)
     for rank, out in enumerate(results):
-        for (numel, op), (flat, hier) in ((k, v) for k, v in out.items() if isinstance(k, tuple)):
+        for key, (flat, hier) in ((k, v) for k, v in out.items() if isinstance(k, tuple)):
+            if key[0] in ("gather", "scatter"):
+                torch.testing.assert_close(hier, flat, rtol=1e-13, atol=1e-13)
+                continue
+            numel, op = key
             # the same sum in another order: equal to rounding (float64), max/min exactly
             if op in ("MAX", "MIN"):
                 assert torch.equal(flat, hier), (rank, numel, op)
@@ -64,6 +83,8 @@ def test_hierarchical_all_reduce_equals_the_flat_one(hosts):
     levels = [out["levels"] for out in results]
     if hosts == ["a", "a", "a", "b"]:
         assert levels == [None] * 4  # 3 and 1 per host: the flat all-reduce
+    elif hosts == ["a", "b", "b", "a"]:  # local 1 of host a (rank 3) after host b's (2)
+        assert levels[3] == (2, 2, [0, 3], [2, 3])
     elif hosts[1] == "a":
         assert levels[0] == (2, 2, [0, 1], [0, 2]) and levels[3] == (2, 2, [2, 3], [1, 3])
     else:
