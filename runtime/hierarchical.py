@@ -169,9 +169,16 @@ class _Runner:
     def submit(self, stages: Callable[[], None], work: HierarchicalWork) -> None:
         self._queue.put((stages, work))
 
+    def close(self) -> None:
+        """End the thread once what was submitted has run (the group is being destroyed)."""
+        self._queue.put(None)
+
     def _loop(self) -> None:
         while True:
-            stages, work = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            stages, work = item
             try:
                 stages()
             except BaseException as e:  # handed to the caller's wait()

@@ -189,6 +189,9 @@ class ProcessGroup:
         self._announce_leave()
         self._destroyed = True
         health.unregister(self)
+        runner = self.__dict__.pop("_hier_runner", None)  # spmd.runtime.hierarchical's thread
+        if runner is not None:
+            runner.close()
         backend, self._backend = self._backend, None
         if self._poisoned or (self._shared and backend is not None):
             # shared with torch: a torch object (DDP's C++ Reducer) may hold the backend

@@ -89,3 +89,27 @@ def test_hierarchical_all_reduce_equals_the_flat_one(hosts):
         assert levels[0] == (2, 2, [0, 1], [0, 2]) and levels[3] == (2, 2, [2, 3], [1, 3])
     else:
         assert levels[0] == (2, 2, [0, 2], [0, 1]) and levels[3] == (2, 2, [1, 3], [2, 3])
+
+
+def _threaded(rank: int) -> tuple:
+    import threading
+
+    from spmd.runtime.context import current
+
+    current().env["SPMD_HOST"] = f"h{rank // 2}"  # thread ranks: each its own variables
+    dist.init_process_group("gloo")
+    t = torch.ones(3) * rank
+    dist.all_reduce_hierarchical(t)
+    group = dist.new_group()
+    dist.all_reduce_hierarchical(t, group=group)
+    runner = group._hier_runner._thread
+    dist.destroy_process_group()
+    runner.join(30)
+    return t.tolist(), runner.is_alive(), threading.current_thread().name
+
+
+def test_thread_ranks_and_the_stage_thread_ends_with_its_group():
+    results = dist.spawn(_threaded, nprocs=4, start_method="thread", timeout=60)
+    for values, alive, _ in results:
+        assert values == [24.0] * 3  # (0+1+2+3) = 6, then 4 x 6
+        assert not alive
