@@ -1,4 +1,5 @@
-"""``python -m spmd.runtime.run``: start a job's local ranks on each host, as torchrun does.
+"""``python -m spmd.runtime.run`` (or ``spmd-run``): start a job's local ranks on each host, as
+torchrun does.
 
     # on every host (node rank 0 serves the rendezvous at --master-addr)
     python -m spmd.runtime.run --nnodes 2 --node-rank R --nproc-per-node 4 \\
@@ -327,5 +328,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         agent.close()
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``spmd-run`` command."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -127,3 +127,34 @@ def test_bad_spawn_arguments(kwargs, exc):
     call = {"fn": _identity, "args": (0,), **kwargs}
     with pytest.raises(exc):
         spawn(**call)
+
+
+def test_the_launcher_runs_ranks_on_one_host(tmp_path):
+    """``spmd-run --standalone``: torchrun's environment for each local rank, every rank
+    a client of the agent's store (no network namespaces needed: tests/cpu/test_hosts.py
+    runs it across hosts)."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "show.py"
+    script.write_text(
+        "import json, os\n"
+        "from spmd.runtime.rendezvous import rendezvous\n"
+        "store, rank, world = rendezvous('env://')\n"
+        "store.set(f'seen/{rank}', 'yes')\n"
+        "store.wait([f'seen/{r}' for r in range(world)])\n"
+        "keys = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'GROUP_RANK',\n"
+        "        'MASTER_ADDR', 'SPMD_HOST')\n"
+        "print(json.dumps({k: os.environ.get(k) for k in keys}), flush=True)\n")
+    command = os.path.join(os.path.dirname(sys.executable), "spmd-run")
+    out = subprocess.run([command, "--standalone", "--nproc-per-node", "3", str(script)],
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    seen = sorted((json.loads(line) for line in out.stdout.splitlines()
+                   if line.startswith("{")), key=lambda e: int(e["RANK"]))
+    assert [e["RANK"] for e in seen] == ["0", "1", "2"]
+    assert all(e["LOCAL_RANK"] == e["RANK"] and e["WORLD_SIZE"] == "3"
+               and e["LOCAL_WORLD_SIZE"] == "3" and e["GROUP_RANK"] == "0"
+               and e["MASTER_ADDR"] == "127.0.0.1" and e["SPMD_HOST"].startswith("node0:")
+               for e in seen)
