@@ -55,7 +55,8 @@ def measure_network(group: Any, sizes: Sequence[int] = DEFAULT_SIZES, repeats: i
     """(hosts, ``(bytes, seconds)`` samples) of all-reduces across the hosts ``group``
     spans, run by its first rank on each host while the others wait (one flow per host
     link), shared with every rank of the group; None when the group is on one host.
-    Every rank of ``group`` must call it.
+    Every rank of ``group`` must call it; a group is probed once per job (the planner
+    asks at every ``parallelize``).
 
     Example::
 
@@ -69,10 +70,18 @@ def measure_network(group: Any, sizes: Sequence[int] = DEFAULT_SIZES, repeats: i
     if len(by_host) < 2:
         return None
     firsts = [ranks[0] for ranks in by_host]
+    state = world("measure_network")
+    known = getattr(state, "network_probes", None)
+    if known is None:
+        known = state.network_probes = {}  # type: ignore[attr-defined]
+    key = (tuple(group.ranks), tuple(sizes), repeats)
+    if key in known:  # every rank of the group probed this once already, alike
+        return known[key]
     shared: list[Any] = [None]
     if world("measure_network").rank in firsts:
         name = f"{group.name}/network-probe"
         probe = world("measure_network").groups.get(name) or new_group(firsts, group_name=name)
         shared = [measure_all_reduce(probe, sizes, repeats, warmup)]
     broadcast_object_list(shared, src=group.ranks[0], group=group)
-    return len(by_host), shared[0]
+    known[key] = (len(by_host), shared[0])
+    return known[key]
