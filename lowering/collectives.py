@@ -74,8 +74,8 @@ def across_hosts(ctx: LoweringContext, mesh_dim: str, kind: str, nbytes: int,
     dimension's groups span hosts and the cost model prices it below the flat ring
     (``SPMD_HIERARCHICAL`` overrides)."""
     model = ctx.cost_model_along(mesh_dim)
-    if not isinstance(model, TwoLevelCostModel) or ctx.mesh.simulated:
-        return "native", why
+    if not isinstance(model, TwoLevelCostModel) or ctx.mesh.hardware is not None:
+        return "native", why  # (a hardware model's cluster: NCCL chooses its algorithm)
     pick, flat, two = model.choice(kind, nbytes)
     if two is None:
         return "native", why

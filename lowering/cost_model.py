@@ -275,7 +275,9 @@ class TwoLevelCostModel(CostModel):
 def along(mesh: "Mesh", dim: str, measured: CostModel | None) -> CostModel:
     """The cost model of collectives along mesh dimension ``dim``: on a simulated cluster
     (``Mesh.simulated(..., hardware=...)``) the hardware model's link for it, else
-    ``measured`` (this machine's, default or calibrated) at the dimension's size. The one
+    ``measured`` (this machine's, default or calibrated) at the dimension's size, priced
+    on the link between hosts where the dimension crosses one (a live job's probe, or a
+    simulated mesh's ``network``). The one
     place the planner asks what a collective costs; the mesh itself only carries the
     cluster description it was made with."""
     if mesh.hardware is not None:
@@ -284,9 +286,10 @@ def along(mesh: "Mesh", dim: str, measured: CostModel | None) -> CostModel:
         raise ValueError(f"no cost model along {dim!r}: {mesh} has no hardware model and "
                          f"none was measured")
     size = mesh.size(dim)
-    if measured.network is None or mesh.simulated or size <= 1 or not mesh.crosses_hosts(dim):
+    net = measured.network if measured.network is not None else mesh.network
+    if net is None or size <= 1 or not mesh.crosses_hosts(dim):
         return replace(measured, world_size=size)
-    return _across_hosts(mesh, dim, measured, measured.network)
+    return _across_hosts(mesh, dim, measured, net)
 
 
 def _across_hosts(mesh: "Mesh", dim: str, measured: CostModel, net: NetworkLink) -> CostModel:

@@ -79,6 +79,10 @@ class Mesh:
         self.dim_names = _names(dim_names, len(self.shape))
         self.simulated = _simulated
         self.hardware: Any = None  # what a simulated mesh plans for (spmd.hardware)
+        # a simulated mesh's hosts and the link between them (Mesh.simulated's topology=
+        # and network=): plan a job across hosts of this library's runtime before it runs
+        self._topology: Topology | None = None
+        self.network: Any = None
         total = math.prod(self.shape)
         self._groups: dict[int, ProcessGroup] = {}
         self._coordinate: tuple[int, ...] | None = None
@@ -121,6 +125,7 @@ class Mesh:
         mesh.dim_names = _names(dim_name, 1)
         mesh.simulated = False
         mesh.hardware = None
+        mesh._topology, mesh.network = None, None
         mesh.ranks = list(group.ranks)
         mesh._groups = {0: group}
         mesh._coordinate = (group.rank(),)
@@ -128,14 +133,29 @@ class Mesh:
 
     @classmethod
     def simulated(cls, shape: int | Sequence[int], dim_names: Sequence[str] | None = None,
-                  hardware: Any = None) -> "Mesh":
+                  hardware: Any = None, *, topology: Topology | None = None,
+                  network: Any = None) -> "Mesh":
         """A mesh of any size that exists only on paper: no processes, no operations.
 
         ``hardware`` (an ``spmd.hardware.Hardware``, e.g. ``H100_SXM(nodes_of=8)``): plan
         for that cluster (collective costs per dimension from its links, compute from the
         graphs' FLOPs on its device, memory against its capacity) instead of this
-        machine."""
+        machine. ``topology`` (a :class:`Topology` over the mesh's ranks) and ``network``
+        (an ``spmd.lowering.cost_model.NetworkLink``): plan for this library's runtime on
+        hosts joined by that link (what a live job across hosts probes at start-up), each
+        dimension priced on the link it crosses."""
         mesh = cls(shape, dim_names, _simulated=True)
+        if (topology is None) != (network is None):
+            raise ValueError("Mesh.simulated: pass topology= and network= together (where the "
+                             "ranks are, and the link between their hosts)")
+        if topology is not None:
+            if hardware is not None:
+                raise ValueError("Mesh.simulated: hardware= already says where ranks are; pass "
+                                 "it or topology=/network=, not both")
+            if not isinstance(topology, Topology) or topology.world_size != len(mesh.ranks):
+                raise ValueError(f"Mesh.simulated: topology must be a Topology of "
+                                 f"{len(mesh.ranks)} ranks, got {topology!r}")
+            mesh._topology, mesh.network = topology, network
         if hardware is not None and not all(
                 hasattr(hardware, a) for a in ("device", "intra", "inter", "cost_model")):
             raise TypeError(f"Mesh.simulated: hardware must be an spmd.hardware.Hardware, got "
@@ -165,6 +185,7 @@ class Mesh:
         mesh = Mesh.__new__(Mesh)
         mesh.shape, mesh.dim_names, mesh.simulated = shape, names, self.simulated
         mesh.hardware, mesh.ranks = self.hardware, list(self.ranks)
+        mesh._topology, mesh.network = self._topology, self.network
         mesh._groups, mesh._coordinate = {}, None
         if self.simulated or self._coordinate is None:
             return mesh
@@ -204,6 +225,7 @@ class Mesh:
         mesh.shape = self.shape[:index] + sizes + self.shape[index + 1:]
         mesh.dim_names = self.dim_names[:index] + names + self.dim_names[index + 1:]
         mesh.simulated, mesh.hardware, mesh.ranks = self.simulated, self.hardware, list(self.ranks)
+        mesh._topology, mesh.network = self._topology, self.network
         mesh._groups, mesh._coordinate = {}, None
         if self.simulated or self._coordinate is None:
             return mesh
@@ -239,6 +261,7 @@ class Mesh:
         mesh.shape = tuple(self.shape[i] for i in index)
         mesh.dim_names = names
         mesh.simulated, mesh.hardware = self.simulated, self.hardware
+        mesh._topology, mesh.network = self._topology, self.network
         ranks = []
         for sub in itertools.product(*(range(self.shape[i]) for i in index)):
             full = list(coord)
@@ -259,6 +282,7 @@ class Mesh:
         mesh = Mesh.__new__(Mesh)
         mesh.shape, mesh.dim_names, mesh.simulated = self.shape, names, self.simulated
         mesh.hardware, mesh.ranks = self.hardware, list(self.ranks)
+        mesh._topology, mesh.network = self._topology, self.network
         mesh._groups, mesh._coordinate = dict(self._groups), self._coordinate
         return mesh
 
@@ -269,11 +293,14 @@ class Mesh:
     @property
     def topology(self) -> Topology:
         """Where the mesh's ranks run (indexed by global rank): on a simulated mesh the
-        hardware model's nodes (``ranks_per_node`` consecutive ranks each; one host
-        without a hardware model), on a live one the job's (:func:`get_topology`)."""
+        hardware model's nodes (``ranks_per_node`` consecutive ranks each), or the topology
+        it was made with, else one host; on a live one the job's (:func:`get_topology`)."""
+        if self._topology is not None:
+            return self._topology
         if self.simulated:
-            per = getattr(self.hardware, "ranks_per_node", None) or len(self.ranks)
-            return Topology.uniform(len(self.ranks), per)
+            size = max(self.ranks) + 1  # a sub-mesh's ranks are the whole mesh's
+            per = getattr(self.hardware, "ranks_per_node", None) or size
+            return Topology.uniform(size, per)
         return get_topology()
 
     def hosts_along(self, dim: int | str) -> int:
@@ -374,7 +401,9 @@ class Mesh:
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}={s}" for n, s in zip(self.dim_names, self.shape))
         kind = "simulated " if self.simulated else ""
-        return f"Mesh({kind}{dims})"
+        hosts = (f" on {self._topology.num_hosts} hosts" if self._topology is not None
+                 and self._topology.num_hosts > 1 else "")
+        return f"Mesh({kind}{dims}{hosts})"
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Mesh) and self.shape == other.shape

@@ -139,6 +139,27 @@ def _measure(module: nn.Module, mesh: Mesh, layouts: list[tuple], args: tuple,
     return out
 
 
+def _across_hosts(mesh: Mesh) -> dict:
+    """What the search needs to price a live mesh across hosts (its ranks' hosts and the
+    link between them, probed once per job; every rank of the world calls it), as
+    ``Mesh.simulated``'s arguments; nothing where the mesh is on one host or is not the
+    whole world."""
+    from spmd.lowering.calibrate import probe_network
+    from spmd.lowering.cost_model import CostModel
+    from spmd.runtime import groups
+    from spmd.runtime.topology import Topology, get_topology
+
+    topo = get_topology()
+    names = [topo.names[topo.host_of(r)] for r in mesh.ranks]
+    if len(set(names)) < 2 or len(mesh.ranks) != groups.get_world_size():
+        return {}
+    world = groups.world("strategy='auto'").default
+    probed = probe_network(world, CostModel.default(world.backend, world.size()))
+    if probed.network is None:
+        return {}
+    return {"topology": Topology.from_names(names, topo.source), "network": probed.network}
+
+
 def _first_call(module: nn.Module, mesh: Mesh | None, memory_budget: Any,
                 placements: Any, options: dict, where: str, args: tuple) -> Any:
     """The search on the first rank, its finalists sent to every rank and, when several
@@ -152,8 +173,9 @@ def _first_call(module: nn.Module, mesh: Mesh | None, memory_budget: Any,
         mesh = Mesh(groups.get_world_size())
     first = mesh.rank_at([0] * mesh.ndim)
     choice: list[Any] = [None]
+    across = _across_hosts(mesh)  # (every rank: the link probe is a collective)
     if groups.get_rank() == first:
-        planning = Mesh.simulated(mesh.shape, mesh.dim_names)
+        planning = Mesh.simulated(mesh.shape, mesh.dim_names, **across)
         try:
             with torch.enable_grad():  # (a first call under no_grad plans training too)
                 auto = plan_auto(module, args, mesh=planning, memory_budget=memory_budget,

@@ -270,7 +270,9 @@ class Plan:
     def _links(self) -> list[str]:
         """The summary's lines on the link between hosts, where a live mesh spans some."""
         net = self.cost_model.network
-        if net is None or self.mesh is None or self.mesh.simulated:
+        if net is None and self.mesh is not None:
+            net = self.mesh.network
+        if net is None or self.mesh is None or self.mesh.hardware is not None:
             return []
         lines = [f"hosts: {self.mesh.topology.describe()}"]
         for dim in self.mesh.dim_names:
@@ -586,11 +588,12 @@ def _rings(graph: fx.GraphModule, name: str, phase: str, mesh: Mesh, setup: Setu
 
 def _priced_as(algorithm: str, model: CostModel, mesh: Mesh) -> str | None:
     """The algorithm a collective is priced by: the one it runs where the planner chose
-    (the compressed or the two-level all-reduce); on a live dimension across hosts the
-    flat ring otherwise (what runs); elsewhere the model's own choice (None)."""
+    (the compressed or the two-level all-reduce); on this runtime's dimension across hosts
+    (live, or simulated with a topology) the flat ring otherwise (what runs); on a
+    hardware model's cluster the model's own choice (None, as NCCL chooses)."""
     if algorithm == "fp32":
         return algorithm
-    if isinstance(model, TwoLevelCostModel) and not mesh.simulated:
+    if isinstance(model, TwoLevelCostModel) and mesh.hardware is None:
         return "hierarchical" if algorithm == "hierarchical" else "ring"
     return None
 

@@ -50,3 +50,48 @@ def test_simulated_mesh_dimensions_cross_hosts_by_the_hardware_model():
     mesh = spmd.Mesh.simulated((8, 4), ("tp", "dp"), hardware=hw)
     assert mesh.hosts_along("tp") == 4 and mesh.hosts_along("dp") == 1
     assert not spmd.Mesh.simulated(16).crosses_hosts("dp")  # no hardware model: one host
+
+
+def _planned(strategy: str, mesh):
+    import torch
+
+    from tests.cpu.test_checkpoint_matrix import batch, make
+
+    ids, _ = batch(0)
+    return spmd.inspect(make(), ids, mesh=mesh, strategy=strategy)
+
+
+def test_a_simulated_job_across_hosts_is_priced_on_the_link():
+    from spmd.lowering.cost_model import NetworkLink
+
+    slow = NetworkLink(alpha=200e-6, beta=8e-9, source="1 Gbit/s, given")
+    blocked = Topology.from_names(["a", "a", "b", "b"], "given")
+    mesh = spmd.Mesh.simulated(4, ("dp",), topology=blocked, network=slow)
+    plan = _planned("ddp", mesh)
+    text = plan.summary()
+    assert "hosts: 2 host(s) (given); a: ranks 0-1; b: ranks 2-3" in text
+    assert "mesh dimension 'dp' crosses 2 hosts" in text and "1 Gbit/s, given" in text
+    assert {b.algorithm for b in plan.buckets} == {"hierarchical"}  # latency-bound: 2 vs 6 α
+    one_host = _planned("ddp", spmd.Mesh.simulated(4, ("dp",)))
+    assert plan.predicted_communication_seconds() > one_host.predicted_communication_seconds()
+    # hsdp sharding within each host prices less than sharding across them
+    within = spmd.Mesh.simulated((2, 2), ("dp", "fsdp"), topology=blocked, network=slow)
+    across = spmd.Mesh.simulated((2, 2), ("dp", "fsdp"), network=slow,
+                                 topology=Topology.from_names(["a", "b", "a", "b"], "given"))
+    assert within.crosses_hosts("dp") and not within.crosses_hosts("fsdp")
+    assert across.crosses_hosts("fsdp") and not across.crosses_hosts("dp")
+    assert (_planned("hsdp", within).predicted_communication_seconds()
+            < _planned("hsdp", across).predicted_communication_seconds())
+
+
+def test_simulated_topology_arguments_are_checked():
+    from spmd.lowering.cost_model import NetworkLink
+
+    link = NetworkLink(alpha=1e-4, beta=1e-9)
+    with pytest.raises(ValueError, match="together"):
+        spmd.Mesh.simulated(4, topology=Topology.uniform(4, 2))
+    with pytest.raises(ValueError, match="Topology of 4 ranks"):
+        spmd.Mesh.simulated(4, topology=Topology.uniform(8, 2), network=link)
+    with pytest.raises(ValueError, match="not both"):
+        spmd.Mesh.simulated(4, hardware=spmd.hardware.H100_SXM(nodes_of=2),
+                            topology=Topology.uniform(4, 2), network=link)
