@@ -90,6 +90,8 @@ LONG: dict[str, tuple[float, str]] = {
         15, "test_across_hosts (the same layouts on loopback hosts); [ddp-hsdp] across namespaces"),
     "tests/cpu/test_hosts.py::test_every_strategy_on_two_shaped_hosts_equals_one_process[pp-cp-auto]": (
         17, "test_across_hosts (the same layouts on loopback hosts); [ddp-hsdp] across namespaces"),
+    "tests/cpu/test_across_hosts.py::test_data_parallel_across_hosts_equals_one_process_in_two_levels_and_flat[never]": (
+        9, "the flat ring is what every other data-parallel test runs; [always] stays"),
     "tests/cpu/test_hosts.py::test_a_job_spans_two_hosts_joining_in_any_order[torchrun]": (
         12, "the [spmd] case; test_rendezvous joins torchrun's agent store"),
 }
