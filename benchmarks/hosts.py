@@ -133,8 +133,7 @@ def steps(rounds: int, per: int = 5) -> dict | None:
     rank, world = _groups()
     case = CASES["d256"]
 
-    def ours(strategy: str, mesh=None, flat: bool = False):
-        os.environ["SPMD_HIERARCHICAL"] = "never" if flat else "auto"
+    def ours(strategy: str, mesh=None):
         return spmd.parallelize(_fresh(case), strategy=strategy, mesh=mesh)
 
     def fsdp2():
@@ -146,7 +145,7 @@ def steps(rounds: int, per: int = 5) -> dict | None:
 
     models = {
         "spmd ddp": ours("ddp"),
-        "spmd ddp, flat buckets": ours("ddp", flat=True),
+        "spmd ddp, flat buckets": ours("ddp"),
         "torch DDP": DistributedDataParallel(_fresh(case)),
         "spmd hsdp, shard within hosts": ours("hsdp", spmd.Mesh((2, 2), ("dp", "fsdp"))),
         "spmd hsdp, shard across hosts": ours("hsdp", spmd.Mesh((2, 2), ("dp", "fsdp"),
@@ -163,8 +162,12 @@ def steps(rounds: int, per: int = 5) -> dict | None:
             opt.step()
             opt.zero_grad()
 
+    def choose(name: str) -> None:  # read when a model is planned, at its first step
+        os.environ["SPMD_HIERARCHICAL"] = "never" if name.endswith("flat buckets") else "auto"
+
     timed = harness.alternate({k: (lambda k=k: train(k)) for k in models}, rounds,
-                              barrier=tdist.barrier, per=per, order=harness.rotated)
+                              barrier=tdist.barrier, per=per, order=harness.rotated,
+                              before=choose)
     plans = {}
     for name in ("spmd ddp", "spmd ddp, flat buckets", "spmd hsdp, shard within hosts",
                  "spmd hsdp, shard across hosts"):
