@@ -85,6 +85,9 @@ def test_links_are_shaped_and_reshaped_while_running(tmp_path):
         hosts.shape(1, Link())
         _, seconds = _echo(hosts, tmp_path, 1_000_000)
         assert seconds >= 0.4
+        hosts.shape(0, Link(loss=0.05))  # TCP retransmits what the link drops: it arrives
+        hosts.shape(1, Link(loss=0.05))
+        _echo(hosts, tmp_path, 2_000_000)
 
 
 def test_hosts_are_separate_and_cleaned_up(tmp_path):
