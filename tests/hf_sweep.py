@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -315,25 +316,49 @@ def judge(family: str, strategy: str, ranks: list[dict],
         f"; {note}" if note else ""), worst, eager, seconds, ranks)
 
 
+def _watch(ctx: Any, progress: str, timeout: float, stop: threading.Event,
+           hung: list[str]) -> None:
+    """Stop the job's ranks when one cell has run ``timeout`` seconds (the last line of
+    ``progress`` unchanged that long): a hang is a cell's, not a long job's."""
+    last, since = None, time.monotonic()
+    while not stop.wait(1.0):
+        with open(progress) as f:
+            lines = f.read().splitlines()
+        if lines[-1:] != last:
+            last, since = lines[-1:], time.monotonic()
+        elif time.monotonic() - since > timeout:
+            hung.append(f"DistTimeoutError: the cell ran over {timeout:g} s; its ranks stopped")
+            for proc in ctx.processes:
+                proc.kill()
+            return
+
+
 def run_job(cells: list[tuple[str, str]], timeout: float
             ) -> tuple[dict[tuple[str, str], list[dict]], tuple[str, str] | None, str]:
     """The cells on their world size in one spawn: (each finished cell's rank results,
-    the cell that hung or whose job failed, why)."""
+    the cell that hung (ran over ``timeout`` seconds) or whose job failed, why)."""
     from spmd import runtime as dist
 
     nprocs = world(cells[0][1])
     with tempfile.NamedTemporaryFile("r", suffix=".progress", delete=False) as f:
         progress = f.name
+    stop, hung = threading.Event(), []
     try:
+        ctx = dist.spawn(run_cells, args=(cells, progress), nprocs=nprocs,
+                         start_method="forkserver", join=False)
+        watcher = threading.Thread(target=_watch, args=(ctx, progress, timeout, stop, hung),
+                                   daemon=True)
+        watcher.start()
         try:
-            found = dist.spawn(run_cells, args=(cells, progress), nprocs=nprocs,
-                               start_method="forkserver", timeout=timeout)
-        except Exception as e:  # a hang (timeout) or a rank that died
+            found = ctx.join()
+        except Exception as e:  # a hang (stopped by the watcher) or a rank that died
             with open(progress) as f:
                 started = [tuple(line.rstrip("\n").split("\t")[1:]) for line in f]
             stuck = started[-1] if started else cells[0]
-            return {}, (stuck[0], stuck[1]), f"{type(e).__name__}: {_first_line(e)}"
+            why = hung[0] if hung else f"{type(e).__name__}: {_first_line(e)}"
+            return {}, (stuck[0], stuck[1]), why
     finally:
+        stop.set()
         os.unlink(progress)
     done = {cell: [ranks[cell] for ranks in found]
             for cell in cells if all(cell in ranks for ranks in found)}
