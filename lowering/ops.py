@@ -358,7 +358,17 @@ def _bucket_reduce_scatter(grads: list[torch.Tensor], handle: int) -> torch.Tens
         from spmd.runtime.hierarchical import reduce_scatter_hierarchical as scatter
     else:
         from spmd.runtime.collectives import reduce_scatter_tensor as scatter
-    s.started(out, scatter(out, grid.view(-1), group=s.group, async_op=True), issued)
+    work = scatter(out, grid.view(-1), group=s.group, async_op=True)
+    first = s.shards[0]
+    if first.replicate_group is not None and first.replicate_size > 1:
+        # hybrid sharding: average across the replicas as soon as the shard is reduced,
+        # overlapping the rest of the backward, instead of blocking at the wait
+        from spmd.runtime.hierarchical import then_all_reduce
+
+        work = then_all_reduce(work, out, first.replicate_group,
+                               scale=1.0 / first.replicate_size)
+        s.chained = True
+    s.started(out, work, issued)
     return out
 
 

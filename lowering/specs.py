@@ -477,6 +477,9 @@ class ShardBucketSpec(CollectiveSpec):
     copy_held: bool = False
     last: Any = field(default=None, repr=False)  # persistent: this bucket's last result
     choice: str = ""  # why its algorithm (flat or two-level across hosts), for provenance
+    # hybrid sharding: the replicas' all-reduce runs right after the reduce-scatter, on a
+    # thread of its own (spmd.runtime.hierarchical.then_all_reduce), not at the wait
+    chained: bool = False
 
     @property
     def total(self) -> int:
@@ -523,8 +526,12 @@ class ShardBucketSpec(CollectiveSpec):
 
     def finish(self, buffer: torch.Tensor) -> None:
         """Wait for the collective; a reduce-scatter of hybrid sharding then averages the
-        shards across the replicas (blocking, on the replicate dimension's group)."""
+        shards across the replicas: chained after it on its own thread where the bucket
+        started it so (``chained``), else here (blocking, on the replicate dimension's
+        group)."""
         CollectiveSpec.finish(self, buffer)
+        if self.chained:
+            return
         first = self.shards[0]
         if (self.step.kind == "reduce_scatter" and first.replicate_group is not None
                 and first.replicate_size > 1 and sending()):

@@ -47,7 +47,7 @@ from spmd.runtime.reduction import ReduceOp
 from spmd.runtime.topology import get_topology
 
 __all__ = ["Hierarchy", "hierarchy", "all_reduce_hierarchical", "all_gather_hierarchical",
-           "reduce_scatter_hierarchical", "HierarchicalWork"]
+           "reduce_scatter_hierarchical", "then_all_reduce", "HierarchicalWork"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -329,3 +329,33 @@ def reduce_scatter_hierarchical(output: torch.Tensor, input: torch.Tensor,
         output.view(-1).copy_(out)
 
     return _submit(pg, name, stages, async_op)
+
+
+def then_all_reduce(first: Any, tensor: torch.Tensor, group: ProcessGroup,
+                    scale: float | None = None) -> HierarchicalWork:
+    """Once ``first`` (a collective's work writing ``tensor``) is done, all-reduce
+    ``tensor`` over ``group`` (then multiply it by ``scale``), on a thread of its own:
+    hybrid sharding's average across replicas chained right after the reduce-scatter, so
+    it overlaps whatever the caller does until it waits. Runs on a private copy of
+    ``group`` (made on first use; every member calls this in the same order), so the
+    caller's own collectives on ``group`` never interleave with it differently on
+    different ranks."""
+    from spmd.runtime.collectives import all_reduce
+
+    pg = resolve_group(group, "then_all_reduce")
+    private = getattr(pg, "_chained", None)
+    if private is None:
+        name = f"{pg.name}/chained"
+        private = world("then_all_reduce").groups.get(name) or new_group(
+            list(pg.ranks), group_name=name)
+        pg._chained = private  # type: ignore[attr-defined]
+
+    def stages() -> None:
+        first.wait()
+        all_reduce(tensor, group=private)
+        if scale is not None:
+            tensor.mul_(scale)
+
+    work = _submit(private, "then_all_reduce", stages, async_op=True)
+    assert work is not None
+    return work

@@ -528,6 +528,10 @@ def plan_from_records(records: list, *, setup: Setup, options: Options,
                     provenance=info.provenance, predicted_seconds=seconds,
                     mesh_dim=info.mesh_dim, placements=f"{info.src!r} -> {info.dst!r}",
                     phase=phase))
+                replicas = _replicas(node.name, info, spec, index, record.name, phase, mesh,
+                                     setup)
+                if replicas is not None:
+                    plan.collectives.append(replicas)
             plan.collectives.extend(_rings(graph, record.name, phase, mesh, setup))
             plan.placed.extend(_placed(graph, record.name, phase))
     strategy = setup.strategy
@@ -584,6 +588,31 @@ def _rings(graph: fx.GraphModule, name: str, phase: str, mesh: Mesh, setup: Setu
             predicted_seconds=seconds, mesh_dim=spec.dim,
             placements="Shard(2) -> Shard(2)", phase=phase))
     return found
+
+
+def _replicas(name: str, info: CollectiveInfo, spec: Any, bucket: int, graph: str,
+              phase: str, mesh: Mesh, setup: Setup) -> Collective | None:
+    """Hybrid sharding's all-reduce of a reduce-scattered bucket across the replicas (it
+    runs inside the bucket's wait, so it is no node of the graph), priced on the replica
+    dimension's link; None for any other collective."""
+    shards = getattr(spec, "shards", None)
+    if info.kind != "reduce_scatter" or not shards or shards[0].replicate_size <= 1:
+        return None
+    first = shards[0]
+    dim = first.replicate_dim
+    nbytes = info.bytes // max(1, mesh.size(info.mesh_dim))  # the reduced shards
+    model = along(mesh, dim, setup.cost_model)
+    group = first.replicate_group
+    return Collective(
+        name=f"{name}.replicas", kind="all_reduce", bytes=nbytes,
+        group=group.name if group is not None else dim,
+        group_ranks=tuple(group.ranks) if group is not None else (), bucket=bucket,
+        graph=graph, provenance=Provenance(
+            params=info.params, pass_name="hybrid sharding",
+            reason=f"the reduce-scattered shards averaged across the {first.replicate_size} "
+                   f"replicas along {dim!r}, right after the reduce-scatter"),
+        predicted_seconds=model.seconds("all_reduce", nbytes, _priced_as("native", model, mesh)),
+        mesh_dim=dim, placements="Partial(avg) -> Replicate()", phase=phase)
 
 
 def _priced_as(algorithm: str, model: CostModel, mesh: Mesh) -> str | None:
