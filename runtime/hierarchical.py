@@ -169,9 +169,13 @@ class _Runner:
     def submit(self, stages: Callable[[], None], work: HierarchicalWork) -> None:
         self._queue.put((stages, work))
 
-    def close(self) -> None:
-        """End the thread once what was submitted has run (the group is being destroyed)."""
+    def close(self, timeout: float = 30.0) -> None:
+        """End the thread once what was submitted has run (the group is being destroyed),
+        and wait for it: a thread left inside a C++ call when the interpreter exits
+        aborts the process ("terminate called without an active exception")."""
         self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     def _loop(self) -> None:
         while True:
