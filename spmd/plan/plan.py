@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 
-from spmd.lowering.cost_model import CostModel, TwoLevelCostModel, along
+from spmd.lowering.cost_model import CostModel, along
 from spmd.lowering.graph import collective_nodes
 from spmd.lowering.options import Options
 from spmd.lowering.passes import Provenance
 from spmd.lowering.placements import divides
 from spmd.lowering.state import CollectiveInfo, OptimizerFusion, find
+from spmd.plan.pricing import model_of, priced_as, replica_all_reduce, spec_of
 from spmd.lowering.strategy import Strategy
 from spmd.runtime.mesh import Mesh
 
@@ -504,11 +505,11 @@ def plan_from_records(records: list, *, setup: Setup, options: Options,
                      else getattr(record, "label", "backward"))
             for node in collective_nodes(graph):
                 info: CollectiveInfo = node.meta["spmd_collective"]
-                model = _model_of(info, mesh, setup)
-                spec = _spec_of(info)
+                model = model_of(info, mesh, setup)
+                spec = spec_of(info)
                 algorithm = getattr(spec, "algorithm", "native")
                 seconds = model.seconds(info.sent_as or info.kind, info.bytes,
-                                        _priced_as(algorithm, model, mesh))
+                                        priced_as(algorithm, model, mesh))
                 name, ranks = group_name, group_ranks
                 if info.mesh_dim in setup.strategy.tp_dims and not mesh.simulated:
                     along_dim = mesh.get_group(info.mesh_dim)
@@ -528,10 +529,18 @@ def plan_from_records(records: list, *, setup: Setup, options: Options,
                     provenance=info.provenance, predicted_seconds=seconds,
                     mesh_dim=info.mesh_dim, placements=f"{info.src!r} -> {info.dst!r}",
                     phase=phase))
-                replicas = _replicas(node.name, info, spec, index, record.name, phase, mesh,
-                                     setup)
-                if replicas is not None:
-                    plan.collectives.append(replicas)
+                replicas = replica_all_reduce(info, spec, mesh, setup)
+                if replicas is not None:  # hsdp's average across replicas, after the bucket
+                    plan.collectives.append(Collective(
+                        name=f"{node.name}.replicas", kind="all_reduce", bytes=replicas.bytes,
+                        group=replicas.group, group_ranks=replicas.ranks, bucket=index,
+                        graph=record.name, provenance=Provenance(
+                            params=info.params, pass_name="hybrid sharding",
+                            reason=f"the reduce-scattered shards averaged across the "
+                                   f"{replicas.replicas} replicas along {replicas.dim!r}, "
+                                   f"right after the reduce-scatter"),
+                        predicted_seconds=replicas.seconds, mesh_dim=replicas.dim,
+                        placements="Partial(avg) -> Replicate()", phase=phase))
             plan.collectives.extend(_rings(graph, record.name, phase, mesh, setup))
             plan.placed.extend(_placed(graph, record.name, phase))
     strategy = setup.strategy
@@ -588,66 +597,6 @@ def _rings(graph: fx.GraphModule, name: str, phase: str, mesh: Mesh, setup: Setu
             predicted_seconds=seconds, mesh_dim=spec.dim,
             placements="Shard(2) -> Shard(2)", phase=phase))
     return found
-
-
-def _replicas(name: str, info: CollectiveInfo, spec: Any, bucket: int, graph: str,
-              phase: str, mesh: Mesh, setup: Setup) -> Collective | None:
-    """Hybrid sharding's all-reduce of a reduce-scattered bucket across the replicas (it
-    runs inside the bucket's wait, so it is no node of the graph), priced on the replica
-    dimension's link; None for any other collective."""
-    shards = getattr(spec, "shards", None)
-    if info.kind != "reduce_scatter" or not shards or shards[0].replicate_size <= 1:
-        return None
-    first = shards[0]
-    dim = first.replicate_dim
-    nbytes = info.bytes // max(1, mesh.size(info.mesh_dim))  # the reduced shards
-    model = along(mesh, dim, setup.cost_model)
-    group = first.replicate_group
-    return Collective(
-        name=f"{name}.replicas", kind="all_reduce", bytes=nbytes,
-        group=group.name if group is not None else dim,
-        group_ranks=tuple(group.ranks) if group is not None else (), bucket=bucket,
-        graph=graph, provenance=Provenance(
-            params=info.params, pass_name="hybrid sharding",
-            reason=f"the reduce-scattered shards averaged across the {first.replicate_size} "
-                   f"replicas along {dim!r}, right after the reduce-scatter"),
-        predicted_seconds=model.seconds("all_reduce", nbytes, _priced_as("native", model, mesh)),
-        mesh_dim=dim, placements="Partial(avg) -> Replicate()", phase=phase)
-
-
-def _priced_as(algorithm: str, model: CostModel, mesh: Mesh) -> str | None:
-    """The algorithm a collective is priced by: the one it runs where the planner chose
-    (the compressed or the two-level all-reduce); on this runtime's dimension across hosts
-    (live, or simulated with a topology) the flat ring otherwise (what runs); on a
-    hardware model's cluster the model's own choice (None, as NCCL chooses)."""
-    if algorithm == "fp32":
-        return algorithm
-    if isinstance(model, TwoLevelCostModel) and mesh.hardware is None:
-        return "hierarchical" if algorithm == "hierarchical" else "ring"
-    return None
-
-
-def _model_of(info: CollectiveInfo, mesh: Mesh, setup: Setup) -> CostModel:
-    """The cost model of the link ``info``'s collective runs on: its mesh dimension's,
-    or, for the backward gathers of ``reshard_after_forward=N`` (``info.within``), the
-    groups of N consecutive ranks of it (on a simulated cluster, the link those ranks
-    share)."""
-    model = along(mesh, info.mesh_dim, setup.cost_model)
-    if not info.within:
-        return model
-    reshard_mesh = getattr(setup, "reshard_mesh", None)
-    if reshard_mesh is not None:
-        return along(reshard_mesh, f"{info.mesh_dim}_within", setup.cost_model)
-    return replace(model, world_size=info.within)
-
-
-def _spec_of(info: CollectiveInfo) -> Any:
-    from spmd.lowering.specs import lookup
-
-    try:
-        return lookup(info.handle)
-    except RuntimeError:
-        return None
 
 
 def _placed(graph: fx.GraphModule, name: str, phase: str) -> list[Placed]:
