@@ -227,6 +227,7 @@ def all_reduce_hierarchical(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
     levels = hierarchy(pg)
     if levels is None:
         return all_reduce(tensor, op, group=pg, async_op=async_op)
+    _begin(pg, name, tensor, rop)
     k = levels.per_host
     average = rop is ReduceOp.AVG
     inner_op = ReduceOp.SUM if average else rop
@@ -246,13 +247,34 @@ def all_reduce_hierarchical(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
         tensor.view(-1).copy_(flat[:n]) if tensor.is_contiguous() else tensor.copy_(
             flat[:n].view(tensor.shape))
 
-    return _submit(pg, name, stages, async_op)
+    return _submit(pg, name, stages, async_op, levels)
+
+
+def _begin(pg: ProcessGroup, name: str, tensor: torch.Tensor, op: ReduceOp | None) -> None:
+    """The call's one size check, on ``pg`` itself (skipped where a compiled graph
+    checked its run already): its stages then run unchecked on the sub-groups, whose
+    sizes follow from it, instead of paying a round trip each."""
+    from spmd.runtime import sizecheck
+
+    code = -1 if op is None else list(ReduceOp).index(op)
+    pg._begin(name, lambda: f"{checks.describe(tensor)}",
+              sizecheck.header(name, tensor.numel(), tensor.dtype, -1, code))
 
 
 def _submit(pg: ProcessGroup, name: str, stages: Callable[[], None],
-            async_op: bool) -> HierarchicalWork | None:
+            async_op: bool, levels: "Hierarchy | None" = None,
+            private: ProcessGroup | None = None) -> HierarchicalWork | None:
+    from spmd.runtime import sizecheck
+
+    quiet = [g for g in (levels.within, levels.across) if g is not None] if levels else []
+    quiet += [private] if private is not None else []
+
+    def run() -> None:
+        with sizecheck.agreed(quiet):  # checked once on the parent group (_begin)
+            stages()
+
     work = HierarchicalWork(f"{name} on {pg.name}")
-    _runner(pg).submit(stages, work)
+    _runner(pg).submit(run, work)
     if async_op:
         return work
     work.wait()
@@ -278,6 +300,7 @@ def all_gather_hierarchical(output: torch.Tensor, input: torch.Tensor,
     levels = hierarchy(pg)
     if levels is None:
         return all_gather_into_tensor(output, input, group=pg, async_op=async_op)
+    _begin(pg, name, output, None)
     h, k, m = levels.hosts, levels.per_host, input.numel()
     piece = input.reshape(-1).clone()
 
@@ -291,7 +314,7 @@ def all_gather_hierarchical(output: torch.Tensor, input: torch.Tensor,
         for g, (local, j) in enumerate(levels.places):
             rows[g].copy_(grid[local, j])
 
-    return _submit(pg, name, stages, async_op)
+    return _submit(pg, name, stages, async_op, levels)
 
 
 def reduce_scatter_hierarchical(output: torch.Tensor, input: torch.Tensor,
@@ -314,6 +337,7 @@ def reduce_scatter_hierarchical(output: torch.Tensor, input: torch.Tensor,
     if levels is None:
         return reduce_scatter_tensor(output, input, op, group=pg, async_op=async_op)
     rop = ReduceOp.of(op)
+    _begin(pg, name, input, rop)
     average = rop is ReduceOp.AVG
     inner_op = ReduceOp.SUM if average else rop
     h, k, m = levels.hosts, levels.per_host, output.numel()
@@ -332,7 +356,7 @@ def reduce_scatter_hierarchical(output: torch.Tensor, input: torch.Tensor,
             out.div_(size)
         output.view(-1).copy_(out)
 
-    return _submit(pg, name, stages, async_op)
+    return _submit(pg, name, stages, async_op, levels)
 
 
 def then_all_reduce(first: Any, tensor: torch.Tensor, group: ProcessGroup,
@@ -360,6 +384,8 @@ def then_all_reduce(first: Any, tensor: torch.Tensor, group: ProcessGroup,
         if scale is not None:
             tensor.mul_(scale)
 
-    work = _submit(private, "then_all_reduce", stages, async_op=True)
+    # unchecked: its size follows from the collective it follows, which a compiled graph's
+    # run check (that covers the replicate group) or that collective's own row checked
+    work = _submit(private, "then_all_reduce", stages, async_op=True, private=private)
     assert work is not None
     return work

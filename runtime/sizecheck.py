@@ -57,7 +57,9 @@ SLOT = ROW - HEAD  # 976: a multiple of 16, so every row's payload is aligned fo
 _PACK = struct.Struct(f"<{FIELDS}q")
 _OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather",
         "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
-        "all_to_all_single", "barrier", "graph", "inputs", "buckets")
+        "all_to_all_single", "barrier", "graph", "inputs", "buckets",
+        # spmd.runtime.hierarchical: one row on the parent group for the whole call
+        "all_reduce_hierarchical", "all_gather_hierarchical", "reduce_scatter_hierarchical")
 _DTYPES = (None, torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
            torch.uint8, torch.int32, torch.int64, torch.bool, torch.complex64,
            torch.complex128)

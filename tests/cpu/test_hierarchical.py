@@ -113,3 +113,22 @@ def test_thread_ranks_and_the_stage_thread_ends_with_its_group():
     for values, alive, _ in results:
         assert values == [24.0] * 3  # (0+1+2+3) = 6, then 4 x 6
         assert not alive
+
+
+def _disagree(rank: int) -> str:
+    os.environ["SPMD_HOST"] = f"h{rank // 2}"
+    dist.init_process_group("gloo")
+    try:
+        dist.all_reduce_hierarchical(torch.ones(4 if rank == 0 else 5))
+        return "ran"
+    except dist.DistError as e:
+        return str(e)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_that_disagree_are_named_before_any_stage_runs():
+    """One size check on the group for the whole call (its stages run unchecked)."""
+    results = dist.spawn(_disagree, nprocs=4, start_method="forkserver", timeout=100)
+    for message in results:
+        assert "all_reduce_hierarchical" in message and "rank 0" in message, message
