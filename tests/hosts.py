@@ -104,6 +104,10 @@ def unavailable() -> str | None:
     if made.returncode != 0:
         return f"`ip netns add` failed: {made.stderr.strip()}"
     _ip("netns", "del", probe, check=False)
+    try:  # the switch's devices: a TUN device made and dropped at once
+        os.close(_open_tun(f"sp{os.getpid() % 100000}probe"))
+    except OSError as e:
+        return f"cannot make a TUN device: {e}"
     return None
 
 
