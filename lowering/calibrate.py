@@ -59,6 +59,22 @@ def probe_network(group: Any, model: CostModel) -> CostModel:
     fitted = fit(samples, CostModel(backend=model.backend, world_size=hosts, alpha=0.0,
                                     beta=0.0))
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    link = NetworkLink(alpha=fitted.alpha, beta=fitted.beta,
-                       source=f"probed at start-up over {hosts} hosts, {stamp}")
+    lines = []
+    from spmd.runtime.calibration import measure_algorithms
+
+    for name, points in measure_algorithms(group).items():  # the whole group's own
+        a, b = _line(points)
+        lines.append((name, group.size(), a, b))
+    link = NetworkLink(alpha=fitted.alpha, beta=fitted.beta, lines=tuple(lines),
+                       source=f"probed at start-up over {hosts} hosts, {stamp}"
+                              + (f"; the group's flat and two-level all-reduces timed"
+                                 if lines else ""))
     return replace(model, network=link)
+
+
+def _line(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """(a, b) of T(n) = a + b·n fitted to ``samples`` by least squares on relative error."""
+    sizes = np.array([s for s, _ in samples], dtype=float)
+    times = np.array([t for _, t in samples], dtype=float)
+    slope, intercept = (float(c) for c in np.polyfit(sizes, times, 1, w=1.0 / times))
+    return max(intercept, 0.0), max(slope, 0.0)

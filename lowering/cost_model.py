@@ -114,6 +114,15 @@ class NetworkLink:
     alpha: float
     beta: float
     source: str = ""
+    # all-reduces over a whole group timed at start-up: (algorithm, ranks, a, b), a call
+    # of n bytes taking a + b·n ("ring": the flat one, "hierarchical": the two-level one)
+    lines: tuple[tuple[str, int, float, float], ...] = ()
+
+    def line(self, algorithm: str, ranks: int) -> tuple[float, float] | None:
+        for name, size, a, b in self.lines:
+            if name == algorithm and size == ranks:
+                return a, b
+        return None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -228,9 +237,22 @@ class TwoLevelCostModel(CostModel):
     # share one link (this machine's simulated hosts)
     outer_beta: float | None = None
 
+    def _measured(self, kind: str, algorithm: str, nbytes: int) -> float | None:
+        """An all-reduce's time from the line timed at start-up for this many ranks."""
+        found = (self.network.line(algorithm, self.world_size)
+                 if kind == "all_reduce" and self.network is not None else None)
+        return None if found is None else found[0] + found[1] * nbytes
+
     def seconds(self, kind: str, nbytes: int, algorithm: str | None = None) -> float:
         """The time of the cheaper algorithm (``algorithm`` None), of the flat ring
-        (``"ring"``) or of the two-level one (``"hierarchical"``)."""
+        (``"ring"``) or of the two-level one (``"hierarchical"``): timed at start-up
+        where the job measured this group's all-reduces, else by the formulas."""
+        if algorithm in (None, "ring", "hierarchical"):
+            flat_m = self._measured(kind, "ring", nbytes)
+            two_m = self._measured(kind, "hierarchical", nbytes)
+            if flat_m is not None and two_m is not None:
+                return {"ring": flat_m, "hierarchical": two_m}.get(
+                    algorithm or "", min(flat_m, two_m))
         if algorithm == "hierarchical":
             two = self._two_level(kind, nbytes)
             if two is None:
@@ -246,8 +268,11 @@ class TwoLevelCostModel(CostModel):
     def choice(self, kind: str, nbytes: int) -> tuple[str, float, float | None]:
         """(``"hierarchical"`` or ``"ring"``, the flat ring's seconds, the two-level
         algorithm's or None where it has none): which the planner runs for ``nbytes``."""
-        flat = CostModel.seconds(self, kind, nbytes, "ring")
-        two = self._two_level(kind, nbytes)
+        flat = self._measured(kind, "ring", nbytes)
+        two = self._measured(kind, "hierarchical", nbytes)
+        if flat is None or two is None:
+            flat = CostModel.seconds(self, kind, nbytes, "ring")
+            two = self._two_level(kind, nbytes)
         return ("hierarchical" if two is not None and two < flat else "ring"), flat, two
 
     def _two_level(self, kind: str, nbytes: int) -> float | None:

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["measure_all_reduce", "measure_network"]
+__all__ = ["measure_all_reduce", "measure_network", "measure_algorithms"]
 
 # Bucket-sized messages: Gloo takes another path below a few KiB (a 4-byte all-reduce
 # measured 173 µs here against 440 µs for 11 KiB), so tiny sizes would skew the fit.
@@ -85,3 +85,52 @@ def measure_network(group: Any, sizes: Sequence[int] = DEFAULT_SIZES, repeats: i
     broadcast_object_list(shared, src=group.ranks[0], group=group)
     known[key] = (len(by_host), shared[0])
     return known[key]
+
+
+def measure_algorithms(group: Any, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5,
+                       warmup: int = 1) -> dict[str, list[tuple[int, float]]]:
+    """``(bytes, seconds)`` of the flat (``"ring"``) and the two-level
+    (``"hierarchical"``) all-reduce over the whole ``group``, the median of ``repeats``
+    per size, timed on its first rank and shared: what they really cost, fixed costs
+    per call and per stage included, which a formula over the link's α and β misses on
+    small messages. Every rank of ``group`` must call it (once per group and job; later
+    calls return the first's); a group spanning hosts evenly only (else an empty dict).
+
+    Example::
+
+        lines = measure_algorithms(dist.new_group())   # {"ring": [...], "hierarchical": [...]}
+    """
+    from spmd.runtime.collectives import all_reduce, barrier
+    from spmd.runtime.hierarchical import all_reduce_hierarchical, hierarchy
+    from spmd.runtime.objects import broadcast_object_list
+
+    from spmd.runtime.groups import world
+
+    if hierarchy(group) is None:
+        return {}
+    state = world("measure_algorithms")
+    known = getattr(state, "algorithm_probes", None)
+    if known is None:
+        known = state.algorithm_probes = {}  # type: ignore[attr-defined]
+    key = (tuple(group.ranks), tuple(sizes), repeats)
+    if key in known:  # every rank of the group timed these once already, alike
+        return known[key]
+    runs = {"ring": lambda t: all_reduce(t, group=group),
+            "hierarchical": lambda t: all_reduce_hierarchical(t, group=group)}
+    samples: dict[str, list[tuple[int, float]]] = {name: [] for name in runs}
+    for nbytes in sizes:
+        t = torch.zeros(max(1, nbytes // 4))
+        for name, run in runs.items():
+            for _ in range(warmup):
+                run(t)
+            times = []
+            for _ in range(repeats):
+                barrier(group=group)
+                start = time.perf_counter()
+                run(t)
+                times.append(time.perf_counter() - start)
+            samples[name].append((t.numel() * 4, statistics.median(times)))
+    shared = [samples]
+    broadcast_object_list(shared, src=group.ranks[0], group=group)
+    known[key] = shared[0]
+    return shared[0]

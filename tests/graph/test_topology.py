@@ -95,3 +95,23 @@ def test_simulated_topology_arguments_are_checked():
     with pytest.raises(ValueError, match="not both"):
         spmd.Mesh.simulated(4, hardware=spmd.hardware.H100_SXM(nodes_of=2),
                             topology=Topology.uniform(4, 2), network=link)
+
+
+def test_all_reduces_timed_at_start_up_price_their_group():
+    """Where the job timed its group's flat and two-level all-reduces, those lines price
+    them (and choose between them); other sizes of group and other kinds keep the
+    formulas."""
+    from spmd.lowering.cost_model import NetworkLink, along
+
+    timed = NetworkLink(alpha=1e-4, beta=8e-9, lines=(("ring", 4, 5e-3, 1e-8),
+                                                      ("hierarchical", 4, 9e-3, 5e-9)))
+    mesh = spmd.Mesh.simulated(4, ("dp",), topology=Topology.uniform(4, 2), network=timed)
+    model = along(mesh, "dp", spmd.lowering.cost_model.CostModel.default("gloo", 4))
+    small, large = 1 << 10, 16 << 20
+    assert model.seconds("all_reduce", small, "ring") == pytest.approx(5e-3 + 1e-8 * small)
+    assert model.seconds("all_reduce", large, "hierarchical") == pytest.approx(
+        9e-3 + 5e-9 * large)
+    assert model.choice("all_reduce", small)[0] == "ring"       # 5 ms against 9 ms
+    assert model.choice("all_reduce", large)[0] == "hierarchical"
+    formula = model.seconds("all_gather", large, "ring")        # no line: the formula
+    assert formula == pytest.approx(3 * 1e-4 + 3 / 4 * large * 8e-9)
