@@ -165,6 +165,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# A rank's first moments: ask the kernel to kill it when its agent dies (PR_SET_PDEATHSIG,
+# kept across exec), make sure the agent is still there, then become the rank's command.
+# A preexec_fn would do it in the forked child of a threaded agent, where that is unsafe.
+_DIE_WITH_AGENT = ("import ctypes, os, signal, sys\n"
+                   "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)\n"
+                   "if os.getppid() != int(sys.argv[1]):\n"
+                   "    sys.exit('spmd.runtime.run: the agent died before this rank started')\n"
+                   "os.execvp(sys.argv[2], sys.argv[2:])\n")
+
+
+def _dying_with_us(command: list[str]) -> list[str]:
+    """``command`` started so that the rank dies with this agent (Linux), instead of
+    running on, orphaned, until its peers' collectives time out."""
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-c", _DIE_WITH_AGENT, str(os.getpid()), *command]
+
+
 class _Agent:
     """One host's agent: rendezvous with the other hosts, then start and watch its ranks."""
 
@@ -264,7 +282,7 @@ class _Agent:
     def _run(self) -> int:
         hosts = self.join()
         first = sum(h["nproc"] for h in hosts[:self.node])
-        procs = [subprocess.Popen(self.command(), env=self.environment(hosts, i))
+        procs = [subprocess.Popen(_dying_with_us(self.command()), env=self.environment(hosts, i))
                  for i in range(self.args.nproc_per_node)]
         try:
             failure = self._watch(procs, first)

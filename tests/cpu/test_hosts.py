@@ -137,16 +137,17 @@ def test_bad_arguments_are_refused():
 # the launcher across hosts ----------------------------------------------------------------
 
 JOB = textwrap.dedent("""
-    import json, torch
+    import json, sys, torch
     from spmd import runtime as dist
     dist.init_process_group("gloo")
     t = torch.ones(4) * (dist.get_rank() + 1)
     dist.all_reduce(t)
     topo = dist.get_topology()
     mesh = dist.Mesh((2, 2), ("across", "within"))
-    print(json.dumps({"rank": dist.get_rank(), "sum": t[0].item(), "hosts": topo.hosts,
-                      "crosses": [mesh.crosses_hosts("across"), mesh.crosses_hosts("within")]}),
-          flush=True)
+    line = json.dumps({"rank": dist.get_rank(), "sum": t[0].item(), "hosts": topo.hosts,
+                       "crosses": [mesh.crosses_hosts("across"), mesh.crosses_hosts("within")]})
+    sys.stdout.write(line + "\\n")  # one write: ranks share the pipe, unbuffered (-u)
+    sys.stdout.flush()
     dist.destroy_process_group()
 """)
 

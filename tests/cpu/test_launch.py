@@ -139,14 +139,14 @@ def test_the_launcher_runs_ranks_on_one_host(tmp_path):
 
     script = tmp_path / "show.py"
     script.write_text(
-        "import json, os\n"
+        "import json, os, sys\n"  # one write a line: the ranks share an unbuffered pipe
         "from spmd.runtime.rendezvous import rendezvous\n"
         "store, rank, world = rendezvous('env://')\n"
         "store.set(f'seen/{rank}', 'yes')\n"
         "store.wait([f'seen/{r}' for r in range(world)])\n"
         "keys = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'GROUP_RANK',\n"
         "        'MASTER_ADDR', 'SPMD_HOST')\n"
-        "print(json.dumps({k: os.environ.get(k) for k in keys}), flush=True)\n")
+        "sys.stdout.write(json.dumps({k: os.environ.get(k) for k in keys}) + '\\n')\n")
     command = os.path.join(os.path.dirname(sys.executable), "spmd-run")
     out = subprocess.run([command, "--standalone", "--nproc-per-node", "3", str(script)],
                          capture_output=True, text=True, timeout=100)
@@ -158,3 +158,40 @@ def test_the_launcher_runs_ranks_on_one_host(tmp_path):
                and e["LOCAL_WORLD_SIZE"] == "3" and e["GROUP_RANK"] == "0"
                and e["MASTER_ADDR"] == "127.0.0.1" and e["SPMD_HOST"].startswith("node0:")
                for e in seen)
+
+
+def test_ranks_die_with_their_agent(tmp_path):
+    """An agent killed outright takes its ranks with it (PR_SET_PDEATHSIG), instead of
+    leaving them to run on until their peers' collectives time out."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "sleep.py"
+    script.write_text(
+        "import os, pathlib, sys, time\n"
+        f"pathlib.Path({str(tmp_path)!r}, 'pid' + os.environ['RANK']).write_text(str(os.getpid()))\n"
+        "time.sleep(600)\n")
+    agent = subprocess.Popen([sys.executable, "-m", "spmd.runtime.run", "--standalone",
+                              "--nproc-per-node", "2", str(script)])
+    pids = []
+    deadline = time.monotonic() + 60
+    while len(pids) < 2 and time.monotonic() < deadline:  # until both ranks said who they are
+        pids = [int(p.read_text()) for p in tmp_path.glob("pid*") if p.read_text()]
+        time.sleep(0.1)
+    assert len(pids) == 2, "the ranks did not start"
+    agent.send_signal(signal.SIGKILL)
+    agent.wait(10)
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{pid}/stat") as f:  # a zombie (not yet reaped) is dead
+            return f.read().split(")")[-1].split()[0] != "Z"
+
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)
