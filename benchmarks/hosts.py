@@ -26,6 +26,7 @@ the lowest and highest per-round ratio. Prints markdown tables.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -253,8 +254,8 @@ def main() -> None:
                    help="GBPS:MS settings, comma-separated")
     p.add_argument("--parts", default="collectives,steps")
     p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--worker", help=argparse_hidden())
-    p.add_argument("--out", help=argparse_hidden())
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # the ranks' side, inside a host
+    p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args.worker, args.rounds, args.out)
@@ -272,12 +273,6 @@ def main() -> None:
             out = run_on_hosts(link, part, args.rounds, args.timeout)
             (report_collectives if part == "collectives" else report_steps)(link, out)
             sys.stdout.flush()
-
-
-def argparse_hidden() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

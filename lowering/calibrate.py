@@ -23,11 +23,7 @@ def fit(samples: list[tuple[int, float]], model: CostModel) -> CostModel:
     """``model`` with α, β fitted to ``(bytes, seconds)`` samples of ring all-reduces."""
     if len(samples) < 2:
         raise ValueError("calibration needs at least two sizes")
-    sizes = np.array([s for s, _ in samples], dtype=float)
-    times = np.array([t for _, t in samples], dtype=float)
-    # least squares on relative error (weights 1/t): every size counts in proportion,
-    # so the small buckets' latency is not drowned by the large ones' absolute noise
-    slope, intercept = (float(c) for c in np.polyfit(sizes, times, 1, w=1.0 / times))
+    intercept, slope = _line(samples)
     p = model.world_size
     alpha = max(float(intercept), 1e-7) / (2 * (p - 1))
     beta = max(slope, 1e-13) * p / (2 * (p - 1))
@@ -48,7 +44,7 @@ def probe_network(group: Any, model: CostModel) -> CostModel:
     """``model`` with the link between hosts measured, where ``group`` spans hosts (a
     short all-reduce probe among one rank per host; the same result on every rank), else
     ``model`` itself."""
-    from spmd.runtime.calibration import measure_network
+    from spmd.runtime.calibration import measure_algorithms, measure_network
 
     if group is None or group.size() <= 1:
         return model
@@ -59,21 +55,19 @@ def probe_network(group: Any, model: CostModel) -> CostModel:
     fitted = fit(samples, CostModel(backend=model.backend, world_size=hosts, alpha=0.0,
                                     beta=0.0))
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = []
-    from spmd.runtime.calibration import measure_algorithms
-
-    for name, points in measure_algorithms(group).items():  # the whole group's own
-        a, b = _line(points)
-        lines.append((name, group.size(), a, b))
-    link = NetworkLink(alpha=fitted.alpha, beta=fitted.beta, lines=tuple(lines),
+    lines = tuple((name, group.size(), *_line(points))  # the whole group's own calls
+                  for name, points in measure_algorithms(group).items())
+    link = NetworkLink(alpha=fitted.alpha, beta=fitted.beta, lines=lines,
                        source=f"probed at start-up over {hosts} hosts, {stamp}"
-                              + (f"; the group's flat and two-level all-reduces timed"
+                              + ("; the group's flat and two-level all-reduces timed"
                                  if lines else ""))
     return replace(model, network=link)
 
 
 def _line(samples: list[tuple[int, float]]) -> tuple[float, float]:
-    """(a, b) of T(n) = a + b·n fitted to ``samples`` by least squares on relative error."""
+    """(a, b) of T(n) = a + b·n fitted to ``samples`` by least squares on relative error
+    (weights 1/t: every size counts in proportion, so the small messages' latency is not
+    drowned by the large ones' absolute noise); neither below 0."""
     sizes = np.array([s for s, _ in samples], dtype=float)
     times = np.array([t for _, t in samples], dtype=float)
     slope, intercept = (float(c) for c in np.polyfit(sizes, times, 1, w=1.0 / times))

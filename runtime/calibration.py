@@ -20,6 +20,47 @@ __all__ = ["measure_all_reduce", "measure_network", "measure_algorithms"]
 DEFAULT_SIZES = (8 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 
 
+def _median_time(run: Any, group: Any, repeats: int, warmup: int) -> float:
+    """The median seconds of ``run()`` over ``repeats`` calls after ``warmup`` ones, the
+    group's ranks starting each call together (a typical call, not the luckiest)."""
+    from spmd.runtime.collectives import barrier
+
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeats):
+        barrier(group=group)
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _shared(value: Any, group: Any) -> Any:
+    """``value`` as the group's first rank has it, on every rank."""
+    from spmd.runtime.objects import broadcast_object_list
+
+    box = [value]
+    broadcast_object_list(box, src=group.ranks[0], group=group)
+    return box[0]
+
+
+def _once(what: str, group: Any, key: tuple, measure: Any) -> Any:
+    """``measure()`` the first time this job asks ``what`` of ``group`` with ``key``, its
+    result after that: every rank of the group asks in the same order, so every rank
+    measures (a collective) or answers from memory alike."""
+    from spmd.runtime.groups import world
+
+    state = world(what)
+    known = getattr(state, "probes", None)
+    if known is None:
+        known = state.probes = {}  # type: ignore[attr-defined]
+    full = (what, tuple(group.ranks), *key)
+    if full not in known:
+        known[full] = measure()
+    return known[full]
+
+
 def measure_all_reduce(group: Any, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 7,
                        warmup: int = 2) -> list[tuple[int, float]]:
     """``(bytes, seconds)`` of one float32 all-reduce per size: the median of ``repeats``
@@ -30,24 +71,14 @@ def measure_all_reduce(group: Any, sizes: Sequence[int] = DEFAULT_SIZES, repeats
 
         samples = measure_all_reduce(dist.new_group())   # [(4, 1.9e-4), ...]
     """
-    from spmd.runtime.collectives import all_reduce, barrier
-    from spmd.runtime.objects import broadcast_object_list
+    from spmd.runtime.collectives import all_reduce
 
     samples = []
     for nbytes in sizes:
         t = torch.zeros(max(1, nbytes // 4))
-        for _ in range(warmup):
-            all_reduce(t, group=group)
-        times = []
-        for _ in range(repeats):
-            barrier(group=group)
-            start = time.perf_counter()
-            all_reduce(t, group=group)
-            times.append(time.perf_counter() - start)
-        samples.append((t.numel() * 4, statistics.median(times)))
-    shared = [samples]
-    broadcast_object_list(shared, src=group.ranks[0], group=group)
-    return shared[0]
+        samples.append((t.numel() * 4, _median_time(lambda: all_reduce(t, group=group),
+                                                    group, repeats, warmup)))
+    return _shared(samples, group)
 
 
 def measure_network(group: Any, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5,
@@ -63,28 +94,23 @@ def measure_network(group: Any, sizes: Sequence[int] = DEFAULT_SIZES, repeats: i
         hosts, samples = measure_network(dist.new_group())
     """
     from spmd.runtime.groups import new_group, world
-    from spmd.runtime.objects import broadcast_object_list
     from spmd.runtime.topology import get_topology
 
     by_host = get_topology().split(group.ranks)
     if len(by_host) < 2:
         return None
     firsts = [ranks[0] for ranks in by_host]
-    state = world("measure_network")
-    known = getattr(state, "network_probes", None)
-    if known is None:
-        known = state.network_probes = {}  # type: ignore[attr-defined]
-    key = (tuple(group.ranks), tuple(sizes), repeats)
-    if key in known:  # every rank of the group probed this once already, alike
-        return known[key]
-    shared: list[Any] = [None]
-    if world("measure_network").rank in firsts:
-        name = f"{group.name}/network-probe"
-        probe = world("measure_network").groups.get(name) or new_group(firsts, group_name=name)
-        shared = [measure_all_reduce(probe, sizes, repeats, warmup)]
-    broadcast_object_list(shared, src=group.ranks[0], group=group)
-    known[key] = (len(by_host), shared[0])
-    return known[key]
+
+    def measure() -> tuple[int, list[tuple[int, float]]]:
+        state = world("measure_network")
+        samples = None
+        if state.rank in firsts:
+            name = f"{group.name}/network-probe"
+            probe = state.groups.get(name) or new_group(firsts, group_name=name)
+            samples = measure_all_reduce(probe, sizes, repeats, warmup)
+        return len(by_host), _shared(samples, group)
+
+    return _once("measure_network", group, (tuple(sizes), repeats), measure)
 
 
 def measure_algorithms(group: Any, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5,
@@ -100,37 +126,20 @@ def measure_algorithms(group: Any, sizes: Sequence[int] = DEFAULT_SIZES, repeats
 
         lines = measure_algorithms(dist.new_group())   # {"ring": [...], "hierarchical": [...]}
     """
-    from spmd.runtime.collectives import all_reduce, barrier
+    from spmd.runtime.collectives import all_reduce
     from spmd.runtime.hierarchical import all_reduce_hierarchical, hierarchy
-    from spmd.runtime.objects import broadcast_object_list
-
-    from spmd.runtime.groups import world
 
     if hierarchy(group) is None:
         return {}
-    state = world("measure_algorithms")
-    known = getattr(state, "algorithm_probes", None)
-    if known is None:
-        known = state.algorithm_probes = {}  # type: ignore[attr-defined]
-    key = (tuple(group.ranks), tuple(sizes), repeats)
-    if key in known:  # every rank of the group timed these once already, alike
-        return known[key]
-    runs = {"ring": lambda t: all_reduce(t, group=group),
-            "hierarchical": lambda t: all_reduce_hierarchical(t, group=group)}
-    samples: dict[str, list[tuple[int, float]]] = {name: [] for name in runs}
-    for nbytes in sizes:
-        t = torch.zeros(max(1, nbytes // 4))
-        for name, run in runs.items():
-            for _ in range(warmup):
-                run(t)
-            times = []
-            for _ in range(repeats):
-                barrier(group=group)
-                start = time.perf_counter()
-                run(t)
-                times.append(time.perf_counter() - start)
-            samples[name].append((t.numel() * 4, statistics.median(times)))
-    shared = [samples]
-    broadcast_object_list(shared, src=group.ranks[0], group=group)
-    known[key] = shared[0]
-    return shared[0]
+    runs = {"ring": all_reduce, "hierarchical": all_reduce_hierarchical}
+
+    def measure() -> dict[str, list[tuple[int, float]]]:
+        samples: dict[str, list[tuple[int, float]]] = {name: [] for name in runs}
+        for nbytes in sizes:
+            t = torch.zeros(max(1, nbytes // 4))
+            for name, run in runs.items():
+                seconds = _median_time(lambda: run(t, group=group), group, repeats, warmup)
+                samples[name].append((t.numel() * 4, seconds))
+        return _shared(samples, group)
+
+    return _once("measure_algorithms", group, (tuple(sizes), repeats), measure)

@@ -281,6 +281,19 @@ def _submit(pg: ProcessGroup, name: str, stages: Callable[[], None],
     return None
 
 
+def _checked(name: str, group: ProcessGroup | None, whole: torch.Tensor, part: torch.Tensor,
+             names: tuple[str, str]) -> ProcessGroup:
+    """The group, once ``whole`` and ``part`` are tensors it can move and ``whole`` holds
+    a ``part`` for each of its ranks (else the error, before anything is sent)."""
+    pg = resolve_group(group, name)
+    checks.tensor(whole, name, pg, names[0])
+    checks.tensor(part, name, pg, names[1])
+    if whole.numel() != pg.size() * part.numel():
+        raise ValueError(f"{name}: {names[0]} has {whole.numel()} elements; it needs "
+                         f"{pg.size()} x {part.numel()} (group size x {names[1]})")
+    return pg
+
+
 def all_gather_hierarchical(output: torch.Tensor, input: torch.Tensor,
                             group: ProcessGroup | None = None,
                             async_op: bool = False) -> HierarchicalWork | Any:
@@ -291,12 +304,7 @@ def all_gather_hierarchical(output: torch.Tensor, input: torch.Tensor,
     from spmd.runtime.collectives import all_gather_into_tensor
 
     name = "all_gather_hierarchical"
-    pg = resolve_group(group, name)
-    checks.tensor(output, name, pg, "output")
-    checks.tensor(input, name, pg, "input")
-    if output.numel() != pg.size() * input.numel():
-        raise ValueError(f"{name}: output has {output.numel()} elements; it needs "
-                         f"{pg.size()} x {input.numel()} (group size x input)")
+    pg = _checked(name, group, output, input, ("output", "input"))
     levels = hierarchy(pg)
     if levels is None:
         return all_gather_into_tensor(output, input, group=pg, async_op=async_op)
@@ -327,12 +335,7 @@ def reduce_scatter_hierarchical(output: torch.Tensor, input: torch.Tensor,
     from spmd.runtime.collectives import reduce_scatter_tensor
 
     name = "reduce_scatter_hierarchical"
-    pg = resolve_group(group, name)
-    checks.tensor(output, name, pg, "output")
-    checks.tensor(input, name, pg, "input")
-    if input.numel() != pg.size() * output.numel():
-        raise ValueError(f"{name}: input has {input.numel()} elements; it needs "
-                         f"{pg.size()} x {output.numel()} (group size x output)")
+    pg = _checked(name, group, input, output, ("input", "output"))
     levels = hierarchy(pg)
     if levels is None:
         return reduce_scatter_tensor(output, input, op, group=pg, async_op=async_op)

@@ -90,6 +90,20 @@ def reference() -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def check(results: list[dict], layouts: list[str], tol: float = 1e-12) -> None:
+    """Every rank's run of every layout ended within ``tol`` of :func:`reference`, on the
+    topology of 2 hosts x 2 ranks."""
+    expect = reference()
+    for rank, out in enumerate(results):
+        assert out["topology"] == (0, 0, 1, 1)
+        for layout in layouts:
+            got = out[layout]
+            assert "error" not in got, f"{layout} on rank {rank}: {got.get('error')}"
+            for name, value in expect.items():
+                diff = (got["params"][name] - value).abs().max().item()
+                assert diff <= tol, f"{layout}: {name} is {diff:.3g} off on rank {rank}"
+
+
 if __name__ == "__main__":
     target, chosen = sys.argv[1], sys.argv[2:]
     result = run(int(os.environ["RANK"]), chosen)

@@ -13,7 +13,6 @@ from spmd import runtime as dist
 from tests import across_hosts
 
 HOSTS = ["h0", "h0", "h1", "h1"]
-TOL = 1e-12
 
 
 def _job(rank: int, layouts: list[str], mode: str) -> dict:
@@ -21,24 +20,12 @@ def _job(rank: int, layouts: list[str], mode: str) -> dict:
     return across_hosts.run(rank, layouts, HOSTS)
 
 
-def check(results: list[dict], layouts: list[str]) -> None:
-    expect = across_hosts.reference()
-    for rank, out in enumerate(results):
-        assert out["topology"] == (0, 0, 1, 1)
-        for layout in layouts:
-            got = out[layout]
-            assert "error" not in got, f"{layout} on rank {rank}: {got.get('error')}"
-            for name, value in expect.items():
-                diff = (got["params"][name] - value).abs().max().item()
-                assert diff <= TOL, f"{layout}: {name} is {diff:.3g} off on rank {rank}"
-
-
 @pytest.mark.parametrize("mode", ["always", "never"])
 def test_data_parallel_across_hosts_equals_one_process_in_two_levels_and_flat(mode):
     layouts = ["ddp", "zero1", "fsdp", "zero2"]
     results = dist.spawn(_job, args=(layouts, mode), nprocs=4, start_method="forkserver",
                          timeout=110)
-    check(results, layouts)
+    across_hosts.check(results, layouts)
     for out in results:
         algorithms = {(kind, a) for layout in layouts for kind, a in out[layout]["buckets"]}
         kinds = {"all_reduce", "all_gather", "reduce_scatter"}  # every kind, each bucket
@@ -54,4 +41,4 @@ def test_data_parallel_across_hosts_equals_one_process_in_two_levels_and_flat(mo
 def test_every_other_strategy_across_hosts_equals_one_process(layouts):
     results = dist.spawn(_job, args=(layouts, "auto"), nprocs=4, start_method="forkserver",
                          timeout=110)
-    check(results, layouts)
+    across_hosts.check(results, layouts)
