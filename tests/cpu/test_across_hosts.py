@@ -42,3 +42,41 @@ def test_every_other_strategy_across_hosts_equals_one_process(layouts):
     results = dist.spawn(_job, args=(layouts, "auto"), nprocs=4, start_method="forkserver",
                          timeout=110)
     across_hosts.check(results, layouts)
+
+
+# the loops users write (tests/cpu/test_training_loops.py) on 4 ranks of 2 loopback hosts,
+# every bucket two-level: batch sizes that change (two families), accumulation over step
+# calls, a train and an eval step on one model; each batch divides by the 4 ranks
+LOOPS = [("changing_batch", "ddp"), ("changing_batch_encoder", "fsdp"),
+         ("step_accumulation_over_calls", "zero2"), ("two_step_functions", "fsdp")]
+SIZES = (16, 8, 4, 12)
+
+
+def _loops(rank: int, cases: list[tuple[str, str]]) -> dict:
+    from datetime import timedelta
+
+    from tests.cpu import test_training_loops as loops
+
+    os.environ["SPMD_HOST"], os.environ["SPMD_HIERARCHICAL"] = HOSTS[rank], "always"
+    loops.WORLD, loops.SIZES = 4, SIZES
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
+    try:
+        return {case: loops.LOOPS[case[0]][0](rank, case[1])[0] for case in cases}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_loops_users_write_across_hosts_in_two_levels(monkeypatch):
+    from tests.cpu import test_training_loops as loops
+
+    monkeypatch.setattr(loops, "SIZES", SIZES)  # (one process on the whole batch)
+    results = dist.spawn(_loops, args=(LOOPS,), nprocs=4, start_method="forkserver",
+                         timeout=110)
+    for name, strategy in LOOPS:
+        expected, _ = loops.LOOPS[name][0](None, strategy)
+        for rank, out in enumerate(results):
+            for key, value in expected.items():
+                got = out[(name, strategy)][key]
+                assert torch.allclose(got, value, rtol=1e-12, atol=1e-12), (
+                    name, strategy, rank, key, (got - value).abs().max().item())

@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -223,12 +222,9 @@ def test_a_failed_rank_stops_every_host(tmp_path):
             sys.exit(3)
         time.sleep(600)   # the others would wait on rank 3 for ever
     """))
-    with Hosts(2) as hosts:
-        start = time.monotonic()
+    with Hosts(2) as hosts:  # the agents end (not the others' 600 s) or _finish times out
         procs = [_launch(hosts, node, 2, str(script), "--join-timeout", "60") for node in (0, 1)]
         results = _finish(procs, timeout=100)
-        took = time.monotonic() - start
-    assert took < 90  # stopped, not waited out (the others sleep 600 s)
     for node, (code, _, err) in enumerate(results):
         assert code == 1
         where = "this host" if node == 1 else "node 1"
