@@ -75,7 +75,7 @@ def _cost_model():
     default = dist.new_group()  # all ranks: the world's group under a name of its own
     levels = dist.hierarchy(default)
     inner = calibrate(levels.within, CostModel.default("gloo", 2))
-    model = probe_network(default, inner)
+    model = probe_network(default, inner, kinds=("all_reduce", "all_gather", "reduce_scatter"))
     return along(dist.Mesh(dist.get_world_size()), "dp", model), default
 
 
@@ -98,7 +98,11 @@ def collectives(rounds: int) -> dict | None:
             "all-reduce, two-level": lambda: dist.all_reduce_hierarchical(x, group=group),
             "all-reduce, torch Gloo": lambda: tdist.all_reduce(x),
             "all-gather, flat": lambda: dist.all_gather_into_tensor(gathered, shard, group=group),
+            "all-gather, two-level": lambda: dist.all_gather_hierarchical(gathered, shard,
+                                                                          group=group),
             "reduce-scatter, flat": lambda: dist.reduce_scatter_tensor(shard, x, group=group),
+            "reduce-scatter, two-level": lambda: dist.reduce_scatter_hierarchical(shard, x,
+                                                                                  group=group),
         }
         repeat = max(1, min(20, (8 << 20) // nbytes))
         timed = harness.alternate({k: (lambda f=f: [f() for _ in range(repeat)])
@@ -109,7 +113,9 @@ def collectives(rounds: int) -> dict | None:
             "all-reduce, flat": model.seconds("all_reduce", nbytes, "ring"),
             "all-reduce, two-level": model.seconds("all_reduce", nbytes, "hierarchical"),
             "all-gather, flat": model.seconds("all_gather", nbytes, "ring"),
+            "all-gather, two-level": model.seconds("all_gather", nbytes, "hierarchical"),
             "reduce-scatter, flat": model.seconds("reduce_scatter", nbytes, "ring"),
+            "reduce-scatter, two-level": model.seconds("reduce_scatter", nbytes, "hierarchical"),
         }
         for name, samples in timed.times.items():
             out["rows"].append({"size": nbytes, "variant": name, "times": samples,

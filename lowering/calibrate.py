@@ -40,10 +40,12 @@ def calibrate(group: Any, model: CostModel) -> CostModel:
     return fit(measure_all_reduce(group), model)
 
 
-def probe_network(group: Any, model: CostModel) -> CostModel:
+def probe_network(group: Any, model: CostModel,
+                  kinds: tuple[str, ...] = ("all_reduce",)) -> CostModel:
     """``model`` with the link between hosts measured, where ``group`` spans hosts (a
-    short all-reduce probe among one rank per host; the same result on every rank), else
-    ``model`` itself."""
+    short all-reduce probe among one rank per host, and the group's own flat and
+    two-level collectives of ``kinds`` timed where it spans hosts evenly; the same result
+    on every rank), else ``model`` itself."""
     from spmd.runtime.calibration import measure_algorithms, measure_network
 
     if group is None or group.size() <= 1:
@@ -55,11 +57,12 @@ def probe_network(group: Any, model: CostModel) -> CostModel:
     fitted = fit(samples, CostModel(backend=model.backend, world_size=hosts, alpha=0.0,
                                     beta=0.0))
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = tuple((name, group.size(), *_line(points))  # the whole group's own calls
-                  for name, points in measure_algorithms(group).items())
+    lines = tuple((kind, name, group.size(), tuple((int(n), float(t)) for n, t in points))
+                  for (kind, name), points in measure_algorithms(group, kinds=kinds).items())
+    timed = ", ".join(k.replace("_", "-") + "s" for k in kinds)
     link = NetworkLink(alpha=fitted.alpha, beta=fitted.beta, lines=lines,
                        source=f"probed at start-up over {hosts} hosts, {stamp}"
-                              + ("; the group's flat and two-level all-reduces timed"
+                              + (f"; the group's flat and two-level {timed} timed"
                                  if lines else ""))
     return replace(model, network=link)
 

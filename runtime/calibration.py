@@ -20,9 +20,12 @@ __all__ = ["measure_all_reduce", "measure_network", "measure_algorithms"]
 DEFAULT_SIZES = (8 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 
 
-def _median_time(run: Any, group: Any, repeats: int, warmup: int) -> float:
-    """The median seconds of ``run()`` over ``repeats`` calls after ``warmup`` ones, the
-    group's ranks starting each call together (a typical call, not the luckiest)."""
+def _median_time(run: Any, group: Any, repeats: int, warmup: int, burst: int = 1) -> float:
+    """The median seconds of one ``run()`` over ``repeats`` samples after ``warmup``
+    calls, the group's ranks starting each sample together (a typical call, not the
+    luckiest); a sample is ``burst`` calls back to back, divided by ``burst``: as a
+    step's buckets follow each other, each call starting while the ranks still finish
+    the last (back to back, small calls measured 1.3x their time alone)."""
     from spmd.runtime.collectives import barrier
 
     for _ in range(warmup):
@@ -31,8 +34,9 @@ def _median_time(run: Any, group: Any, repeats: int, warmup: int) -> float:
     for _ in range(repeats):
         barrier(group=group)
         start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
+        for _ in range(burst):
+            run()
+        times.append((time.perf_counter() - start) / burst)
     return statistics.median(times)
 
 
@@ -113,33 +117,55 @@ def measure_network(group: Any, sizes: Sequence[int] = DEFAULT_SIZES, repeats: i
     return _once("measure_network", group, (tuple(sizes), repeats), measure)
 
 
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
 def measure_algorithms(group: Any, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5,
-                       warmup: int = 1) -> dict[str, list[tuple[int, float]]]:
-    """``(bytes, seconds)`` of the flat (``"ring"``) and the two-level
-    (``"hierarchical"``) all-reduce over the whole ``group``, the median of ``repeats``
-    per size, timed on its first rank and shared: what they really cost, fixed costs
-    per call and per stage included, which a formula over the link's α and β misses on
-    small messages. Every rank of ``group`` must call it (once per group and job; later
-    calls return the first's); a group spanning hosts evenly only (else an empty dict).
+                       warmup: int = 1, kinds: Sequence[str] = ("all_reduce",)
+                       ) -> dict[tuple[str, str], list[tuple[int, float]]]:
+    """``(bytes, seconds)`` per ``(kind, algorithm)`` of each collective in ``kinds``
+    (``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``; bytes: the whole tensor,
+    the gathered output or the scattered input) run flat (``"ring"``) and two-level
+    (``"hierarchical"``) over the whole ``group``, the median of ``repeats`` per size,
+    timed on its first rank and shared: what they really cost, fixed costs per call and
+    per stage included, which a formula over the link's α and β misses on small
+    messages. Every rank of ``group`` must call it with the same arguments (once per
+    group, kinds and job; later calls return the first's); a group spanning hosts evenly
+    only (else an empty dict).
 
     Example::
 
-        lines = measure_algorithms(dist.new_group())   # {"ring": [...], "hierarchical": [...]}
+        lines = measure_algorithms(dist.new_group())   # {("all_reduce", "ring"): [...], ...}
     """
-    from spmd.runtime.collectives import all_reduce
-    from spmd.runtime.hierarchical import all_reduce_hierarchical, hierarchy
+    from spmd.runtime import hierarchical as two
+    from spmd.runtime.collectives import all_gather_into_tensor, all_reduce, reduce_scatter_tensor
 
-    if hierarchy(group) is None:
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise ValueError(f"measure_algorithms: no collective kind {unknown}; kinds are {KINDS}")
+    if two.hierarchy(group) is None:
         return {}
-    runs = {"ring": all_reduce, "hierarchical": all_reduce_hierarchical}
+    p = group.size()
+    runs = {
+        "all_reduce": {"ring": lambda t, s: all_reduce(t, group=group),
+                       "hierarchical": lambda t, s: two.all_reduce_hierarchical(t, group=group)},
+        "all_gather": {"ring": lambda t, s: all_gather_into_tensor(t, s, group=group),
+                       "hierarchical": lambda t, s: two.all_gather_hierarchical(t, s, group=group)},
+        "reduce_scatter": {
+            "ring": lambda t, s: reduce_scatter_tensor(s, t, group=group),
+            "hierarchical": lambda t, s: two.reduce_scatter_hierarchical(s, t, group=group)},
+    }
 
-    def measure() -> dict[str, list[tuple[int, float]]]:
-        samples: dict[str, list[tuple[int, float]]] = {name: [] for name in runs}
+    def measure() -> dict[tuple[str, str], list[tuple[int, float]]]:
+        samples: dict[tuple[str, str], list[tuple[int, float]]] = {}
         for nbytes in sizes:
-            t = torch.zeros(max(1, nbytes // 4))
-            for name, run in runs.items():
-                seconds = _median_time(lambda: run(t, group=group), group, repeats, warmup)
-                samples[name].append((t.numel() * 4, seconds))
+            n = max(p, nbytes // 4 // p * p)  # whole shards for gathers and scatters
+            t, shard = torch.zeros(n), torch.zeros(n // p)
+            burst = max(1, min(8, (2 << 20) // (n * 4)))  # calls of 2 MiB in all, at most 8
+            for kind in kinds:
+                for name, run in runs[kind].items():
+                    seconds = _median_time(lambda: run(t, shard), group, repeats, warmup, burst)
+                    samples.setdefault((kind, name), []).append((n * 4, seconds))
         return _shared(samples, group)
 
-    return _once("measure_algorithms", group, (tuple(sizes), repeats), measure)
+    return _once("measure_algorithms", group, (tuple(sizes), repeats, tuple(kinds)), measure)

@@ -14,7 +14,8 @@ import torch.nn as nn
 
 from spmd.lowering.cost_model import CostModel, along, overlap_share
 from spmd.lowering.options import Options
-from spmd.lowering.strategy import Gathered, Strategy, flatten_data_dims, resolve_strategy
+from spmd.lowering.strategy import (Gathered, Reduced, Strategy, flatten_data_dims,
+                                    resolve_strategy)
 from spmd.runtime import context
 from spmd.runtime.mesh import Mesh
 
@@ -98,9 +99,11 @@ def check_same_model(module: nn.Module, group: Any, where: str) -> None:
                          f"{len(reference)} parameters and buffers, rank {rank} has {len(sig)}")
 
 
-def cost_model_for(group: Any, world_size: int, backend: str, options: Options) -> CostModel:
+def cost_model_for(group: Any, world_size: int, backend: str, options: Options,
+                   kinds: tuple[str, ...] = ("all_reduce",)) -> CostModel:
     """The cost model every rank of ``group`` plans with: defaults, calibrated on the live
-    group when asked, with the overlap share of this machine; decided on the group's
+    group when asked, the link between hosts probed where it spans some (its collectives
+    of ``kinds`` timed), with the overlap share of this machine; decided on the group's
     first rank and shared, so every rank derives the same buckets."""
     model = CostModel.default(backend, world_size)
     if group is not None and world_size > 1 and options.calibrate:
@@ -110,7 +113,7 @@ def cost_model_for(group: Any, world_size: int, backend: str, options: Options) 
     if group is not None and world_size > 1:  # the link between hosts, where it spans some
         from spmd.lowering.calibrate import probe_network
 
-        model = probe_network(group, model)
+        model = probe_network(group, model, kinds)
     # ranks sharing this machine: the launcher says; a live group without one is taken as
     # one machine; a simulated mesh plans for the machine it runs on, whatever its size
     local = int(context.getenv("LOCAL_WORLD_SIZE") or (world_size if group is not None else 1))
@@ -127,6 +130,19 @@ def cost_model_for(group: Any, world_size: int, backend: str, options: Options) 
         broadcast_object_list(box, src=group.ranks[0], group=group)
         model = box[0]
     return model
+
+
+def _kinds(strategy: Strategy) -> tuple[str, ...]:
+    """The collectives the data dimension runs: all-reduces (gradients, or an hsdp
+    replica's average), and the gathers and reduce-scatters of sharded parameters or
+    optimizer states."""
+    kinds = ["all_reduce"]
+    if strategy.gathered is not Gathered.NEVER or strategy.reduced in (
+            Reduced.ALL_REDUCE_OWN_ROWS, Reduced.REDUCE_SCATTER):
+        kinds.append("all_gather")
+    if strategy.reduced is Reduced.REDUCE_SCATTER:
+        kinds.append("reduce_scatter")
+    return tuple(kinds)
 
 
 def _next_index() -> int:
@@ -213,7 +229,8 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
     if mesh.hardware is not None:  # a simulated cluster: its links, not this machine
         cost_model = along(mesh, strategy.data_dim or mesh.dim_names[0], None)
     else:
-        cost_model = cost_model_for(group, world_size, backend, options)
+        cost_model = cost_model_for(group, world_size, backend, options,
+                                    _kinds(strategy))
     # only live models number their store keys: a plan on a simulated mesh made on one
     # rank alone (spmd.inspect, strategy="auto"'s search) must not shift the others'
     index = 0 if mesh.simulated else _next_index()

@@ -35,6 +35,10 @@ def test_data_parallel_across_hosts_equals_one_process_in_two_levels_and_flat(mo
         assert "hosts: 2 host(s) (SPMD_HOST); h0: ranks 0-1; h1: ranks 2-3" in summary
         assert "mesh dimension 'dp' crosses 2 hosts" in summary
         assert "probed at start-up over 2 hosts" in summary
+        # each layout times, at start-up, the kinds of collective its data dimension runs
+        assert "flat and two-level all-reduces timed" in summary
+        assert ("flat and two-level all-reduces, all-gathers, reduce-scatters timed"
+                in out["fsdp"]["summary"])
 
 
 @pytest.mark.parametrize("layouts", [["hsdp", "tp"], ["pp", "cp", "auto"]], ids="-".join)

@@ -97,21 +97,28 @@ def test_simulated_topology_arguments_are_checked():
                             topology=Topology.uniform(4, 2), network=link)
 
 
-def test_all_reduces_timed_at_start_up_price_their_group():
-    """Where the job timed its group's flat and two-level all-reduces, those lines price
-    them (and choose between them); other sizes of group and other kinds keep the
-    formulas."""
+def test_collectives_timed_at_start_up_price_their_group():
+    """Where the job timed its group's flat and two-level collectives, those samples
+    price them (joined by straight lines, the end segments continued) and choose between
+    them per kind; the kinds and algorithms not timed keep the formulas."""
     from spmd.lowering.cost_model import NetworkLink, along
 
-    timed = NetworkLink(alpha=1e-4, beta=8e-9, lines=(("ring", 4, 5e-3, 1e-8),
-                                                      ("hierarchical", 4, 9e-3, 5e-9)))
+    K, M = 1 << 10, 1 << 20
+    timed = NetworkLink(alpha=1e-4, beta=8e-9, lines=(
+        ("all_reduce", "ring", 4, ((K, 5e-3), (M, 6e-3), (4 * M, 9e-3))),
+        ("all_reduce", "hierarchical", 4, ((K, 9e-3), (M, 9.5e-3), (4 * M, 11e-3))),
+        ("reduce_scatter", "ring", 4, ((K, 2e-3), (M, 4e-3)))))
     mesh = spmd.Mesh.simulated(4, ("dp",), topology=Topology.uniform(4, 2), network=timed)
     model = along(mesh, "dp", spmd.lowering.cost_model.CostModel.default("gloo", 4))
-    small, large = 1 << 10, 16 << 20
-    assert model.seconds("all_reduce", small, "ring") == pytest.approx(5e-3 + 1e-8 * small)
-    assert model.seconds("all_reduce", large, "hierarchical") == pytest.approx(
-        9e-3 + 5e-9 * large)
+    small, large = K, 16 * M
+    assert model.seconds("all_reduce", small, "ring") == pytest.approx(5e-3)
+    assert model.seconds("all_reduce", 2 * M, "ring") == pytest.approx(7e-3)  # between
+    assert model.seconds("all_reduce", large, "ring") == pytest.approx(9e-3 + 12e-3)
+    assert model.seconds("all_reduce", large, "hierarchical") == pytest.approx(11e-3 + 6e-3)
     assert model.choice("all_reduce", small)[0] == "ring"       # 5 ms against 9 ms
     assert model.choice("all_reduce", large)[0] == "hierarchical"
-    formula = model.seconds("all_gather", large, "ring")        # no line: the formula
+    assert model.seconds("reduce_scatter", 2 * M, "ring") == pytest.approx(6e-3, rel=1e-3)
+    assert model.seconds("reduce_scatter", large, "hierarchical") == model._two_level(
+        "reduce_scatter", large)                                 # only its flat one timed
+    formula = model.seconds("all_gather", large, "ring")        # no sample: the formula
     assert formula == pytest.approx(3 * 1e-4 + 3 / 4 * large * 8e-9)
