@@ -1,0 +1,138 @@
+"""A training job that checkpoints with ``spmd.checkpoint.CheckpointManager`` and resumes
+from the latest checkpoint, for the restart tests (tests/cpu/test_checkpoint_manager.py)
+and the fault matrix: run under ``torchrun --max-restarts`` or ``python -m
+spmd.runtime.run --max-restarts``.
+
+    python tests/checkpoint_job.py OUT --strategy fsdp --steps 6 --every 2 \\
+        [--kill STEP:POINT:RANK]
+
+Every step's batch is a function of the step alone (and the random generators, which
+the checkpoint carries): a run interrupted and resumed computes what one never
+interrupted does, bit for bit in float64 on the same layout. ``--kill`` makes global
+rank RANK kill itself with SIGKILL at STEP (counted from 1) in the first attempt only
+(``TORCHELASTIC_RESTART_COUNT`` 0), at POINT: ``forward``, ``backward``, ``optimizer``
+(inside the optimizer step) or ``checkpoint`` (the write of the checkpoint after that
+step in flight); before the other points the doomed rank waits for the last write, so
+that the test knows which checkpoint the job resumes from. Rank 0 writes ``OUT/result.pt`` at the end: the parameters, the
+optimizer state, the LR, the data position and the step resumed from per attempt in
+``OUT/attempts.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+WIDTH, BATCH = 8, 8
+
+
+class Position:
+    """The data loader's position: the next step's index (the job's, the same on every
+    rank), with ``state_dict``/``load_state_dict`` as a stateful loader has."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(WIDTH, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, WIDTH)).double()
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float64)
+    return x, x.flip(-1)
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--strategy", default="ddp")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--every", type=int, default=2)
+    p.add_argument("--kill", default="")
+    args = p.parse_args()
+
+    from datetime import timedelta
+
+    import spmd
+    from spmd import runtime as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    kill_step, point, kill_rank = 0, "", -1
+    if args.kill and attempt == 0:
+        text_step, point, text_rank = args.kill.split(":")
+        kill_step, kill_rank = int(text_step), int(text_rank)
+    doomed = rank == kill_rank
+
+    net = spmd.parallelize(model(), strategy=args.strategy)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    position = Position()
+    ckpt = spmd.checkpoint.CheckpointManager(os.path.join(args.out, "ckpt"), net, opt,
+                                             scheduler=sched, dataloader=position,
+                                             every=args.every, keep=2)
+    start = ckpt.restore() or 0
+    if rank == 0:
+        with open(os.path.join(args.out, "attempts.txt"), "a") as f:
+            f.write(f"{attempt} {start} {world}\n")
+    if doomed and point == "optimizer":
+        def stop(*_: object) -> None:
+            if position.step == kill_step:
+                die()
+        opt.register_step_pre_hook(stop)
+    while position.step < args.steps:
+        step = position.step + 1
+        x, y = batch(step)
+        x = x + 1e-3 * torch.randn_like(x)  # the global generator: restored per rank
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        if doomed and step == kill_step and point != "checkpoint":
+            ckpt.wait()  # the last write complete: the test knows where the job resumes
+        if doomed and step == kill_step and point == "forward":
+            die()
+        loss = (net(x) - y).square().mean()
+        if doomed and step == kill_step and point == "backward":
+            loss.register_hook(lambda g: die())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        position.step = step
+        ckpt.save(step)
+        if doomed and step == kill_step and point == "checkpoint":
+            die()  # the write just started on the manager's thread
+    ckpt.close()
+    state = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    optim = spmd.checkpoint.get_state_dict(net, opt)[1]
+    whole = {"model": state, "lr": sched.get_last_lr(), "step": position.step}
+    local = {k: {s: (v.to_local() if hasattr(v, "to_local") else v).clone()
+                 for s, v in entry.items() if isinstance(v, torch.Tensor)}
+             for k, entry in optim["state"].items()}
+    torch.save({**whole, "optim": local}, os.path.join(args.out, f"result-{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
