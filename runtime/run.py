@@ -1,5 +1,5 @@
 """``python -m spmd.runtime.run`` (or ``spmd-run``): start a job's local ranks on each host, as
-torchrun does.
+torchrun does, and start them all again after a failure or when hosts come and go.
 
     # on every host (node rank 0 serves the rendezvous at --master-addr)
     python -m spmd.runtime.run --nnodes 2 --node-rank R --nproc-per-node 4 \\
@@ -7,25 +7,34 @@ torchrun does.
 
 Each host runs one agent. The agent of node rank 0 serves the job's store at
 ``--master-addr:--master-port`` (``--rdzv-endpoint host:port`` says the same in one
-argument); every agent, node 0's included, registers there with its number of ranks and
-waits until all ``--nnodes`` hosts have, in any order, for ``--join-timeout`` seconds. A
-host that never comes is named (its node rank); a host that cannot reach the store says
-where it looked. Then each agent starts its ranks with the environment torchrun gives
-(``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
-``GROUP_WORLD_SIZE``, ``ROLE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``,
-``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_RUN_ID``), so
-``init_process_group("env://")`` (ours or torch's scripts pointed at ours) joins as under
-torchrun, as a client of the agent's store, and ``SPMD_HOST`` naming the host, which
-:mod:`spmd.runtime.topology` reads.
+argument); every agent, node 0's included, registers there with its number of ranks.
 
-Global ranks are laid out host by host: node rank 0's ranks first. When a rank fails
-(exits non-zero or is killed) its agent records it in the store and stops its other
-ranks; every other agent sees the record and stops its ranks too, so a job never waits
-on a dead peer's collectives for the full timeout. The agent exits 0 when every rank of
-the job succeeded, else 1 with the first failure named (rank, host, exit code).
+A job runs in rounds, and node 0's agent starts each one. With ``--nnodes N`` a round needs
+all N hosts, joining in any order within ``--join-timeout`` seconds; with torchrun's elastic
+``--nnodes MIN:MAX`` it starts once MAX hosts have joined, or once at least MIN have and no
+more joined for ``--join-last-call`` seconds. Node 0 is always in. A host that never comes
+is named (its node rank); a host that cannot reach the store says where it looked.
 
-Restarts (``--max-restarts``) and membership changes belong to fault tolerance and are
-refused here with that reason.
+Then each agent starts its ranks with the environment torchrun gives (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``,
+``ROLE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``,
+``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID``), so ``init_process_group("env://")``
+(ours or torch's scripts pointed at ours) joins as under torchrun, as a client of the
+agent's store under the round's own key prefix (``SPMD_AGENT_STORE``), and ``SPMD_HOST``
+naming the host, which :mod:`spmd.runtime.topology` reads. A round's hosts are numbered in
+the order of their ``--node-rank`` (``GROUP_RANK``) and its global ranks laid out host by
+host, node 0's first, so ``RANK`` and ``WORLD_SIZE`` may change from one round to the next.
+
+When a rank fails (exits non-zero or is killed) its agent records it in the store and
+stops its other ranks; every other agent sees the record and stops its ranks too, so a job
+never waits on a dead peer's collectives for the full timeout. With ``--max-restarts N``
+the agents then start the whole group again in a new round, at most N times
+(``TORCHELASTIC_RESTART_COUNT`` says how many so far). An agent killed outright takes its
+ranks with it; their peers' collectives fail, and the next round goes on without that host
+where MIN allows. A host that starts while a round with room for it runs makes the agents
+start a new round with it, which uses no restart (torchrun's rule). An agent exits 0 when
+every rank of a round succeeded, else 1 with the last failure named (rank, host, exit code
+or signal).
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from spmd.runtime.topology import local_address
 __all__ = ["main", "parse_args", "LaunchError"]
 
 _POLL = 0.2  # seconds between looks at the local ranks and the store while they run
+_SERVE_AFTER = 30.0  # seconds node 0 keeps serving, after the job, for the others to read how it ended
 
 
 def _say(message: str) -> None:
@@ -68,15 +78,20 @@ def _positive(text: str) -> int:
     return value
 
 
-def _nnodes(text: str) -> int:
-    if ":" in text:
-        low, high = text.split(":", 1)
-        if low != high:
-            raise argparse.ArgumentTypeError(
-                f"--nnodes {text}: an elastic range needs membership changes, which this "
-                f"launcher does not do yet; give one number of hosts")
-        text = low
-    return _positive(text)
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _nnodes(text: str) -> tuple[int, int]:
+    """``N`` (that many hosts in every round) or torchrun's elastic ``MIN:MAX``."""
+    low, _, high = text.partition(":")
+    low_n, high_n = _positive(low), _positive(high or low)
+    if low_n > high_n:
+        raise argparse.ArgumentTypeError(f"{text}: MIN is above MAX")
+    return low_n, high_n
 
 
 def _nproc(text: str) -> int:
@@ -92,14 +107,19 @@ def _nproc(text: str) -> int:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The launcher's arguments; torchrun's spellings (dashes or underscores) are accepted."""
+    """The launcher's arguments; torchrun's spellings (dashes or underscores) are accepted.
+    ``--nnodes MIN:MAX`` gives ``min_nodes`` MIN and ``nnodes`` MAX (both N for ``N``)."""
     parser = argparse.ArgumentParser(
         prog="python -m spmd.runtime.run",
         description="Start a job's local ranks on this host (torchrun-compatible arguments).")
     add = parser.add_argument
-    add("--nnodes", type=_nnodes, default=1, help="number of hosts (default 1)")
+    add("--nnodes", type=_nnodes, default=(1, 1),
+        help="number of hosts, or an elastic range MIN:MAX: a round starts once MAX hosts "
+             "have joined, or at least MIN and no more for --join-last-call seconds "
+             "(default 1)")
     add("--node-rank", "--node_rank", type=int, default=None,
-        help="this host's index in [0, nnodes) (default: NODE_RANK, GROUP_RANK or 0)")
+        help="this host's index in [0, nnodes) (MAX for a range); a round numbers its hosts "
+             "in this order (default: NODE_RANK, GROUP_RANK or 0)")
     add("--nproc-per-node", "--nproc_per_node", type=_nproc, default=1,
         help="ranks on this host: a number, 'cpu'/'auto' (one per core) or 'gpu'")
     add("--master-addr", "--master_addr", default=None,
@@ -115,9 +135,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--standalone", action="store_true",
         help="one host, a free port on 127.0.0.1 (no --master-* needed)")
     add("--join-timeout", "--join_timeout", type=float, default=300.0,
-        help="seconds to wait for every host to join (default 300)")
-    add("--max-restarts", "--max_restarts", type=int, default=0,
-        help="only 0: restarting lost ranks is not done by this launcher yet")
+        help="seconds node 0 waits for a round's hosts to join, and a host whose ranks have "
+             "finished waits for the others' (default 300)")
+    add("--join-last-call", "--join_last_call", type=float, default=5.0,
+        help="with --nnodes MIN:MAX, seconds without a new host, once MIN have joined, "
+             "before a round starts with fewer than MAX (default 5)")
+    add("--max-restarts", "--max_restarts", type=_non_negative, default=0,
+        help="times to start the whole group again after a rank fails (default 0); ranks "
+             "read the count so far in TORCHELASTIC_RESTART_COUNT")
     add("--local-addr", "--local_addr", default=None,
         help="this host's address that the others reach (default: the one routed to the "
              "master)")
@@ -127,9 +152,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("script", help="the training script (or module with -m, program with --no-python)")
     add("script_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
-    if args.max_restarts != 0:
-        parser.error("--max-restarts: restarting after a failure is not done by this "
-                     "launcher yet; run with --max-restarts 0 (under torchrun it works)")
+    args.min_nodes, args.nnodes = args.nnodes
     if args.module and args.no_python:
         parser.error("-m and --no-python are exclusive")
     if args.rdzv_backend not in ("static", "c10d", "spmd"):
@@ -160,6 +183,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      f"--nnodes {args.nnodes}")
     if args.join_timeout <= 0:
         parser.error(f"--join-timeout must be positive, got {args.join_timeout}")
+    if args.join_last_call < 0:
+        parser.error(f"--join-last-call must be 0 or more, got {args.join_last_call}")
     if args.script_args[:1] == ["--"]:
         args.script_args = args.script_args[1:]
     return args
@@ -184,7 +209,14 @@ def _dying_with_us(command: list[str]) -> list[str]:
 
 
 class _Agent:
-    """One host's agent: rendezvous with the other hosts, then start and watch its ranks."""
+    """One host's agent: join each round of the job, start and watch its ranks in it, and
+    go on to the next round after a failure (restarts permitting) or a host joining.
+
+    The rounds live in the store under ``launch/<id>/round/<r>/``: ``host/<node>`` (each
+    host's record, first come), ``arrival/<k>`` (the k-th host to join, in order),
+    ``start`` (node 0's decision: the round's hosts and restart count, or why it will not
+    run), ``ok/<node>`` (that host's ranks all exited 0) and ``end`` (how the round ended,
+    the first agent to say winning: a failure, hosts joining, or every rank done)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -205,55 +237,130 @@ class _Agent:
             ) from None
         self.store = PrefixStore(f"launch/{args.rdzv_id}", client)
         self.client = client
+        self.last: dict = {"round": -1}  # node 0: the last start it published
 
-    def join(self) -> list[dict]:
-        """Register this host and wait for all of them; each host's entry in node order."""
+    def _me(self) -> dict:
         args = self.args
         try:
             address = args.local_addr or local_address(args.master_addr, args.master_port)
         except OSError as e:
             raise LaunchError(str(e)) from None
-        me = {"node": self.node, "nproc": args.nproc_per_node, "address": address,
-              "hostname": socket.gethostname(), "pid": os.getpid()}
-        previous = self.store.compare_set(f"host/{self.node}", "", json.dumps(me))
+        return {"node": self.node, "nproc": args.nproc_per_node, "address": address,
+                "hostname": socket.gethostname(), "pid": os.getpid()}
+
+    # -- joining a round ----------------------------------------------------------------
+
+    def _register(self, r: int, me: dict) -> None:
+        """Put this host on round ``r``'s list, in the order hosts came."""
+        previous = self.store.compare_set(f"round/{r}/host/{self.node}", "", json.dumps(me))
         if json.loads(previous) != me:
             raise LaunchError(f"node rank {self.node} joined twice (already there: "
                               f"{previous.decode()}); give each host its own --node-rank")
-        keys = [f"host/{i}" for i in range(args.nnodes)]
-        deadline = time.monotonic() + args.join_timeout
-        while not self.store.check(keys):
-            if self.store.check(["abort"]):  # another host gave up first: say what it saw
-                raise LaunchError(self.store.get("abort").decode())
-            if time.monotonic() > deadline:
-                missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
-                message = (f"host(s) with node rank {missing} never joined within "
-                           f"{args.join_timeout:g} s ({args.nnodes - len(missing)} of "
-                           f"{args.nnodes} did; the store is at {args.master_addr}:"
-                           f"{args.master_port})")
-                raise LaunchError(self.store.compare_set("abort", "", message).decode())
-            try:
-                self.store.wait(keys, timedelta(seconds=min(1.0, args.join_timeout)))
-            except DistTimeoutError:
-                pass
-        return [json.loads(v) for v in self.store.multi_get(keys)]
+        arrival = self.store.add(f"round/{r}/joined", 1)
+        self.store.set(f"round/{r}/arrival/{arrival}", str(self.node))
 
-    def environment(self, hosts: list[dict], local_rank: int) -> dict[str, str]:
+    def _arrivals(self, r: int) -> list[int]:
+        """The node ranks that joined round ``r`` so far, in the order they came."""
+        nodes = []
+        while self.store.check([f"round/{r}/arrival/{len(nodes) + 1}"]):
+            nodes.append(int(self.store.get(f"round/{r}/arrival/{len(nodes) + 1}")))
+        return nodes
+
+    def _form(self, r: int, restarts: int, me: dict) -> dict:
+        """Node 0: wait for round ``r``'s hosts, decide which are in, publish the start."""
         args = self.args
-        first = sum(h["nproc"] for h in hosts[:self.node])
+        self._register(r, me)
+        hosts: dict[int, dict] = {}
+        seen = 0
+        deadline = time.monotonic() + args.join_timeout
+        last_call = None  # once MIN are in: the round starts then unless another host comes
+        while len(hosts) < args.nnodes:
+            key = f"round/{r}/arrival/{seen + 1}"
+            if not self.store.check([key]):  # every host already there is read first
+                until = deadline if last_call is None else min(deadline, last_call)
+                left = until - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    self.store.wait([key], timedelta(seconds=left))
+                except DistTimeoutError:
+                    continue
+            seen += 1
+            node = int(self.store.get(key))
+            if node < args.nnodes:  # one given a larger --nnodes has no place
+                hosts[node] = json.loads(self.store.get(f"round/{r}/host/{node}"))
+            if len(hosts) >= args.min_nodes and self.node in hosts:
+                last_call = time.monotonic() + args.join_last_call
+        if len(hosts) >= args.min_nodes:
+            start = {"round": r, "hosts": [hosts[n] for n in sorted(hosts)],
+                     "restarts": restarts, "max_restarts": args.max_restarts}
+        else:
+            missing = [n for n in range(args.nnodes) if n not in hosts]
+            need = (f"{len(hosts)} of {args.nnodes} did" if args.min_nodes == args.nnodes
+                    else f"{len(hosts)} did; --nnodes {args.min_nodes}:{args.nnodes} needs "
+                         f"{args.min_nodes}")
+            start = {"round": r, "abort": (
+                f"host(s) with node rank {missing} never joined within {args.join_timeout:g} "
+                f"s ({need}; the store is at {args.master_addr}:{args.master_port})")}
+        self.store.set(f"round/{r}/start", json.dumps(start))
+        self.last = start
+        return start
+
+    def _join(self, r: int, me: dict) -> dict:
+        """Any other host: join the first round not yet started, from ``r`` on, and wait
+        for node 0 to start it; a round started without this host sends it to the next."""
+        # node 0 decides within one join timeout (and a last call); the rest is slack
+        wait = 2 * self.args.join_timeout + self.args.join_last_call
+        while True:
+            key = f"round/{r}/start"
+            if not self.store.check([key]):
+                self._refuse_if_running(r, me)
+                self._register(r, me)
+                try:
+                    self.store.wait([key], timedelta(seconds=wait))
+                except DistTimeoutError:
+                    raise LaunchError(f"node 0's agent did not start round {r} within "
+                                      f"{wait:g} s of this host's joining it") from None
+            start = json.loads(self.store.get(key))
+            if "hosts" not in start or me in start["hosts"]:
+                return start
+            r += 1
+
+    def _refuse_if_running(self, r: int, me: dict) -> None:
+        """A second agent with a node rank that round ``r - 1`` runs is refused at once,
+        rather than left waiting for that round to end."""
+        before = f"round/{r - 1}/start"
+        if r == 0 or self.store.check([f"round/{r - 1}/end"]):
+            return
+        for host in json.loads(self.store.get(before)).get("hosts", ()):
+            if host["node"] == self.node and host != me:
+                raise LaunchError(
+                    f"node rank {self.node} is already in the running job (pid "
+                    f"{host['pid']} on {host['hostname']}); give each host its own --node-rank")
+
+    # -- running a round ----------------------------------------------------------------
+
+    def environment(self, start: dict, me: dict, local_rank: int) -> dict[str, str]:
+        args = self.args
+        hosts = start["hosts"]
+        group = hosts.index(me)
+        first = sum(h["nproc"] for h in hosts[:group])
         world = sum(h["nproc"] for h in hosts)
         env = dict(os.environ)
         env.update({
             "RANK": str(first + local_rank), "LOCAL_RANK": str(local_rank),
             "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(args.nproc_per_node),
-            "GROUP_RANK": str(self.node), "GROUP_WORLD_SIZE": str(args.nnodes),
-            "NODE_RANK": str(self.node),
+            "GROUP_RANK": str(group), "GROUP_WORLD_SIZE": str(len(hosts)),
+            "NODE_RANK": str(group),
             "ROLE_NAME": "default", "ROLE_RANK": str(first + local_rank),
             "ROLE_WORLD_SIZE": str(world),
             "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(args.master_port),
-            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RESTART_COUNT": str(start["restarts"]),
+            "TORCHELASTIC_MAX_RESTARTS": str(start["max_restarts"]),
             "TORCHELASTIC_RUN_ID": args.rdzv_id,
-            "SPMD_AGENT_STORE": f"launch/{args.rdzv_id}/job",
-            "SPMD_HOST": f"node{self.node}:{hosts[self.node]['address']}",
+            # the round's own keys: nothing a previous round's ranks left is seen
+            "SPMD_AGENT_STORE": f"launch/{args.rdzv_id}/job/{start['round']}",
+            "SPMD_HOST": f"node{self.node}:{me['address']}",
         })
         if args.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = "1"  # as torchrun: ranks sharing cores, one thread each
@@ -267,61 +374,123 @@ class _Agent:
             return [sys.executable, "-u", "-m", args.script, *args.script_args]
         return [sys.executable, "-u", args.script, *args.script_args]
 
-    def run(self) -> int:
-        try:
-            return self._run()
-        finally:
-            self.store.set(f"done/{self.node}", "1")
-            if self.server is not None:  # serve until every host that came has the outcome
-                joined = [i for i in range(self.args.nnodes) if self.store.check([f"host/{i}"])]
-                try:
-                    self.store.wait([f"done/{i}" for i in joined], timedelta(seconds=30))
-                except DistTimeoutError:
-                    pass
-
-    def _run(self) -> int:
-        hosts = self.join()
-        first = sum(h["nproc"] for h in hosts[:self.node])
-        procs = [subprocess.Popen(_dying_with_us(self.command()), env=self.environment(hosts, i))
+    def _run_round(self, start: dict, me: dict) -> dict:
+        """Start this host's ranks for the round, watch them; how the round ended."""
+        hosts = start["hosts"]
+        first = sum(h["nproc"] for h in hosts[:hosts.index(me)])
+        procs = [subprocess.Popen(_dying_with_us(self.command()),
+                                  env=self.environment(start, me, i))
                  for i in range(self.args.nproc_per_node)]
         try:
-            failure = self._watch(procs, first)
+            return self._watch(start, procs, first)
         finally:
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-        if failure is None and self.store.check(["failed"]):
-            failure = json.loads(self.store.get("failed"))
-        if failure is not None:
-            where = "this host" if failure["node"] == self.node else f"node {failure['node']}"
-            _say(f"rank {failure['rank']} (local rank {failure['local_rank']} on {where}) "
-                 f"{failure['why']}")
-            return 1
-        return 0
 
-    def _watch(self, procs: list[subprocess.Popen], first: int) -> dict | None:
-        """Wait for the local ranks; the first failure here or anywhere stops them all."""
+    def _end(self, r: int, record: dict) -> dict:
+        """Say how round ``r`` ended, unless another agent did first; the record that stands."""
+        return json.loads(self.store.compare_set(f"round/{r}/end", "", json.dumps(record)))
+
+    def _watch(self, start: dict, procs: list[subprocess.Popen], first: int) -> dict:
+        """Wait for the round's end: the first failure here or anywhere, node 0 seeing a
+        host join that has room, or every host's ranks done. Once this host's ranks are
+        done, the others get ``--join-timeout`` seconds to finish theirs."""
+        r, hosts, args = start["round"], start["hosts"], self.args
+        key = f"round/{r}/end"
+        ok = [f"round/{r}/ok/{h['node']}" for h in hosts]
+        finished = None  # when this host's ranks had all exited 0
         while True:
-            running = False
+            if self.store.check([key]):
+                return json.loads(self.store.get(key))
             for i, proc in enumerate(procs):
                 code = proc.poll()
-                if code is None:
-                    running = True
-                elif code != 0:
+                if code is not None and code != 0:
                     why = (f"was killed by signal {signal.Signals(-code).name}" if code < 0
                            else f"exited with code {code}")
-                    record = {"rank": first + i, "local_rank": i, "node": self.node, "why": why}
-                    stored = self.store.compare_set("failed", "", json.dumps(record))
-                    return json.loads(stored)
-            if not running:
-                return None
-            if self.store.check(["failed"]):
-                return json.loads(self.store.get("failed"))
-            try:  # wakes at once on another host's failure, else looks again in _POLL
-                self.store.wait(["failed"], timedelta(seconds=_POLL))
+                    return self._end(r, {"kind": "failed", "rank": first + i, "local_rank": i,
+                                         "node": self.node, "why": why})
+            if finished is None and all(proc.poll() == 0 for proc in procs):
+                self.store.set(f"round/{r}/ok/{self.node}", "1")
+                finished = time.monotonic()
+            if finished is not None:
+                if self.store.check(ok):
+                    return self._end(r, {"kind": "done"})
+                if time.monotonic() - finished > args.join_timeout:
+                    late = [h["node"] for h, k in zip(hosts, ok) if not self.store.check([k])]
+                    return self._end(r, {"kind": "failed", "why": (
+                        f"the ranks of node(s) {late} had not finished {args.join_timeout:g} s "
+                        f"after those of node {self.node} had")})
+            elif self.server is not None and len(hosts) < args.nnodes:
+                inside = {h["node"] for h in hosts}
+                joining = sorted({n for n in self._arrivals(r + 1)
+                                  if n not in inside and n < args.nnodes})
+                if joining:
+                    return self._end(r, {"kind": "joined", "nodes": joining})
+            try:  # wakes at once on another host's record, else looks again in _POLL
+                self.store.wait([key], timedelta(seconds=_POLL))
             except DistTimeoutError:
                 pass
+
+    def _describe(self, end: dict) -> str:
+        if "rank" not in end:
+            return end["why"]
+        where = "this host" if end["node"] == self.node else f"node {end['node']}"
+        return f"rank {end['rank']} (local rank {end['local_rank']} on {where}) {end['why']}"
+
+    # -- the job ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        me = self._me()
+        code = 1
+        try:
+            code = self._run(me)
+            return code
+        finally:
+            self.store.set(f"done/{_tag(me)}", "1")
+            if self.server is not None:
+                self._serve_the_rest(code, me)
+
+    def _run(self, me: dict) -> int:
+        r, restarts = 0, 0
+        while True:
+            start = self._form(r, restarts, me) if self.server else self._join(r, me)
+            if "abort" in start:
+                raise LaunchError(start["abort"])
+            if "over" in start:
+                _say(f"node {self.node}: the job ended (exit status {start['over']}) before "
+                     f"this host was in a round; nothing ran here")
+                return start["over"]
+            r, restarts, limit = start["round"], start["restarts"], start["max_restarts"]
+            end = self._run_round(start, me)
+            if end["kind"] == "done":
+                return 0
+            if end["kind"] == "joined":
+                _say(f"restarting the job as node rank(s) {end['nodes']} joined (round {r + 1}; "
+                     f"a host joining uses no restart)")
+            elif restarts < limit:
+                restarts += 1
+                _say(f"restarting the job (restart {restarts} of {limit}) after "
+                     f"{self._describe(end)}")
+            else:
+                _say(self._describe(end) + (f" (no restarts left: {limit} used)" if limit else ""))
+                return 1
+            r += 1
+
+    def _serve_the_rest(self, code: int, me: dict) -> None:
+        """Node 0, leaving: close the next round with the job's outcome, then serve the
+        store until every host that joined the last round or waits for the next has read
+        how the job ended."""
+        r = self.last["round"]
+        self.store.compare_set(f"round/{r + 1}/start", "",
+                               json.dumps({"round": r + 1, "over": code}))
+        others = {f"done/{_tag(json.loads(self.store.get(f'round/{i}/host/{n}')))}"
+                  for i in (r, r + 1) for n in self._arrivals(i)} - {f"done/{_tag(me)}"}
+        try:
+            self.store.wait(sorted(others), timedelta(seconds=_SERVE_AFTER))
+        except DistTimeoutError:
+            pass
 
     def close(self) -> None:
         self.client.close()
@@ -329,8 +498,13 @@ class _Agent:
             self.server.close()
 
 
+def _tag(host: dict) -> str:
+    """One agent's name in the store: its node rank, machine and process."""
+    return f"{host['node']}/{host['hostname']}/{host['pid']}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the launcher; returns the exit status (0 when every rank succeeded)."""
+    """Run the launcher; returns the exit status (0 when every rank of a round succeeded)."""
     args = parse_args(argv)
     try:
         agent = _Agent(args)

@@ -240,9 +240,12 @@ def test_launcher_arguments_are_checked(capsys):
         assert match in capsys.readouterr().err, argv
 
     for argv, match in [
-        (["--nnodes", "1:4", "x.py"], "elastic"),
-        (["--max-restarts", "2", "x.py"], "restart"),
+        (["--nnodes", "3:2", "x.py"], "MIN is above MAX"),
+        (["--max-restarts", "-1", "x.py"], "0 or more"),
+        (["--join-last-call", "-1", "x.py"], "0 or more"),
         (["--nnodes", "2", "--node-rank", "2", "x.py"], "outside"),
+        (["--nnodes", "1:2", "--node-rank", "2", "x.py"], "outside"),
+        (["--standalone", "--nnodes", "1:2", "x.py"], "one host"),
         (["--rdzv-endpoint", "nohost", "x.py"], "host:port"),
         (["--rdzv-endpoint", "a:1", "--master-addr", "b", "x.py"], "not both"),
         (["--standalone", "--nnodes", "2", "x.py"], "one host"),
@@ -254,6 +257,8 @@ def test_launcher_arguments_are_checked(capsys):
     assert (args.nnodes, args.node_rank, args.master_addr, args.master_port) == (
         2, 1, "10.0.0.1", 1234)
     assert args.script_args == ["--lr", "3"]
+    args = parse_args(["--nnodes", "1:4", "--max_restarts", "2", "--node-rank", "3", "t.py"])
+    assert (args.min_nodes, args.nnodes, args.max_restarts) == (1, 4, 2)
 
 
 def test_local_address_is_the_one_routed_to_the_peer():
