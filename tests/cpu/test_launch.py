@@ -1,4 +1,5 @@
-"""spawn(): ranks as processes or threads, results back intact, failures named by rank."""
+"""spawn(): ranks as processes or threads, results back intact, failures named by rank; and
+the launcher (python -m spmd.runtime.run) on this machine: restarts, hosts coming and going."""
 
 from __future__ import annotations
 
@@ -195,3 +196,149 @@ def test_ranks_die_with_their_agent(tmp_path):
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)
+
+
+# the launcher's restarts and elastic membership: agents on this machine over 127.0.0.1
+# (tests/cpu/test_hosts.py runs the launcher across network namespaces)
+
+KILLED_ONCE = """
+import json, os, pathlib, signal, sys
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
+    os.kill(os.getpid(), signal.SIGKILL)
+import torch
+from spmd import runtime as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+keys = ("RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+        "SPMD_AGENT_STORE")
+record = {**{k: os.environ[k] for k in keys}, "sum": t.item()}
+name = os.environ["TORCHELASTIC_RESTART_COUNT"] + "-" + os.environ["RANK"] + ".json"
+pathlib.Path(sys.argv[1], name).write_text(json.dumps(record))
+dist.destroy_process_group()
+"""
+
+
+def _launcher(*args: str) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "spmd.runtime.run", *args]
+
+
+def _written(folder) -> dict[str, dict]:
+    import json
+
+    return {p.stem: json.loads(p.read_text()) for p in folder.glob("*.json")}
+
+
+@pytest.mark.parametrize("restarts", [1, 0])
+def test_a_killed_rank_restarts_the_job(tmp_path, restarts):
+    import subprocess
+
+    script = tmp_path / "job.py"
+    script.write_text(KILLED_ONCE)
+    out = subprocess.run(_launcher("--standalone", "--nproc-per-node", "2", "--max-restarts",
+                                   str(restarts), str(script), str(tmp_path)),
+                         capture_output=True, text=True, timeout=100)
+    killed = "rank 1 (local rank 1 on this host) was killed by signal SIGKILL"
+    if restarts == 0:
+        assert out.returncode == 1, out.stderr
+        assert killed in out.stderr and "restarting" not in out.stderr
+        assert _written(tmp_path) == {}
+        return
+    assert out.returncode == 0, out.stderr
+    assert f"restarting the job (restart 1 of 1) after {killed}" in out.stderr
+    assert _written(tmp_path) == {  # round 1's ranks, and only theirs
+        f"1-{rank}": {"RANK": str(rank), "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "1",
+                      "TORCHELASTIC_MAX_RESTARTS": "1", "SPMD_AGENT_STORE": "launch/none/job/1",
+                      "sum": 2.0}
+        for rank in (0, 1)}
+
+
+def test_restarts_stop_at_max_restarts(tmp_path):
+    import subprocess
+
+    script = tmp_path / "fail.py"
+    script.write_text("import os, pathlib, sys\n"
+                      "pathlib.Path(sys.argv[1], os.environ['TORCHELASTIC_RESTART_COUNT'] +"
+                      " '.json').write_text('{}')\n"
+                      "sys.exit(3)\n")
+    out = subprocess.run(_launcher("--standalone", "--max-restarts", "2", str(script),
+                                   str(tmp_path)),
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 1, out.stderr
+    assert sorted(_written(tmp_path)) == ["0", "1", "2"]  # N + 1 rounds ran
+    assert "(restart 1 of 2)" in out.stderr and "(restart 2 of 2)" in out.stderr
+    assert "restart 3" not in out.stderr
+    assert ("rank 0 (local rank 0 on this host) exited with code 3 (no restarts left: 2 used)"
+            in out.stderr)
+
+
+# Node 1's ranks sleep until the test kills their agent; node 0's wait for them in an
+# all-reduce, which fails once they are gone. A round that node 1 missed (it came after
+# the last call) waits for it to join.
+TWO_HOSTS = """
+import json, os, pathlib, sys, time
+import torch
+from spmd import runtime as dist
+keys = ("RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT")
+env = {k: os.environ[k] for k in keys}
+round = os.environ["SPMD_AGENT_STORE"].rsplit("/", 1)[1]
+if env["GROUP_WORLD_SIZE"] == "1" and env["TORCHELASTIC_RESTART_COUNT"] == "0":
+    time.sleep(600)
+dist.init_process_group("gloo")
+pathlib.Path(sys.argv[1], round + "-" + env["RANK"] + ".json").write_text(json.dumps(env))
+if env["GROUP_RANK"] == "1":
+    time.sleep(600)
+t = torch.ones(1)
+dist.all_reduce(t)
+assert t.item() == float(env["WORLD_SIZE"])
+"""
+
+
+@pytest.mark.parametrize("nnodes", ["1:2", "2"])
+def test_a_host_whose_agent_is_killed(tmp_path, nnodes):
+    """Two agents over 127.0.0.1; node 1's is killed (SIGKILL) while its ranks run. With
+    ``--nnodes 1:2`` node 0 goes on alone in the next round; with ``--nnodes 2`` that round
+    needs node 1, which is named once the join timeout has passed."""
+    import signal
+    import subprocess
+
+    from spmd.runtime.launch import free_port
+
+    script = tmp_path / "job.py"
+    script.write_text(TWO_HOSTS)
+    common = ("--nnodes", nnodes, "--max-restarts", "1", "--join-last-call", "3",
+              "--join-timeout", "5", "--master-addr", "127.0.0.1",
+              "--master-port", str(free_port()))
+    # node 1 first: it waits for node 0's store, and so joins the first round in time
+    node1 = subprocess.Popen(_launcher(*common, "--node-rank", "1", str(script),
+                                       str(tmp_path)),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    node0 = subprocess.Popen(_launcher(*common, "--node-rank", "0", "--nproc-per-node", "2",
+                                       str(script), str(tmp_path)),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(r["GROUP_RANK"] == "1" for r in _written(tmp_path).values()):
+            assert time.monotonic() < deadline, "node 1's rank did not start"
+            assert node0.poll() is None, node0.communicate()[1]
+            time.sleep(0.1)
+        node1.send_signal(signal.SIGKILL)
+        _, err = node0.communicate(timeout=60)
+    finally:
+        for agent in (node0, node1):
+            if agent.poll() is None:
+                agent.kill()
+            agent.wait()
+    assert "restarting the job (restart 1 of 1) after rank" in err, err
+    if nnodes == "2":
+        assert node0.returncode == 1, err
+        assert "host(s) with node rank [1] never joined within 5 s (1 of 2 did" in err
+        return
+    assert node0.returncode == 0, err
+    last = max(int(name.split("-")[0]) for name in _written(tmp_path))
+    assert {k: r for k, r in _written(tmp_path).items() if k.startswith(f"{last}-")} == {
+        f"{last}-{rank}": {"RANK": str(rank), "WORLD_SIZE": "2", "GROUP_RANK": "0",
+                           "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "1"}
+        for rank in (0, 1)}
