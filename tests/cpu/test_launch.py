@@ -342,3 +342,49 @@ def test_a_host_whose_agent_is_killed(tmp_path, nnodes):
         f"{last}-{rank}": {"RANK": str(rank), "WORLD_SIZE": "2", "GROUP_RANK": "0",
                            "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "1"}
         for rank in (0, 1)}
+
+
+def test_a_late_host_joins_in_a_new_round(tmp_path):
+    """``--nnodes 1:2``: node 0 starts alone after the last call; node 1, started later,
+    makes both agents start a new round with it, which uses no restart."""
+    import subprocess
+
+    from spmd.runtime.launch import free_port
+
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import json, os, pathlib, sys, time\n"
+        "keys = ('RANK', 'WORLD_SIZE', 'GROUP_RANK', 'TORCHELASTIC_RESTART_COUNT')\n"
+        "round = os.environ['SPMD_AGENT_STORE'].rsplit('/', 1)[1]\n"
+        "pathlib.Path(sys.argv[1], round + '-' + os.environ['RANK'] + '.json').write_text(\n"
+        "    json.dumps({k: os.environ[k] for k in keys}))\n"
+        "if os.environ['GROUP_WORLD_SIZE'] == '1':\n"
+        "    time.sleep(600)  # until node 1 comes\n")
+    common = ("--nnodes", "1:2", "--join-last-call", "1", "--join-timeout", "30",
+              "--master-addr", "127.0.0.1", "--master-port", str(free_port()))
+    node0 = subprocess.Popen(_launcher(*common, "--node-rank", "0", str(script), str(tmp_path)),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node1 = None
+    try:
+        deadline = time.monotonic() + 60
+        while "0-0" not in _written(tmp_path):  # node 0's rank runs alone
+            assert time.monotonic() < deadline, "node 0's rank did not start"
+            assert node0.poll() is None, node0.communicate()[1]
+            time.sleep(0.1)
+        node1 = subprocess.Popen(_launcher(*common, "--node-rank", "1", str(script),
+                                           str(tmp_path)),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        results = [(p.communicate(timeout=60)[1], p.returncode) for p in (node0, node1)]
+    finally:
+        for agent in (node0, node1):
+            if agent is not None and agent.poll() is None:
+                agent.kill()
+                agent.wait()
+    for err, code in results:
+        assert code == 0, err
+    assert "node rank(s) [1] joined (round 1; a host joining uses no restart)" in results[0][0]
+    assert _written(tmp_path) == {
+        "0-0": {"RANK": "0", "WORLD_SIZE": "1", "GROUP_RANK": "0",
+                "TORCHELASTIC_RESTART_COUNT": "0"},
+        **{f"1-{rank}": {"RANK": str(rank), "WORLD_SIZE": "2", "GROUP_RANK": str(rank),
+                         "TORCHELASTIC_RESTART_COUNT": "0"} for rank in (0, 1)}}
