@@ -440,9 +440,15 @@ def time_forward(record: GraphRecord, repeats: int = 3) -> float | None:
                 return torch.zeros(shape, dtype=v.dtype, device=v.device)
             return size_hint(v) if isinstance(v, torch.SymInt) else v
         best = float("inf")
+        devices = sorted({v.device.index or 0 for v in values
+                          if isinstance(v, torch.Tensor) and v.device.type == "cuda"})
         # real tensors, also while Dynamo's fake mode is on (the backward is planned as its
-        # forward compiles); a sharded forward's gathers send nothing
-        with torch.no_grad(), dry_run(), _disable_current_modes():
+        # forward compiles); a sharded forward's gathers send nothing; the user's random
+        # generators left as they were (the inputs, and any dropout in the graph, draw
+        # from a fork of them: a run resumed from a checkpoint draws what one never
+        # interrupted does)
+        with torch.no_grad(), dry_run(), _disable_current_modes(), \
+                torch.random.fork_rng(devices=devices):
             for _ in range(repeats):
                 args = [make(v) for v in values]
                 start = time.perf_counter()

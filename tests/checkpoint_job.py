@@ -63,6 +63,32 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _parallel(spmd, strategy: str, world: int):
+    """(the model under ``strategy``, whether the ranks split the batch): ddp, fsdp,
+    zero1, zero2 on every rank; hsdp on (2, world/2) ("dp", "fsdp"); tp: the first
+    two linear layers as a column- and row-parallel pair on a "tp" dimension of every
+    rank; pp: a pipeline of ``world`` stages (gpipe,
+    2 microbatches), the stages replicated."""
+    if strategy == "hsdp":
+        mesh = spmd.Mesh((2, world // 2), ("dp", "fsdp"))
+        return spmd.parallelize(model(), mesh=mesh, strategy="hsdp"), True
+    if strategy == "tp":
+        pairs = {"0.weight": spmd.Shard(0), "0.bias": spmd.Shard(0),
+                 "2.weight": spmd.Shard(1)}  # column-parallel, tanh, row-parallel
+        return spmd.parallelize(model(), mesh=spmd.Mesh((world,), ("tp",)),
+                                placements={"tp": pairs}), False
+    if strategy == "pp":
+        return spmd.parallelize(model(), mesh=spmd.Mesh((world,), ("pp",)),
+                                pipeline=spmd.pp.schedule("gpipe", microbatches=2)), False
+    return spmd.parallelize(model(), strategy=strategy), True
+
+
+def _die_in_backward(net) -> None:
+    """SIGKILL from the first gradient this rank's stage computes."""
+    for p in net.parameters():
+        p.register_hook(lambda g: die())
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -87,7 +113,7 @@ def main() -> None:
         kill_step, kill_rank = int(text_step), int(text_rank)
     doomed = rank == kill_rank
 
-    net = spmd.parallelize(model(), strategy=args.strategy)
+    net, split = _parallel(spmd, args.strategy, world)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     position = Position()
@@ -107,15 +133,21 @@ def main() -> None:
         step = position.step + 1
         x, y = batch(step)
         x = x + 1e-3 * torch.randn_like(x)  # the global generator: restored per rank
-        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        if split:  # data parallel: this rank's rows (tp and pp ranks share the batch)
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         if doomed and step == kill_step and point != "checkpoint":
             ckpt.wait()  # the last write complete: the test knows where the job resumes
         if doomed and step == kill_step and point == "forward":
             die()
-        loss = (net(x) - y).square().mean()
-        if doomed and step == kill_step and point == "backward":
-            loss.register_hook(lambda g: die())
-        loss.backward()
+        if args.strategy == "pp":
+            if doomed and step == kill_step and point == "backward":
+                _die_in_backward(net)
+            net.step(x, y, lambda out, t: (out - t).square().mean())
+        else:
+            loss = (net(x) - y).square().mean()
+            if doomed and step == kill_step and point == "backward":
+                loss.register_hook(lambda g: die())
+            loss.backward()
         opt.step()
         opt.zero_grad()
         sched.step()

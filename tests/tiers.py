@@ -94,12 +94,10 @@ LONG: dict[str, tuple[float, str]] = {
         9, "the flat ring is what every other data-parallel test runs; [always] stays"),
     "tests/cpu/test_hosts.py::test_a_job_spans_two_hosts_joining_in_any_order[torchrun]": (
         12, "the [spmd] case; test_rendezvous joins torchrun's agent store"),
-    # 2026-12-05: a rank killed at each point of a step; CI keeps a kill in backward
-    # (fsdp) and one while a checkpoint is written (ddp)
-    "tests/cpu/test_checkpoint_manager.py::test_a_killed_rank_restarts_and_finishes_bit_for_bit[fsdp-5-forward-0-4]": (
-        15, "the [fsdp-3-backward-1-2] and [ddp-4-checkpoint-0-2] cases"),
-    "tests/cpu/test_checkpoint_manager.py::test_a_killed_rank_restarts_and_finishes_bit_for_bit[ddp-3-optimizer-1-2]": (
-        15, "the [fsdp-3-backward-1-2] and [ddp-4-checkpoint-0-2] cases"),
+    # 2026-12-05: a rank killed at each point of a step under each layout (24 cases)
+    "tests/cpu/test_checkpoint_manager.py::test_the_fault_matrix": (
+        420, "test_a_killed_rank_restarts_and_finishes_bit_for_bit (a kill in backward "
+             "under fsdp, one during a checkpoint's write under ddp)"),
 }
 
 

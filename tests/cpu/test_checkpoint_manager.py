@@ -120,6 +120,36 @@ def test_a_failed_write_is_every_ranks_error_and_nobody_waits(tmp_path):
         assert "could not make" in out["error"] and "step-00000002.partial" in out["error"]
 
 
+def _draws(rank, strategies):
+    """Whether each layout's first step (trace, plan, the forward timed on random
+    inputs) leaves the global generator as it was."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
+        same = {}
+        for strategy in strategies:
+            net, _ = job._parallel(spmd, strategy, dist.get_world_size())
+            x, y = job.batch(1)
+            before = torch.get_rng_state()
+            if strategy == "pp":
+                net.step(x, y, lambda out, t: (out - t).square().mean())
+            else:
+                (net(x) - y).square().mean().backward()
+            same[strategy] = torch.equal(before, torch.get_rng_state())
+        return same
+    finally:
+        dist.destroy_process_group()
+
+
+def test_planning_leaves_the_users_random_generators_alone():
+    """A run resumed from a checkpoint plans at its first step after the generators
+    were restored: planning must draw nothing from them (tensor parallelism's forward
+    timing drew its random inputs from the global generator)."""
+    strategies = ["ddp", "fsdp", "tp", "pp"]
+    for out in dist.spawn(_draws, args=(strategies,), nprocs=2, start_method="forkserver",
+                          timeout=110):
+        assert out == {s: True for s in strategies}
+
+
 # -- in one process ----------------------------------------------------------------------
 
 
@@ -237,37 +267,63 @@ def test_bad_arguments_are_refused(tmp_path, bad, match):
 def _torchrun(out, strategy, kill="", restarts=1):
     out.mkdir()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", "--max-restarts", str(restarts),
-               os.path.join(REPO, "tests", "checkpoint_job.py"), str(out),
+               "--nproc-per-node", str(RANKS.get(strategy, 2)), "--max-restarts",
+               str(restarts), os.path.join(REPO, "tests", "checkpoint_job.py"), str(out),
                "--strategy", strategy, "--steps", "6", "--every", "2"]
     if kill:
         command += ["--kill", kill]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=110)
-    return done
 
 
-@pytest.mark.parametrize("strategy, kill, resumed", [
-    ("fsdp", "3:backward:1", 2),
-    ("ddp", "4:checkpoint:0", 2),    # the write after step 4 in flight: step 2's is read
-    ("fsdp", "5:forward:0", 4),
-    ("ddp", "3:optimizer:1", 2),
-], ids=lambda v: str(v).replace(":", "-"))
-def test_a_killed_rank_restarts_and_finishes_bit_for_bit(tmp_path, strategy, kill, resumed):
-    straight = _torchrun(tmp_path / "straight", strategy)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    killed = _torchrun(tmp_path / "killed", strategy, kill)
+RANKS = {"hsdp": 4}
+# where a rank dies: (the step, counted from 1; the step the job resumes from, with a
+# checkpoint every 2: the last one complete before it, the one in flight never is)
+POINTS = {"forward": (5, 4), "backward": (3, 2), "optimizer": (3, 2), "checkpoint": (4, 2)}
+_STRAIGHT: dict = {}
+
+
+def _straight(strategy, tmp_path_factory):
+    """The run never interrupted, once per strategy."""
+    if strategy not in _STRAIGHT:
+        out = tmp_path_factory.mktemp(f"straight-{strategy}")
+        done = _torchrun(out / "run", strategy)
+        assert done.returncode == 0, done.stderr[-3000:]
+        _STRAIGHT[strategy] = out / "run"
+    return _STRAIGHT[strategy]
+
+
+def _killed_and_restarted(strategy, point, rank, tmp_path, tmp_path_factory):
+    straight = _straight(strategy, tmp_path_factory)
+    step, resumed = POINTS[point]
+    killed = _torchrun(tmp_path / "killed", strategy, f"{step}:{point}:{rank}")
     assert killed.returncode == 0, killed.stderr[-3000:]
     assert "exitcode: -9" in killed.stderr  # torchrun names the SIGKILL
+    world = RANKS.get(strategy, 2)
     attempts = (tmp_path / "killed" / "attempts.txt").read_text().split("\n")
-    assert attempts[:2] == ["0 0 2", f"1 {resumed} 2"]
-    for rank in (0, 1):
-        a = torch.load(tmp_path / "straight" / f"result-{rank}.pt", weights_only=False)
-        b = torch.load(tmp_path / "killed" / f"result-{rank}.pt", weights_only=False)
+    assert attempts[:2] == [f"0 0 {world}", f"1 {resumed} {world}"]
+    for r in range(world):
+        a = torch.load(straight / f"result-{r}.pt", weights_only=False)
+        b = torch.load(tmp_path / "killed" / f"result-{r}.pt", weights_only=False)
         assert a["step"] == b["step"] == 6 and a["lr"] == b["lr"]
         for key in a["model"]:
             assert torch.equal(a["model"][key], b["model"][key]), key
+        assert a["optim"].keys() == b["optim"].keys()
         for name, slots in a["optim"].items():
             for slot, value in slots.items():
                 assert torch.equal(value, b["optim"][name][slot]), (name, slot)
+
+
+@pytest.mark.parametrize("strategy, point, rank", [
+    ("fsdp", "backward", 1), ("ddp", "checkpoint", 0)], ids=["fsdp-backward", "ddp-checkpoint"])
+def test_a_killed_rank_restarts_and_finishes_bit_for_bit(strategy, point, rank, tmp_path,
+                                                         tmp_path_factory):
+    _killed_and_restarted(strategy, point, rank, tmp_path, tmp_path_factory)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2", "hsdp", "tp", "pp"])
+@pytest.mark.parametrize("point", list(POINTS))
+def test_the_fault_matrix(strategy, point, tmp_path, tmp_path_factory):
+    """A rank killed at each point of a step under each layout (the long profile)."""
+    _killed_and_restarted(strategy, point, 1, tmp_path, tmp_path_factory)
