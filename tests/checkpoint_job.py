@@ -11,8 +11,9 @@ the checkpoint carries): a run interrupted and resumed computes what one never
 interrupted does, bit for bit in float64 on the same layout. ``--kill`` makes global
 rank RANK kill itself with SIGKILL at STEP (counted from 1) in the first attempt only
 (``TORCHELASTIC_RESTART_COUNT`` 0), at POINT: ``forward``, ``backward``, ``optimizer``
-(inside the optimizer step) or ``checkpoint`` (the write of the checkpoint after that
-step in flight); before the other points the doomed rank waits for the last write, so
+(inside the optimizer step), ``checkpoint`` (the write of the checkpoint after that
+step in flight) or ``host`` (before the forward, the rank kills its launcher's agent,
+whose ranks die with it: a whole host lost); before the other points the doomed rank waits for the last write, so
 that the test knows which checkpoint the job resumes from. Rank 0 writes ``OUT/result.pt`` at the end: the parameters, the
 optimizer state, the LR, the data position and the step resumed from per attempt in
 ``OUT/attempts.txt``.
@@ -138,6 +139,9 @@ def main() -> None:
         if doomed and step == kill_step and point != "checkpoint":
             ckpt.wait()  # the last write complete: the test knows where the job resumes
         if doomed and step == kill_step and point == "forward":
+            die()
+        if doomed and step == kill_step and point == "host":  # the whole host: its agent
+            os.kill(os.getppid(), signal.SIGKILL)  # (its ranks die with it)
             die()
         if args.strategy == "pp":
             if doomed and step == kill_step and point == "backward":

@@ -327,3 +327,64 @@ def test_a_killed_rank_restarts_and_finishes_bit_for_bit(strategy, point, rank, 
 def test_the_fault_matrix(strategy, point, tmp_path, tmp_path_factory):
     """A rank killed at each point of a step under each layout (the long profile)."""
     _killed_and_restarted(strategy, point, 1, tmp_path, tmp_path_factory)
+
+
+# -- under spmd's own launcher --------------------------------------------------------------
+
+
+def _agent(out, strategy, kill, *launcher):
+    command = [sys.executable, "-m", "spmd.runtime.run", *launcher,
+               os.path.join(REPO, "tests", "checkpoint_job.py"), str(out), "--strategy",
+               strategy, "--steps", "6", "--every", "2"] + (["--kill", kill] if kill else [])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _results(out, world):
+    return [torch.load(out / f"result-{r}.pt", weights_only=False) for r in range(world)]
+
+
+def test_under_spmd_run_a_killed_rank_restarts_and_finishes_bit_for_bit(tmp_path,
+                                                                       tmp_path_factory):
+    straight = _straight("fsdp", tmp_path_factory)
+    (tmp_path / "killed").mkdir()
+    agent = _agent(tmp_path / "killed", "fsdp", "3:backward:1", "--standalone",
+                   "--nproc-per-node", "2", "--max-restarts", "1")
+    _, err = agent.communicate(timeout=110)
+    assert agent.returncode == 0, err[-3000:]
+    assert ("restarting the job (restart 1 of 1) after rank 1 (local rank 1 on this host) "
+            "was killed by signal SIGKILL") in err
+    attempts = (tmp_path / "killed" / "attempts.txt").read_text().split("\n")
+    assert attempts[:2] == ["0 0 2", "1 2 2"]
+    for a, b in zip(_results(straight, 2), _results(tmp_path / "killed", 2)):
+        for key in a["model"]:
+            assert torch.equal(a["model"][key], b["model"][key]), key
+
+
+def test_a_lost_host_and_the_job_continues_on_the_rest(tmp_path, tmp_path_factory):
+    """Two hosts (agents over 127.0.0.1) of one rank each, ``--nnodes 1:2``; at step 3
+    host 1's agent is killed (its rank with it): host 0 restarts alone, resumes the
+    2-rank checkpoint of step 2 on 1 rank (resharded) and finishes the same run (to
+    1e-12: the gradient's sum taken in another order)."""
+    from spmd.runtime.launch import free_port
+
+    straight = _straight("fsdp", tmp_path_factory)
+    out = tmp_path / "lost"
+    out.mkdir()
+    common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+              "--master-port", str(free_port()), "--max-restarts", "1",
+              "--join-last-call", "1", "--join-timeout", "60"]
+    agents = [_agent(out, "fsdp", "3:host:1", "--node-rank", str(node), *common)
+              for node in (0, 1)]
+    errs = [a.communicate(timeout=110)[1] for a in agents]
+    assert agents[1].returncode == -9
+    assert agents[0].returncode == 0, errs[0][-3000:]
+    assert "restarting the job (restart 1 of 1) after rank" in errs[0]
+    attempts = (out / "attempts.txt").read_text().split("\n")
+    assert attempts[:2] == ["0 0 2", "1 2 1"]
+    (alone,) = _results(out, 1)
+    whole = _results(straight, 2)[0]
+    assert alone["step"] == 6 and alone["lr"] == whole["lr"]
+    for key, value in whole["model"].items():
+        torch.testing.assert_close(alone["model"][key], value, rtol=0, atol=1e-12)
