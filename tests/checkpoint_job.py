@@ -60,7 +60,19 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.flip(-1)
 
 
+OUT = ""
+
+
+def _stamp(name: str) -> None:
+    """The wall-clock time of an event, for benchmarks/faults.py (fault to training)."""
+    import time
+
+    with open(os.path.join(OUT, name), "a") as f:
+        f.write(f"{time.time():.6f}\n")
+
+
 def die() -> None:
+    _stamp("killed-at")
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -98,6 +110,8 @@ def main() -> None:
     p.add_argument("--every", type=int, default=2)
     p.add_argument("--kill", default="")
     args = p.parse_args()
+    global OUT
+    OUT = args.out
 
     from datetime import timedelta
 
@@ -141,6 +155,7 @@ def main() -> None:
         if doomed and step == kill_step and point == "forward":
             die()
         if doomed and step == kill_step and point == "host":  # the whole host: its agent
+            _stamp("killed-at")
             os.kill(os.getppid(), signal.SIGKILL)  # (its ranks die with it)
             die()
         if args.strategy == "pp":
@@ -157,6 +172,8 @@ def main() -> None:
         sched.step()
         position.step = step
         ckpt.save(step)
+        if attempt and rank == 0 and position.step == start + 1:
+            _stamp("trained-at")  # the first step after the restart done
         if doomed and step == kill_step and point == "checkpoint":
             die()  # the write just started on the manager's thread
     ckpt.close()

@@ -1,0 +1,98 @@
+"""Seconds from a fault to training again, and the steps it cost: a rank or a host lost
+under torchrun's and spmd's launchers, the job resumed from its latest checkpoint.
+
+    python benchmarks/faults.py [--rounds 3] [--strategy fsdp]
+
+Each case runs ``tests/checkpoint_job.py`` (6 steps, a checkpoint every 2, float64, 2
+ranks) with one fault in its first attempt:
+
+- ``rank, torchrun``: ``torchrun --max-restarts 1``; rank 1 SIGKILLed in step 3's backward;
+- ``rank, spmd-run``: ``python -m spmd.runtime.run --max-restarts 1``, the same fault;
+- ``write, spmd-run``: rank 0 SIGKILLed while the checkpoint after step 4 is written;
+- ``host, spmd-run``: two agents over 127.0.0.1 (one rank each, ``--nnodes 1:2
+  --join-last-call 1``); host 1's agent SIGKILLed (its rank with it) at step 3: the job
+  continues on host 0 alone.
+
+"Fault to training" is from the kill to the end of the first step after the restart
+(the stop of the others, the restart, the rendezvous, the restore, and that step's
+planning); "steps lost" are the completed steps redone. Rounds alternate the cases;
+the figure is the median and the range over rounds.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(REPO, "tests", "checkpoint_job.py")
+KILLS = {"rank, torchrun": "3:backward:1", "rank, spmd-run": "3:backward:1",
+         "write, spmd-run": "4:checkpoint:0", "host, spmd-run": "3:host:1"}
+
+
+def _run(case: str, out: str, strategy: str) -> None:
+    from spmd.runtime.launch import free_port
+
+    job = [JOB, out, "--strategy", strategy, "--steps", "6", "--every", "2",
+           "--kill", KILLS[case]]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    spmd_run = [sys.executable, "-m", "spmd.runtime.run"]
+    if case == "rank, torchrun":
+        commands = [[sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     "--nproc-per-node", "2", "--max-restarts", "1", *job]]
+    elif case == "host, spmd-run":
+        common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                  "--master-port", str(free_port()), "--max-restarts", "1",
+                  "--join-last-call", "1"]
+        commands = [[*spmd_run, "--node-rank", str(n), *common, *job] for n in (0, 1)]
+    else:
+        commands = [[*spmd_run, "--standalone", "--nproc-per-node", "2", "--max-restarts",
+                     "1", *job]]
+    procs = [subprocess.Popen(c, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for c in commands]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    if procs[0].returncode != 0:
+        raise RuntimeError(f"{case} failed:\n{errs[0][-3000:]}")
+
+
+def _figures(out: str, kill: str) -> tuple[float, int]:
+    def first(name: str) -> float:
+        with open(os.path.join(out, name)) as f:
+            return float(f.readline())
+
+    with open(os.path.join(out, "attempts.txt")) as f:
+        resumed = int(f.read().split("\n")[1].split()[1])
+    step, point, _ = kill.split(":")  # steps complete when the fault struck:
+    done_before = int(step) if point == "checkpoint" else int(step) - 1  # (after save)
+    return first("trained-at") - first("killed-at"), done_before - resumed
+
+
+def main() -> None:
+    p = harness.parser(__doc__, rounds=3)
+    p.add_argument("--strategy", default="fsdp")
+    args = p.parse_args()
+    seconds: dict[str, list[float]] = {c: [] for c in KILLS}
+    lost: dict[str, list[int]] = {c: [] for c in KILLS}
+    for r in range(args.rounds):
+        for case in harness.rotated(list(KILLS), r):
+            with tempfile.TemporaryDirectory() as out:
+                _run(case, out, args.strategy)
+                s, n = _figures(out, KILLS[case])
+            seconds[case].append(s)
+            lost[case].append(n)
+    print(f"\n{args.strategy}, 2 ranks, a checkpoint every 2 steps, {args.rounds} rounds\n")
+    harness.table(("fault, launcher", "fault to training (s)", "range", "steps lost"), "lrll")
+    for case in KILLS:
+        harness.row(case, f"{statistics.median(seconds[case]):.2f}",
+                    harness.span(seconds[case]), ", ".join(str(n) for n in sorted(set(lost[case]))))
+
+
+if __name__ == "__main__":
+    main()
