@@ -12,8 +12,11 @@ interrupted does, bit for bit in float64 on the same layout. ``--kill`` makes gl
 rank RANK kill itself with SIGKILL at STEP (counted from 1) in the first attempt only
 (``TORCHELASTIC_RESTART_COUNT`` 0), at POINT: ``forward``, ``backward``, ``optimizer``
 (inside the optimizer step), ``checkpoint`` (the write of the checkpoint after that
-step in flight) or ``host`` (before the forward, the rank kills its launcher's agent,
-whose ranks die with it: a whole host lost); before the other points the doomed rank waits for the last write, so
+step in flight), ``host`` (before the forward, the rank kills its launcher's agent,
+whose ranks die with it: a whole host lost), ``stall`` (the rank stops itself with
+SIGSTOP: alive, never answering) or ``partition`` (the rank writes ``OUT/partition-me``
+and waits for ``OUT/partitioned``, which the test writes once it has cut the host's
+link); before the other points the doomed rank waits for the last write, so
 that the test knows which checkpoint the job resumes from. Rank 0 writes ``OUT/result.pt`` at the end: the parameters, the
 optimizer state, the LR, the data position and the step resumed from per attempt in
 ``OUT/attempts.txt``.
@@ -71,6 +74,15 @@ def _stamp(name: str) -> None:
         f.write(f"{time.time():.6f}\n")
 
 
+def _wait_for(path: str, seconds: float = 60) -> None:
+    """Until ``path`` exists (the test writes it), at most ``seconds``."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)  # polling a file the test writes, not ordering by time
+
+
 def die() -> None:
     _stamp("killed-at")
     os.kill(os.getpid(), signal.SIGKILL)
@@ -109,6 +121,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--every", type=int, default=2)
     p.add_argument("--kill", default="")
+    p.add_argument("--timeout", type=float, default=60, help="collectives' timeout (s)")
     args = p.parse_args()
     global OUT
     OUT = args.out
@@ -119,7 +132,7 @@ def main() -> None:
     from spmd import runtime as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     kill_step, point, kill_rank = 0, "", -1
@@ -154,6 +167,13 @@ def main() -> None:
             ckpt.wait()  # the last write complete: the test knows where the job resumes
         if doomed and step == kill_step and point == "forward":
             die()
+        if doomed and step == kill_step and point == "stall":  # stopped, not dead
+            _stamp("killed-at")
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if doomed and step == kill_step and point == "partition":  # the test cuts the link
+            _stamp("killed-at")
+            open(os.path.join(OUT, "partition-me"), "w").close()
+            _wait_for(os.path.join(OUT, "partitioned"))
         if doomed and step == kill_step and point == "host":  # the whole host: its agent
             _stamp("killed-at")
             os.kill(os.getppid(), signal.SIGKILL)  # (its ranks die with it)

@@ -57,8 +57,7 @@ from spmd.state.chunked import Chunk, ChunkedTensor
 from spmd.state.layout import Layout, layout_of, local_state_dicts, stored_part
 from spmd.lowering.specs import ShardSpec, TPSpec
 
-__all__ = ["ChunkedTensor", "get_state_dict", "set_state_dict", "CheckpointManager",
-           "CheckpointError", "check_checkpoint"]
+__all__ = ["ChunkedTensor", "get_state_dict", "set_state_dict", "chunks_of"]
 
 
 def _runs(idx: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -299,11 +298,3 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
                 else:
                     slot[key] = value
 
-
-def __getattr__(name: str) -> Any:
-    # the checkpoint manager (spmd/state/manager.py) imports this module
-    if name in ("CheckpointManager", "CheckpointError", "check_checkpoint", "SaveStats"):
-        from spmd.state import manager
-
-        return getattr(manager, name)
-    raise AttributeError(f"module 'spmd.checkpoint' has no attribute {name!r}")

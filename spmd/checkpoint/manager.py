@@ -376,7 +376,7 @@ class CheckpointManager:
         self.close()
 
     def _staged(self, step: int) -> dict[str, Any]:
-        from spmd.checkpoint import get_state_dict
+        from spmd.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         mine: dict[str, Any] = {}
@@ -518,7 +518,7 @@ class CheckpointManager:
         :class:`CheckpointError` naming what is wrong."""
         import torch.distributed.checkpoint as dcp
 
-        from spmd.checkpoint import get_state_dict, set_state_dict
+        from spmd.checkpoint.state_dict import get_state_dict, set_state_dict
 
         self.wait()
         chosen, refused = self._from_first(self._choose(step) if self.rank == 0 else None)
