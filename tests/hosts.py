@@ -67,12 +67,14 @@ class Link:
             between hosts a and b takes ``latency_ms`` of a plus that of b).
         loss: the fraction of the host's outgoing packets dropped at random.
         queue_bytes: what the sending queue holds before it drops (tail drop).
+        down: the link is cut: nothing leaves the host or reaches it (a partition).
     """
 
     gbps: float | None = None
     latency_ms: float = 0.0
     loss: float = 0.0
     queue_bytes: int = 4 << 20
+    down: bool = False
 
     def __post_init__(self) -> None:
         if self.gbps is not None and not self.gbps > 0:
@@ -384,6 +386,8 @@ def _switch(devices: list[str]) -> None:
                         continue
                     now = time.monotonic()
                     link = src.link
+                    if link.down or ports[dst_index].link.down:
+                        continue  # a partition: either end's link cut
                     if link.loss and random.random() < link.loss:
                         continue
                     start = max(now, src.out_free)

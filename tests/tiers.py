@@ -94,6 +94,10 @@ LONG: dict[str, tuple[float, str]] = {
         9, "the flat ring is what every other data-parallel test runs; [always] stays"),
     "tests/cpu/test_hosts.py::test_a_job_spans_two_hosts_joining_in_any_order[torchrun]": (
         12, "the [spmd] case; test_rendezvous joins torchrun's agent store"),
+    # 2026-12-05: a host cut off mid-step (the collective's timeout, then the store's)
+    "tests/cpu/test_faults_hosts.py::test_a_host_cut_off_mid_step": (
+        55, "test_a_lost_host_and_the_job_continues_on_the_rest (a host lost, the job on "
+            "the rest) and the stalled rank across hosts (a timeout named, a restart)"),
     # 2026-12-05: a rank killed at each point of a step under each layout (24 cases)
     "tests/cpu/test_checkpoint_manager.py::test_the_fault_matrix": (
         420, "test_a_killed_rank_restarts_and_finishes_bit_for_bit (a kill in backward "
