@@ -71,6 +71,13 @@ def store_timeout() -> timedelta:
     return timedelta(seconds=_float_env("SPMD_STORE_TIMEOUT", 300.0))
 
 
+def store_reconnect() -> float:
+    """Seconds a store client that was connected keeps trying to reach its server again
+    (``SPMD_STORE_RECONNECT``, 10): long enough for a server that restarts, short enough
+    that the loss of the store's host is named in seconds, not after the store timeout."""
+    return _float_env("SPMD_STORE_RECONNECT", 10.0)
+
+
 def auth_token() -> str | None:
     """The shared secret from ``SPMD_AUTH_TOKEN``, or None when unset or empty."""
     return os.environ.get("SPMD_AUTH_TOKEN") or None

@@ -302,7 +302,11 @@ class TCPStore(Store):
         sock = getattr(self._local, "sock", None)
         if sock is not None:
             return sock
-        deadline = time.monotonic() + self._timeout
+        # a server this client reached before and lost: its host may be gone; say so in
+        # seconds (SPMD_STORE_RECONNECT), not after the whole timeout
+        lost = getattr(self, "_reached", False)
+        window = min(self._timeout, config.store_reconnect()) if lost else self._timeout
+        deadline = time.monotonic() + window
         if self._addrs is None:
             self._addrs = self._resolve(deadline)
         delay, last = 0.01, None
@@ -330,10 +334,15 @@ class TCPStore(Store):
                 _limit(sock, self._timeout)
                 self._local.limit = self._timeout
                 self._local.sock = sock
+                self._reached = True
                 with self._socks_lock:
                     self._socks.append(sock)
                 return sock
             left = deadline - time.monotonic()
+            if left <= 0 and lost:
+                raise StoreTimeoutError(
+                    f"{self._where()}: the store's server stopped answering (its host may "
+                    f"be down): could not reconnect within {window:g}s (last error: {last})")
             if left <= 0:
                 raise StoreTimeoutError(
                     f"{self._where()}: timeout: could not connect within {self._timeout:g}s "

@@ -388,3 +388,22 @@ def test_a_lost_host_and_the_job_continues_on_the_rest(tmp_path, tmp_path_factor
     assert alone["step"] == 6 and alone["lr"] == whole["lr"]
     for key, value in whole["model"].items():
         torch.testing.assert_close(alone["model"][key], value, rtol=0, atol=1e-12)
+
+
+def test_the_store_hosts_death_is_named_in_seconds(tmp_path):
+    """Host 0 serves the store; its agent killed (its rank with it) at step 3: host 1's
+    agent says the store stopped answering within SPMD_STORE_RECONNECT (10 s), instead
+    of reconnecting for the store's whole timeout (300 s)."""
+    from spmd.runtime.launch import free_port
+
+    out = tmp_path / "store"
+    out.mkdir()
+    common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+              "--master-port", str(free_port()), "--max-restarts", "1",
+              "--join-last-call", "1"]
+    agents = [_agent(out, "fsdp", "3:host:0", "--node-rank", str(node), *common)
+              for node in (0, 1)]
+    errs = [a.communicate(timeout=100)[1] for a in agents]
+    assert agents[0].returncode == -9
+    assert agents[1].returncode == 1
+    assert "the store's server stopped answering (its host may be down)" in errs[1]
