@@ -10,13 +10,14 @@ Every step's batch is a function of the step alone (and the random generators, w
 the checkpoint carries): a run interrupted and resumed computes what one never
 interrupted does, bit for bit in float64 on the same layout. ``--kill`` makes global
 rank RANK kill itself with SIGKILL at STEP (counted from 1) in the first attempt only
-(``TORCHELASTIC_RESTART_COUNT`` 0), at POINT: ``forward``, ``backward``, ``optimizer``
+(``TORCHELASTIC_RESTART_COUNT`` 0, no checkpoint restored), at POINT: ``forward``, ``backward``, ``optimizer``
 (inside the optimizer step), ``checkpoint`` (the write of the checkpoint after that
 step in flight), ``host`` (before the forward, the rank kills its launcher's agent,
 whose ranks die with it: a whole host lost), ``stall`` (the rank stops itself with
 SIGSTOP: alive, never answering) or ``partition`` (the rank writes ``OUT/partition-me``
 and waits for ``OUT/partitioned``, which the test writes once it has cut the host's
-link); before the other points the doomed rank waits for the last write, so
+link) or ``wait-for-host`` (the rank writes ``OUT/partition-me`` and waits, at most
+60 s, for its launcher to end the round: a host joining an elastic job); before the other points the doomed rank waits for the last write, so
 that the test knows which checkpoint the job resumes from. Rank 0 writes ``OUT/result.pt`` at the end: the parameters, the
 optimizer state, the LR, the data position and the step resumed from per attempt in
 ``OUT/attempts.txt``.
@@ -139,7 +140,6 @@ def main() -> None:
     if args.kill and attempt == 0:
         text_step, point, text_rank = args.kill.split(":")
         kill_step, kill_rank = int(text_step), int(text_rank)
-    doomed = rank == kill_rank
 
     net, split = _parallel(spmd, args.strategy, world)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
@@ -149,6 +149,9 @@ def main() -> None:
                                              scheduler=sched, dataloader=position,
                                              every=args.every, keep=2)
     start = ckpt.restore() or 0
+    # the fault strikes the job's first round only: a fresh start (a host joining does
+    # not count as a restart, so the restart count alone would not tell)
+    doomed = rank == kill_rank and start == 0
     if rank == 0:
         with open(os.path.join(args.out, "attempts.txt"), "a") as f:
             f.write(f"{attempt} {start} {world}\n")
@@ -170,6 +173,9 @@ def main() -> None:
         if doomed and step == kill_step and point == "stall":  # stopped, not dead
             _stamp("killed-at")
             os.kill(os.getpid(), signal.SIGSTOP)
+        if doomed and step == kill_step and point == "wait-for-host":  # until ended
+            open(os.path.join(OUT, "partition-me"), "w").close()
+            _wait_for(os.path.join(OUT, "never"))  # the launcher stops this round
         if doomed and step == kill_step and point == "partition":  # the test cuts the link
             _stamp("killed-at")
             open(os.path.join(OUT, "partition-me"), "w").close()

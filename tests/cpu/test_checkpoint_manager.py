@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import pytest
@@ -407,3 +408,34 @@ def test_the_store_hosts_death_is_named_in_seconds(tmp_path):
     assert agents[0].returncode == -9
     assert agents[1].returncode == 1
     assert "the store's server stopped answering (its host may be down)" in errs[1]
+
+
+def test_a_host_that_joins_later_continues_the_same_run_on_more_ranks(tmp_path,
+                                                                      tmp_path_factory):
+    """``--nnodes 1:2``: host 0 trains alone; host 1 starts once the checkpoint of step 2
+    exists; the launcher ends host 0's round and starts one with both, which resumes that
+    checkpoint (written by 1 rank) on 2 ranks and finishes the same run (to 1e-12)."""
+    from spmd.runtime.launch import free_port
+
+    straight = _straight("fsdp", tmp_path_factory)
+    out = tmp_path / "grow"
+    out.mkdir()
+    common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+              "--master-port", str(free_port()), "--join-last-call", "1"]
+    # host 0's job waits at step 3 until host 1's agent has started (so the round is
+    # ended mid-run, deterministically), at most 60 s
+    first = _agent(out, "fsdp", "3:wait-for-host:0", "--node-rank", "0", *common)
+    deadline = time.monotonic() + 90
+    while not (out / "partition-me").exists():
+        assert time.monotonic() < deadline and first.poll() is None, "host 0 never waited"
+        time.sleep(0.05)  # polling a file the job writes, not ordering by time
+    second = _agent(out, "fsdp", "", "--node-rank", "1", *common)
+    errs = [a.communicate(timeout=110)[1] for a in (first, second)]
+    assert [first.returncode, second.returncode] == [0, 0], errs
+    attempts = (out / "attempts.txt").read_text().split("\n")
+    assert attempts[:2] == ["0 0 1", "0 2 2"]
+    whole = _results(straight, 2)
+    for rank, got in enumerate(_results(out, 2)):
+        assert got["step"] == 6 and got["lr"] == whole[rank]["lr"]
+        for key, value in whole[rank]["model"].items():
+            torch.testing.assert_close(got["model"][key], value, rtol=0, atol=1e-12)
