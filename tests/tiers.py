@@ -98,6 +98,14 @@ LONG: dict[str, tuple[float, str]] = {
     "tests/cpu/test_faults_hosts.py::test_a_host_cut_off_mid_step": (
         55, "test_a_lost_host_and_the_job_continues_on_the_rest (a host lost, the job on "
             "the rest) and the stalled rank across hosts (a timeout named, a restart)"),
+    "tests/cpu/test_faults_hosts.py::test_a_rank_that_stalls_past_the_timeout_is_named_and_restarted[ddp]": (
+        20, "its [fsdp] case; the fault matrix on local ranks covers every layout"),
+    "tests/cpu/test_faults_hosts.py::test_a_rank_that_stalls_past_the_timeout_is_named_and_restarted[hsdp]": (
+        20, "its [fsdp] case; the fault matrix on local ranks covers every layout"),
+    "tests/cpu/test_faults_hosts.py::test_a_rank_that_stalls_past_the_timeout_is_named_and_restarted[tp]": (
+        20, "its [fsdp] case; the fault matrix on local ranks covers every layout"),
+    "tests/cpu/test_faults_hosts.py::test_a_rank_that_stalls_past_the_timeout_is_named_and_restarted[pp]": (
+        20, "its [fsdp] case; the fault matrix on local ranks covers every layout"),
     # 2026-12-05: a rank killed at each point of a step under each layout (24 cases)
     "tests/cpu/test_checkpoint_manager.py::test_the_fault_matrix": (
         420, "test_a_killed_rank_restarts_and_finishes_bit_for_bit (a kill in backward "

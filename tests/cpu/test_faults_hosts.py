@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests import hosts as harness
-from tests.cpu.test_checkpoint_manager import _results, _straight
+from tests.cpu.test_checkpoint_manager import RANKS, _results, _straight
 from tests.hosts import Hosts, Link
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,12 +25,14 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no simulated hosts her
 LINK = Link(gbps=1, latency_ms=0.2)
 
 
-def _job(hosts: Hosts, out, kill: str = "", timeout: float = 60):
-    """Both hosts' agents (their stderr), the job's ranks binding the host's eth0."""
-    common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--master-addr", hosts.address(0),
+def _job(hosts: Hosts, out, kill: str = "", timeout: float = 60, strategy: str = "fsdp"):
+    """Both hosts' agents (their stderr), the job's ranks binding the host's eth0; hsdp
+    on 2 ranks a host (sharded within, replicated across), the others on one."""
+    per = RANKS.get(strategy, 2) // 2
+    common = ["--nnodes", "1:2", "--nproc-per-node", str(per), "--master-addr", hosts.address(0),
               "--master-port", "29500", "--max-restarts", "1", "--join-last-call", "1",
               "--join-timeout", "15"]
-    job = [os.path.join(REPO, "tests", "checkpoint_job.py"), str(out), "--strategy", "fsdp",
+    job = [os.path.join(REPO, "tests", "checkpoint_job.py"), str(out), "--strategy", strategy,
            "--steps", "6", "--every", "2", "--timeout", str(timeout)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, GLOO_SOCKET_IFNAME="eth0")
     return [hosts.popen(node, [sys.executable, "-m", "spmd.runtime.run", "--node-rank",
@@ -48,11 +50,11 @@ def _wait_for(path, seconds: float = 90) -> None:
         time.sleep(0.05)  # polling a file the job writes, not ordering by time
 
 
-def _equal(out, straight, world):
-    for a, b in zip(_results(straight, 2), _results(out, world)):
+def _equal(out, straight, world, whole=2):
+    for a, b in zip(_results(straight, whole), _results(out, world)):
         assert a["step"] == b["step"] == 6 and a["lr"] == b["lr"]
         for key in a["model"]:
-            if world == 2:
+            if world == whole:
                 assert torch.equal(a["model"][key], b["model"][key]), key
             else:
                 torch.testing.assert_close(b["model"][key], a["model"][key], rtol=0,
@@ -91,16 +93,19 @@ def test_a_host_cut_off_mid_step_is_named_and_the_job_continues_on_the_rest(
     _equal(out, straight, 1)
 
 
-def test_a_rank_that_stalls_past_the_timeout_is_named_and_restarted(tmp_path,
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp", "hsdp", "tp", "pp"])
+def test_a_rank_that_stalls_past_the_timeout_is_named_and_restarted(strategy, tmp_path,
                                                                     tmp_path_factory):
-    straight = _straight("fsdp", tmp_path_factory)
+    straight = _straight(strategy, tmp_path_factory)
+    world = RANKS.get(strategy, 2)
     out = tmp_path / "stall"
     out.mkdir()
     with Hosts(2, link=LINK) as hosts:
-        agents = _job(hosts, out, kill="3:stall:1", timeout=10)
+        agents = _job(hosts, out, kill=f"3:stall:{world - 1}", timeout=10, strategy=strategy)
         errs = [a.communicate(timeout=110)[1] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], errs
-    assert "restarting the job (restart 1 of 1) after rank 0" in errs[0]
-    assert "rank 1 (at collective" in errs[0]  # the stalled rank, named by its peer
-    assert (out / "attempts.txt").read_text().split("\n")[:2] == ["0 0 2", "1 2 2"]
-    _equal(out, straight, 2)
+    assert "restarting the job (restart 1 of 1) after rank" in errs[0]
+    assert f"rank {world - 1} (at collective" in "".join(errs)  # named by a peer
+    assert (out / "attempts.txt").read_text().split("\n")[:2] == [f"0 0 {world}",
+                                                                   f"1 2 {world}"]
+    _equal(out, straight, world, world)
