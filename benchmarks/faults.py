@@ -13,6 +13,12 @@ ranks) with one fault in its first attempt:
   --join-last-call 1``); host 1's agent SIGKILLed (its rank with it) at step 3: the job
   continues on host 0 alone.
 
+- ``replica, live``: ``spmd.runtime.ft`` (no restart), 3 replicas of one process each
+  (``tests/ft_job.py``); replica r2 SIGKILLed in step 2 after its backward: from the
+  kill to the survivors' step 2 done (the failed average, a new quorum once r2's beat
+  is 2 s old, the average again over the two); and a replacement r3, started then,
+  from its start to its first step done (import, join, healed from a peer).
+
 "Fault to training" is from the kill to the end of the first step after the restart
 (the stop of the others, the restart, the rendezvous, the restore, and that step's
 planning); "steps lost" are the completed steps redone. Rounds alternate the cases;
@@ -74,6 +80,43 @@ def _figures(out: str, kill: str) -> tuple[float, int]:
     return first("trained-at") - first("killed-at"), done_before - resumed
 
 
+def live() -> tuple[float, float, int]:
+    """(kill to the survivors' step done, the replacement's start to its first step
+    done, steps lost) of one run of tests/ft_job.py's live recovery."""
+    import torch
+
+    from spmd.runtime.launch import free_port
+    from spmd.runtime.store.tcp_store import TCPStore
+    from datetime import timedelta
+
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60),
+                      wait_for_workers=False)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    script = os.path.join(REPO, "tests", "ft_job.py")
+    with tempfile.TemporaryDirectory() as out:
+        def start(name: str, *extra: str) -> subprocess.Popen:
+            return subprocess.Popen([sys.executable, script, str(port), name, out,
+                                     "--steps", "6", *extra], cwd=REPO, env=env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    text=True)
+        try:
+            first = [start("r0", "--wait-for", "r3:4"), start("r1", "--wait-for", "r3:4"),
+                     start("r2", "--die", "2")]
+            first[2].wait(timeout=120)
+            late = start("r3")
+            for proc in (*first[:2], late):
+                if proc.wait(timeout=120):
+                    raise RuntimeError(f"a replica failed:\n{proc.stderr.read()[-3000:]}")
+        finally:
+            server.close()
+        with open(os.path.join(out, "r2.killed-at")) as f:
+            killed = float(f.read())
+        r0 = torch.load(os.path.join(out, "r0.pt"), weights_only=False)
+        r3 = torch.load(os.path.join(out, "r3.pt"), weights_only=False)
+    return r0["done"][2] - killed, r3["done"][0] - r3["started"], 0
+
+
 def main() -> None:
     p = harness.parser(__doc__, rounds=3)
     p.add_argument("--strategy", default="fsdp")
@@ -87,11 +130,20 @@ def main() -> None:
                 s, n = _figures(out, KILLS[case])
             seconds[case].append(s)
             lost[case].append(n)
+    survivors, healed = [], []
+    for _ in range(args.rounds):
+        s, h, _ = live()
+        survivors.append(s)
+        healed.append(h)
     print(f"\n{args.strategy}, 2 ranks, a checkpoint every 2 steps, {args.rounds} rounds\n")
     harness.table(("fault, launcher", "fault to training (s)", "range", "steps lost"), "lrll")
     for case in KILLS:
         harness.row(case, f"{statistics.median(seconds[case]):.2f}",
                     harness.span(seconds[case]), ", ".join(str(n) for n in sorted(set(lost[case]))))
+    harness.row("replica, live (spmd.runtime.ft): survivors", f"{statistics.median(survivors):.2f}",
+                harness.span(survivors), "0")
+    harness.row("replica, live: the replacement's start to its first step",
+                f"{statistics.median(healed):.2f}", harness.span(healed), "")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,292 @@
+"""Live recovery of data-parallel replicas, without a restart (as torchft does).
+
+Each replica is one process (its own model and optimizer, the whole of them) that
+joins a store every replica reaches (served by a host that outlives the replicas: a
+launcher's agent, a small server). Every step starts with a *quorum*: the replicas that
+are alive and asked to take part, agreed through the store (one atomic compare-and-set
+decides it, so every replica reads the same members). When the members change, the
+replicas build a new process group among themselves; a member that joined without
+state (a replacement) receives the model and optimizer state from the first member
+that has it, over that group, before the step runs: no checkpoint is read.
+
+The gradients are averaged over the quorum. When a member dies during the average, the
+others take a new quorum among the replicas still alive and average again, from a copy
+of their own gradients made before the first attempt: the step's average is over the
+replicas that finished it. Every step's members are recorded (``Manager.history``), so
+the run equals, step by step, one process fed exactly the batches of the replicas that
+took part.
+
+    from spmd.runtime.ft import Manager
+
+    ft = Manager(store, replica_id, initial_replicas=3, state_dict=...,
+                 load_state_dict=...)
+    while ft.step < steps:
+        ft.start_step()                      # the quorum; a newcomer is healed here
+        loss_of(batch(ft.step, ft.members)).backward()
+        ft.average_gradients(model.parameters())
+        opt.step(); opt.zero_grad()
+        ft.end_step()
+
+Liveness: each replica's thread beats ``ft/beat/<id>`` every ``heartbeat`` seconds; a
+member whose beat is older than ``dead_after`` seconds is left out of the next quorum.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Iterable
+
+import torch
+
+from spmd.runtime.errors import DistError
+from spmd.runtime.store.base import Store
+from spmd.runtime.store.prefix_store import PrefixStore
+
+__all__ = ["Manager", "QuorumError"]
+
+
+class QuorumError(DistError):
+    """No quorum could be formed (too few replicas alive within the timeout)."""
+
+
+class Manager:
+    """One replica's side of the live-recovery protocol (see the module doc).
+
+    Args:
+        store: the store every replica reaches (one that outlives replicas).
+        replica_id: this replica's name, unique among the live ones (a replacement may
+            reuse a dead replica's).
+        state_dict: returns what a newcomer needs (model and optimizer state).
+        load_state_dict: puts a received state back.
+        min_replicas: a quorum needs at least this many.
+        initial_replicas: the job's first quorum waits for this many (default
+            ``min_replicas``), at most ``timeout``.
+        timeout: how long a quorum may take to form, and the groups' timeout.
+        heartbeat: seconds between this replica's beats.
+        dead_after: a member silent this long is left out of the next quorum.
+    """
+
+    def __init__(self, store: Store, replica_id: str, *,
+                 state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
+                 min_replicas: int = 1, initial_replicas: int | None = None,
+                 timeout: timedelta = timedelta(seconds=60),
+                 heartbeat: float = 0.2, dead_after: float = 2.0) -> None:
+        if "/" in replica_id or not replica_id:
+            raise ValueError(f"ft.Manager: replica_id must be a non-empty name without "
+                             f"'/', got {replica_id!r}")
+        if min_replicas < 1:
+            raise ValueError(f"ft.Manager: min_replicas must be positive, got {min_replicas}")
+        self.store = PrefixStore("ft", store)
+        self.replica_id = replica_id
+        self._state_dict, self._load_state_dict = state_dict, load_state_dict
+        self.min_replicas, self.timeout = min_replicas, timeout
+        self.initial_replicas = max(min_replicas, initial_replicas or min_replicas)
+        self.dead_after = dead_after
+        self.step = 0  # the steps this replica's state has taken (healed with the state)
+        self.members: list[str] = []
+        self.history: list[list[str]] = []  # each finished step's members
+        self._quorum = -1
+        self._has_state = False
+        self._group_members: list[str] | None = None
+        self._stop = threading.Event()
+        self._beat(heartbeat)
+
+    # -- liveness ----------------------------------------------------------------------
+
+    def _beat(self, interval: float) -> None:
+        key = f"beat/{self.replica_id}"
+        self.store.set(key, str(time.time()))
+
+        def beat() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.store.set(key, str(time.time()))
+                except DistError:
+                    return
+
+        threading.Thread(target=beat, name=f"ft-beat-{self.replica_id}", daemon=True).start()
+
+    def _alive(self, rid: str) -> bool:
+        try:
+            last = float(self.store.get(f"beat/{rid}"))
+        except DistError:
+            return False
+        return time.time() - last < self.dead_after
+
+    # -- quorum ------------------------------------------------------------------------
+
+    def _form(self, need: list[str] | None, only: list[str] | None = None) -> dict:
+        """Join the next quorum and return it (``ids``, ``fresh``: the members without
+        state, ``q``): it closes once every member of ``need`` still alive has joined
+        (with at least ``min_replicas``), or, after the timeout, with the ones there;
+        ``only``: a redo of a step admits no one else. One compare-and-set decides it,
+        so every member reads the same."""
+        q = self._quorum + 1 if self._quorum >= 0 else self._next_quorum()
+        start = time.monotonic()
+        while True:
+            if only is not None:  # said before joining: whoever sees us join sees it
+                self.store.compare_set(f"q/{q}/only", "", json.dumps(sorted(only)))
+            self.store.set(f"q/{q}/join/{self.replica_id}", "1" if self._has_state else "0")
+            self._known()
+            decided = self.store.compare_set(f"q/{q}/members", "", "")
+            if decided:
+                members = json.loads(decided)
+                if self.replica_id in members["ids"]:
+                    self._quorum = q
+                    self.store.set(f"member/{self.replica_id}", "1")
+                    return members
+                q += 1  # closed without us: the next one
+                continue
+            joined = [r for r in self._known() if self.store.check([f"q/{q}/join/{r}"])]
+            restricted = self.store.compare_set(f"q/{q}/only", "", "")  # (read after)
+            if restricted:  # a redo of a step: its members only
+                allowed = json.loads(restricted)
+                if self.replica_id not in allowed:
+                    q += 1
+                    continue
+                joined = [r for r in joined if r in allowed]
+            # a quorum waits for the members of the last one still alive, and, unless it
+            # redoes a step, for newcomers alive that no quorum took yet
+            wanted = list(need or [])
+            if only is None and not restricted:
+                wanted += [r for r in self._known() if r not in wanted
+                           and not self.store.check([f"member/{r}"])]
+            waiting = [r for r in wanted if r not in joined and self._alive(r)]
+            late = time.monotonic() - start > self.timeout.total_seconds()
+            first = q == 0 and len(joined) < self.initial_replicas  # the job's start
+            fresh = [r for r in joined if self.store.get(f"q/{q}/join/{r}") == b"0"]
+            healable = q == 0 or len(fresh) < len(joined)  # newcomers only with a peer
+            if (len(joined) >= self.min_replicas and healable
+                    and ((not waiting and not first) or late)):
+                proposal = json.dumps({"ids": joined, "fresh": fresh, "q": q})
+                if self.store.compare_set(f"q/{q}/members", "", proposal) == proposal.encode():
+                    self.store.set("latest", str(q))
+                continue
+            if late and time.monotonic() - start > 2 * self.timeout.total_seconds():
+                raise QuorumError(f"ft: replica {self.replica_id}: no quorum of "
+                                  f"{self.min_replicas} within {self.timeout}; joined "
+                                  f"{joined}, waiting for {waiting}")
+            try:
+                self.store.wait([f"q/{q}/none"], timedelta(seconds=0.05))
+            except DistError:
+                pass  # (a short wait on a key nobody sets: the store's clock, not a sleep)
+
+    def _next_quorum(self) -> int:
+        """A newcomer's first quorum: the one after the latest decided."""
+        if not self.store.check(["latest"]):
+            return 0
+        return int(self.store.get("latest")) + 1
+
+    def _known(self) -> list[str]:
+        """Every replica ever seen (this one added), sorted: one key, compare-and-set."""
+        raw = self.store.compare_set("known", "", "")
+        known = json.loads(raw) if raw else []
+        while self.replica_id not in known:
+            new = json.dumps(sorted(set(known) | {self.replica_id}))
+            got = self.store.compare_set("known", raw.decode() if raw else "", new)
+            raw, known = got, json.loads(got) if got else []
+        return known
+
+    def _regroup(self, members: dict) -> None:
+        """A process group among the members, built anew where they changed."""
+        from spmd import runtime as dist
+
+        ids = members["ids"]
+        if ids == self._group_members and not members["fresh"]:
+            return
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("gloo", store=PrefixStore(f"g/{members['q']}", self.store),
+                                rank=ids.index(self.replica_id), world_size=len(ids),
+                                timeout=self.timeout)
+        self._group_members = ids
+
+    def _decide(self) -> str:
+        """``"commit"`` once every member voted ok, ``"redo"`` once one failed or died
+        without voting; decided once (compare-and-set), read alike by every member."""
+        q = self._quorum
+        key = f"q/{q}/decision"
+        while True:
+            decided = self.store.compare_set(key, "", "")
+            if decided:
+                return decided.decode()
+            votes = {r: self.store.get(f"q/{q}/vote/{r}").decode()
+                     if self.store.check([f"q/{q}/vote/{r}"]) else None for r in self.members}
+            if all(v == "ok" for v in votes.values()):
+                self.store.compare_set(key, "", "commit")
+            elif any(v == "fail" for v in votes.values()) or any(
+                    v is None and not self._alive(r) for r, v in votes.items()):
+                self.store.compare_set(key, "", "redo")
+            else:
+                try:
+                    self.store.wait([key], timedelta(seconds=0.05))
+                except DistError:
+                    pass
+
+    # -- the step ----------------------------------------------------------------------
+
+    def start_step(self) -> list[str]:
+        """The quorum for this step (its members' ids). A member that joined without
+        state (a replacement) receives the first stateful member's ``state_dict()`` and
+        step count over the new group; at the job's first step every member is fresh
+        and starts from its own (equal, seeded) state."""
+        from spmd import runtime as dist
+
+        members = self._form(self.members or None)
+        self._regroup(members)
+        self.members = members["ids"]
+        if members["fresh"] and len(members["fresh"]) < len(self.members):
+            src = next(i for i, r in enumerate(self.members) if r not in members["fresh"])
+            box = [(self.step, self._state_dict()) if self.members[src] == self.replica_id
+                   else None]
+            dist.broadcast_object_list(box, src=src)
+            if self.replica_id in members["fresh"]:
+                self.step, state = box[0]
+                self._load_state_dict(state)
+        self._has_state = True
+        return self.members
+
+    def average_gradients(self, params: Iterable[torch.Tensor]) -> list[str]:
+        """Average the gradients over the quorum and return the members it was over.
+        Every member votes on the all-reduce it saw (through the store); the average is
+        kept only when every member's succeeded. When one failed or a member died, the
+        replicas still alive take a new quorum among themselves and average again, from
+        copies of their own gradients made before the first attempt."""
+        from spmd import runtime as dist
+
+        grads = [p.grad for p in params if p.grad is not None]
+        mine = torch.cat([g.detach().reshape(-1) for g in grads]) if grads else torch.zeros(0)
+        while True:
+            flat = mine.clone()
+            try:
+                dist.all_reduce(flat)
+                vote = "ok"
+            except DistError:
+                vote = "fail"
+            self.store.set(f"q/{self._quorum}/vote/{self.replica_id}", vote)
+            if self._decide() == "commit":
+                flat /= len(self.members)
+                offset = 0
+                for g in grads:
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+                return list(self.members)
+            lost = list(self.members)
+            members = self._form(need=lost, only=lost)
+            self._regroup(members)
+            self.members = members["ids"]
+
+    def end_step(self) -> None:
+        """Record the step's members and count it."""
+        self.history.append(list(self.members))
+        self.step += 1
+
+    def close(self) -> None:
+        from spmd import runtime as dist
+
+        self._stop.set()
+        if dist.is_initialized():
+            dist.destroy_process_group()

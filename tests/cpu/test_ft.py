@@ -1,0 +1,74 @@
+"""Live recovery of data-parallel replicas (spmd.runtime.ft): a replica killed in a
+step is dropped from that step's average, the others go on without a restart, and a
+replacement joins at a step boundary, healed from a peer (no checkpoint); the run equals,
+step by step, one process fed exactly the batches of the replicas that took part."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+
+import torch
+
+from spmd.runtime.store.tcp_store import TCPStore
+from tests import ft_job as job
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _replica(port, name, out, *extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    return subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "ft_job.py"),
+                             str(port), name, str(out), "--steps", "6", *extra],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _one_process(steps):
+    """The run one process makes fed, at each step, the batches of its members."""
+    net = job.model()
+    opt = job.optimizer(net)
+    for step, members in steps:
+        xs, ys = zip(*(job.batch(step, r) for r in members))
+        (net(torch.cat(xs)) - torch.cat(ys)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return net, opt
+
+
+def test_a_lost_replica_is_dropped_and_a_replacement_is_healed_from_a_peer(tmp_path):
+    from spmd.runtime.launch import free_port
+
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60),
+                      wait_for_workers=False)
+    try:
+        first = [_replica(port, "r0", tmp_path, "--wait-for", "r3:4"),
+                 _replica(port, "r1", tmp_path, "--wait-for", "r3:4"),
+                 _replica(port, "r2", tmp_path, "--die", "2")]
+        assert first[2].wait(timeout=100) == -9  # killed in step 2, after its backward
+        replacement = _replica(port, "r3", tmp_path)
+        for proc in (*first[:2], replacement):
+            _, err = proc.communicate(timeout=100)
+            assert proc.returncode == 0, err[-3000:]
+    finally:
+        server.close()
+    results = {r: torch.load(tmp_path / f"{r}.pt", weights_only=False)
+               for r in ("r0", "r1", "r3")}
+    steps = results["r0"]["steps"]
+    assert [s for s, _ in steps] == list(range(6))
+    assert steps[0][1] == ["r0", "r1", "r2"] and steps[2][1] == ["r0", "r1"]  # dropped
+    assert "r3" in steps[-1][1]  # the replacement took part by the end
+    joined = next(s for s, members in steps if "r3" in members)
+    assert [s for s, _ in results["r3"]["steps"]] == list(range(joined, 6))
+    net, opt = _one_process(steps)
+    for name, out in results.items():
+        for got, want in zip(out["params"], net.parameters()):
+            torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-12)
+        for got, p in zip(out["momenta"], net.parameters()):
+            torch.testing.assert_close(got, opt.state[p]["momentum_buffer"], rtol=0,
+                                       atol=1e-12)
+    for got, want in zip(results["r3"]["params"], results["r0"]["params"]):
+        assert torch.equal(got, want)  # healed, then stepped alike: the same bits
