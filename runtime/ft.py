@@ -118,18 +118,22 @@ class Manager:
 
     # -- quorum ------------------------------------------------------------------------
 
-    def _form(self, need: list[str] | None, only: list[str] | None = None) -> dict:
+    def _form(self, need: list[str] | None, only: list[str] | None = None) -> dict | None:
         """Join the next quorum and return it (``ids``, ``fresh``: the members without
         state, ``q``): it closes once every member of ``need`` still alive has joined
         (with at least ``min_replicas``), or, after the timeout, with the ones there;
-        ``only``: a redo of a step admits no one else. One compare-and-set decides it,
-        so every member reads the same."""
+        ``only``: a redo of a step admits no one else (None: it went on without this
+        replica). One compare-and-set decides it, so every member reads the same. A
+        member whose state is at an earlier step than the others' is ``fresh`` too."""
         q = self._quorum + 1 if self._quorum >= 0 else self._next_quorum()
         start = time.monotonic()
         while True:
             if only is not None:  # said before joining: whoever sees us join sees it
                 self.store.compare_set(f"q/{q}/only", "", json.dumps(sorted(only)))
-            self.store.set(f"q/{q}/join/{self.replica_id}", "1" if self._has_state else "0")
+            # the step this replica's state is at (-1: none): a member behind the others
+            # (left out of a quorum while alive, say) is healed like a newcomer
+            self.store.set(f"q/{q}/join/{self.replica_id}",
+                           str(self.step) if self._has_state else "-1")
             self._known()
             decided = self.store.compare_set(f"q/{q}/members", "", "")
             if decided:
@@ -138,6 +142,8 @@ class Manager:
                     self._quorum = q
                     self.store.set(f"member/{self.replica_id}", "1")
                     return members
+                if only is not None:
+                    return None  # a redo of our step went on without us
                 q += 1  # closed without us: the next one
                 continue
             joined = [r for r in self._known() if self.store.check([f"q/{q}/join/{r}"])]
@@ -157,7 +163,9 @@ class Manager:
             waiting = [r for r in wanted if r not in joined and self._alive(r)]
             late = time.monotonic() - start > self.timeout.total_seconds()
             first = q == 0 and len(joined) < self.initial_replicas  # the job's start
-            fresh = [r for r in joined if self.store.get(f"q/{q}/join/{r}") == b"0"]
+            at = {r: int(self.store.get(f"q/{q}/join/{r}")) for r in joined}
+            top = max(at.values(), default=-1)
+            fresh = [r for r in joined if at[r] < 0 or at[r] < top]
             healable = q == 0 or len(fresh) < len(joined)  # newcomers only with a peer
             if (len(joined) >= self.min_replicas and healable
                     and ((not waiting and not first) or late)):
@@ -236,6 +244,7 @@ class Manager:
         from spmd import runtime as dist
 
         members = self._form(self.members or None)
+        assert members is not None  # (only a redo can be left)
         self._regroup(members)
         self.members = members["ids"]
         if members["fresh"] and len(members["fresh"]) < len(self.members):
@@ -250,7 +259,9 @@ class Manager:
         return self.members
 
     def average_gradients(self, params: Iterable[torch.Tensor]) -> list[str]:
-        """Average the gradients over the quorum and return the members it was over.
+        """Average the gradients over the quorum and return the members it was over
+        (empty, the gradients zeroed, where the others went on without this replica:
+        its state is replaced at the next quorum).
         Every member votes on the all-reduce it saw (through the store); the average is
         kept only when every member's succeeded. When one failed or a member died, the
         replicas still alive take a new quorum among themselves and average again, from
@@ -276,11 +287,21 @@ class Manager:
                 return list(self.members)
             lost = list(self.members)
             members = self._form(need=lost, only=lost)
+            if members is None:  # taken for dead (a stall): drop the step and our state;
+                self._has_state = False  # the next quorum waits for us and heals us
+                self.store.delete_key(f"member/{self.replica_id}")
+                self.members = []
+                for g in grads:
+                    g.zero_()
+                return []
             self._regroup(members)
             self.members = members["ids"]
 
     def end_step(self) -> None:
-        """Record the step's members and count it."""
+        """Record the step's members and count it (a step this replica was left out of
+        is not counted: its state is replaced at the next quorum)."""
+        if not self.members:
+            return
         self.history.append(list(self.members))
         self.step += 1
 

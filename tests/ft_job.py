@@ -47,6 +47,11 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--die", type=int, default=-1)
+    p.add_argument("--wait-dropped", default="", help="REPLICA:STEP: at STEP, wait until "
+                   "that replica has dropped out (it found a step done without it)")
+    p.add_argument("--timeout", type=float, default=30, help="the manager's timeout (s)")
+    p.add_argument("--stall", type=int, default=-1, help="stop (SIGSTOP) in that step, "
+                   "after the backward, until the test continues it")
     p.add_argument("--wait-for", default="", help="REPLICA:STEP: at STEP, wait until "
                    "that replica has started (its first beat in the store)")
     args = p.parse_args()
@@ -59,18 +64,28 @@ def main() -> None:
     net, store = model(), TCPStore("127.0.0.1", args.port, None, False,
                                    timedelta(seconds=60))
     opt = optimizer(net)
-    ft = Manager(store, args.replica, timeout=timedelta(seconds=30), initial_replicas=3,
+    ft = Manager(store, args.replica, timeout=timedelta(seconds=args.timeout),
+                 initial_replicas=3,
                  state_dict=lambda: {"model": net.state_dict(), "optim": opt.state_dict()},
                  load_state_dict=lambda s: (net.load_state_dict(s["model"]),
                                             opt.load_state_dict(s["optim"])))
-    steps, done = [], []
+    steps, done, stalled = [], [], False
     wait_for, wait_step = (args.wait_for.split(":") + [""])[:2] if args.wait_for else ("", "")
     while ft.step < args.steps:
         if wait_for and ft.step == int(wait_step):  # the test's replacement: started
             store.wait([f"ft/beat/{wait_for}"], timedelta(seconds=60))
+        if args.wait_dropped and ft.step == int(args.wait_dropped.split(":")[1]):
+            who, deadline = args.wait_dropped.split(":")[0], time.monotonic() + 60
+            while store.check([f"ft/member/{who}"]) and time.monotonic() < deadline:
+                time.sleep(0.02)  # polling a key the other replica deletes
         ft.start_step()
         x, y = batch(ft.step, args.replica)
         (net(x) - y).square().mean().backward()
+        if ft.step == args.stall and not stalled:
+            stalled = True
+            with open(os.path.join(args.out, f"{args.replica}.stalled"), "w") as f:
+                f.write(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
         if ft.step == args.die:
             with open(os.path.join(args.out, f"{args.replica}.killed-at"), "w") as f:
                 f.write(f"{time.time():.6f}")
@@ -80,6 +95,8 @@ def main() -> None:
         opt.zero_grad()
         ft.end_step()
         done.append(time.time())
+        with open(os.path.join(args.out, f"{args.replica}.progress"), "w") as f:
+            f.write(str(ft.step))
     ft.close()
     momenta = [opt.state[p]["momentum_buffer"].clone() for p in net.parameters()]
     torch.save({"params": [p.detach().clone() for p in net.parameters()],

@@ -72,3 +72,48 @@ def test_a_lost_replica_is_dropped_and_a_replacement_is_healed_from_a_peer(tmp_p
                                        atol=1e-12)
     for got, want in zip(results["r3"]["params"], results["r0"]["params"]):
         assert torch.equal(got, want)  # healed, then stepped alike: the same bits
+
+
+def _progress(out, name):
+    try:
+        return int((out / f"{name}.progress").read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def test_a_replica_stalled_past_its_heartbeat_is_left_out_then_healed(tmp_path):
+    """r2 stops (SIGSTOP) in step 2 after its backward: the others, its heartbeat 2 s
+    old, average step 2 without it and go on; continued once r0 finished step 3, r2
+    finds its step done without it, drops its state and is healed by the next quorum.
+    Nothing it computed while behind reaches the others."""
+    import signal
+    import time
+
+    from spmd.runtime.launch import free_port
+
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60),
+                      wait_for_workers=False)
+    try:
+        short = ("--timeout", "5", "--wait-dropped", "r2:5")
+        procs = [_replica(port, "r0", tmp_path, *short), _replica(port, "r1", tmp_path, *short),
+                 _replica(port, "r2", tmp_path, "--stall", "2", "--timeout", "5")]
+        deadline = time.monotonic() + 90
+        while _progress(tmp_path, "r0") < 4:  # polling files the replicas write
+            assert time.monotonic() < deadline and procs[0].poll() is None
+            time.sleep(0.05)
+        os.kill(int((tmp_path / "r2.stalled").read_text()), signal.SIGCONT)
+        for proc in procs:
+            _, err = proc.communicate(timeout=100)
+            assert proc.returncode == 0, err[-3000:]
+    finally:
+        server.close()
+    results = {r: torch.load(tmp_path / f"{r}.pt", weights_only=False)
+               for r in ("r0", "r1", "r2")}
+    steps = results["r0"]["steps"]
+    assert steps[1][1] == ["r0", "r1", "r2"] and steps[2][1] == ["r0", "r1"]
+    assert [m for s, m in results["r2"]["steps"] if s == 2] == [[]]  # left out
+    net, opt = _one_process(steps)
+    for out in results.values():
+        for got, want in zip(out["params"], net.parameters()):
+            torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-12)
