@@ -41,7 +41,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from spmd.runtime.collectives import all_reduce
 from spmd.runtime.errors import DistError
+from spmd.runtime.groups import destroy_process_group, init_process_group, is_initialized
+from spmd.runtime.objects import broadcast_object_list
 from spmd.runtime.store.base import Store
 from spmd.runtime.store.prefix_store import PrefixStore
 
@@ -134,7 +137,7 @@ class Manager:
             # (left out of a quorum while alive, say) is healed like a newcomer
             self.store.set(f"q/{q}/join/{self.replica_id}",
                            str(self.step) if self._has_state else "-1")
-            self._known()
+            known = self._known()  # (this replica among them)
             decided = self.store.compare_set(f"q/{q}/members", "", "")
             if decided:
                 members = json.loads(decided)
@@ -146,7 +149,7 @@ class Manager:
                     return None  # a redo of our step went on without us
                 q += 1  # closed without us: the next one
                 continue
-            joined = [r for r in self._known() if self.store.check([f"q/{q}/join/{r}"])]
+            joined = [r for r in known if self.store.check([f"q/{q}/join/{r}"])]
             restricted = self.store.compare_set(f"q/{q}/only", "", "")  # (read after)
             if restricted:  # a redo of a step: its members only
                 allowed = json.loads(restricted)
@@ -158,7 +161,7 @@ class Manager:
             # redoes a step, for newcomers alive that no quorum took yet
             wanted = list(need or [])
             if only is None and not restricted:
-                wanted += [r for r in self._known() if r not in wanted
+                wanted += [r for r in known if r not in wanted
                            and not self.store.check([f"member/{r}"])]
             waiting = [r for r in wanted if r not in joined and self._alive(r)]
             late = time.monotonic() - start > self.timeout.total_seconds()
@@ -200,16 +203,14 @@ class Manager:
 
     def _regroup(self, members: dict) -> None:
         """A process group among the members, built anew where they changed."""
-        from spmd import runtime as dist
-
         ids = members["ids"]
         if ids == self._group_members and not members["fresh"]:
             return
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("gloo", store=PrefixStore(f"g/{members['q']}", self.store),
-                                rank=ids.index(self.replica_id), world_size=len(ids),
-                                timeout=self.timeout)
+        if is_initialized():
+            destroy_process_group()
+        init_process_group("gloo", store=PrefixStore(f"g/{members['q']}", self.store),
+                           rank=ids.index(self.replica_id), world_size=len(ids),
+                           timeout=self.timeout)
         self._group_members = ids
 
     def _decide(self) -> str:
@@ -241,8 +242,6 @@ class Manager:
         state (a replacement) receives the first stateful member's ``state_dict()`` and
         step count over the new group; at the job's first step every member is fresh
         and starts from its own (equal, seeded) state."""
-        from spmd import runtime as dist
-
         members = self._form(self.members or None)
         assert members is not None  # (only a redo can be left)
         self._regroup(members)
@@ -251,7 +250,7 @@ class Manager:
             src = next(i for i, r in enumerate(self.members) if r not in members["fresh"])
             box = [(self.step, self._state_dict()) if self.members[src] == self.replica_id
                    else None]
-            dist.broadcast_object_list(box, src=src)
+            broadcast_object_list(box, src=src)
             if self.replica_id in members["fresh"]:
                 self.step, state = box[0]
                 self._load_state_dict(state)
@@ -266,14 +265,12 @@ class Manager:
         kept only when every member's succeeded. When one failed or a member died, the
         replicas still alive take a new quorum among themselves and average again, from
         copies of their own gradients made before the first attempt."""
-        from spmd import runtime as dist
-
         grads = [p.grad for p in params if p.grad is not None]
         mine = torch.cat([g.detach().reshape(-1) for g in grads]) if grads else torch.zeros(0)
         while True:
             flat = mine.clone()
             try:
-                dist.all_reduce(flat)
+                all_reduce(flat)
                 vote = "ok"
             except DistError:
                 vote = "fail"
@@ -306,8 +303,6 @@ class Manager:
         self.step += 1
 
     def close(self) -> None:
-        from spmd import runtime as dist
-
         self._stop.set()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if is_initialized():
+            destroy_process_group()

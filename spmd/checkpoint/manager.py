@@ -40,14 +40,15 @@ import shutil
 import sys
 import time
 import warnings
-import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 
+from spmd.checkpoint.files import (MANIFEST, CheckpointError, _crc, _fsync_dir, _save_file,
+                                   check_checkpoint)
 from spmd.state.chunked import ChunkedTensor
 
 __all__ = ["CheckpointManager", "CheckpointError", "SaveStats", "check_checkpoint"]
@@ -56,12 +57,7 @@ log = logging.getLogger("spmd.checkpoint")
 
 _NAME = re.compile(r"^step-(\d{8,})$")
 _PARTIAL = ".partial"
-MANIFEST = "manifest.json"
 _STATE = "state.pt"  # the job's own state: step, scheduler, world size (rank 0 writes it)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message names the directory."""
 
 
 @dataclass
@@ -150,63 +146,6 @@ def _yielding() -> None:
             os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10))
         except OSError:  # not permitted here: the write runs at the training's priority
             pass
-
-
-def _crc(path: str) -> tuple[int, int]:
-    """(size, CRC-32) of a file."""
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-    return size, crc
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _save_file(obj: Any, path: str) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def check_checkpoint(path: str, verify: bool = True) -> dict:
-    """The manifest of the complete checkpoint at ``path``; raises
-    :class:`CheckpointError` naming what is wrong where it is partial or corrupt (no
-    manifest, a file missing, of another size, or with another CRC-32 when ``verify``).
-    """
-    manifest_path = os.path.join(path, MANIFEST)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path}: not found")
-    if not os.path.isfile(manifest_path):
-        raise CheckpointError(f"checkpoint {path}: no {MANIFEST} (a partial write: never "
-                              f"completed on every rank)")
-    try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-        files = manifest["files"]
-        int(manifest["step"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({e})") from None
-    for name, (size, crc) in sorted(files.items()):
-        where = os.path.join(path, name)
-        if not os.path.isfile(where):
-            raise CheckpointError(f"checkpoint {path}: {name} is missing")
-        found = os.path.getsize(where)
-        if found != size:
-            raise CheckpointError(f"checkpoint {path}: {name} has {found} bytes, the "
-                                  f"manifest says {size}")
-        if verify and _crc(where)[1] != crc:
-            raise CheckpointError(f"checkpoint {path}: {name} is corrupt (its CRC-32 "
-                                  f"differs from the manifest's)")
-    return manifest
 
 
 class CheckpointManager:

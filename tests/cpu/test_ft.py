@@ -5,6 +5,7 @@ step by step, one process fed exactly the batches of the replicas that took part
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -26,6 +27,28 @@ def _replica(port, name, out, *extra):
                             stderr=subprocess.PIPE, text=True)
 
 
+@contextlib.contextmanager
+def _store():
+    """A store that outlives the replicas (the test serves it); its port."""
+    from spmd.runtime.launch import free_port
+
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60),
+                      wait_for_workers=False)
+    try:
+        yield port
+    finally:
+        server.close()
+
+
+def _finished(procs, tmp_path, names):
+    """Wait for the replicas (each must succeed); what each wrote, by name."""
+    for proc in procs:
+        _, err = proc.communicate(timeout=100)
+        assert proc.returncode == 0, err[-3000:]
+    return {r: torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in names}
+
+
 def _one_process(steps):
     """The run one process makes fed, at each step, the batches of its members."""
     net = job.model()
@@ -39,24 +62,13 @@ def _one_process(steps):
 
 
 def test_a_lost_replica_is_dropped_and_a_replacement_is_healed_from_a_peer(tmp_path):
-    from spmd.runtime.launch import free_port
-
-    port = free_port()
-    server = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60),
-                      wait_for_workers=False)
-    try:
+    with _store() as port:
         first = [_replica(port, "r0", tmp_path, "--wait-for", "r3:4"),
                  _replica(port, "r1", tmp_path, "--wait-for", "r3:4"),
                  _replica(port, "r2", tmp_path, "--die", "2")]
         assert first[2].wait(timeout=100) == -9  # killed in step 2, after its backward
         replacement = _replica(port, "r3", tmp_path)
-        for proc in (*first[:2], replacement):
-            _, err = proc.communicate(timeout=100)
-            assert proc.returncode == 0, err[-3000:]
-    finally:
-        server.close()
-    results = {r: torch.load(tmp_path / f"{r}.pt", weights_only=False)
-               for r in ("r0", "r1", "r3")}
+        results = _finished((*first[:2], replacement), tmp_path, ("r0", "r1", "r3"))
     steps = results["r0"]["steps"]
     assert [s for s, _ in steps] == list(range(6))
     assert steps[0][1] == ["r0", "r1", "r2"] and steps[2][1] == ["r0", "r1"]  # dropped
@@ -89,12 +101,7 @@ def test_a_replica_stalled_past_its_heartbeat_is_left_out_then_healed(tmp_path):
     import signal
     import time
 
-    from spmd.runtime.launch import free_port
-
-    port = free_port()
-    server = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60),
-                      wait_for_workers=False)
-    try:
+    with _store() as port:
         short = ("--timeout", "5", "--wait-dropped", "r2:5")
         procs = [_replica(port, "r0", tmp_path, *short), _replica(port, "r1", tmp_path, *short),
                  _replica(port, "r2", tmp_path, "--stall", "2", "--timeout", "5")]
@@ -103,13 +110,7 @@ def test_a_replica_stalled_past_its_heartbeat_is_left_out_then_healed(tmp_path):
             assert time.monotonic() < deadline and procs[0].poll() is None
             time.sleep(0.05)
         os.kill(int((tmp_path / "r2.stalled").read_text()), signal.SIGCONT)
-        for proc in procs:
-            _, err = proc.communicate(timeout=100)
-            assert proc.returncode == 0, err[-3000:]
-    finally:
-        server.close()
-    results = {r: torch.load(tmp_path / f"{r}.pt", weights_only=False)
-               for r in ("r0", "r1", "r2")}
+        results = _finished(procs, tmp_path, ("r0", "r1", "r2"))
     steps = results["r0"]["steps"]
     assert steps[1][1] == ["r0", "r1", "r2"] and steps[2][1] == ["r0", "r1"]
     assert [m for s, m in results["r2"]["steps"] if s == 2] == [[]]  # left out
