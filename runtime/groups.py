@@ -25,7 +25,7 @@ log = logging.getLogger("spmd.runtime")
 __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "get_rank",
     "get_world_size", "get_backend", "new_group", "get_process_group_ranks",
-    "get_group_rank", "get_global_rank", "resolve_group", "world",
+    "get_group_rank", "get_global_rank", "resolve_group", "world", "standalone_group",
 ]
 
 _DEBUG_LEVELS = ("off", "detail")
@@ -194,6 +194,35 @@ def _make_group(state: _World, name: str, ranks: list[int], backend: str,
                          debug=state.debug, store_host_rank=state.store_host_rank)
     state.groups[name] = group
     return group
+
+
+def standalone_group(store: Store, rank: int, world_size: int, *, backend: str = "gloo",
+                     timeout: timedelta | None = None, name: str = "standalone",
+                     master_host: str | None = None) -> ProcessGroup:
+    """A process group of ``world_size`` ranks set up through ``store``, apart from this
+    rank's default group (as building torch's ``ProcessGroupGloo(store, rank, size)``
+    directly is): ``spmd.runtime.ft`` joins the replicas of a step with one, next to
+    each replica's own job. Its ranks are ``0..world_size-1``; pass it as ``group=`` to
+    any collective, and ``destroy_process_group(group)`` (or ``group._destroy()``) when
+    done. ``master_host``: the address the ranks meet at (it picks Gloo's device; by
+    default the store's host)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"standalone_group: rank {rank} is not in [0, {world_size})")
+    timeout = timeout or config.process_group_timeout()
+    host = master_host if master_host is not None else _store_host(_unwrap(store), None)[0]
+    ranks = list(range(world_size))
+    inner, torch_store = backends.make_backend(backend, store, rank, world_size, timeout,
+                                               host, ranks, name)
+    return ProcessGroup(name=name, backend_name=backend, backend=inner, store=store,
+                        backend_store=torch_store, ranks=ranks, global_rank=rank,
+                        timeout=timeout)
+
+
+def _unwrap(store: Store) -> Store:
+    """The store under prefixes (whose host is the one to reach)."""
+    while isinstance(store, PrefixStore):
+        store = store._store
+    return store
 
 
 def new_group(

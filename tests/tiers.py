@@ -106,6 +106,10 @@ LONG: dict[str, tuple[float, str]] = {
         20, "its [fsdp] case; the fault matrix on local ranks covers every layout"),
     "tests/cpu/test_faults_hosts.py::test_a_rank_that_stalls_past_the_timeout_is_named_and_restarted[pp]": (
         20, "its [fsdp] case; the fault matrix on local ranks covers every layout"),
+    # 2026-12-05: live recovery of replicas that are jobs of their own
+    "tests/cpu/test_ft.py::test_a_replica_sharded_inside_loses_a_rank_and_comes_back_healed[ddp]": (
+        17, "its [fsdp] case (the same protocol, the shards' groups), and the stalled "
+            "rank's test"),
     # 2026-12-05: a rank killed at each point of a step under each layout (24 cases)
     "tests/cpu/test_checkpoint_manager.py::test_the_fault_matrix": (
         420, "test_a_killed_rank_restarts_and_finishes_bit_for_bit (a kill in backward "

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from datetime import timedelta
 
+import pytest
 import torch
 
 from spmd.runtime.store.tcp_store import TCPStore
@@ -44,8 +45,8 @@ def _store():
 def _finished(procs, tmp_path, names):
     """Wait for the replicas (each must succeed); what each wrote, by name."""
     for proc in procs:
-        _, err = proc.communicate(timeout=100)
-        assert proc.returncode == 0, err[-3000:]
+        _, proc.err_text = proc.communicate(timeout=100)
+        assert proc.returncode == 0, proc.err_text[-3000:]
     return {r: torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in names}
 
 
@@ -115,6 +116,66 @@ def test_a_replica_stalled_past_its_heartbeat_is_left_out_then_healed(tmp_path):
     assert steps[1][1] == ["r0", "r1", "r2"] and steps[2][1] == ["r0", "r1"]
     assert [m for s, m in results["r2"]["steps"] if s == 2] == [[]]  # left out
     net, opt = _one_process(steps)
+    for out in results.values():
+        for got, want in zip(out["params"], net.parameters()):
+            torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-12)
+
+
+def _replica_job(port, name, out, strategy, *extra, restarts=0):
+    """A replica that is a job of its own: 2 ranks under spmd-run, ``strategy`` inside."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    return subprocess.Popen(
+        [sys.executable, "-m", "spmd.runtime.run", "--standalone", "--nproc-per-node", "2",
+         "--max-restarts", str(restarts), os.path.join(REPO, "tests", "ft_job.py"),
+         str(port), name, str(out), "--steps", "6", "--strategy", strategy, *extra],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_a_replica_sharded_inside_loses_a_rank_and_comes_back_healed(tmp_path, strategy):
+    """hsdp with a replicate dimension that loses and gains members: 3 replicas of 2
+    ranks each (the model sharded, or replicated, inside each), rank 1 of r2 killed in
+    step 2 after its backward: the others average step 2 without r2 and go on; r2's
+    launcher stops its rank 0 and restarts the replica, which joins as r2.1 and is
+    healed shard by shard from a peer. Equal, step by step, to one process
+    fed the batches of each step's members."""
+    with _store() as port:
+        survivors = [_replica_job(port, r, tmp_path, strategy, "--wait-for", "r2.1:4")
+                     for r in ("r0", "r1")]
+        lost = _replica_job(port, "r2", tmp_path, strategy, "--die", "2", "--die-rank", "1",
+                            restarts=1)
+        results = _finished((*survivors, lost), tmp_path, ("r0", "r1", "r2.1"))
+    assert "restarting the job (restart 1 of 1) after rank 1" in lost.err_text
+    steps = results["r0"]["steps"]
+    assert [s for s, _ in steps] == list(range(6))
+    assert steps[0][1] == ["r0", "r1", "r2"] and steps[2][1] == ["r0", "r1"]
+    assert "r2.1" in steps[-1][1]
+    net, opt = _one_process(steps)
+    for out in results.values():
+        for got, want in zip(out["params"], net.parameters()):
+            torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-12)
+        for got, p in zip(out["momenta"], net.parameters()):
+            torch.testing.assert_close(got, opt.state[p]["momentum_buffer"], rtol=0,
+                                       atol=1e-12)
+
+
+def test_a_replica_whose_rank_stalls_names_it_and_is_replaced(tmp_path):
+    """Rank 1 of r2 (fsdp inside) stops (SIGSTOP) in step 2 after its backward, which its
+    launcher cannot see: the others average step 2 without r2; r2's rank 0 finds its
+    replica's rank 1 silent, names it and fails, so the launcher restarts the replica,
+    healed as r2.1. No hang, and the run equals one process as above."""
+    with _store() as port:
+        short = ("--timeout", "5")
+        survivors = [_replica_job(port, r, tmp_path, "fsdp", *short, "--wait-for", "r2.1:4")
+                     for r in ("r0", "r1")]
+        lost = _replica_job(port, "r2", tmp_path, "fsdp", *short, "--stall", "2",
+                            "--die-rank", "1", restarts=1)
+        results = _finished((*survivors, lost), tmp_path, ("r0", "r1", "r2.1"))
+    assert "ft: replica r2: rank(s) [1] of this replica stopped beating" in lost.err_text
+    steps = results["r0"]["steps"]
+    assert steps[1][1] == ["r0", "r1", "r2"] and steps[2][1] == ["r0", "r1"]
+    assert "r2.1" in steps[-1][1]
+    net, _ = _one_process(steps)
     for out in results.values():
         for got, want in zip(out["params"], net.parameters()):
             torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-12)
