@@ -32,7 +32,18 @@ the agents then start the whole group again in a new round, at most N times
 (``TORCHELASTIC_RESTART_COUNT`` says how many so far). An agent killed outright takes its
 ranks with it; their peers' collectives fail, and the next round goes on without that host
 where MIN allows. A host that starts while a round with room for it runs makes the agents
-start a new round with it, which uses no restart (torchrun's rule). An agent exits 0 when
+start a new round with it, which uses no restart (torchrun's rule).
+
+When the host serving the store dies, every agent's store stops answering within
+``SPMD_STORE_RECONNECT`` seconds. With a restart left and at least MIN hosts of the last
+round besides it, the survivors elect a new store host: the last round's hosts in node-rank
+order, the first of them alive serving a new store at its address and ``--master-port``
+(each agent waits for a candidate a while, then takes the next; the candidate itself
+serves at once). The job restarts there, in a new round (a restart), and a script resumes
+from its latest checkpoint. A partition must not leave two jobs running: after a failure
+the store's host starts a round only with at least half of the last round's hosts back,
+and an elected one only with more than half, so at most one side goes on (of two hosts,
+the store's; a lone host cut off from the store stops, naming why). An agent exits 0 when
 every rank of a round succeeded, else 1 with the last failure named (rank, host, exit code
 or signal).
 """
@@ -50,6 +61,7 @@ import time
 from datetime import timedelta
 from typing import Sequence
 
+from spmd.runtime import config
 from spmd.runtime.errors import DistError, DistTimeoutError
 from spmd.runtime.store.prefix_store import PrefixStore
 from spmd.runtime.store.tcp_store import TCPStore
@@ -238,6 +250,11 @@ class _Agent:
         self.store = PrefixStore(f"launch/{args.rdzv_id}", client)
         self.client = client
         self.last: dict = {"round": -1}  # node 0: the last start it published
+        self.leader = 0  # the node rank serving the store (another after an election)
+        self.hosts: list[dict] = []  # the last round's hosts (an election's candidates)
+        # after a failure: the last round's node ranks, and whether more than half of
+        # them (an elected store) or at least half (the store's host) must be back
+        self.guard: tuple[set[int], bool] | None = None
 
     def _me(self) -> dict:
         args = self.args
@@ -289,9 +306,16 @@ class _Agent:
             node = int(self.store.get(key))
             if node < args.nnodes:  # one given a larger --nnodes has no place
                 hosts[node] = json.loads(self.store.get(f"round/{r}/host/{node}"))
-            if len(hosts) >= args.min_nodes and self.node in hosts:
+            if len(hosts) >= args.min_nodes and self.node in hosts and self._enough(hosts):
                 last_call = time.monotonic() + args.join_last_call
-        if len(hosts) >= args.min_nodes:
+        if len(hosts) >= args.min_nodes and not self._enough(hosts):
+            before, strict = self.guard or (set(), False)
+            start = {"round": r, "abort": (
+                f"only {len(before & set(hosts))} of the last round's {len(before)} hosts "
+                f"({sorted(before)}) came back within {args.join_timeout:g} s; "
+                f"{'more than' if strict else 'at least'} half must, or the others may run "
+                f"on as a job of their own (a partition)")}
+        elif len(hosts) >= args.min_nodes:
             start = {"round": r, "hosts": [hosts[n] for n in sorted(hosts)],
                      "restarts": restarts, "max_restarts": args.max_restarts}
         else:
@@ -305,6 +329,15 @@ class _Agent:
         self.store.set(f"round/{r}/start", json.dumps(start))
         self.last = start
         return start
+
+    def _enough(self, hosts: dict[int, dict]) -> bool:
+        """Enough of the last round's hosts are in ``hosts`` for a round after a failure
+        (see the module doc: at most one side of a partition goes on)."""
+        if self.guard is None:
+            return True
+        before, strict = self.guard
+        back = 2 * len(before & set(hosts))
+        return back > len(before) if strict else back >= len(before)
 
     def _join(self, r: int, me: dict) -> dict:
         """Any other host: join the first round not yet started, from ``r`` on, and wait
@@ -330,8 +363,8 @@ class _Agent:
         """A second agent with a node rank that round ``r - 1`` runs is refused at once,
         rather than left waiting for that round to end."""
         before = f"round/{r - 1}/start"
-        if r == 0 or self.store.check([f"round/{r - 1}/end"]):
-            return
+        if r == 0 or self.store.check([f"round/{r - 1}/end"]) or not self.store.check([before]):
+            return  # (a store elected after a loss has no earlier round)
         for host in json.loads(self.store.get(before)).get("hosts", ()):
             if host["node"] == self.node and host != me:
                 raise LaunchError(
@@ -448,22 +481,37 @@ class _Agent:
             code = self._run(me)
             return code
         finally:
-            self.store.set(f"done/{_tag(me)}", "1")
+            try:
+                self.store.set(f"done/{_tag(me)}", "1")
+            except DistError:
+                pass  # the store is gone: nobody is left to read it
             if self.server is not None:
                 self._serve_the_rest(code, me)
 
     def _run(self, me: dict) -> int:
-        r, restarts = 0, 0
+        r, restarts, limit = 0, 0, self.args.max_restarts
         while True:
-            start = self._form(r, restarts, me) if self.server else self._join(r, me)
-            if "abort" in start:
-                raise LaunchError(start["abort"])
-            if "over" in start:
-                _say(f"node {self.node}: the job ended (exit status {start['over']}) before "
-                     f"this host was in a round; nothing ran here")
-                return start["over"]
-            r, restarts, limit = start["round"], start["restarts"], start["max_restarts"]
-            end = self._run_round(start, me)
+            try:
+                start = self._form(r, restarts, me) if self.server else self._join(r, me)
+                if "abort" in start:
+                    raise LaunchError(start["abort"])
+                if "over" in start:
+                    _say(f"node {self.node}: the job ended (exit status {start['over']}) "
+                         f"before this host was in a round; nothing ran here")
+                    return start["over"]
+                r, restarts, limit = start["round"], start["restarts"], start["max_restarts"]
+                self.hosts = start["hosts"]
+                end = self._run_round(start, me)
+            except LaunchError:
+                raise
+            except DistError as e:  # the store stopped answering: its host is gone
+                self._elect(e, me, restarts, limit)
+                self.guard = ({h["node"] for h in self.hosts}, True)
+                restarts += 1
+                r += 1
+                continue
+            self.guard = None if end["kind"] == "joined" else ({h["node"] for h in self.hosts},
+                                                               False)
             if end["kind"] == "done":
                 return 0
             if end["kind"] == "joined":
@@ -477,6 +525,54 @@ class _Agent:
                 _say(self._describe(end) + (f" (no restarts left: {limit} used)" if limit else ""))
                 return 1
             r += 1
+
+    def _elect(self, error: DistError, me: dict, restarts: int, limit: int) -> None:
+        """The store's host is gone: make the first of the last round's other hosts that is
+        alive serve a new store (this agent, when it is that one), and use it; raise
+        ``LaunchError`` when no restart is left or too few hosts are."""
+        args, lost = self.args, f"{self.args.master_addr}:{self.args.master_port}"
+        gone = f"the store's host (node {self.leader} at {lost}) is gone ({error})"
+        candidates = [h for h in self.hosts if h["node"] != self.leader]
+        if self.server is not None or not self.hosts:
+            raise error  # this agent's own store failed, or it never was in a round
+        if restarts >= limit:
+            raise LaunchError(gone + (f"; no restarts left ({limit} used)" if limit else
+                                      "; --max-restarts 0"))
+        if len(candidates) < args.min_nodes:
+            raise LaunchError(f"{gone}; {len(candidates)} host(s) of the last round are left "
+                              f"and --nnodes needs {args.min_nodes}: no new store")
+        if 2 * len(candidates) <= len(self.hosts):
+            raise LaunchError(f"{gone}; {len(candidates)} of the last round's "
+                              f"{len(self.hosts)} hosts are left, not more than half: no new "
+                              f"store (if the store's host is cut off, not dead, its side "
+                              f"goes on)")
+        wait = timedelta(seconds=config.store_reconnect() + 10)  # for one to notice, too
+        for host in candidates:
+            address = host["address"]
+            try:
+                if host == me:
+                    server = TCPStore(address, args.master_port, None, True, wait,
+                                      wait_for_workers=False, rank=0)
+                    client = TCPStore(address, args.master_port, None, False, wait,
+                                      rank=self.node)
+                else:
+                    server, client = None, TCPStore(address, args.master_port, None, False,
+                                                    wait, rank=self.node)
+            except (DistError, OSError):
+                continue  # that host is gone too (or cannot serve): the next one
+            try:
+                self.client.close()
+            except Exception:
+                pass  # (the old store's client: its server is gone)
+            self.server, self.client = server, client
+            self.store = PrefixStore(f"launch/{args.rdzv_id}", client)
+            self.leader, args.master_addr = host["node"], address
+            _say(f"node {self.node}: {gone}; node {host['node']} serves the store now at "
+                 f"{address}:{args.master_port}: restarting the job (restart "
+                 f"{restarts + 1} of {limit})")
+            return
+        raise LaunchError(f"{gone}; none of the last round's other hosts "
+                          f"{[h['node'] for h in candidates]} serves a new store")
 
     def _serve_the_rest(self, code: int, me: dict) -> None:
         """Node 0, leaving: close the next round with the job's outcome, then serve the

@@ -106,6 +106,9 @@ LONG: dict[str, tuple[float, str]] = {
         20, "its [fsdp] case; the fault matrix on local ranks covers every layout"),
     "tests/cpu/test_faults_hosts.py::test_a_rank_that_stalls_past_the_timeout_is_named_and_restarted[pp]": (
         20, "its [fsdp] case; the fault matrix on local ranks covers every layout"),
+    "tests/cpu/test_faults_hosts.py::test_the_store_hosts_death_on_three_hosts_elects_a_new_one": (
+        21, "test_the_store_hosts_death_elects_a_new_one_and_the_run_goes_on (three agents "
+            "over 127.0.0.1: the same election, one address)"),
     # 2026-12-05: live recovery of replicas that are jobs of their own
     "tests/cpu/test_ft.py::test_a_replica_sharded_inside_loses_a_rank_and_comes_back_healed[ddp]": (
         17, "its [fsdp] case (the same protocol, the shards' groups), and the stalled "

@@ -393,21 +393,55 @@ def test_a_lost_host_and_the_job_continues_on_the_rest(tmp_path, tmp_path_factor
 
 def test_the_store_hosts_death_is_named_in_seconds(tmp_path):
     """Host 0 serves the store; its agent killed (its rank with it) at step 3: host 1's
-    agent says the store stopped answering within SPMD_STORE_RECONNECT (10 s), instead
-    of reconnecting for the store's whole timeout (300 s)."""
+    agent says the store's host is gone within SPMD_STORE_RECONNECT (10 s), instead of
+    reconnecting for the store's whole timeout (300 s), and, alone of two (host 0 might
+    be cut off and running on), elects no new store though a restart is left."""
     from spmd.runtime.launch import free_port
 
     out = tmp_path / "store"
     out.mkdir()
+    port = free_port()
     common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-              "--master-port", str(free_port()), "--max-restarts", "1",
-              "--join-last-call", "1"]
+              "--master-port", str(port), "--join-last-call", "1", "--max-restarts", "1"]
     agents = [_agent(out, "fsdp", "3:host:0", "--node-rank", str(node), *common)
               for node in (0, 1)]
     errs = [a.communicate(timeout=100)[1] for a in agents]
     assert agents[0].returncode == -9
     assert agents[1].returncode == 1
-    assert "the store's server stopped answering (its host may be down)" in errs[1]
+    assert (f"node 1: the store's host (node 0 at 127.0.0.1:{port}) is gone (TCPStore "
+            f"127.0.0.1:{port}") in errs[1]
+    assert "1 of the last round's 2 hosts are left, not more than half: no new store" in errs[1]
+
+
+def test_the_store_hosts_death_elects_a_new_one_and_the_run_goes_on(tmp_path,
+                                                                    tmp_path_factory):
+    """Three hosts (``--nnodes 2:3 --max-restarts 1``; host 0 with 2 ranks, hosts 1 and 2
+    with one each); host 0, serving the store, killed at step 3: host 1, the first of the
+    others, serves a new store at its address, host 2 finds it there, and the job
+    restarts on the two (more than half of three), resumes the 4-rank checkpoint of step
+    2 on 2 ranks and finishes the same run (to 1e-12)."""
+    from spmd.runtime.launch import free_port
+
+    straight = _straight("fsdp", tmp_path_factory)
+    out = tmp_path / "elected"
+    out.mkdir()
+    common = ["--nnodes", "2:3", "--master-addr", "127.0.0.1",
+              "--master-port", str(free_port()), "--max-restarts", "1",
+              "--join-last-call", "1"]
+    agents = [_agent(out, "fsdp", "3:host:0", "--node-rank", str(node), "--nproc-per-node",
+                     str(2 if node == 0 else 1), *common) for node in (0, 1, 2)]
+    errs = [a.communicate(timeout=110)[1] for a in agents]
+    assert agents[0].returncode == -9
+    assert [a.returncode for a in agents[1:]] == [0, 0], errs
+    for err in errs[1:]:
+        assert "node 1 serves the store now at 127.0.0.1:" in err
+        assert "restarting the job (restart 1 of 1)" in err
+    attempts = (out / "attempts.txt").read_text().split("\n")
+    assert attempts[:2] == ["0 0 4", "1 2 2"]
+    for got, whole in zip(_results(out, 2), _results(straight, 2)):
+        assert got["step"] == 6 and got["lr"] == whole["lr"]
+        for key, value in whole["model"].items():
+            torch.testing.assert_close(got["model"][key], value, rtol=0, atol=1e-12)
 
 
 def test_a_host_that_joins_later_continues_the_same_run_on_more_ranks(tmp_path,

@@ -88,7 +88,9 @@ def test_a_host_cut_off_mid_step_is_named_and_the_job_continues_on_the_rest(
     assert agents[0].returncode == 0, errs[0][-3000:]
     assert "restarting the job (restart 1 of 1) after rank 0" in errs[0]
     assert "rank 1 (at collective" in errs[0] and "did not take part" in errs[0]
-    assert agents[1].returncode != 0 and "could not connect" in errs[1]  # the store, named
+    # the store named, and no second job: alone of two, host 1 elects no store of its own
+    assert agents[1].returncode != 0 and "the store's host (node 0 at" in errs[1]
+    assert "not more than half: no new store" in errs[1]
     assert (out / "attempts.txt").read_text().split("\n")[:2] == ["0 0 2", "1 2 1"]
     _equal(out, straight, 1)
 
@@ -109,3 +111,37 @@ def test_a_rank_that_stalls_past_the_timeout_is_named_and_restarted(strategy, tm
     assert (out / "attempts.txt").read_text().split("\n")[:2] == [f"0 0 {world}",
                                                                    f"1 2 {world}"]
     _equal(out, straight, world, world)
+
+
+def test_the_store_hosts_death_on_three_hosts_elects_a_new_one(tmp_path, tmp_path_factory):
+    """Three hosts (host 0 serving the store, with 2 ranks; hosts 1 and 2 with one), host
+    0's agent and ranks killed at step 3: host 1 serves a new store at its own address,
+    host 2 finds it there, and the job restarts on the two, resumes the 4-rank checkpoint
+    of step 2 on 2 ranks and finishes the same run (to 1e-12)."""
+    straight = _straight("fsdp", tmp_path_factory)
+    out = tmp_path / "elected"
+    out.mkdir()
+    with Hosts(3, link=LINK) as hosts:
+        common = ["--nnodes", "2:3", "--master-addr", hosts.address(0), "--master-port",
+                  "29500", "--max-restarts", "1", "--join-last-call", "1",
+                  "--join-timeout", "30"]
+        job = [os.path.join(REPO, "tests", "checkpoint_job.py"), str(out), "--strategy",
+               "fsdp", "--steps", "6", "--every", "2", "--timeout", "20", "--kill", "3:host:0"]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, GLOO_SOCKET_IFNAME="eth0")
+        agents = [hosts.popen(node, [sys.executable, "-m", "spmd.runtime.run", "--node-rank",
+                                     str(node), "--nproc-per-node", str(2 if node == 0 else 1),
+                                     *common, *job],
+                              cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+                  for node in (0, 1, 2)]
+        errs = [a.communicate(timeout=110)[1] for a in agents]
+        elected = hosts.address(1)
+    assert agents[0].returncode == -9
+    assert [a.returncode for a in agents[1:]] == [0, 0], errs
+    for err in errs[1:]:
+        assert f"node 1 serves the store now at {elected}:29500" in err
+    assert (out / "attempts.txt").read_text().split("\n")[:2] == ["0 0 4", "1 2 2"]
+    for a, b in zip(_results(straight, 2), _results(out, 2)):  # (4 ranks summed, then 2)
+        assert a["step"] == b["step"] == 6 and a["lr"] == b["lr"]
+        for key in a["model"]:
+            torch.testing.assert_close(b["model"][key], a["model"][key], rtol=0, atol=1e-12)
