@@ -51,7 +51,29 @@ class Position:
         self.step = state["step"]
 
 
-def model() -> torch.nn.Module:
+class Rich(torch.nn.Module):
+    """The loops users write, under a restart: a tied pair of weights, BatchNorm (running
+    statistics in the checkpoint), a frozen layer and dropout (the generators restored)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(WIDTH, 16)
+        self.norm = torch.nn.BatchNorm1d(16)
+        self.frozen = torch.nn.Linear(16, 16).requires_grad_(False)
+        self.drop = torch.nn.Dropout(0.1)
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.b.weight = self.a.weight  # tied
+        self.out = torch.nn.Linear(16, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.frozen(torch.tanh(self.norm(self.inp(x)))))
+        return self.out(torch.tanh(self.b(torch.tanh(self.a(self.drop(h))))))
+
+
+def model(kind: str = "plain") -> torch.nn.Module:
+    if kind == "rich":
+        torch.manual_seed(0)
+        return Rich().double()
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(WIDTH, 16), torch.nn.Tanh(),
                                torch.nn.Linear(16, 16), torch.nn.Tanh(),
@@ -89,7 +111,7 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _parallel(spmd, strategy: str, world: int):
+def _parallel(spmd, strategy: str, world: int, kind: str = "plain"):
     """(the model under ``strategy``, whether the ranks split the batch): ddp, fsdp,
     zero1, zero2 on every rank; hsdp on (2, world/2) ("dp", "fsdp"); tp: the first
     two linear layers as a column- and row-parallel pair on a "tp" dimension of every
@@ -106,7 +128,7 @@ def _parallel(spmd, strategy: str, world: int):
     if strategy == "pp":
         return spmd.parallelize(model(), mesh=spmd.Mesh((world,), ("pp",)),
                                 pipeline=spmd.pp.schedule("gpipe", microbatches=2)), False
-    return spmd.parallelize(model(), strategy=strategy), True
+    return spmd.parallelize(model(kind), strategy=strategy), True
 
 
 def _die_in_backward(net) -> None:
@@ -123,6 +145,9 @@ def main() -> None:
     p.add_argument("--every", type=int, default=2)
     p.add_argument("--kill", default="")
     p.add_argument("--timeout", type=float, default=60, help="collectives' timeout (s)")
+    p.add_argument("--model", default="plain", help="plain, or rich (tied weights, "
+                   "BatchNorm, a frozen layer, dropout; each step two accumulated halves "
+                   "and an eval forward after every second): ddp, fsdp, zero2, hsdp")
     args = p.parse_args()
     global OUT
     OUT = args.out
@@ -141,7 +166,7 @@ def main() -> None:
         text_step, point, text_rank = args.kill.split(":")
         kill_step, kill_rank = int(text_step), int(text_rank)
 
-    net, split = _parallel(spmd, args.strategy, world)
+    net, split = _parallel(spmd, args.strategy, world, args.model)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     position = Position()
@@ -160,6 +185,7 @@ def main() -> None:
             if position.step == kill_step:
                 die()
         opt.register_step_pre_hook(stop)
+    evals: list[float] = []
     while position.step < args.steps:
         step = position.step + 1
         x, y = batch(step)
@@ -188,6 +214,13 @@ def main() -> None:
             if doomed and step == kill_step and point == "backward":
                 _die_in_backward(net)
             net.step(x, y, lambda out, t: (out - t).square().mean())
+        elif args.model == "rich":  # two halves accumulated, the first without a sync
+            with net.no_sync():
+                ((net(x[:len(x) // 2]) - y[:len(x) // 2]).square().mean() / 2).backward()
+            loss = (net(x[len(x) // 2:]) - y[len(x) // 2:]).square().mean() / 2
+            if doomed and step == kill_step and point == "backward":
+                loss.register_hook(lambda g: die())
+            loss.backward()
         else:
             loss = (net(x) - y).square().mean()
             if doomed and step == kill_step and point == "backward":
@@ -197,6 +230,11 @@ def main() -> None:
         opt.zero_grad()
         sched.step()
         position.step = step
+        if args.model == "rich" and step % 2 == 0:  # an eval forward: changes nothing
+            net.eval()
+            with torch.no_grad():
+                evals.append(net(x).square().mean().item())
+            net.train()
         ckpt.save(step)
         if attempt and rank == 0 and position.step == start + 1:
             _stamp("trained-at")  # the first step after the restart done
@@ -205,7 +243,8 @@ def main() -> None:
     ckpt.close()
     state = {k: v.detach().clone() for k, v in net.state_dict().items()}
     optim = spmd.checkpoint.get_state_dict(net, opt)[1]
-    whole = {"model": state, "lr": sched.get_last_lr(), "step": position.step}
+    whole = {"model": state, "lr": sched.get_last_lr(), "step": position.step,
+             "evals": evals}
     local = {k: {s: (v.to_local() if hasattr(v, "to_local") else v).clone()
                  for s, v in entry.items() if isinstance(v, torch.Tensor)}
              for k, entry in optim["state"].items()}

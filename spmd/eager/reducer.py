@@ -6,8 +6,10 @@
 ``EagerReducer`` averages gradient contributions that no compiled graph reduced: from a
 region Dynamo could not capture, from a model that refused capture, or accumulated under
 ``no_sync()``. It buckets them with the same cap and the same kernels as the compiled
-path, and corrects ``.grad`` by ``avg(part) - part`` once backward is over, which is
-exact because averaging is linear. Its buckets are checked across ranks once, as a
+path, and once backward is over sets ``.grad`` to ``base + avg(part)``, where ``base`` is
+what the gradient held that every rank holds alike (an earlier step's average, a planned
+bucket's share): the same bits on every rank, so replicas never drift apart (correcting
+by ``grad + avg(part) - part`` would round differently on each rank). Its buckets are checked across ranks once, as a
 compiled graph's collectives are (one row holding a hash of their sizes,
 ``spmd.runtime.sizecheck``), not one row each.
 """
@@ -52,13 +54,19 @@ class EagerReducer:
         self.wire_dtype = wire_dtype
         self.sync = sync  # the model's SyncState: its communication hook, if any
         self.pending: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self.bases: dict[int, torch.Tensor | None] = {}  # by id(param), for dense parts
 
-    def add(self, param: torch.nn.Parameter, part: torch.Tensor) -> None:
+    def add(self, param: torch.nn.Parameter, part: torch.Tensor,
+            base: torch.Tensor | None = None) -> None:
+        """``param.grad`` becomes ``base + avg(part)`` at :meth:`finish` (dense parts;
+        ``base``: what every rank holds alike, None for nothing)."""
         self.pending.append((param, part))
+        self.bases[id(param)] = base
 
     def finish(self) -> None:
         """Average every pending part across ranks and fix ``.grad``."""
         pending, self.pending = self.pending, []
+        bases, self.bases = self.bases, {}
         if not pending or self.group is None or self.world_size <= 1:
             return
         sparse = [(p, part) for p, part in pending if part.is_sparse]
@@ -77,9 +85,16 @@ class EagerReducer:
         with torch.no_grad():
             for members, flat, work in works:
                 work.wait()
+                for i in members:
+                    param = pending[i][0]
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
                 grads = [pending[i][0].grad for i in members]
-                buffers.unpack(flat, grads, accumulate=True)  # + avg(part)
-                torch._foreach_sub_(grads, [parts[i].to(g.dtype) for i, g in zip(members, grads)])
+                buffers.unpack(flat, grads)  # avg(part)
+                for i, grad in zip(members, grads):
+                    base = bases.get(id(pending[i][0]))
+                    if base is not None:
+                        grad.add_(base.to(grad.dtype))  # + what every rank holds alike
 
     def _checked(self, parts: list[torch.Tensor], groups: list[list[int]]) -> Any:
         """Every rank's buckets compared once (their shapes, dtypes and hook), before the

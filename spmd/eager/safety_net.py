@@ -6,8 +6,11 @@ Dynamo ran without a graph (its recompile limit), a model that could not be capt
 all, gradients accumulated under ``no_sync()``. A hook on every trainable parameter sees
 each parameter's summed gradient once per backward; what a planned bucket already
 averaged passes (one dictionary lookup), the rest goes to the :class:`EagerReducer`,
-which corrects ``.grad`` by ``avg(part) - part`` once backward is over, and the
-parameter is listed in the plan with the reason. Sharded strategies need none: their
+which sets ``.grad`` to what every rank held alike before (an earlier step's average, a
+planned bucket's share) plus ``avg(part)`` once backward is over, and the parameter is
+listed in the plan with the reason. Gradients accumulated under ``no_sync()`` are
+averaged at the forward that ends it, before its backward adds to them: every rank
+then holds the same bits. Sharded strategies need none: their
 gathers' backward reduce-scatters every gradient, in a graph or eagerly.
 """
 
@@ -69,13 +72,19 @@ class SafetyNet:
         if key in self.sync.reduced:
             return grad  # a planned bucket already averaged it
         part = grad.detach().clone()
+        # what .grad holds before this backward adds to it (an earlier average, the same
+        # on every rank); the hook runs before the accumulation
+        prior = self.params[name].grad
+        base = None if prior is None else prior.detach().clone()
         reason = self.eager_forward or ("received its gradient outside any compiled graph "
                                         "(graph break or eager code)")
         if any(name in s.params for s, _ in self.sync.reduced.values()):
             reason = "received gradient from a compiled graph and also from eager code"
-            part = part - self._reduced_part(name).to(part.dtype)
+            reduced = self._reduced_part(name).to(part.dtype)  # (averaged: alike)
+            part = part - reduced
+            base = reduced.clone() if base is None else base + reduced.to(base.dtype)
         self.fallbacks.setdefault(name, reason)
-        self.reducer.add(self.params[name], part)
+        self.reducer.add(self.params[name], part, base)
         self.queue_finish()
         return grad
 
@@ -99,9 +108,12 @@ class SafetyNet:
         self.reducer.finish()
 
     def reduce_accumulated(self) -> None:
-        """Gradients summed locally under no_sync() join this step's averaging (with the
-        rest of its eager parts when backward ends: the first hook queues it)."""
+        """Gradients summed locally under no_sync() are averaged now, at the forward
+        that ends it, before its backward adds this step's averaged gradients: every
+        rank then holds the same bits (correcting them after backward would round
+        differently on each rank, and replicas would drift apart)."""
         self.accumulated = False
         for param in self.params.values():
             if param.grad is not None:
                 self.reducer.add(param, param.grad.detach().clone())
+        self.reducer.finish()
