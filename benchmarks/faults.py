@@ -12,12 +12,20 @@ ranks) with one fault in its first attempt:
 - ``host, spmd-run``: two agents over 127.0.0.1 (one rank each, ``--nnodes 1:2
   --join-last-call 1``); host 1's agent SIGKILLed (its rank with it) at step 3: the job
   continues on host 0 alone.
+- ``store's host, spmd-run``: three agents over 127.0.0.1 (``--nnodes 2:3``; node 0, which
+  serves the store, with 2 ranks, nodes 1 and 2 with one); node 0's agent SIGKILLed (its
+  ranks with it) at step 3: node 1 is elected to serve a new store and the job continues
+  on nodes 1 and 2 (the store's loss noticed within ``SPMD_STORE_RECONNECT``, 10 s).
 
 - ``replica, live``: ``spmd.runtime.ft`` (no restart), 3 replicas of one process each
   (``tests/ft_job.py``); replica r2 SIGKILLed in step 2 after its backward: from the
   kill to the survivors' step 2 done (the failed average, a new quorum once r2's beat
   is 2 s old, the average again over the two); and a replacement r3, started then,
   from its start to its first step done (import, join, healed from a peer).
+- ``replica of 2 ranks, live``: the same with each replica a job of its own (``spmd-run
+  --nproc-per-node 2``, the model ``fsdp``-sharded inside it, ft averaging shard k with
+  the others' shards k); rank 1 of r2 SIGKILLed in step 2: r2's launcher restarts it, and
+  it joins as r2.1, healed shard by shard.
 
 "Fault to training" is from the kill to the end of the first step after the restart
 (the stop of the others, the restart, the rendezvous, the restore, and that step's
@@ -40,7 +48,8 @@ import harness  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(REPO, "tests", "checkpoint_job.py")
 KILLS = {"rank, torchrun": "3:backward:1", "rank, spmd-run": "3:backward:1",
-         "write, spmd-run": "4:checkpoint:0", "host, spmd-run": "3:host:1"}
+         "write, spmd-run": "4:checkpoint:0", "host, spmd-run": "3:host:1",
+         "store's host, spmd-run": "3:host:0"}
 
 
 def _run(case: str, out: str, strategy: str) -> None:
@@ -58,6 +67,11 @@ def _run(case: str, out: str, strategy: str) -> None:
                   "--master-port", str(free_port()), "--max-restarts", "1",
                   "--join-last-call", "1"]
         commands = [[*spmd_run, "--node-rank", str(n), *common, *job] for n in (0, 1)]
+    elif case == "store's host, spmd-run":
+        common = ["--nnodes", "2:3", "--master-addr", "127.0.0.1", "--master-port",
+                  str(free_port()), "--max-restarts", "1", "--join-last-call", "1"]
+        commands = [[*spmd_run, "--node-rank", str(n), "--nproc-per-node", str(2 - min(n, 1)),
+                     *common, *job] for n in (1, 2, 0)]  # (a survivor's exit status first)
     else:
         commands = [[*spmd_run, "--standalone", "--nproc-per-node", "2", "--max-restarts",
                      "1", *job]]
@@ -80,9 +94,10 @@ def _figures(out: str, kill: str) -> tuple[float, int]:
     return first("trained-at") - first("killed-at"), done_before - resumed
 
 
-def live() -> tuple[float, float, int]:
+def live(strategy: str = "") -> tuple[float, float, int]:
     """(kill to the survivors' step done, the replacement's start to its first step
-    done, steps lost) of one run of tests/ft_job.py's live recovery."""
+    done, steps lost) of one run of tests/ft_job.py's live recovery; ``strategy``: each
+    replica 2 ranks under spmd-run with that strategy inside."""
     import torch
 
     from spmd.runtime.launch import free_port
@@ -95,17 +110,26 @@ def live() -> tuple[float, float, int]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     script = os.path.join(REPO, "tests", "ft_job.py")
     with tempfile.TemporaryDirectory() as out:
-        def start(name: str, *extra: str) -> subprocess.Popen:
-            return subprocess.Popen([sys.executable, script, str(port), name, out,
-                                     "--steps", "6", *extra], cwd=REPO, env=env,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    text=True)
+        def start(name: str, *extra: str, restarts: int = 0) -> subprocess.Popen:
+            launch = ([sys.executable, "-m", "spmd.runtime.run", "--standalone",
+                       "--nproc-per-node", "2", "--max-restarts", str(restarts)]
+                      if strategy else [sys.executable])
+            return subprocess.Popen([*launch, script, str(port), name, out, "--steps", "6",
+                                     *(["--strategy", strategy] if strategy else []), *extra],
+                                    cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True)
+        # the replacement: a new process (r3), or r2's launcher restarting it (r2.1)
+        new = "r2.1" if strategy else "r3"
         try:
-            first = [start("r0", "--wait-for", "r3:4"), start("r1", "--wait-for", "r3:4"),
-                     start("r2", "--die", "2")]
-            first[2].wait(timeout=120)
-            late = start("r3")
-            for proc in (*first[:2], late):
+            first = [start("r0", "--wait-for", f"{new}:4"), start("r1", "--wait-for", f"{new}:4"),
+                     start("r2", "--die", "2", *(["--die-rank", "1"] if strategy else []),
+                           restarts=1)]
+            if strategy:
+                procs = first
+            else:
+                first[2].wait(timeout=120)
+                procs = [*first[:2], start("r3")]
+            for proc in procs:
                 if proc.wait(timeout=120):
                     raise RuntimeError(f"a replica failed:\n{proc.stderr.read()[-3000:]}")
         finally:
@@ -113,8 +137,8 @@ def live() -> tuple[float, float, int]:
         with open(os.path.join(out, "r2.killed-at")) as f:
             killed = float(f.read())
         r0 = torch.load(os.path.join(out, "r0.pt"), weights_only=False)
-        r3 = torch.load(os.path.join(out, "r3.pt"), weights_only=False)
-    return r0["done"][2] - killed, r3["done"][0] - r3["started"], 0
+        late = torch.load(os.path.join(out, f"{new}.pt"), weights_only=False)
+    return r0["done"][2] - killed, late["done"][0] - late["started"], 0
 
 
 def main() -> None:
@@ -130,20 +154,25 @@ def main() -> None:
                 s, n = _figures(out, KILLS[case])
             seconds[case].append(s)
             lost[case].append(n)
-    survivors, healed = [], []
-    for _ in range(args.rounds):
-        s, h, _ = live()
-        survivors.append(s)
-        healed.append(h)
+    survivors: dict[str, list[float]] = {"": [], "fsdp": []}
+    healed: dict[str, list[float]] = {"": [], "fsdp": []}
+    for r in range(args.rounds):
+        for inside in harness.rotated(list(survivors), r):
+            s, h, _ = live(inside)
+            survivors[inside].append(s)
+            healed[inside].append(h)
     print(f"\n{args.strategy}, 2 ranks, a checkpoint every 2 steps, {args.rounds} rounds\n")
     harness.table(("fault, launcher", "fault to training (s)", "range", "steps lost"), "lrll")
     for case in KILLS:
         harness.row(case, f"{statistics.median(seconds[case]):.2f}",
                     harness.span(seconds[case]), ", ".join(str(n) for n in sorted(set(lost[case]))))
-    harness.row("replica, live (spmd.runtime.ft): survivors", f"{statistics.median(survivors):.2f}",
-                harness.span(survivors), "0")
-    harness.row("replica, live: the replacement's start to its first step",
-                f"{statistics.median(healed):.2f}", harness.span(healed), "")
+    for inside, what in (("", "replica"), ("fsdp", "replica of 2 ranks (fsdp inside)")):
+        harness.row(f"{what}, live (spmd.runtime.ft): survivors",
+                    f"{statistics.median(survivors[inside]):.2f}",
+                    harness.span(survivors[inside]), "0")
+        harness.row(f"{what}, live: the replacement's start to its first step",
+                    f"{statistics.median(healed[inside]):.2f}", harness.span(healed[inside]),
+                    "")
 
 
 if __name__ == "__main__":

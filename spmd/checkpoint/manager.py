@@ -319,6 +319,9 @@ class CheckpointManager:
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         mine: dict[str, Any] = {}
+        buffers = _own_buffers(self.model, model_sd)
+        if buffers:  # each rank's (BatchNorm's statistics differ across ranks)
+            mine["buffers"] = buffers
         if self.rng:
             mine["rng"] = _rng_state()
         if self.dataloader is not None:
@@ -333,6 +336,7 @@ class CheckpointManager:
         directory, every rank writes its part, rank 0 commits; a failure on any rank is
         every rank's error, never a peer left waiting."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
         start = time.perf_counter()
         final, partial = self.path(step), self.path(step) + _PARTIAL
@@ -350,7 +354,10 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {final}: {ready}")
         writer = dcp.FileSystemWriter(partial, sync_files=True)
         with _one_process_quiet(self._group is None):
+            # what every rank has a copy of is written once: rank 0's (the buffers DDP
+            # broadcasts), not whichever rank DCP's balancing picks
             dcp.save(staged["dcp"], storage_writer=writer, process_group=self._torch_pg,
+                     planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
                      no_dist=self._group is None)  # collective: raises on every rank alike
         mine: dict[str, Any] | str
         try:
@@ -476,26 +483,31 @@ class CheckpointManager:
         with _one_process_quiet(self._group is None):
             dcp.load(state, storage_reader=dcp.FileSystemReader(path),
                      process_group=self._torch_pg, no_dist=self._group is None)
+        job = torch.load(os.path.join(path, _STATE), weights_only=False)
+        own = None  # this rank's file, where the world size is the saving job's
+        if job["world_size"] == self.world_size:
+            own = torch.load(os.path.join(path, f"rank-{self.rank:05d}.pt"),
+                             weights_only=False)
+            # its own buffers, not rank 0's: the same ranks resume bit for bit
+            state["model"].update(own.get("buffers", {}))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state.get("optim"))
-        job = torch.load(os.path.join(path, _STATE), weights_only=False)
         if self.scheduler is not None:
             if job["scheduler"] is None:
                 raise CheckpointError(f"checkpoint {path}: has no scheduler state")
             self.scheduler.load_state_dict(job["scheduler"])
-        self._restore_rank_state(path, job["world_size"])
+        self._restore_rank_state(path, job["world_size"], own)
         return chosen
 
-    def _restore_rank_state(self, path: str, saved_world: int) -> None:
-        """This rank's own saved generators and data position where the world size is
-        the saving job's; where it changed, those the saving ranks shared (generators
-        that differed are left as they are, with a warning; data positions that differed
-        are an error: the batches would not be the run's)."""
+    def _restore_rank_state(self, path: str, saved_world: int, own: Any) -> None:
+        """This rank's own saved generators and data position (``own``) where the world
+        size is the saving job's; where it changed, those the saving ranks shared
+        (generators that differed are left as they are, with a warning; data positions
+        that differed are an error: the batches would not be the run's)."""
         if not (self.rng or self.dataloader is not None):
             return
         if saved_world == self.world_size:
-            mine = torch.load(os.path.join(path, f"rank-{self.rank:05d}.pt"),
-                              weights_only=False)
+            mine = own
             differ: list[str] = []
             shared = True
         else:  # what every saving rank had alike
@@ -526,6 +538,16 @@ class CheckpointManager:
                 f"number of ranks; give a data loader whose state is the job's (a "
                 f"global sample index, say)")
         self.dataloader.load_state_dict(mine["dataloader"])
+
+
+def _own_buffers(model: nn.Module, model_sd: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The model's buffers every rank holds whole (BatchNorm's running statistics, which
+    each rank updates from its own batch unless synchronized), by checkpoint key."""
+    from spmd.checkpoint.state_dict import _plain
+
+    names = {name for name, _ in _plain(model).named_buffers()}
+    return {k: v for k, v in model_sd.items()
+            if k in names and isinstance(v, torch.Tensor) and not isinstance(v, ChunkedTensor)}
 
 
 def _differ(a: Any, b: Any) -> bool:

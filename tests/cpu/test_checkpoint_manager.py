@@ -265,12 +265,12 @@ def test_bad_arguments_are_refused(tmp_path, bad, match):
 # -- a rank killed, the job restarted --------------------------------------------------------
 
 
-def _torchrun(out, strategy, kill="", restarts=1):
+def _torchrun(out, strategy, kill="", restarts=1, model="plain"):
     out.mkdir()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(RANKS.get(strategy, 2)), "--max-restarts",
                str(restarts), os.path.join(REPO, "tests", "checkpoint_job.py"), str(out),
-               "--strategy", strategy, "--steps", "6", "--every", "2"]
+               "--strategy", strategy, "--steps", "6", "--every", "2", "--model", model]
     if kill:
         command += ["--kill", kill]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
@@ -285,20 +285,20 @@ POINTS = {"forward": (5, 4), "backward": (3, 2), "optimizer": (3, 2), "checkpoin
 _STRAIGHT: dict = {}
 
 
-def _straight(strategy, tmp_path_factory):
-    """The run never interrupted, once per strategy."""
-    if strategy not in _STRAIGHT:
-        out = tmp_path_factory.mktemp(f"straight-{strategy}")
-        done = _torchrun(out / "run", strategy)
+def _straight(strategy, tmp_path_factory, model="plain"):
+    """The run never interrupted, once per strategy (and model)."""
+    if (strategy, model) not in _STRAIGHT:
+        out = tmp_path_factory.mktemp(f"straight-{strategy}-{model}")
+        done = _torchrun(out / "run", strategy, model=model)
         assert done.returncode == 0, done.stderr[-3000:]
-        _STRAIGHT[strategy] = out / "run"
-    return _STRAIGHT[strategy]
+        _STRAIGHT[strategy, model] = out / "run"
+    return _STRAIGHT[strategy, model]
 
 
-def _killed_and_restarted(strategy, point, rank, tmp_path, tmp_path_factory):
-    straight = _straight(strategy, tmp_path_factory)
+def _killed_and_restarted(strategy, point, rank, tmp_path, tmp_path_factory, model="plain"):
+    straight = _straight(strategy, tmp_path_factory, model)
     step, resumed = POINTS[point]
-    killed = _torchrun(tmp_path / "killed", strategy, f"{step}:{point}:{rank}")
+    killed = _torchrun(tmp_path / "killed", strategy, f"{step}:{point}:{rank}", model=model)
     assert killed.returncode == 0, killed.stderr[-3000:]
     assert "exitcode: -9" in killed.stderr  # torchrun names the SIGKILL
     world = RANKS.get(strategy, 2)
@@ -308,6 +308,7 @@ def _killed_and_restarted(strategy, point, rank, tmp_path, tmp_path_factory):
         a = torch.load(straight / f"result-{r}.pt", weights_only=False)
         b = torch.load(tmp_path / "killed" / f"result-{r}.pt", weights_only=False)
         assert a["step"] == b["step"] == 6 and a["lr"] == b["lr"]
+        assert a["evals"][-(6 - resumed) // 2:] == b["evals"][-(6 - resumed) // 2:]
         for key in a["model"]:
             assert torch.equal(a["model"][key], b["model"][key]), key
         assert a["optim"].keys() == b["optim"].keys()
@@ -321,6 +322,15 @@ def _killed_and_restarted(strategy, point, rank, tmp_path, tmp_path_factory):
 def test_a_killed_rank_restarts_and_finishes_bit_for_bit(strategy, point, rank, tmp_path,
                                                          tmp_path_factory):
     _killed_and_restarted(strategy, point, rank, tmp_path, tmp_path_factory)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2"])
+def test_the_loops_users_write_restart_bit_for_bit(strategy, tmp_path, tmp_path_factory):
+    """Tied weights, BatchNorm's running statistics, a frozen layer, dropout, two
+    accumulated halves (the first under no_sync) and an eval forward every second step:
+    a rank killed in step 3's backward, the job restarted from step 2's checkpoint and
+    finished bit for bit, evals included, as the run never interrupted."""
+    _killed_and_restarted(strategy, "backward", 1, tmp_path, tmp_path_factory, "rich")
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2", "hsdp", "tp", "pp"])
