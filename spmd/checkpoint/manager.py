@@ -464,7 +464,7 @@ class CheckpointManager:
         :class:`CheckpointError` naming what is wrong."""
         import torch.distributed.checkpoint as dcp
 
-        from spmd.checkpoint.state_dict import get_state_dict, set_state_dict
+        from spmd.checkpoint.state_dict import _plain, get_state_dict, set_state_dict
 
         self.wait()
         chosen, refused = self._from_first(self._choose(step) if self.rank == 0 else None)
@@ -476,10 +476,20 @@ class CheckpointManager:
         if chosen is None:
             return None
         path = self.path(chosen)
+        fresh = self.optimizer is not None and not self.optimizer.state
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
+        stateless: list[str] = []
         if self.optimizer is None:
             state.pop("optim")
+        elif fresh:  # get_state_dict made every parameter's state to load into; those
+            # the checkpoint has none of (no gradient reached them yet) get none
+            saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+            keys = [k for k in saved if k.startswith("optim.state.")]
+            stateless = [n for n in optim_sd["state"]
+                         if not any(k.startswith(f"optim.state.{n}.") for k in keys)]
+            for name in stateless:
+                del optim_sd["state"][name]
         with _one_process_quiet(self._group is None):
             dcp.load(state, storage_reader=dcp.FileSystemReader(path),
                      process_group=self._torch_pg, no_dist=self._group is None)
@@ -492,6 +502,10 @@ class CheckpointManager:
             state["model"].update(own.get("buffers", {}))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state.get("optim"))
+        if stateless:
+            params = dict(_plain(self.model).named_parameters())
+            for name in stateless:
+                self.optimizer.state.pop(params[name], None)
         if self.scheduler is not None:
             if job["scheduler"] is None:
                 raise CheckpointError(f"checkpoint {path}: has no scheduler state")

@@ -214,6 +214,50 @@ def test_the_checkpoint_holds_the_state_when_save_was_called(tmp_path):
     assert opt2.state_dict()["state"][0]["step"] == 1
 
 
+class _Branches(torch.nn.Module):
+    """A head the loss reaches only from step 3 on (an expert nobody routed to yet, a
+    head trained later): at the checkpoint of step 2 its optimizer state does not exist."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.late = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        return self.late(h) if step >= 3 else h
+
+
+def test_a_parameter_without_optimizer_state_yet_resumes_as_it_would_have(tmp_path):
+    """Restored where a parameter had no optimizer state yet: it still has none (Adam's
+    step count starts where the uninterrupted run's does), not a refusal ("Missing key
+    in checkpoint") nor a made-up first step; the run goes on bit for bit."""
+    def make():
+        torch.manual_seed(0)
+        net = _Branches().double()
+        return net, torch.optim.AdamW(net.parameters(), lr=0.1)
+
+    def step(net, opt, i):
+        g = torch.Generator().manual_seed(i)
+        net(torch.randn(3, 4, generator=g, dtype=torch.float64), i).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    net, opt = make()
+    ckpt = CheckpointManager(tmp_path, net, opt, every=1, async_save=False)
+    for i in (1, 2):
+        step(net, opt, i)
+    ckpt.save(2)
+    ckpt.close()
+    again, opt2 = make()
+    assert CheckpointManager(tmp_path, again, opt2).restore() == 2
+    assert again.late.weight not in opt2.state and again.body.weight in opt2.state
+    for i in (3, 4):
+        step(net, opt, i)
+        step(again, opt2, i)
+    for (name, a), b in zip(net.named_parameters(), again.parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_only_the_last_k_are_kept_and_partial_leftovers_go(tmp_path):
     (tmp_path / "step-00000001.partial").mkdir(parents=True)
     net = _saved(tmp_path, 8, every=2, keep=2)
