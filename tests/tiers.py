@@ -109,6 +109,8 @@ LONG: dict[str, tuple[float, str]] = {
     "tests/cpu/test_faults_hosts.py::test_the_store_hosts_death_on_three_hosts_elects_a_new_one": (
         21, "test_the_store_hosts_death_elects_a_new_one_and_the_run_goes_on (three agents "
             "over 127.0.0.1: the same election, one address)"),
+    "tests/cpu/test_checkpoint_manager.py::test_the_loops_users_write_restart_bit_for_bit[zero2]": (
+        18, "its [ddp] (the safety net's accumulation) and [fsdp] (sharded state) cases"),
     # 2026-12-05: live recovery of replicas that are jobs of their own
     "tests/cpu/test_ft.py::test_a_replica_sharded_inside_loses_a_rank_and_comes_back_healed[ddp]": (
         17, "its [fsdp] case (the same protocol, the shards' groups), and the stalled "

@@ -527,3 +527,31 @@ def test_a_host_that_joins_later_continues_the_same_run_on_more_ranks(tmp_path,
         assert got["step"] == 6 and got["lr"] == whole[rank]["lr"]
         for key, value in whole[rank]["model"].items():
             torch.testing.assert_close(got["model"][key], value, rtol=0, atol=1e-12)
+
+
+def test_an_agent_lost_before_its_ranks_joined_is_named_not_waited_on(tmp_path):
+    """Host 1's agent freezes (SIGSTOP) as its round starts, its rank never joining the
+    rendezvous: host 0's rank would wait the rendezvous's whole timeout. Host 0's agent
+    sees host 1's agent beat no more (``--agent-timeout 3``), names it, and restarts the
+    job alone (``--nnodes 1:2``), which finishes."""
+    from spmd.runtime.launch import free_port
+
+    out = tmp_path / "frozen"
+    out.mkdir()
+    common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+              "--master-port", str(free_port()), "--max-restarts", "1",
+              "--join-last-call", "1", "--agent-timeout", "3"]
+    first = _agent(out, "fsdp", "", "--node-rank", "0", *common)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    frozen = subprocess.Popen(  # its "rank" stops its agent, then never joins
+        [sys.executable, "-m", "spmd.runtime.run", "--node-rank", "1", *common,
+         "--no-python", "sh", "-c", "kill -STOP $PPID; sleep 120"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = first.communicate(timeout=100)
+    finally:
+        frozen.kill()  # (stopped: SIGKILL still ends it, and its rank with it)
+        frozen.wait()
+    assert first.returncode == 0, err[-3000:]
+    assert "node 1's agent stopped answering (no beat for 3 s)" in err
+    assert (out / "attempts.txt").read_text().split("\n")[:1] == ["1 0 1"]
