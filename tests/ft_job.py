@@ -65,6 +65,7 @@ def main() -> None:
                    "that replica has started (its first beat in the store)")
     p.add_argument("--strategy", default="", help="fsdp or ddp inside the replica (run "
                    "under spmd-run)")
+    p.add_argument("--store-host", default="127.0.0.1", help="where the ft store is served")
     p.add_argument("--die-rank", type=int, default=0, help="with --die or --stall: the "
                    "rank that dies or stalls")
     args = p.parse_args()
@@ -84,7 +85,7 @@ def main() -> None:
         dist.init_process_group("gloo")
         rank, size = dist.get_rank(), dist.get_world_size()
         net = spmd.parallelize(net, strategy=args.strategy)
-    store = TCPStore("127.0.0.1", args.port, None, False, timedelta(seconds=60))
+    store = TCPStore(args.store_host, args.port, None, False, timedelta(seconds=60))
     opt = optimizer(net)
     if args.strategy:  # this rank's shards, rank k to rank k
         def state_dict():
