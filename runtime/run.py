@@ -133,6 +133,7 @@ class _Agent:
                 f"{args.master_port} (served by node rank 0) did not answer within "
                 f"{args.join_timeout:g} s; is node rank 0 started, and is that its address?"
             ) from None
+        _answer_within(client, args)
         self.store = PrefixStore(f"launch/{args.rdzv_id}", client)
         self.client = client
         self.last: dict = {"round": -1}  # node 0: the last start it published
@@ -457,6 +458,7 @@ class _Agent:
                 self.client.close()
             except Exception:
                 pass  # (the old store's client: its server is gone)
+            _answer_within(client, args)
             self.server, self.client = server, client
             self.store = PrefixStore(f"launch/{args.rdzv_id}", client)
             self.leader, args.master_addr = host["node"], address
@@ -485,6 +487,13 @@ class _Agent:
         self.client.close()
         if self.server is not None:
             self.server.close()
+
+
+def _answer_within(client: TCPStore, args: argparse.Namespace) -> None:
+    """Once connected, an agent's store calls (every wait names its own) must be answered
+    within twice ``--agent-timeout``: a store whose host hangs is then taken as lost
+    (and another elected), not waited on for the whole ``--join-timeout``."""
+    client.set_timeout(timedelta(seconds=2 * args.agent_timeout))
 
 
 class _Beats:

@@ -13,7 +13,8 @@ rank RANK kill itself with SIGKILL at STEP (counted from 1) in the first attempt
 (``TORCHELASTIC_RESTART_COUNT`` 0, no checkpoint restored), at POINT: ``forward``, ``backward``, ``optimizer``
 (inside the optimizer step), ``checkpoint`` (the write of the checkpoint after that
 step in flight), ``host`` (before the forward, the rank kills its launcher's agent,
-whose ranks die with it: a whole host lost), ``stall`` (the rank stops itself with
+whose ranks die with it: a whole host lost), ``freeze`` (the rank stops its agent and
+itself with SIGSTOP: a host that hangs), ``stall`` (the rank stops itself with
 SIGSTOP: alive, never answering) or ``partition`` (the rank writes ``OUT/partition-me``
 and waits for ``OUT/partitioned``, which the test writes once it has cut the host's
 link) or ``wait-for-host`` (the rank writes ``OUT/partition-me`` and waits, at most
@@ -206,6 +207,10 @@ def main() -> None:
             _stamp("killed-at")
             open(os.path.join(OUT, "partition-me"), "w").close()
             _wait_for(os.path.join(OUT, "partitioned"))
+        if doomed and step == kill_step and point == "freeze":  # the host hangs: its
+            _stamp("killed-at")  # agent and this rank stop (SIGSTOP), not dead
+            os.kill(os.getppid(), signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGSTOP)
         if doomed and step == kill_step and point == "host":  # the whole host: its agent
             _stamp("killed-at")
             os.kill(os.getppid(), signal.SIGKILL)  # (its ranks die with it)

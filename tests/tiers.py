@@ -106,7 +106,7 @@ LONG: dict[str, tuple[float, str]] = {
         20, "its [fsdp] case; the fault matrix on local ranks covers every layout"),
     "tests/cpu/test_faults_hosts.py::test_a_rank_that_stalls_past_the_timeout_is_named_and_restarted[pp]": (
         20, "its [fsdp] case; the fault matrix on local ranks covers every layout"),
-    "tests/cpu/test_faults_hosts.py::test_the_store_hosts_death_on_three_hosts_elects_a_new_one": (
+    "tests/cpu/test_faults_hosts.py::test_the_store_hosts_loss_on_three_hosts_elects_a_new_one": (
         21, "test_the_store_hosts_death_elects_a_new_one_and_the_run_goes_on (three agents "
             "over 127.0.0.1: the same election, one address)"),
     "tests/cpu/test_checkpoint_manager.py::test_the_loops_users_write_restart_bit_for_bit[zero2]": (

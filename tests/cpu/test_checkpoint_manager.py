@@ -555,3 +555,4 @@ def test_an_agent_lost_before_its_ranks_joined_is_named_not_waited_on(tmp_path):
     assert first.returncode == 0, err[-3000:]
     assert "node 1's agent stopped answering (no beat for 3 s)" in err
     assert (out / "attempts.txt").read_text().split("\n")[:1] == ["1 0 1"]
+

@@ -113,20 +113,25 @@ def test_a_rank_that_stalls_past_the_timeout_is_named_and_restarted(strategy, tm
     _equal(out, straight, world, world)
 
 
-def test_the_store_hosts_death_on_three_hosts_elects_a_new_one(tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("fault", ["host", "freeze"])
+def test_the_store_hosts_loss_on_three_hosts_elects_a_new_one(fault, tmp_path,
+                                                              tmp_path_factory):
     """Three hosts (host 0 serving the store, with 2 ranks; hosts 1 and 2 with one), host
-    0's agent and ranks killed at step 3: host 1 serves a new store at its own address,
-    host 2 finds it there, and the job restarts on the two, resumes the 4-rank checkpoint
-    of step 2 on 2 ranks and finishes the same run (to 1e-12)."""
+    0's agent and ranks killed at step 3 (``host``), or host 0 hung (``freeze``: its agent,
+    the store's server, and rank 0 SIGSTOPped: the others' store calls time out after
+    twice ``--agent-timeout``, not the join timeout): host 1 serves a new store at its own
+    address, host 2 finds it there, and the job restarts on the two, resumes the 4-rank
+    checkpoint of step 2 on 2 ranks and finishes the same run (to 1e-12)."""
     straight = _straight("fsdp", tmp_path_factory)
     out = tmp_path / "elected"
     out.mkdir()
     with Hosts(3, link=LINK) as hosts:
         common = ["--nnodes", "2:3", "--master-addr", hosts.address(0), "--master-port",
                   "29500", "--max-restarts", "1", "--join-last-call", "1",
-                  "--join-timeout", "30"]
+                  "--join-timeout", "30", "--agent-timeout", "4"]
         job = [os.path.join(REPO, "tests", "checkpoint_job.py"), str(out), "--strategy",
-               "fsdp", "--steps", "6", "--every", "2", "--timeout", "20", "--kill", "3:host:0"]
+               "fsdp", "--steps", "6", "--every", "2", "--timeout", "20", "--kill",
+               f"3:{fault}:0"]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, GLOO_SOCKET_IFNAME="eth0")
         agents = [hosts.popen(node, [sys.executable, "-m", "spmd.runtime.run", "--node-rank",
                                      str(node), "--nproc-per-node", str(2 if node == 0 else 1),
@@ -134,7 +139,10 @@ def test_the_store_hosts_death_on_three_hosts_elects_a_new_one(tmp_path, tmp_pat
                               cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
                   for node in (0, 1, 2)]
-        errs = [a.communicate(timeout=110)[1] for a in agents]
+        errs = [""] + [a.communicate(timeout=110)[1] for a in agents[1:]]
+        if fault == "freeze":
+            agents[0].kill()  # (the harness kills what ran on the host; this says so)
+        agents[0].wait(timeout=30)
         elected = hosts.address(1)
     assert agents[0].returncode == -9
     assert [a.returncode for a in agents[1:]] == [0, 0], errs
