@@ -236,9 +236,13 @@ class Manager:
             if self.replica_id not in allowed:
                 return  # (the next loop finds it closed without us, or waits)
             joined = [r for r in joined if r in allowed]
-        # a quorum waits for the members of the last one still alive, and, unless it
-        # redoes a step, for newcomers alive that no quorum took yet
+        # a quorum waits for the members of the last one still alive (whoever proposes:
+        # a newcomer too, or it could close without a live member, which would then go on
+        # alone), and, unless it redoes a step, for newcomers alive that no quorum took yet
         wanted = list(need or [])
+        last = self.store.compare_set(f"q/{q - 1}/members", "", "") if q > 0 else b""
+        if last:
+            wanted += [r for r in json.loads(last)["ids"] if r not in wanted]
         if only is None and not restricted:
             wanted += [r for r in known if r not in wanted
                        and not self.store.check([f"member/{r}"])]

@@ -198,6 +198,8 @@ def test_live_recovery_across_hosts(tmp_path):
     assert steps[0][1] == ["r0", "r1", "r2"] and steps[2][1] == ["r0", "r1"]
     assert "r3" in steps[-1][1]
     net, _ = _one_process(steps)
-    for out in results.values():
+    for name, out in results.items():
         for got, want in zip(out["params"], net.parameters()):
-            torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-12)
+            torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-12,
+                                       msg=lambda m: f"{name}: {m}; steps: "
+                                       f"{ {r: o['steps'] for r, o in results.items()} }")
