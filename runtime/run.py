@@ -160,6 +160,7 @@ class _Agent:
         if json.loads(previous) != me:
             raise LaunchError(f"node rank {self.node} joined twice (already there: "
                               f"{previous.decode()}); give each host its own --node-rank")
+        self.store.add(f"round/{r}/beat/{self.node}", 0)  # (its beat exists from now on)
         arrival = self.store.add(f"round/{r}/joined", 1)
         self.store.set(f"round/{r}/arrival/{arrival}", str(self.node))
 
@@ -522,11 +523,11 @@ class _Beats:
         nodes = list(self.seen)
         if not nodes:
             return None
-        present = [n for n in nodes if self.store.check([self.keys[n]])]
-        values = dict(zip(present, self.store.multi_get([self.keys[n] for n in present])))
+        # every host of the round registered its counter when it joined: one request
+        values = dict(zip(nodes, self.store.multi_get([self.keys[n] for n in nodes])))
         for n in nodes:
             value, since = self.seen[n]
-            if values.get(n, b"") != value:
+            if values[n] != value:
                 self.seen[n] = (values[n], now)
             elif now - since > self.timeout:
                 return n
