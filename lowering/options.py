@@ -191,7 +191,10 @@ class Options:
         if self.placements is not None:
             from spmd.lowering.strategy import tp_dims_of
 
-            if not tp_dims_of(self.placements):
+            from spmd.ep import split_experts
+
+            rest, experts = split_experts(self.placements)
+            if experts is None and not tp_dims_of(self.placements):
                 raise ValueError(f"{where}: placements names no mesh dimension")
         from spmd.lowering.strategy import KINDS, Gathered, row_argument
 

@@ -245,6 +245,10 @@ class Strategy:
             another).
         reshard_to: ``reshard_after_forward=N``'s N (0 for every other row): the ranks of
             the sharding dimension a backward gathers among.
+        experts: expert parameter name -> the data dimension its experts are split over
+            (``spmd.ep.experts``): stored and computed ``Shard(0)`` there (never
+            gathered), its gradient complete on each rank (the expert-parallel ops
+            average it), averaged along the other data dimensions.
     """
 
     name: str
@@ -262,6 +266,7 @@ class Strategy:
     load_balance: Mapping[str, bool] = field(default_factory=dict, compare=False)
     row: str = ""
     reshard_to: int = 0
+    experts: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not self.data_dims and self.data_dim is not None:
@@ -320,7 +325,10 @@ class Strategy:
         """Where a parameter lives: its shard along the sharding dimension (for the
         sharded strategies) and its placement on each tensor-parallel dimension."""
         placed: dict[str, Placement] = {}
-        if self.shard_dim is not None:
+        expert = self.experts.get(param) if param is not None else None
+        if expert is not None:
+            placed[expert] = Shard(0)  # its own experts, on this rank for good
+        elif self.shard_dim is not None:
             placed[self.shard_dim] = Shard(self.shard_dims.get(param, 0) if param else 0)
         if param is not None:
             placed.update(self.tp_placement(param))
@@ -335,6 +343,13 @@ class Strategy:
         graph's gradient is already the reduce-scattered shard that the parameter's
         gather produced in backward, where the parameter lives.
         """
+        expert = self.experts.get(param)
+        if expert is not None:  # complete along its own dimension, averaged along others
+            local = self.parameter_sharding(param)
+            for dim in self.data_dims:
+                if dim != expert and self.mesh.size(dim) > 1:
+                    local = local.with_placement(dim, Partial("avg"))
+            return local
         if self.shard_dim is not None or self.data_size == 1:
             return self.parameter_sharding(param)
         placed: dict[str, Placement] = dict(self.tp_placement(param))

@@ -218,7 +218,8 @@ class _Verifier:
                 self.shards.add(node)
             return self.local() if saved is None else self.norm(saved)
         info = self.inputs[node]
-        if info.kind == "param" and self.strategy.shards_parameters:
+        if info.kind == "param" and self.strategy.shards_parameters and \
+                info.name not in self.strategy.experts:  # (experts are computed as stored)
             self.shards.add(node)
         return self.norm(self.strategy.input_sharding(info))
 

@@ -33,7 +33,7 @@ _EXPORTS: dict[str, str] = {
 }
 # public submodule -> where it lives
 _SUBMODULES: dict[str, str] = {name: f"spmd.{name}" for name in (
-    "runtime", "lowering", "kernels", "checkpoint", "tp", "cp", "pp", "hardware")}
+    "runtime", "lowering", "kernels", "checkpoint", "tp", "cp", "ep", "pp", "hardware")}
 _SUBMODULES["roofline"] = "spmd.plan.roofline"
 
 __all__ = [*_SUBMODULES, *_EXPORTS]

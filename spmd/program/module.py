@@ -69,6 +69,11 @@ class ModuleState(Program):
             from spmd.state.layout import place_activations
 
             self.placed_activations = place_activations(module, setup.strategy, self.handles)
+        self.experts: dict = {}
+        if setup.strategy.experts:  # spmd.ep: experts split by index, their own forward
+            from spmd.ep import place_experts
+
+            self.experts = place_experts(module, setup.strategy, self.handles)
         self.shards: dict[str, ShardSpec] = self.layout.shards
         self.sharded = setup.strategy.shards_parameters
         self.params = dict(module.named_parameters())
@@ -81,8 +86,10 @@ class ModuleState(Program):
                                fused_attention=setup.strategy.mesh.hardware is not None)
         self.fallbacks: dict[str, str] = {}
         # gradients no planned graph averaged (ddp): hooks on every trainable parameter
+        # (an expert's gradient is complete on its rank: the ep ops made it so)
         self.net = SafetyNet(
-            self.params, self.sync, self.fallbacks,
+            {n: p for n, p in self.params.items() if n not in setup.strategy.experts},
+            self.sync, self.fallbacks,
             EagerReducer(self.group, self.world_size,
                          options.bucket_cap_bytes or cost_model.bucket_bytes(
                              sum(p.numel() * p.element_size() for p in self.params.values()),

@@ -194,22 +194,28 @@ def prepare_model(module: nn.Module, options: Options, mesh: Mesh | None,
         _check_materialized(module, where)
     placed: dict = {}
     dims: tuple[str, ...] = ()
-    if options.placements is not None:
+    from spmd.ep import expert_parameters, split_experts
+
+    placements, experts = split_experts(options.placements)
+    if placements is not None:
         from spmd.tp import tp_dims_of
 
-        dims = tp_dims_of(options.placements)
+        dims = tp_dims_of(placements)
     mesh = flatten_data_dims(options.strategy, mesh, where, dims)  # 2-D fsdp
-    if options.placements is not None:
+    if placements is not None:
         from dataclasses import replace as with_fields
 
         from spmd.state.resolve import layout_options, resolve_layout
 
-        placed, activations = resolve_layout(module, mesh, options.placements, where)
+        placed, activations = resolve_layout(module, mesh, placements, where)
         strategy = resolve_strategy(options.kind_name, mesh, where, dims, placed)
         strategy = with_fields(strategy, activations=activations,
-                               **layout_options(options.placements))
+                               **layout_options(placements))
     else:
         strategy = resolve_strategy(options.kind_name, mesh, where)
+    if experts is not None:
+        strategy = replace(strategy, experts=expert_parameters(
+            experts, module, mesh, strategy, where))
     reshard_mesh = None
     if strategy.gathered is Gathered.REGROUPED:
         strategy, reshard_mesh = _regroup(strategy, options.reshard_after_forward, where)

@@ -253,7 +253,7 @@ def place_module(module: nn.Module, setup: Setup, options: Options, handles: Han
     from spmd.eager.clip import install_clip
 
     strategy = setup.strategy
-    if strategy.shards_parameters or strategy.tensor_parallel:
+    if strategy.shards_parameters or strategy.tensor_parallel or strategy.experts:
         install_clip()  # torch's clip_grad_norm_ on parts: by the whole gradient's norm
     done: dict[int, tuple[ShardSpec | None, TPSpec | None, tuple[int, int]]] = {}
     layout = Layout(records={}, shards={}, pieces={})
@@ -272,7 +272,7 @@ def place_module(module: nn.Module, setup: Setup, options: Options, handles: Han
                 layout.shards[name] = shard
             if piece is not None:
                 layout.pieces[name] = piece
-            if shard is not None or piece is not None:
+            if handle_pair != (_NONE, _NONE):
                 local[pname] = handle_pair
         if local:
             sub._spmd_handles = local
@@ -291,6 +291,9 @@ def _place(name: str, param: nn.Parameter, setup: Setup, options: Options, handl
     strategy = setup.strategy
     mesh = strategy.mesh
     shape = tuple(param.shape)
+    expert = strategy.experts.get(name)
+    if expert is not None:
+        return _place_expert(name, param, strategy, expert)
     placed = strategy.tp_placement(name)
     piece = shard = None
     value = param.detach()
@@ -309,6 +312,25 @@ def _place(name: str, param: nn.Parameter, setup: Setup, options: Options, handl
     pair = (handles.add(shard) if shard is not None else _NONE,
             handles.add(piece) if piece is not None else _NONE)
     return shard, piece, pair
+
+
+def _place_expert(name: str, param: nn.Parameter, strategy: Strategy, dim: str
+                  ) -> tuple[ShardSpec | None, TPSpec | None, tuple[int, int]]:
+    """An expert parameter (``spmd.ep``): this rank's experts, stored and computed as they
+    are (no property: the model reads the stored tensor); the piece's spec serves the
+    whole state dict and clipping."""
+    mesh = strategy.mesh
+    piece = TPSpec(param=name, shape=tuple(param.shape),
+                   sharding=strategy.parameter_sharding(name), dims=(dim,),
+                   groups={dim: None if mesh.simulated else mesh.get_group(dim)})
+    hold_piece(param, piece.piece(param.detach()), name)
+    stored = strategy.parameter_sharding(name)
+    others = [d for d in strategy.data_dims if d != dim and mesh.size(d) > 1]
+    param._spmd_placement = ParameterPlacement(  # type: ignore[attr-defined]
+        name=name, shape=tuple(param.shape), sharding=stored, computed=stored,
+        local_shape=piece.local_shape, rows=piece.local_shape[0], padding=0,
+        reduced=Reduced.ALL_REDUCE if others else Reduced.NONE)
+    return None, piece, (_NONE, _NONE)
 
 
 # -- one class swap ---------------------------------------------------------------------

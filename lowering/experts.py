@@ -1,0 +1,313 @@
+"""Expert parallelism's ops: tokens sent to the ranks holding their experts, multiplied by
+each expert's weights, and sent back (``spmd.ep``).
+
+The experts of a mixture-of-experts layer are split by expert index over the ranks of
+one data dimension (``"ep"``): rank ``r`` holds experts ``r * L .. (r + 1) * L - 1`` of
+``E = size * L``. Each rank routes its own tokens; one layer is then
+
+    order, send, recv, offs = spmd.ep_route(top_k_index, handle)     # counts exchanged
+    xs = spmd.ep_scatter(rows, order, send, recv, handle)            # all-to-all, uneven
+    h = spmd.grouped_mm(xs, gate_up, offs, bias, transposed, scale)  # one product per expert
+    ...activation...
+    ys = spmd.grouped_mm(h, down, offs, bias, transposed, scale)
+    back = spmd.ep_gather(ys, order, send, recv, handle)             # all-to-all back
+
+- ``ep_route`` sorts this rank's (token, choice) pairs by expert (``order``), counts
+  them per expert (``send``: ``(size, L)``, row ``j`` what goes to rank ``j``), exchanges
+  the counts (``recv``: row ``s`` what rank ``s`` sends here, per local expert) and the
+  offsets of each local expert's rows (``offs``).
+- ``ep_scatter`` sends the rows with uneven splits and lays what arrives out expert by
+  expert (each expert's rows contiguous, sources in rank order), padded with zero rows to
+  a static bound ``C`` (below); ``ep_gather`` is its exact reverse, so each is the
+  other's backward.
+- ``grouped_mm`` multiplies each expert's rows by its weight (``torch._grouped_mm``
+  where the build and dtype take it, a loop otherwise); its backward gives the input's
+  gradient and each expert's weight (and bias) gradient, the latter times ``scale``.
+
+Shapes are static, as a graph needs: ``C = size * T * min(k, L)`` rows, enough for every
+token of every rank to reach this rank's experts (dropless: a token's k choices are
+distinct experts, so at most ``min(k, L)`` of them land on one rank). The padding rows
+are zeros, never sent back, and add nothing to any gradient.
+
+Scaling: the gradient of each local expert holds the contributions of every rank's
+tokens, each scaled by its own rank's loss; the data dimension's average (what
+``Partial("avg")`` gives every other parameter) is that sum over ``size``, so
+``grouped_mm`` multiplies its weight gradients by ``scale = 1 / size`` and no collective
+touches the experts' gradients along ``"ep"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from spmd.lowering.ops import define
+from spmd.lowering.specs import lookup
+from spmd.runtime import collectives
+
+__all__ = ["ExpertsSpec", "ep_route", "ep_scatter", "ep_gather", "grouped_mm",
+           "bound_rows"]
+
+
+@dataclass(eq=False)
+class ExpertsSpec:
+    """One expert-parallel layer: where its experts live and what its last step routed.
+
+    Attributes:
+        module: the experts module's path in the model.
+        num_experts: experts in the whole layer (``E``).
+        size: ranks of the expert-parallel dimension they are split over.
+        rank: this rank's index along it.
+        group: its process group (None: a simulated mesh, or one rank).
+        mesh_dim: the mesh dimension's name.
+        load: the last forward's tokens per local expert (from every rank).
+    """
+
+    module: str
+    num_experts: int
+    size: int
+    rank: int = 0
+    group: Any = None
+    mesh_dim: str = "ep"
+    load: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def local(self) -> int:
+        """Experts each rank holds (``L``)."""
+        return self.num_experts // self.size
+
+    @property
+    def communicates(self) -> bool:
+        return self.group is not None and self.size > 1
+
+
+def bound_rows(spec: ExpertsSpec, tokens: int, k: int) -> int:
+    """The static row count ``C`` a rank's experts receive (module doc)."""
+    return max(1, spec.size * tokens * min(k, spec.local))
+
+
+# -- routing --------------------------------------------------------------------------
+
+
+def _route(top_k_index: torch.Tensor, handle: int) -> tuple[torch.Tensor, ...]:
+    spec: ExpertsSpec = lookup(handle)
+    tokens, k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= spec.num_experts):
+        raise ValueError(f"{spec.module}: routed to expert {int(flat.max())} (or "
+                         f"{int(flat.min())}); the layer has experts 0..{spec.num_experts - 1}")
+    order = torch.argsort(flat, stable=True)
+    send = torch.bincount(flat, minlength=spec.num_experts).view(spec.size, spec.local)
+    recv = torch.empty_like(send)
+    if spec.communicates:
+        collectives.all_to_all_single(recv, send.contiguous(), group=spec.group)
+    else:
+        recv.copy_(send)
+    per_expert = recv.sum(0)
+    offs = torch.cumsum(per_expert, 0)
+    bound = bound_rows(spec, tokens, k)
+    if int(offs[-1]) > bound:
+        raise RuntimeError(
+            f"{spec.module}: this rank's experts received {int(offs[-1])} rows, more than "
+            f"the {bound} its {tokens} tokens x top-{k} bound allows; every rank of "
+            f"{spec.mesh_dim!r} must route the same number of tokens (pad the batch to "
+            f"one size on every rank)")
+    spec.load = per_expert.detach().clone()
+    return order, send, recv, offs
+
+
+def _fake_route(top_k_index: torch.Tensor, handle: int) -> tuple[torch.Tensor, ...]:
+    spec: ExpertsSpec = lookup(handle)
+    n = top_k_index.numel()
+    new = top_k_index.new_empty
+    return (new((n,), dtype=torch.int64), new((spec.size, spec.local), dtype=torch.int64),
+            new((spec.size, spec.local), dtype=torch.int64),
+            new((spec.local,), dtype=torch.int64))
+
+
+ep_route = define(
+    "ep_route(Tensor top_k_index, int handle) -> (Tensor, Tensor, Tensor, Tensor)",
+    _route, _fake_route)
+
+
+# -- moving rows ----------------------------------------------------------------------
+
+
+def _expert_major(recv: torch.Tensor) -> torch.Tensor:
+    """Indices taking rows laid out source by source (each source's expert by expert, as
+    they arrive) to expert by expert (each expert's sources in rank order)."""
+    size, local = recv.shape
+    flat = recv.reshape(-1)
+    starts = torch.cumsum(flat, 0) - flat  # of block (source, expert), arrival order
+    by_expert = recv.t().reshape(-1)
+    blocks = starts.view(size, local).t().reshape(-1)
+    if not by_expert.numel():
+        return torch.empty(0, dtype=torch.int64)
+    return torch.repeat_interleave(blocks - (torch.cumsum(by_expert, 0) - by_expert),
+                                   by_expert) + torch.arange(int(by_expert.sum()))
+
+
+def _exchange(x: torch.Tensor, out_rows: int, in_splits: list[int], out_splits: list[int],
+              spec: ExpertsSpec) -> torch.Tensor:
+    out = x.new_empty((out_rows, *x.shape[1:]))
+    if spec.communicates:
+        collectives.all_to_all_single(out, x.contiguous(), out_splits, in_splits,
+                                      group=spec.group)
+    else:
+        out.copy_(x)
+    return out
+
+
+def _scatter(rows: torch.Tensor, order: torch.Tensor, send: torch.Tensor,
+             recv: torch.Tensor, bound: int, handle: int) -> torch.Tensor:
+    spec: ExpertsSpec = lookup(handle)
+    got = int(recv.sum())
+    arrived = _exchange(rows[order], got, send.sum(1).tolist(), recv.sum(1).tolist(), spec)
+    out = rows.new_zeros((bound, *rows.shape[1:]))
+    out[:got] = arrived[_expert_major(recv)]
+    return out
+
+
+def _gather(ys: torch.Tensor, order: torch.Tensor, send: torch.Tensor,
+            recv: torch.Tensor, handle: int) -> torch.Tensor:
+    spec: ExpertsSpec = lookup(handle)
+    got = int(recv.sum())
+    by_source = torch.empty_like(ys[:got])
+    by_source[_expert_major(recv)] = ys[:got]
+    back = _exchange(by_source, int(send.sum()), recv.sum(1).tolist(), send.sum(1).tolist(),
+                     spec)
+    out = torch.empty_like(back)
+    out[order] = back
+    return out
+
+
+def _fake_scatter(rows: torch.Tensor, order: torch.Tensor, send: torch.Tensor,
+                  recv: torch.Tensor, bound: int, handle: int) -> torch.Tensor:
+    return rows.new_empty((bound, *rows.shape[1:]))
+
+
+def _fake_gather(ys: torch.Tensor, order: torch.Tensor, send: torch.Tensor,
+                 recv: torch.Tensor, handle: int) -> torch.Tensor:
+    return ys.new_empty((order.shape[0], *ys.shape[1:]))
+
+
+def _keep_scatter(ctx: Any, inputs: tuple, output: Any) -> None:
+    rows, order, send, recv, bound, handle = inputs
+    ctx.routing, ctx.handle = (order, send, recv), handle
+
+
+def _keep_gather(ctx: Any, inputs: tuple, output: Any) -> None:
+    ys, order, send, recv, handle = inputs
+    ctx.routing, ctx.handle, ctx.bound = (order, send, recv), handle, ys.shape[0]
+
+
+def _scatter_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    return (ep_gather(grad.contiguous(), *ctx.routing, ctx.handle),
+            None, None, None, None, None)
+
+
+def _gather_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    return (ep_scatter(grad.contiguous(), *ctx.routing, ctx.bound, ctx.handle),
+            None, None, None, None)
+
+
+ep_scatter = define(
+    "ep_scatter(Tensor rows, Tensor order, Tensor send, Tensor recv, SymInt bound, "
+    "int handle) -> Tensor", _scatter, _fake_scatter, _scatter_backward, _keep_scatter)
+ep_gather = define(
+    "ep_gather(Tensor ys, Tensor order, Tensor send, Tensor recv, int handle) -> Tensor",
+    _gather, _fake_gather, _gather_backward, _keep_gather)
+
+
+# -- one product per expert -----------------------------------------------------------
+
+
+def _product(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    return x @ w if transposed else x @ w.t()
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+                bias: torch.Tensor | None, transposed: bool, scale: float) -> torch.Tensor:
+    out_features = w.shape[2] if transposed else w.shape[1]
+    out = x.new_zeros((x.shape[0], out_features))
+    ends = offs.tolist()
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            out[start:end] = _product(x[start:end], w[e], transposed)
+            if bias is not None:
+                out[start:end] += bias[e]
+        start = end
+    return out
+
+
+def _fake_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+                     bias: torch.Tensor | None, transposed: bool, scale: float) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[2] if transposed else w.shape[1]))
+
+
+def _weight_grad(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, transposed: bool,
+                 scale: float) -> torch.Tensor:
+    experts = offs.shape[0]
+    shape = (experts, x.shape[1], grad.shape[1]) if transposed else (
+        experts, grad.shape[1], x.shape[1])
+    out = grad.new_zeros(shape)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            g, xs = grad[start:end], x[start:end]
+            out[e] = xs.t() @ g if transposed else g.t() @ xs
+        start = end
+    return out.mul_(scale) if scale != 1.0 else out
+
+
+def _fake_weight_grad(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor,
+                      transposed: bool, scale: float) -> torch.Tensor:
+    experts = offs.shape[0]
+    return grad.new_empty((experts, x.shape[1], grad.shape[1]) if transposed else
+                          (experts, grad.shape[1], x.shape[1]))
+
+
+def _bias_grad(grad: torch.Tensor, offs: torch.Tensor, scale: float) -> torch.Tensor:
+    out = grad.new_zeros((offs.shape[0], grad.shape[1]))
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[e] = grad[start:end].sum(0)
+        start = end
+    return out.mul_(scale) if scale != 1.0 else out
+
+
+def _fake_bias_grad(grad: torch.Tensor, offs: torch.Tensor, scale: float) -> torch.Tensor:
+    return grad.new_empty((offs.shape[0], grad.shape[1]))
+
+
+grouped_mm_weight = define(
+    "grouped_mm_weight(Tensor grad, Tensor x, Tensor offs, bool transposed, float scale) "
+    "-> Tensor", _weight_grad, _fake_weight_grad)
+grouped_sum = define("grouped_sum(Tensor grad, Tensor offs, float scale) -> Tensor",
+                     _bias_grad, _fake_bias_grad)
+
+
+def _keep_product(ctx: Any, inputs: tuple, output: Any) -> None:
+    x, w, offs, bias, transposed, scale = inputs
+    ctx.save_for_backward(x, w, offs)
+    ctx.has_bias, ctx.transposed, ctx.scale = bias is not None, transposed, scale
+
+
+def _grouped_mm_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    x, w, offs = ctx.saved_tensors
+    grad = grad.contiguous()
+    # d(x @ w.T)/dx = grad @ w: the same product with the weight read the other way
+    gx = grouped_mm(grad, w, offs, None, not ctx.transposed, 1.0)
+    gw = grouped_mm_weight(grad, x, offs, ctx.transposed, ctx.scale)
+    gb = grouped_sum(grad, offs, ctx.scale) if ctx.has_bias else None
+    return gx, gw, None, gb, None, None
+
+
+grouped_mm = define(
+    "grouped_mm(Tensor x, Tensor w, Tensor offs, Tensor? bias, bool transposed, "
+    "float scale) -> Tensor", _grouped_mm, _fake_grouped_mm, _grouped_mm_backward,
+    _keep_product)

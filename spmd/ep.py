@@ -1,0 +1,253 @@
+"""Expert parallelism: the experts of each mixture-of-experts layer split by expert index
+over the ranks of a data dimension, tokens sent to them and back by all-to-all.
+
+    mesh = spmd.Mesh((4,), dim_names=("ep",))
+    model = spmd.parallelize(MoE(), mesh=mesh, placements=spmd.ep.experts())
+    model = spmd.parallelize(MoE(), mesh=mesh, strategy="fsdp",
+                             placements=spmd.ep.experts())
+
+The expert-parallel dimension is a data dimension, as torchtitan borrows it from the data
+ranks: every rank gets its own batch, and everything but the experts (attention, the
+router, shared experts, norms) runs on it as the strategy says (``ddp``: replicated,
+``fsdp``: sharded and gathered), its gradients averaged over the ranks. The experts'
+weights are stored by expert index (rank ``r`` holds ``E / n`` of them, never gathered)
+and each rank's routing is the model's own code (softmax or sigmoid scores, top-k,
+normalised weights, DeepSeek's grouped and bias-corrected top-k): only the experts
+module's forward is replaced. It sends each (token, choice) row to the rank holding its
+expert (``spmd::ep_route``, ``spmd::ep_scatter``: the counts exchanged, then an
+all-to-all with uneven splits), multiplies each expert's rows by its weights
+(``spmd::grouped_mm``), applies the module's own gate and activation, and sends the rows
+back (``spmd::ep_gather``), where the routing weights combine them as the model did.
+Dropless: every token reaches its experts however uneven the routing (an expert with no
+token, every token on one rank). See :mod:`spmd.lowering.experts` for the ops and
+``docs/experts.md`` for the whole picture.
+
+An experts module is what transformers' ``use_experts_implementation`` makes (Mixtral,
+Qwen2/3-MoE, DeepSeek-V3, OLMoE, GPT-OSS, ...) or anything shaped like it: stacked
+``gate_up_proj`` ``(E, 2I, H)`` (or ``up_proj`` without a gate) and ``down_proj``
+``(E, H, I)``, optional ``*_bias`` ``(E, out)``, ``is_transposed`` for ``(E, in, out)``
+weights, ``act_fn`` or ``_apply_gate``, and ``forward(hidden (T, H), top_k_index (T, k),
+top_k_weights (T, k))``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+
+__all__ = ["experts", "ExpertParallel", "find_experts", "expert_load", "split_experts"]
+
+
+def _weights(module: nn.Module) -> tuple[str, ...]:
+    """The stacked expert parameters of an experts module (its first dimension is the
+    expert index), or () for any other module."""
+    up = "gate_up_proj" if isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) \
+        else "up_proj"
+    names = [up, "down_proj"]
+    params = [getattr(module, n, None) for n in names]
+    if not all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in params):
+        return ()
+    experts = params[0].shape[0]
+    if params[1].shape[0] != experts:
+        return ()
+    for n in list(names):
+        bias = getattr(module, f"{n}_bias", None)
+        if isinstance(bias, nn.Parameter):
+            names.append(f"{n}_bias")
+    return tuple(names)
+
+
+def find_experts(model: nn.Module, patterns: tuple[str, ...] = ()) -> dict[str, nn.Module]:
+    """The experts modules of ``model`` (path -> module): those shaped as the module doc
+    says, or those whose paths match ``patterns``."""
+    found = {}
+    for path, module in model.named_modules():
+        if patterns and not any(fnmatch.fnmatchcase(path, p) for p in patterns):
+            continue
+        if _weights(module):
+            found[path] = module
+    return found
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """Expert parallelism along data dimension ``dim`` (:func:`experts`)."""
+
+    dim: str | None = None
+    modules: tuple[str, ...] = ()
+
+    # not a tensor-parallel dimension: the batch is split along it (spmd.tp.tp_dims_of)
+    dims: tuple[str, ...] = ()
+
+    def resolve(self, model: nn.Module) -> dict[str, Any]:
+        return {}
+
+    def parameters(self, model: nn.Module, size: int, where: str) -> dict[str, str]:
+        """Each expert parameter's name -> the module holding it; ``ValueError`` naming a
+        layer whose experts do not divide over ``size`` ranks, or a model without any."""
+        found = find_experts(model, self.modules)
+        if not found:
+            what = (f"no module matching {list(self.modules)} is" if self.modules
+                    else "no module of it is")
+            raise ValueError(
+                f"{where}: spmd.ep.experts: {what} an experts module ({type(model).__name__}); "
+                f"one holds stacked gate_up_proj (or up_proj) and down_proj parameters of "
+                f"shape (experts, ...) and takes forward(hidden, top_k_index, top_k_weights)")
+        out: dict[str, str] = {}
+        for path, module in found.items():
+            count = getattr(module, _weights(module)[0]).shape[0]
+            if count % size:
+                raise ValueError(f"{where}: spmd.ep.experts: {path} has {count} experts, "
+                                 f"which do not divide over the {size} ranks of "
+                                 f"{self.dim or 'the data dimension'!r}")
+            for name in _weights(module):
+                out[f"{path}.{name}" if path else name] = path
+        return out
+
+
+def experts(*, dim: str | None = None, modules: tuple[str, ...] | list[str] = ()
+            ) -> ExpertParallel:
+    """Expert parallelism: each experts module's experts split by expert index over the
+    ranks of data dimension ``dim``.
+
+    Args:
+        dim: the mesh dimension the experts are split over; one the batch is split along
+            (default: the strategy's data dimension, the sharding one for ``fsdp``).
+        modules: module paths (or glob patterns) of the experts modules; default every
+            module shaped as one (:func:`find_experts`).
+
+    Pass it as ``placements=``, alone or in a list with other presets.
+    """
+    if dim is not None and (not isinstance(dim, str) or not dim):
+        raise TypeError(f"spmd.ep.experts: dim must be a mesh dimension's name, got {dim!r}")
+    if isinstance(modules, str) or not all(isinstance(m, str) for m in modules):
+        raise TypeError(f"spmd.ep.experts: modules must be a sequence of module paths, got "
+                        f"{modules!r}")
+    return ExpertParallel(dim=dim, modules=tuple(modules))
+
+
+def split_experts(placements: Any) -> tuple[Any, ExpertParallel | None]:
+    """``placements`` without its expert-parallel preset, and that preset (None if it has
+    none); ``ValueError`` for two."""
+    if isinstance(placements, ExpertParallel):
+        return None, placements
+    if not isinstance(placements, (list, tuple)):
+        return placements, None
+    found = [p for p in placements if isinstance(p, ExpertParallel)]
+    if len(found) > 1:
+        raise ValueError("placements hold spmd.ep.experts() twice; pass one (its modules= "
+                         "names every experts module)")
+    rest = [p for p in placements if not isinstance(p, ExpertParallel)]
+    return (rest or None) if found else placements, (found[0] if found else None)
+
+
+def expert_load(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The last forward's token count per expert of each expert-parallel layer (module
+    path -> ``(E,)`` counts over every rank), gathered over the expert-parallel group:
+    every rank must call it."""
+    from spmd.lowering.specs import lookup
+    from spmd.runtime.collectives import all_gather_into_tensor
+
+    out: dict[str, torch.Tensor] = {}
+    for path, module in model.named_modules():
+        handle = getattr(module, "_spmd_ep_handle", None)
+        if handle is None:
+            continue
+        spec = lookup(handle)
+        if spec.load is None:
+            continue
+        whole = spec.load.new_zeros(spec.num_experts)
+        if spec.communicates:
+            all_gather_into_tensor(whole, spec.load.contiguous(), group=spec.group)
+        else:
+            whole.copy_(spec.load.repeat(spec.size))
+        out[path] = whole
+    return out
+
+
+# -- the forward that replaces the experts module's --------------------------------------
+
+
+def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    from spmd.lowering import experts as ops
+    from spmd.lowering.specs import lookup
+
+    handle = self._spmd_ep_handle
+    spec = lookup(handle)
+    tokens, k = top_k_index.shape
+    hidden = hidden_states.shape[-1]
+    up, down = _weights(self)[:2]
+    transposed = bool(getattr(self, "is_transposed", False))
+    scale = 1.0 / spec.size
+    order, send, recv, offs = ops.ep_route(top_k_index.to(torch.int64), handle)
+    rows = hidden_states.repeat_interleave(k, dim=0)
+    xs = ops.ep_scatter(rows, order, send, recv, ops.bound_rows(spec, tokens, k), handle)
+    h = ops.grouped_mm(xs, getattr(self, up), offs, getattr(self, f"{up}_bias", None),
+                       transposed, scale)
+    if up == "gate_up_proj":
+        h = self._apply_gate(h) if hasattr(self, "_apply_gate") else _gate(self, h)
+    else:
+        h = self.act_fn(h)
+    ys = ops.grouped_mm(h, getattr(self, down), offs, getattr(self, f"{down}_bias", None),
+                        transposed, scale)
+    if getattr(self, "has_post_expert_norm", False):
+        ys = self.post_expert_norm(ys)
+    back = ops.ep_gather(ys, order, send, recv, handle)
+    out = (back.view(tokens, k, hidden) * top_k_weights.unsqueeze(-1).to(back.dtype)).sum(1)
+    return out.to(hidden_states.dtype)
+
+
+def _gate(self: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return self.act_fn(gate) * up
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _ep_class(cls: type) -> type:
+    sub = _CLASSES.get(cls)
+    if sub is None:
+        sub = type(f"ExpertParallel{cls.__name__}", (cls,),
+                   {"forward": _ep_forward, "__module__": cls.__module__})
+        _CLASSES[cls] = sub
+    return sub
+
+
+def place_experts(module: nn.Module, strategy: Any, handles: Any) -> dict[str, Any]:
+    """Give every experts module of ``module`` that ``strategy.experts`` names the
+    expert-parallel forward (its class swapped) and a spec; the specs by module path."""
+    from spmd.lowering.experts import ExpertsSpec
+
+    mesh = strategy.mesh
+    specs: dict[str, Any] = {}
+    paths = {name.rpartition(".")[0]: dim for name, dim in strategy.experts.items()}
+    for path, dim in sorted(paths.items()):
+        sub = module.get_submodule(path) if path else module
+        size = mesh.size(dim)
+        group = None if mesh.simulated else mesh.get_group(dim)
+        count = getattr(sub, _weights(sub)[0]).shape[0] * size  # stored: its own experts
+        spec = ExpertsSpec(module=path, num_experts=count, size=size,
+                           rank=0 if group is None else group.rank(), group=group,
+                           mesh_dim=dim)
+        sub._spmd_ep_handle = handles.add(spec)
+        sub.__class__ = _ep_class(type(sub))
+        specs[path] = spec
+    return specs
+
+
+def expert_parameters(preset: ExpertParallel, model: nn.Module, mesh: Any, strategy: Any,
+                      where: str) -> Mapping[str, str]:
+    """Parameter name -> expert-parallel mesh dimension, for ``prepare_model``."""
+    dim = preset.dim or strategy.shard_dim or strategy.data_dim
+    if dim is None or dim not in strategy.data_dims:
+        raise ValueError(f"{where}: spmd.ep.experts(dim={dim!r}): the experts are split over "
+                         f"a dimension the batch is split along; the strategy's are "
+                         f"{strategy.data_dims}")
+    params = preset.parameters(model, mesh.size(dim), where)
+    return {name: dim for name in params}
