@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from spmd.lowering.ops import define
-from spmd.lowering.specs import lookup
+from spmd.lowering.specs import lookup, sending
 from spmd.runtime import collectives
 
 __all__ = ["ExpertsSpec", "ep_route", "ep_scatter", "ep_gather", "grouped_mm",
@@ -80,7 +80,10 @@ class ExpertsSpec:
 
     @property
     def communicates(self) -> bool:
-        return self.group is not None and self.size > 1
+        """Rows move between ranks: a live group of several, and not a timing run of one
+        rank alone (:func:`spmd.lowering.specs.dry_run`, where each rank's experts take
+        its own rows as a simulated mesh's do)."""
+        return self.group is not None and self.size > 1 and sending()
 
 
 def bound_rows(spec: ExpertsSpec, tokens: int, k: int) -> int:
@@ -289,6 +292,10 @@ grouped_mm_weight = define(
     "-> Tensor", _weight_grad, _fake_weight_grad)
 grouped_sum = define("grouped_sum(Tensor grad, Tensor offs, float scale) -> Tensor",
                      _bias_grad, _fake_bias_grad)
+
+# ops whose output is this rank's experts' complete gradient: Shard(0) along the
+# expert-parallel dimension (each rank its own experts), not a per-rank Varying value
+EXPERT_GRADIENTS = (grouped_mm_weight, grouped_sum)
 
 
 def _keep_product(ctx: Any, inputs: tuple, output: Any) -> None:

@@ -33,8 +33,8 @@ import torch.fx as fx
 from spmd.lowering import rules
 from spmd.lowering.annotate import ShardingError
 from spmd.lowering.context import LoweringContext
-from spmd.lowering.placements import (Partial, Placement, Replicate, Sharding, StridedShard,
-                                     Varying)
+from spmd.lowering.placements import (Partial, Placement, Replicate, Shard, Sharding,
+                                     StridedShard, Varying)
 from spmd.lowering.redistribute import redistribution_path
 from spmd.lowering.state import Boundary, needs
 
@@ -224,6 +224,8 @@ def _rule(node: fx.Node, ctx: LoweringContext) -> Sharding | tuple[Sharding, ...
         if dim in strategy.data_dims:
             local = seeded(node) or any(not p.is_replicate() for p in incoming)
             placed: Placement | tuple = Varying() if local else Replicate()
+            if dim in strategy.experts.values() and _expert_gradient(node):
+                placed = Shard(0)  # this rank's experts' complete gradient (spmd.ep)
         elif node.target is operator.getitem and isinstance(node.args[0], fx.Node):
             source = node.args[0].meta["sharding"]
             placed = (source[node.args[1]] if isinstance(source, tuple) else source
@@ -279,6 +281,12 @@ def derive(gm: fx.GraphModule, ctx: LoweringContext) -> None:
                                      if isinstance(val, (tuple, list)) else source)
             continue
         node.meta["sharding"] = _rule(node, ctx)
+
+
+def _expert_gradient(node: fx.Node) -> bool:
+    from spmd.lowering.experts import EXPERT_GRADIENTS
+
+    return node.target in EXPERT_GRADIENTS
 
 
 def _placing(node: fx.Node) -> bool:

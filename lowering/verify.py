@@ -52,7 +52,7 @@ from spmd.lowering import ops, rules
 from spmd.lowering import ranked as ranked_ops
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import is_collective
-from spmd.lowering.placements import (Partial, Placement, Replicate, Sharding, Varying,
+from spmd.lowering.placements import (Partial, Placement, Replicate, Shard, Sharding, Varying,
                                      divides)
 from spmd.lowering.propagate import module_of, seeded
 from spmd.lowering.reshard import RESHARDED, forward_name
@@ -113,6 +113,12 @@ def _origin(node: fx.Node, limit: int = 64) -> fx.Node:
         if not is_collective(current):
             frontier.extend(current.all_input_nodes)
     return node
+
+
+def _expert_gradient(node: fx.Node) -> bool:
+    from spmd.lowering.experts import EXPERT_GRADIENTS
+
+    return node.target in EXPERT_GRADIENTS
 
 
 def _rule_name(target: Any) -> str:
@@ -333,6 +339,8 @@ class _Verifier:
             if isinstance(p, Partial):
                 self.fail(node, f"reads {a.name} as a whole value on data dimension {dim!r}, "
                                 f"but it is {p!r} there: a partial sum, not reduced")
+        if dim in self.strategy.experts.values() and _expert_gradient(node):
+            return Shard(0)  # this rank's experts' gradient, complete (spmd.ep)
         local = seeded(node) or any(not isinstance(p, Replicate) for p in incoming)
         return Varying() if local else Replicate()
 

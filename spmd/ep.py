@@ -175,18 +175,16 @@ def expert_load(model: nn.Module) -> dict[str, torch.Tensor]:
 def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     from spmd.lowering import experts as ops
-    from spmd.lowering.specs import lookup
 
-    handle = self._spmd_ep_handle
-    spec = lookup(handle)
+    handle, size, local = self._spmd_ep  # (plain numbers: Dynamo traces no spec lookup)
     tokens, k = top_k_index.shape
     hidden = hidden_states.shape[-1]
     up, down = _weights(self)[:2]
     transposed = bool(getattr(self, "is_transposed", False))
-    scale = 1.0 / spec.size
+    scale = 1.0 / size
     order, send, recv, offs = ops.ep_route(top_k_index.to(torch.int64), handle)
     rows = hidden_states.repeat_interleave(k, dim=0)
-    xs = ops.ep_scatter(rows, order, send, recv, ops.bound_rows(spec, tokens, k), handle)
+    xs = ops.ep_scatter(rows, order, send, recv, size * tokens * min(k, local), handle)
     h = ops.grouped_mm(xs, getattr(self, up), offs, getattr(self, f"{up}_bias", None),
                        transposed, scale)
     if up == "gate_up_proj":
@@ -236,6 +234,7 @@ def place_experts(module: nn.Module, strategy: Any, handles: Any) -> dict[str, A
                            rank=0 if group is None else group.rank(), group=group,
                            mesh_dim=dim)
         sub._spmd_ep_handle = handles.add(spec)
+        sub._spmd_ep = (sub._spmd_ep_handle, size, spec.local)
         sub.__class__ = _ep_class(type(sub))
         specs[path] = spec
     return specs

