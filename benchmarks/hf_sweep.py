@@ -33,7 +33,12 @@ SHORT = {"equal": "equal", "refused": "refused", "differs": "DIFFERS", "crash": 
          "hang": "HANG", "skipped": "not run"}
 
 
+NO_EXPERTS = "no experts module: expert parallelism does not apply"
+
+
 def cell_text(cell: dict) -> str:
+    if cell["detail"] == NO_EXPERTS:
+        return "—"
     text = SHORT[cell["outcome"]]
     if cell["outcome"] == "equal" and "float32" in cell["detail"]:
         text += "³²"
@@ -70,7 +75,7 @@ def table(cells: list[dict], built: dict[str, str], strategies: list[str],
             cell_text(row[s]) if s in row else "not yet run" for s in strategies) + " |")
     reasons: dict[str, list[str]] = {}
     for c in cells:
-        if c["outcome"] != "equal":
+        if c["outcome"] != "equal" and c["detail"] != NO_EXPERTS:
             reasons.setdefault(c["detail"], []).append(f"{c['family']} ({c['strategy']})")
     if reasons:
         lines += ["", "What the other cells said:", ""]
@@ -120,6 +125,7 @@ def main() -> None:
     import torch
     import transformers
 
+    from spmd.ep import find_experts
     from tests import hf_catalogue, hf_sweep
 
     # ranks fork from a server that has these imported: a job starts in a second
@@ -154,8 +160,11 @@ def main() -> None:
             families = [f for f in families if f in {g for g, _ in again}]
         # what an earlier run (of other families) found stays in the table
         built = json.load(open(json_path))["built"] if os.path.exists(json_path) else {}
+        experts: set[str] = set()  # the families with an experts module (spmd.ep)
         for family in families:
-            built[family] = hf_catalogue.try_build(family)[1]
+            model, built[family] = hf_catalogue.try_build(family)
+            if model is not None and find_experts(model):
+                experts.add(family)
         runnable = [f for f in families if not built[f]]
         print(f"{len(runnable)} of {len(families)} families build", flush=True)
 
@@ -176,7 +185,11 @@ def main() -> None:
         # when its cells are done)
         todo = [(f, s) for f in runnable for s in strategies]
         todo = [c for c in todo if (c in again if args.again else c not in done)]
-        outcomes = hf_sweep.sweep(todo, log=log)
+        # expert parallelism's cells of a family without experts: not run, and said so
+        unrun = [hf_sweep.Outcome(f, s, "skipped", NO_EXPERTS) for f, s in todo
+                 if s in hf_sweep.EXPERTS_ONLY and f not in experts]
+        todo = [c for c in todo if c not in {(o.family, o.strategy) for o in unrun}]
+        outcomes = unrun + hf_sweep.sweep(todo, log=log)
         print(f"\n{len(outcomes)} cells in {time.perf_counter() - start:.0f} s")
         cells = {**done, **{(o.family, o.strategy): record(o) for o in outcomes}}
         order = {s: i for i, s in enumerate(hf_sweep.STRATEGIES)}
@@ -184,7 +197,9 @@ def main() -> None:
                        key=lambda c: (order[c["strategy"]], c["family"]))
         with open(json_path, "w") as f:
             json.dump({"cells": cells, "built": built, "versions": versions}, f, indent=1)
-    sections = table(cells, built, strategies, versions)
+    # every strategy some cell ran under, in the harness's order
+    ran = {c["strategy"] for c in cells}
+    sections = table(cells, built, [s for s in hf_sweep.STRATEGIES if s in ran], versions)
     print(sections[1])
     if args.readme:
         write_readme(sections)

@@ -6,7 +6,7 @@ one data dimension (``"ep"``): rank ``r`` holds experts ``r * L .. (r + 1) * L -
 ``E = size * L``. Each rank routes its own tokens; one layer is then
 
     order, send, recv, offs = spmd.ep_route(top_k_index, handle)     # counts exchanged
-    xs = spmd.ep_scatter(rows, order, send, recv, handle)            # all-to-all, uneven
+    xs = spmd.ep_scatter(rows, order, send, recv, C, handle)         # all-to-all, uneven
     h = spmd.grouped_mm(xs, gate_up, offs, bias, transposed, scale)  # one product per expert
     ...activation...
     ys = spmd.grouped_mm(h, down, offs, bias, transposed, scale)
@@ -24,9 +24,8 @@ one data dimension (``"ep"``): rank ``r`` holds experts ``r * L .. (r + 1) * L -
   where the build and dtype take it, a loop otherwise); its backward gives the input's
   gradient and each expert's weight (and bias) gradient, the latter times ``scale``.
 
-Shapes are static, as a graph needs: ``C = size * T * min(k, L)`` rows, enough for every
-token of every rank to reach this rank's experts (dropless: a token's k choices are
-distinct experts, so at most ``min(k, L)`` of them land on one rank). The padding rows
+Shapes are static, as a graph needs: ``C = size * T * k`` rows, enough for every choice
+of every rank's tokens to reach this rank's experts (dropless). The padding rows
 are zeros, never sent back, and add nothing to any gradient.
 
 Scaling: the gradient of each local expert holds the contributions of every rank's
@@ -88,7 +87,7 @@ class ExpertsSpec:
 
 def bound_rows(spec: ExpertsSpec, tokens: int, k: int) -> int:
     """The static row count ``C`` a rank's experts receive (module doc)."""
-    return max(1, spec.size * tokens * min(k, spec.local))
+    return max(1, spec.size * tokens * k)
 
 
 # -- routing --------------------------------------------------------------------------

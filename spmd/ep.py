@@ -33,6 +33,7 @@ top_k_weights (T, k))``.
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -61,14 +62,46 @@ def _weights(module: nn.Module) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _routed(module: nn.Module) -> bool:
+    """Its forward takes the routing: ``forward(hidden, top_k_index, top_k_weights)``
+    (a module whose experts are applied another way, e.g. Llama 4's to tokens already
+    repeated per expert, or a stacked shared expert, is not one)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def unsupported(module: nn.Module) -> str:
+    """Why the expert-parallel forward cannot stand in for ``module``'s own ('' if it
+    can): parameters beyond the stacked expert weights (a per-expert norm inside it), or
+    a class that overrides the decorated experts forward with logic of its own."""
+    known = set(_weights(module))
+    extra = [n for n, _ in module.named_parameters() if n not in known]
+    if extra:
+        return (f"it holds parameters besides its experts' stacked weights ({', '.join(extra)}), "
+                f"which the expert-parallel forward would not apply")
+    cls = type(module)
+    own = cls.__dict__.get("forward")
+    decorated = [c for c in cls.__mro__[1:] if hasattr(c.__dict__.get("forward"), "__wrapped__")]
+    if own is not None and decorated and not hasattr(own, "__wrapped__"):
+        return (f"{cls.__name__}.forward overrides the experts forward of "
+                f"{decorated[0].__name__} with code of its own, which the expert-parallel "
+                f"forward would not run")
+    return ""
+
+
 def find_experts(model: nn.Module, patterns: tuple[str, ...] = ()) -> dict[str, nn.Module]:
     """The experts modules of ``model`` (path -> module): those shaped as the module doc
-    says, or those whose paths match ``patterns``."""
+    says (stacked expert weights, a forward that takes the routing), or among those the
+    ones whose paths match ``patterns``."""
     found = {}
     for path, module in model.named_modules():
         if patterns and not any(fnmatch.fnmatchcase(path, p) for p in patterns):
             continue
-        if _weights(module):
+        if _weights(module) and _routed(module):
             found[path] = module
     return found
 
@@ -99,6 +132,11 @@ class ExpertParallel:
                 f"shape (experts, ...) and takes forward(hidden, top_k_index, top_k_weights)")
         out: dict[str, str] = {}
         for path, module in found.items():
+            why = unsupported(module)
+            if why:
+                raise ValueError(f"{where}: spmd.ep.experts: {path} ({type(module).__name__}) "
+                                 f"cannot be split by expert: {why}; leave it whole by naming "
+                                 f"the others with spmd.ep.experts(modules=[...])")
             count = getattr(module, _weights(module)[0]).shape[0]
             if count % size:
                 raise ValueError(f"{where}: spmd.ep.experts: {path} has {count} experts, "
@@ -184,7 +222,7 @@ def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
     scale = 1.0 / size
     order, send, recv, offs = ops.ep_route(top_k_index.to(torch.int64), handle)
     rows = hidden_states.repeat_interleave(k, dim=0)
-    xs = ops.ep_scatter(rows, order, send, recv, size * tokens * min(k, local), handle)
+    xs = ops.ep_scatter(rows, order, send, recv, size * tokens * k, handle)
     h = ops.grouped_mm(xs, getattr(self, up), offs, getattr(self, f"{up}_bias", None),
                        transposed, scale)
     if up == "gate_up_proj":
@@ -243,6 +281,11 @@ def place_experts(module: nn.Module, strategy: Any, handles: Any) -> dict[str, A
 def expert_parameters(preset: ExpertParallel, model: nn.Module, mesh: Any, strategy: Any,
                       where: str) -> Mapping[str, str]:
     """Parameter name -> expert-parallel mesh dimension, for ``prepare_model``."""
+    if strategy.tp_dims:
+        raise NotImplementedError(
+            f"{where}: spmd.ep.experts() beside tensor, sequence or context parallelism "
+            f"({', '.join(strategy.tp_dims)}) is not planned yet; expert parallelism composes "
+            f"with ddp and fsdp along the data dimension")
     dim = preset.dim or strategy.shard_dim or strategy.data_dim
     if dim is None or dim not in strategy.data_dims:
         raise ValueError(f"{where}: spmd.ep.experts(dim={dim!r}): the experts are split over "
@@ -250,3 +293,50 @@ def expert_parameters(preset: ExpertParallel, model: nn.Module, mesh: Any, strat
                          f"{strategy.data_dims}")
     params = preset.parameters(model, mesh.size(dim), where)
     return {name: dim for name in params}
+
+
+# -- the plan's lines -----------------------------------------------------------------
+
+
+def plan_lines(plan: Any) -> list[str]:
+    """The plan's section on expert parallelism: each layer's experts per rank, the rows
+    it sends per step and its all-to-alls priced by the plan's cost model for even
+    routing (the counts' exchange, then rows out and back in forward, and again in
+    backward); [] for a model without it."""
+    from spmd.lowering import experts as ops
+    from spmd.lowering.propagate import module_of
+    from spmd.lowering.specs import lookup
+
+    layers: dict[str, tuple[Any, int, int]] = {}
+    for name, graph in plan.graphs.items():
+        if not name.endswith(".forward"):
+            continue
+        for node in graph.graph.nodes:
+            if node.target is not ops.ep_scatter:
+                continue
+            val = node.args[0].meta.get("val")
+            try:
+                spec = lookup(node.args[-1])
+            except RuntimeError:
+                continue
+            nbytes = int(val.numel()) * val.element_size() if val is not None else 0
+            layers[spec.module or module_of(node)] = (spec, int(val.shape[0]), nbytes)
+    if not layers:
+        return []
+    first = next(iter(layers.values()))[0]
+    model = plan.cost_model
+    lines = ["", f"expert parallelism along {first.mesh_dim!r} ({first.size} ranks), dropless; "
+                 f"all-to-alls priced for even routing:",
+             f"{'layer':<36} {'experts':>7} {'per rank':>8} {'rows out':>8} "
+             f"{'bytes out':>10} {'pred µs/step':>12}"]
+    total = 0.0
+    for path, (spec, rows, nbytes) in sorted(layers.items()):
+        counts = spec.num_experts * 8
+        seconds = (4 * model.seconds("all_to_all", nbytes) + model.seconds("all_to_all", counts)
+                   if spec.size > 1 else 0.0)
+        total += seconds
+        lines.append(f"{path:<36} {spec.num_experts:>7} {spec.local:>8} {rows:>8} "
+                     f"{nbytes:>10,} {seconds * 1e6:>12.1f}")
+    lines.append(f"expert all-to-alls per step: {total * 1e3:.3f} ms predicted "
+                 f"(spmd.ep.expert_load(model): each expert's tokens in the last forward)")
+    return lines

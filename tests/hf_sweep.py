@@ -48,13 +48,18 @@ ATOL = 1e-9
 LR, CLIP = 1e-2, 0.5
 OUTCOMES = ("equal", "refused", "differs", "crash", "hang")
 
-# name -> (mesh shape, dimension names, strategy, tensor parallel)
-STRATEGIES: dict[str, tuple[tuple[int, ...], tuple[str, ...], str, bool]] = {
-    "ddp": ((2,), ("dp",), "ddp", False),
-    "fsdp": ((2,), ("fsdp",), "fsdp", False),
-    "tp": ((2,), ("tp",), "ddp", True),
-    "fsdp x tp": ((2, 2), ("fsdp", "tp"), "fsdp", True),
+# name -> (mesh shape, dimension names, strategy, preset: "" none, "tp" the family's own
+# tensor-parallel plan, "ep" its experts split by index over the data ranks)
+STRATEGIES: dict[str, tuple[tuple[int, ...], tuple[str, ...], str, str]] = {
+    "ddp": ((2,), ("dp",), "ddp", ""),
+    "fsdp": ((2,), ("fsdp",), "fsdp", ""),
+    "tp": ((2,), ("tp",), "ddp", "tp"),
+    "fsdp x tp": ((2, 2), ("fsdp", "tp"), "fsdp", "tp"),
+    "ep": ((2,), ("ep",), "ddp", "ep"),
+    "fsdp x ep": ((2,), ("ep",), "fsdp", "ep"),
 }
+# the strategies only a mixture of experts takes (a cell of any other family is not run)
+EXPERTS_ONLY = ("ep", "fsdp x ep")
 _REFUSALS = ("ValueError", "TypeError", "NotImplementedError", "ShardingError",
              "EmptyBackwardError", "Infeasible")
 
@@ -193,13 +198,14 @@ def _cell(family: str, strategy: str) -> dict:
     from .hf_catalogue import build
     from .zoo import data_index
 
-    shape, names, kind, tp = STRATEGIES[strategy]
+    shape, names, kind, preset = STRATEGIES[strategy]
     start = time.perf_counter()
     stage = "parallelize"
     try:
         mesh = spmd.Mesh(shape, dim_names=names)
+        placements = {"tp": spmd.tp.megatron(), "ep": spmd.ep.experts()}.get(preset)
         model = spmd.parallelize(build(family), mesh=mesh, strategy=kind,
-                                 placements=spmd.tp.megatron() if tp else None)
+                                 placements=placements)
         planned = model._spmd.setup.strategy
         index, count = data_index(planned.mesh, planned)
         per = ROWS // count

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
+from spmd.ep import plan_lines as ep_lines
 from spmd.lowering.cost_model import CostModel, along
 from spmd.lowering.graph import collective_nodes
 from spmd.lowering.options import Options
@@ -251,6 +252,7 @@ class Plan:
             for c in self.collectives:
                 lines.append(f"{c.name:<24} {c.kind:<11} {c.bytes:>12,}  {c.group:<10} "
                              f"{c.provenance.pass_name}: {c.provenance.reason}")
+        lines += ep_lines(self)
         if self.fallbacks:
             lines.append("")
             lines.append("synchronised by the eager safety net:")

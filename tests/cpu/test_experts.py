@@ -180,7 +180,11 @@ def test_expert_parallel_model_trains_like_one_process(strategy, skew):
             assert diff < ATOL, f"rank {rank}: {key} differs by {diff:.3g}"
         diff = float((got["eval"] - want["eval"][rank:rank + 1]).abs().max())
         assert diff < ATOL, f"rank {rank}: the evaluation differs by {diff:.3g}"
-        assert "captured region(s)" in got["plan"]
+        # the experts' ops broke no graph: every region is a first call, a recompile for
+        # the new batch size or the evaluation's; nothing left to the eager path
+        assert "graph break" not in got["plan"] and "eager safety net" not in got["plan"]
+        assert "expert parallelism along 'ep' (2 ranks)" in got["plan"]
+        assert "blocks.1.moe.experts" in got["plan"]
         loads = got["load"]
         assert set(loads) == {"blocks.0.moe.experts", "blocks.1.moe.experts"}
         if skew:  # the last expert got no token in the last forward, and that is correct
@@ -217,6 +221,32 @@ def test_bad_arguments_are_refused_before_anything_runs():
     with pytest.raises(ValueError, match="a dimension the batch is split along"):
         spmd.parallelize(MoELM(), mesh=spmd.Mesh.simulated(2),
                          placements=spmd.ep.experts(dim="tp"))
+
+
+def test_an_experts_module_with_more_than_its_experts_is_refused_by_name():
+    """A module the expert-parallel forward cannot stand in for (a per-expert norm inside
+    it, as Ergo's) is refused, not run with its norm dropped."""
+    from ..moe import Experts
+
+    class NormedExperts(Experts):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = torch.nn.RMSNorm(16)
+
+    model = MoELM()
+    for block in model.blocks:
+        block.moe.experts = NormedExperts()
+    with pytest.raises(ValueError, match=r"blocks\.0\.moe\.experts \(NormedExperts\) cannot be "
+                                         r"split by expert: it holds parameters besides its "
+                                         r"experts' stacked weights \(norm\.weight\)"):
+        spmd.parallelize(model, mesh=spmd.Mesh.simulated(2), placements=spmd.ep.experts())
+
+
+def test_expert_parallelism_beside_tensor_parallelism_is_refused_until_planned():
+    mesh = spmd.Mesh.simulated((2, 2), dim_names=("ep", "tp"))
+    with pytest.raises(NotImplementedError, match="beside tensor, sequence or context"):
+        spmd.parallelize(MoELM(), mesh=mesh, placements=[
+            spmd.ep.experts(), {"tp": {"blocks.*.qkv.weight": spmd.Shard(0)}}])
 
 
 def test_routing_to_an_expert_that_does_not_exist_names_it():
