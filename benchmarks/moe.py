@@ -41,7 +41,6 @@ the two ranks' outgoing bytes (what the slower rank waits for).
 
 from __future__ import annotations
 
-import copy
 import resource
 import statistics
 import time
@@ -197,7 +196,7 @@ def _step(model, opt, batch) -> float:
     loss.backward()
     opt.step()
     opt.zero_grad()
-    return float(loss)
+    return float(loss.detach())
 
 
 def _make(name: str, args, rank: int, world: int):

@@ -167,8 +167,9 @@ def _scatter(rows: torch.Tensor, order: torch.Tensor, send: torch.Tensor,
     spec: ExpertsSpec = lookup(handle)
     got = int(recv.sum())
     arrived = _exchange(rows[order], got, send.sum(1).tolist(), recv.sum(1).tolist(), spec)
-    out = rows.new_zeros((bound, *rows.shape[1:]))
-    out[:got] = arrived[_expert_major(recv)]
+    out = rows.new_empty((bound, *rows.shape[1:]))
+    torch.index_select(arrived, 0, _expert_major(recv), out=out[:got])
+    out[got:].zero_()  # the padding: zeros, which add nothing anywhere
     return out
 
 
@@ -226,22 +227,21 @@ ep_gather = define(
 # -- one product per expert -----------------------------------------------------------
 
 
-def _product(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
-    return x @ w if transposed else x @ w.t()
-
-
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
                 bias: torch.Tensor | None, transposed: bool, scale: float) -> torch.Tensor:
     out_features = w.shape[2] if transposed else w.shape[1]
-    out = x.new_zeros((x.shape[0], out_features))
+    out = x.new_empty((x.shape[0], out_features))
     ends = offs.tolist()
     start = 0
     for e, end in enumerate(ends):
-        if end > start:
-            out[start:end] = _product(x[start:end], w[e], transposed)
-            if bias is not None:
-                out[start:end] += bias[e]
+        if end > start:  # written in place: no temporary per expert
+            weight = w[e] if transposed else w[e].t()
+            if bias is None:
+                torch.mm(x[start:end], weight, out=out[start:end])
+            else:
+                torch.addmm(bias[e], x[start:end], weight, out=out[start:end])
         start = end
+    out[start:].zero_()  # the padding rows
     return out
 
 
@@ -255,14 +255,18 @@ def _weight_grad(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, transp
     experts = offs.shape[0]
     shape = (experts, x.shape[1], grad.shape[1]) if transposed else (
         experts, grad.shape[1], x.shape[1])
-    out = grad.new_zeros(shape)
+    out = grad.new_empty(shape)
     start = 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
             g, xs = grad[start:end], x[start:end]
-            out[e] = xs.t() @ g if transposed else g.t() @ xs
+            torch.mm(xs.t(), g, out=out[e]) if transposed else torch.mm(g.t(), xs, out=out[e])
+            if scale != 1.0:
+                out[e].mul_(scale)
+        else:
+            out[e].zero_()  # an expert that received no row
         start = end
-    return out.mul_(scale) if scale != 1.0 else out
+    return out
 
 
 def _fake_weight_grad(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor,
