@@ -321,3 +321,44 @@ grouped_mm = define(
     "grouped_mm(Tensor x, Tensor w, Tensor offs, Tensor? bias, bool transposed, "
     "float scale) -> Tensor", _grouped_mm, _fake_grouped_mm, _grouped_mm_backward,
     _keep_product)
+
+
+# -- a router statistic over every data rank's tokens ---------------------------------
+
+
+@dataclass(eq=False)
+class MeanSpec:
+    """The data ranks a statistic is averaged over (:data:`data_mean`)."""
+
+    group: Any = None
+    size: int = 1
+
+    @property
+    def communicates(self) -> bool:
+        return self.group is not None and self.size > 1 and sending()
+
+
+def _data_mean(x: torch.Tensor, handle: int) -> torch.Tensor:
+    spec: MeanSpec = lookup(handle)
+    out = x.detach().clone().contiguous()
+    if spec.communicates:
+        collectives.all_reduce(out, group=spec.group)
+        out.div_(spec.size)
+    return out
+
+
+def _fake_data_mean(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _data_mean_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    # each rank's share of the whole statistic passes its gradient unscaled: the data
+    # dimension's average of the ranks' gradients (ddp's) then gives the whole batch's
+    return grad, None
+
+
+data_mean = define("data_mean(Tensor x, int handle) -> Tensor", _data_mean, _fake_data_mean,
+                   _data_mean_backward)
+
+# ops whose output is the same on every data rank (Replicate along the data dimensions)
+RANK_MEANS = (data_mean,)

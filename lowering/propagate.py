@@ -226,6 +226,8 @@ def _rule(node: fx.Node, ctx: LoweringContext) -> Sharding | tuple[Sharding, ...
             placed: Placement | tuple = Varying() if local else Replicate()
             if dim in strategy.experts.values() and _expert_gradient(node):
                 placed = Shard(0)  # this rank's experts' complete gradient (spmd.ep)
+            elif _expert_gradient(node, means=True):
+                placed = Replicate()  # a statistic averaged over the data ranks
         elif node.target is operator.getitem and isinstance(node.args[0], fx.Node):
             source = node.args[0].meta["sharding"]
             placed = (source[node.args[1]] if isinstance(source, tuple) else source
@@ -283,10 +285,11 @@ def derive(gm: fx.GraphModule, ctx: LoweringContext) -> None:
         node.meta["sharding"] = _rule(node, ctx)
 
 
-def _expert_gradient(node: fx.Node) -> bool:
-    from spmd.lowering.experts import EXPERT_GRADIENTS
+def _expert_gradient(node: fx.Node, means: bool = False) -> bool:
+    """``node`` is an expert weight gradient op (``means``: a data-rank mean op)."""
+    from spmd.lowering.experts import EXPERT_GRADIENTS, RANK_MEANS
 
-    return node.target in EXPERT_GRADIENTS
+    return node.target in (RANK_MEANS if means else EXPERT_GRADIENTS)
 
 
 def _placing(node: fx.Node) -> bool:

@@ -121,6 +121,12 @@ def _expert_gradient(node: fx.Node) -> bool:
     return node.target in EXPERT_GRADIENTS
 
 
+def _rank_mean(node: fx.Node) -> bool:
+    from spmd.lowering.experts import RANK_MEANS
+
+    return node.target in RANK_MEANS
+
+
 def _rule_name(target: Any) -> str:
     rule = rules.lookup(target)
     if rule is None:
@@ -341,6 +347,8 @@ class _Verifier:
                                 f"but it is {p!r} there: a partial sum, not reduced")
         if dim in self.strategy.experts.values() and _expert_gradient(node):
             return Shard(0)  # this rank's experts' gradient, complete (spmd.ep)
+        if _rank_mean(node):
+            return Replicate()  # averaged over the data ranks (spmd.ep.load_balancing_loss)
         local = seeded(node) or any(not isinstance(p, Replicate) for p in incoming)
         return Varying() if local else Replicate()
 

@@ -65,7 +65,7 @@ class MoE(nn.Module):
         weights, index = probs.topk(TOP_K, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
         out = self.experts(flat, index, weights) + self.shared(flat)
-        return out.view(b, s, h)
+        return out.view(b, s, h), logits
 
 
 class Block(nn.Module):
@@ -83,15 +83,19 @@ class Block(nn.Module):
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                            v.transpose(1, 2), is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
-        return x + self.moe(self.norm2(x))
+        out, logits = self.moe(self.norm2(x))
+        return x + out, logits
 
 
 class MoELM(nn.Module):
     """``skew``: the router's bias towards the first experts (0: none; 4: the last expert
-    gets no token); ``bias``: the experts have biases (as GPT-OSS's)."""
+    gets no token); ``bias``: the experts have biases (as GPT-OSS's); ``router_logits``:
+    return ``(logits, (each layer's router logits, ...))`` for an auxiliary loss."""
 
-    def __init__(self, skew: float = 0.0, bias: bool = False, layers: int = 2) -> None:
+    def __init__(self, skew: float = 0.0, bias: bool = False, layers: int = 2,
+                 router_logits: bool = False) -> None:
         super().__init__()
+        self.router_logits = router_logits
         self.embed = nn.Embedding(VOCAB, HIDDEN)
         self.blocks = nn.ModuleList(Block(skew, bias) for _ in range(layers))
         self.norm = nn.RMSNorm(HIDDEN)
@@ -99,9 +103,12 @@ class MoELM(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
+        routed = []
         for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+            x, logits = block(x)
+            routed.append(logits)
+        out = self.head(self.norm(x))
+        return (out, tuple(routed)) if self.router_logits else out
 
 
 def batch(step: int, rows: int = 4, seq: int = 6) -> tuple[torch.Tensor, torch.Tensor]:

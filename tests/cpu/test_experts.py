@@ -192,6 +192,52 @@ def test_expert_parallel_model_trains_like_one_process(strategy, skew):
     assert runs[0]["load"] == runs[1]["load"]  # gathered: every rank sees every expert
 
 
+# -- the router's auxiliary loss over the whole batch ------------------------------------
+
+AUX = 0.1
+
+
+def _train_aux(model, rank: int | None, world: int, handle_model) -> dict:
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(3):
+        x, y = batch(step, rows=2 * world)
+        part = slice(None) if rank is None else slice(rank * 2, (rank + 1) * 2)
+        out, routed = model(x[part])
+        aux = spmd.ep.load_balancing_loss(routed, 2, model=handle_model)
+        (F.cross_entropy(out.flatten(0, 1), y[part].flatten()) + AUX * aux).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def aux_job(rank: int, base) -> tuple[dict, dict]:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
+    mesh = spmd.Mesh((dist.get_world_size(),), dim_names=("ep",))
+    found = []
+    for whole in (True, False):  # over every rank's tokens; each rank's alone
+        model = spmd.parallelize(copy.deepcopy(base), mesh=mesh, placements=spmd.ep.experts())
+        found.append(_train_aux(model, rank, dist.get_world_size(), model if whole else None))
+    dist.destroy_process_group()
+    return tuple(found)
+
+
+def test_the_load_balancing_loss_is_the_whole_batchs():
+    """With ``model=``, the auxiliary loss's means are taken over both ranks' tokens: the
+    training equals one process's; each rank's own (what a model computing it per rank
+    gets) does not."""
+    torch.manual_seed(0)
+    base = MoELM(router_logits=True).double()
+    want = _train_aux(copy.deepcopy(base), None, 2, None)
+    runs = dist.spawn(aux_job, args=(base,), nprocs=2, start_method="forkserver",
+                      timeout=110)
+    for rank, (whole, local) in enumerate(runs):
+        worst = max(float((whole[k] - v).abs().max()) for k, v in want.items())
+        assert worst < ATOL, f"rank {rank}: differs by {worst:.3g}"
+        apart = max(float((local[k] - v).abs().max()) for k, v in want.items())
+        assert apart > 1e-6, f"rank {rank}: per-rank aux loss came out equal ({apart:.3g})"
+
+
 # -- bad input -------------------------------------------------------------------------
 
 
