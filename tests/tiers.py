@@ -119,6 +119,15 @@ LONG: dict[str, tuple[float, str]] = {
     "tests/cpu/test_checkpoint_manager.py::test_the_fault_matrix": (
         420, "test_a_killed_rank_restarts_and_finishes_bit_for_bit (a kill in backward "
              "under fsdp, one during a checkpoint's write under ddp)"),
+    # 2026-12-05: expert parallelism; CI keeps ddp-routed, fsdp-skewed, zero2-routed and
+    # the 4-rank hsdp with the experts along "dp" (skewed)
+    **{f"tests/cpu/test_experts.py::test_expert_parallel_model_trains_like_one_process[{c}]": (
+        s, "the same test's cases CI keeps (each layout routed or skewed once)")
+       for c, s in (("ddp-skewed", 7), ("fsdp-routed", 8), ("zero2-skewed", 8),
+                    ("hsdp-ep-on-fsdp-routed", 18), ("hsdp-ep-on-fsdp-skewed", 18),
+                    ("hsdp-ep-on-dp-routed", 17))},
+    "tests/cpu/test_experts.py::test_a_checkpoint_split_by_expert_resumes_under_another_layout[fsdp]": (
+        7, "its [fsdp x ep] case (the same restore of pieces split by expert)"),
 }
 
 

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from datetime import timedelta
 
 import pytest
@@ -149,47 +150,68 @@ def _train(model, rank: int | None, world: int, clip: float = 0.5) -> dict:
             "eval": evaluated}
 
 
-def model_job(rank: int, base, strategy: str) -> dict:
+def model_job(rank: int, base, strategy: str, shape=(2,), names=("ep",), dim=None) -> dict:
+    from ..zoo import data_index
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=90))
-    mesh = spmd.Mesh((dist.get_world_size(),), dim_names=("ep",))
+    mesh = spmd.Mesh(shape, dim_names=names)
     model = spmd.parallelize(copy.deepcopy(base), mesh=mesh, strategy=strategy,
-                             placements=spmd.ep.experts())
-    out = _train(model, rank, dist.get_world_size())
+                             placements=spmd.ep.experts(dim=dim))
+    planned = model._spmd.setup.strategy
+    index, count = data_index(planned.mesh, planned)
+    out = _train(model, index, count)
     out["load"] = {k: v.tolist() for k, v in spmd.ep.expert_load(model).items()}
     out["plan"] = str(spmd.inspect(model))
     out["stored"] = tuple(model.module.blocks[0].moe.experts.gate_up_proj.shape)
+    out["index"] = index
     dist.destroy_process_group()
     return out
 
 
+LAYOUTS = {  # name -> (strategy, mesh shape, dimension names, the experts' dimension)
+    "ddp": ("ddp", (2,), ("ep",), None),
+    "fsdp": ("fsdp", (2,), ("ep",), None),
+    "zero2": ("zero2", (2,), ("dp",), None),
+    # 2 x 2: the experts split along the sharding dimension and replicated along "dp", or
+    # split along "dp" and averaged along the sharding one
+    "hsdp-ep-on-fsdp": ("hsdp", (2, 2), ("dp", "fsdp"), "fsdp"),
+    "hsdp-ep-on-dp": ("hsdp", (2, 2), ("dp", "fsdp"), "dp"),
+}
+
+
 @pytest.mark.parametrize("skew", [0.0, 4.0], ids=["routed", "skewed"])
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_expert_parallel_model_trains_like_one_process(strategy, skew):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_expert_parallel_model_trains_like_one_process(layout, skew):
+    strategy, shape, names, dim = LAYOUTS[layout]
+    world = math.prod(shape)
+    ep = shape[names.index(dim)] if dim else world if len(shape) == 1 else None
     torch.manual_seed(0)
     base = MoELM(skew=skew).double()
-    want = _train(copy.deepcopy(base), None, 2)
+    want = _train(copy.deepcopy(base), None, world)
     # processes: ranks as threads of one process share state that let one rank's
     # evaluation forward perturb another's optimizer step (seen without spmd.ep too)
-    runs = dist.spawn(model_job, args=(base, strategy), nprocs=2, start_method="forkserver",
-                      timeout=110)
+    runs = dist.spawn(model_job, args=(base, strategy, shape, names, dim), nprocs=world,
+                      start_method="forkserver", timeout=110)
     for rank, got in enumerate(runs):
-        assert got["stored"][0] == EXPERTS // 2, got["stored"]  # its own experts only
+        assert got["stored"][0] == EXPERTS // ep, got["stored"]  # its own experts only
         for key, value in want["state"].items():
             diff = float((got["state"][key] - value).abs().max())
             assert diff < ATOL, f"rank {rank}: {key} differs by {diff:.3g}"
-        diff = float((got["eval"] - want["eval"][rank:rank + 1]).abs().max())
+        row = got["index"]
+        diff = float((got["eval"] - want["eval"][row:row + 1]).abs().max())
         assert diff < ATOL, f"rank {rank}: the evaluation differs by {diff:.3g}"
         # the experts' ops broke no graph: every region is a first call, a recompile for
         # the new batch size or the evaluation's; nothing left to the eager path
         assert "graph break" not in got["plan"] and "eager safety net" not in got["plan"]
-        assert "expert parallelism along 'ep' (2 ranks)" in got["plan"]
+        assert f"expert parallelism along {dim or names[0]!r} ({ep} ranks)" in got["plan"]
         assert "blocks.1.moe.experts" in got["plan"]
         loads = got["load"]
         assert set(loads) == {"blocks.0.moe.experts", "blocks.1.moe.experts"}
         if skew:  # the last expert got no token in the last forward, and that is correct
             assert any(load[-1] == 0 for load in loads.values()), loads
-    assert runs[0]["load"] == runs[1]["load"]  # gathered: every rank sees every expert
+    # gathered: every rank of an expert group sees every expert's load
+    assert all(r["load"].keys() == runs[0]["load"].keys() for r in runs)
 
 
 # -- checkpoints: saved split by expert, restored under another layout ------------------
