@@ -64,7 +64,8 @@ class Entry:
 
     Attributes:
         name: its name in :data:`ZOO`.
-        family: 'transformer', 'encoder', 'llama', 'gpt2', 'mistral', 'qwen2' or 'glm'.
+        family: 'transformer', 'encoder', 'llama', 'gpt2', 'mistral', 'qwen2', 'glm' or
+            'mixtral' (a mixture of experts).
         build: the model (float64, the same weights every call); :meth:`model` calls it.
         blocks: the module path of each transformer block, in order: what a structural
             test counts collectives per (a module path starting with one is in it).
@@ -167,6 +168,17 @@ def _glm() -> nn.Module:
                                            pad_token_id=0)))
 
 
+def _mixtral() -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    # a mixture of experts: 4 experts, top-2, stacked weights run as batched_mm (static
+    # shapes; torch._grouped_mm takes no float64); spmd.ep splits them by expert
+    config = MixtralConfig(**DECODER, num_local_experts=4, num_experts_per_tok=2,
+                           router_jitter_noise=0.0)
+    config._experts_implementation = "batched_mm"
+    return Logits(MixtralForCausalLM(config))
+
+
 def _gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -198,6 +210,8 @@ ZOO: dict[str, Entry] = {e.name: e for e in [
     Entry(name="qwen2", family="qwen2", build=_double(_qwen2),
           blocks=_blocks("hf.model.layers")),
     Entry(name="glm", family="glm", build=_double(_glm),
+          blocks=_blocks("hf.model.layers")),
+    Entry(name="mixtral", family="mixtral", build=_double(_mixtral),
           blocks=_blocks("hf.model.layers")),
 ]}
 

@@ -146,3 +146,45 @@ def repeat_interleave(node: fx.Node, inputs: tuple[Placement, ...], size: int
     """The indices ``repeat_interleave(counts)`` makes for ``index_select``: each depends on
     every count before it."""
     return [replicate_all(node, "each index depends on every count before it")]
+
+
+def _single_index(node: fx.Node) -> fx.Node | None:
+    """The one index tensor of ``x[index]`` (``index.Tensor``/``index_put`` with one
+    index, into dimension 0), or None for any other indexing."""
+    indices = node.args[1]
+    if isinstance(indices, (list, tuple)) and len(indices) == 1 and \
+            isinstance(indices[0], fx.Node):
+        return indices[0]
+    return None
+
+
+@register(op("index.Tensor"))
+def index(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    """``x[index]`` with one index tensor (rows of ``x``, e.g. an MoE's experts' weights
+    gathered per token): with ``x`` whole and the indices sharded along a dimension, each
+    rank gathers its part of the result there (the index's dimensions come first)."""
+    idx = _single_index(node)
+    if idx is not None and len(inputs) == 2:
+        px, pi = inputs
+        if isinstance(pi, Shard) and isinstance(px, Replicate) and \
+                shape(idx)[pi.dim] % size == 0:
+            return [Decision(output=Shard(pi.dim), inputs=(Replicate(), pi),
+                             reason="each rank its indices, the source whole")]
+        if isinstance(px, Partial) and isinstance(pi, Replicate):
+            return [Decision(output=px, reason="entries of a partial value are partial")]
+    return [replicate_all(node, "indices into the whole tensor")]
+
+
+@register(op("index_put.default"))
+def index_put(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    """``x.index_put([index], values, accumulate=True)`` (``x[index]``'s backward, into
+    zeros): with the indices and values sharded alike along a dimension of the index,
+    each rank adds its rows, and the sum over ranks (``x`` counted once) is the result."""
+    idx = _single_index(node)
+    accumulate = bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate"))
+    if idx is not None and accumulate and len(inputs) == 3:
+        px, pi, pv = inputs
+        if isinstance(pi, Shard) and pv == pi and shape(idx)[pi.dim] % size == 0:
+            return [Decision(output=Partial("sum"), inputs=(Partial("sum"), pi, pi),
+                             reason="each rank adds its rows: a partial sum")]
+    return [replicate_all(node, "rows put into the whole tensor")]

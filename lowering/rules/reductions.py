@@ -112,3 +112,28 @@ def softmax(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Dec
     decisions.append(replicate_all(node, f"normalised along dimension {dim}, which needs it "
                                          f"whole"))
     return decisions
+
+
+@register(op("topk.default"), strided=True)
+def topk(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    """The k largest along one dimension (an MoE router's choice per token): along any
+    other, the shards stay (values and indices alike)."""
+    p = inputs[0]
+    dim = norm_dim(int(node.args[2]) if len(node.args) > 2 else int(node.kwargs.get("dim", -1)),
+                   len(shape(tensor_args(node)[0])))
+    if isinstance(p, (Shard, StridedShard)) and p.dim != dim:
+        return [Decision(output=(p, p), reason=f"top-k along {dim}, sharded along {p.dim}")]
+    return [replicate_all(node, "top-k along its sharded dimension needs the whole tensor")]
+
+
+@register(op("scatter.src"), op("scatter.value"), strided=True)
+def scatter(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    """``self.scatter(dim, index, src)``: rows placed along ``dim`` within each slice of
+    the other dimensions, so a shard along another dimension of all three stays (an MoE
+    router's dense scores from its top-k)."""
+    dim = norm_dim(int(node.args[1]), len(shape(tensor_args(node)[0])))
+    for p in inputs:
+        if isinstance(p, (Shard, StridedShard)) and p.dim != dim:
+            return [Decision(output=p, inputs=(p,) * len(inputs),
+                             reason=f"scattered along {dim}, sharded along {p.dim}")]
+    return [replicate_all(node, "scattered along its sharded dimension")]

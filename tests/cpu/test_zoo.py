@@ -3,7 +3,7 @@ model family exactly as one process on the whole batch does.
 
 Each model of ``tests/zoo.py`` (our transformer, torch's ``TransformerEncoder``, our
 LLaMA-style model in each rotary and grouped-query form, Hugging Face LLaMA, GPT-2,
-Mistral and Qwen2 from tiny configs) trains a few AdamW steps with its gradients clipped,
+Mistral, Qwen2, GLM and Mixtral (a mixture of experts) from tiny configs) trains a few AdamW steps with its gradients clipped,
 on real ranks over Gloo, under ``ddp``, ``fsdp``, ``hsdp``, tensor parallelism (``tp``,
 Megatron's placements from ``spmd.tp.megatron()``), ``zero1``, ``zero2``, 2-D ``fsdp``
 (sharded over ``dp`` and ``fsdp`` at once) and the compositions ``dp x tp``,

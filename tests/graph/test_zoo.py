@@ -12,7 +12,7 @@ from ..zoo import ZOO, all_entries, entry
 
 pytest.importorskip("transformers")
 
-FAMILIES = {"transformer", "encoder", "llama", "gpt2", "mistral", "qwen2", "glm"}
+FAMILIES = {"transformer", "encoder", "llama", "gpt2", "mistral", "qwen2", "glm", "mixtral"}
 
 
 def test_every_family_is_in_the_zoo():
