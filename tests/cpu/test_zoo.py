@@ -22,7 +22,7 @@ Profiles (``SPMD_ZOO``): ``ci`` (the default) runs every family under tensor par
 and the other compositions on one to three families each, covering each model and each
 of our LLaMA forms in the CI budget (21 runs; the compositions of ``FULL_ONLY`` only as
 their halves or a superset, among them the three 8-rank ones);
-``full`` runs the whole matrix, every model under every composition (264 runs, about 22
+``full`` runs the whole matrix, every model under every composition (286 runs, about 30
 minutes):
 ``SPMD_ZOO=full .venv/bin/python -m pytest -s tests/cpu/test_zoo.py`` prints each run's
 largest difference and seconds, the figures of the composition matrix in docs/testing.md.
