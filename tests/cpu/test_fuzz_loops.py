@@ -4,7 +4,9 @@ forward and/or the backward, freeze and unfreeze a layer, a scalar loss weight, 
 pass, a loss term reading a parameter outside the compiled forward, two optimizers, a
 learning-rate schedule, whole-step functions with accumulation over calls), runs each on
 2 process ranks under ``ddp``, ``fsdp``, ``zero1`` or ``zero2``, and compares the parameters with one process
-training on the whole batch.
+training on the whole batch. Module loops may use a model with a mixture of experts whose
+experts are split by expert index over the ranks (``spmd.ep.experts()``; even batches,
+the same tokens on every rank).
 
 ``SPMD_FUZZ=ci`` (the default) runs five fixed loops that make every move, then two
 batches of three drawn loops, the same every run (derandomized), in under a minute;
@@ -51,6 +53,24 @@ class Net(nn.Module):
         return self.out(F.relu(self.fc2(F.relu(self.fc1(x)))))
 
 
+class MoENet(Net):
+    """Net with a routed mixture of 4 experts (top-2) after fc1, a residual around it:
+    the loops with ``experts`` split them by expert over the ranks (``spmd.ep``)."""
+
+    def __init__(self) -> None:
+        from ..moe import Experts
+
+        super().__init__()
+        self.router = nn.Linear(16, 4, bias=False)
+        self.experts = Experts(experts=4, hidden=16, inter=8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.fc1(x))
+        weights, index = self.router(h).softmax(-1).topk(2, dim=-1)
+        h = h + self.experts(h, index, weights / weights.sum(-1, keepdim=True))
+        return self.out(F.relu(self.fc2(h)))
+
+
 @dataclass(frozen=True)
 class Move:
     """One optimizer step of a loop."""
@@ -72,11 +92,14 @@ class Loop:
     two_optimizers: bool  # fc1 stepped by an SGD of its own
     schedule: bool  # a StepLR after every step
     moves: tuple[Move, ...]
+    experts: bool = False  # MoENet, its experts split by expert index (spmd.ep.experts())
 
 
-def moves(path: str) -> st.SearchStrategy:
+def moves(path: str, experts: bool = False) -> st.SearchStrategy:
+    # expert parallelism needs the same tokens on every rank: even batches only
+    sizes = [2, 4, 6, 8, 12] if experts else [2, 4, 6, 8, 11, 12]
     return st.builds(
-        Move, batch=st.sampled_from([2, 4, 6, 8, 11, 12]), micro=st.integers(1, 2),
+        Move, batch=st.sampled_from(sizes), micro=st.integers(1, 2),
         no_sync=st.sampled_from(["none", "both", "forward", "backward"] if path == "module"
                                 else ["none"]),
         frozen=st.booleans(), weight=st.sampled_from([0.5, 1.0, 2.0]),
@@ -86,20 +109,22 @@ def moves(path: str) -> st.SearchStrategy:
 @st.composite
 def loops(draw: st.DrawFn) -> Loop:
     path = draw(st.sampled_from(["module", "step"]))
+    experts = path == "module" and draw(st.booleans())
     return Loop(path=path, strategy=draw(st.sampled_from(["ddp", "fsdp", "zero1", "zero2"])),
                 optimizer=draw(st.sampled_from(["sgd", "momentum", "adamw"])),
                 two_optimizers=path == "module" and draw(st.booleans()),
                 schedule=draw(st.booleans()),
-                moves=tuple(draw(st.lists(moves(path), min_size=2, max_size=4))))
+                moves=tuple(draw(st.lists(moves(path, experts), min_size=2, max_size=4))),
+                experts=experts)
 
 
 # -- running a loop: on a rank (rank >= 0, its rows of each batch) or in one process
 # -- (rank None, the whole batch)
 
-def _make(dtype: torch.dtype) -> Net:
+def _make(dtype: torch.dtype, experts: bool = False) -> Net:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return Net().to(dtype)
+        return (MoENet() if experts else Net()).to(dtype)
 
 
 def _batch(n: int, i: int, rank: int | None, dtype: torch.dtype) -> tuple:
@@ -136,9 +161,10 @@ def _extra(model: nn.Module, rank: int | None) -> torch.Tensor:
 
 
 def _run_module_loop(loop: Loop, rank: int | None) -> dict:
-    model = _make(torch.float64)
+    model = _make(torch.float64, loop.experts)
     if rank is not None:
-        model = spmd.parallelize(model, strategy=loop.strategy)
+        model = spmd.parallelize(model, strategy=loop.strategy,
+                                 placements=spmd.ep.experts() if loop.experts else None)
     opts = _optimizers(loop, model)
     schedules = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.7) for o in opts] \
         if loop.schedule else []
@@ -293,6 +319,18 @@ SEEDS += [
     Loop("step", "zero1", "adamw", False, True, (
         _M, Move(11, 2, "none", True, 2.0, False, True), Move(4, 1, "none", False, 1.0, False,
                                                               False))),
+]
+
+# expert parallelism (spmd.ep) through the moves users make: accumulation with no_sync
+# around either half, a frozen layer, a loss term outside the forward, two optimizers,
+# evaluation, under each strategy it composes with
+SEEDS += [
+    Loop("module", "ddp", "adamw", True, True, (
+        Move(8, 2, "backward", True, 2.0, True, True), Move(4, 2, "forward", False, 0.5,
+                                                            False, False)), experts=True),
+    Loop("module", "zero2", "momentum", False, False, (
+        Move(12, 2, "both", False, 1.0, True, True), Move(6, 1, "none", True, 1.0, False,
+                                                          False)), experts=True),
 ]
 
 # found by the fuzzer: rank 1's batch is a view at another storage offset, so its graph
