@@ -191,10 +191,11 @@ class Options:
         if self.placements is not None:
             from spmd.lowering.strategy import tp_dims_of
 
-            from spmd.ep import split_experts
-
-            rest, experts = split_experts(self.placements)
-            if experts is None and not tp_dims_of(self.placements):
+            given = self.placements if isinstance(self.placements, (list, tuple)) else [
+                self.placements]
+            # spmd.ep.experts() names no tensor-parallel dimension: the batch's own
+            experts = any(getattr(p, "expert_parallel", False) for p in given)
+            if not experts and not tp_dims_of(self.placements):
                 raise ValueError(f"{where}: placements names no mesh dimension")
         from spmd.lowering.strategy import KINDS, Gathered, row_argument
 

@@ -117,6 +117,7 @@ class ExpertParallel:
 
     # not a tensor-parallel dimension: the batch is split along it (spmd.tp.tp_dims_of)
     dims: tuple[str, ...] = ()
+    expert_parallel = True  # (how spmd.lowering.options tells it from a tp preset)
 
     def resolve(self, model: nn.Module) -> dict[str, Any]:
         return {}
