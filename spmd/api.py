@@ -99,7 +99,10 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
             .default_hooks.bf16_compress_hook`` or ``powerSGD_hook``; it reduces every
             gradient bucket (``ddp``).
         comm_state: the hook's state (e.g. a ``PowerSGDState``).
-        placements: tensor parallelism (``spmd.tp``): where parameters live on named mesh
+        placements: tensor parallelism (``spmd.tp``), context parallelism (``spmd.cp``)
+            and expert parallelism (``spmd.ep.experts()``: a mixture's experts split by
+            expert index along a data dimension), alone or in a list. For tensor
+            parallelism: where parameters live on named mesh
             dimensions, ``{"tp": {"layers.*.linear1.weight": spmd.Shard(0), ...}}`` (glob
             patterns over parameter names; unnamed parameters are replicated there; a
             pattern that names modules instead places their outputs, as sequence
@@ -125,6 +128,14 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         loss_fn(model(x), y).backward()          # .grad arrives averaged across ranks
         print(spmd.inspect(model))
     """
+    from spmd.ep import split_experts
+
+    if split_experts(placements)[1] is not None and (strategy == "auto" or pipeline):
+        what = "strategy='auto' does not search" if strategy == "auto" else \
+            "a pipeline (pipeline=) does not plan"
+        raise NotImplementedError(
+            f"parallelize: {what} expert parallelism yet; pass strategy='ddp', 'fsdp', "
+            f"'zero1', 'zero2' or 'hsdp' with spmd.ep.experts() and no pipeline")
     if strategy == "auto":
         from spmd.auto.live import parallelize_auto
 

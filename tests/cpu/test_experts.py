@@ -363,6 +363,16 @@ def test_an_experts_module_with_more_than_its_experts_is_refused_by_name():
         spmd.parallelize(model, mesh=spmd.Mesh.simulated(2), placements=spmd.ep.experts())
 
 
+def test_the_automatic_layout_and_pipelines_with_experts_are_refused_until_planned():
+    with pytest.raises(NotImplementedError, match="strategy='auto' does not search expert"):
+        spmd.parallelize(MoELM(), mesh=spmd.Mesh.simulated(2), strategy="auto",
+                         placements=spmd.ep.experts())
+    with pytest.raises(NotImplementedError, match="a pipeline .* does not plan expert"):
+        spmd.parallelize(MoELM(), mesh=spmd.Mesh.simulated((2, 2), dim_names=("pp", "ep")),
+                         placements=spmd.ep.experts(),
+                         pipeline=spmd.pp.schedule("gpipe", microbatches=2))
+
+
 def test_expert_parallelism_beside_tensor_parallelism_is_refused_until_planned():
     mesh = spmd.Mesh.simulated((2, 2), dim_names=("ep", "tp"))
     with pytest.raises(NotImplementedError, match="beside tensor, sequence or context"):
