@@ -122,7 +122,8 @@ class ExpertParallel:
     def resolve(self, model: nn.Module) -> dict[str, Any]:
         return {}
 
-    def parameters(self, model: nn.Module, size: int, where: str) -> dict[str, str]:
+    def parameters(self, model: nn.Module, size: int, where: str, dim: str | None = None
+                   ) -> dict[str, str]:
         """Each expert parameter's name -> the module holding it; ``ValueError`` naming a
         layer whose experts do not divide over ``size`` ranks, or a model without any."""
         found = find_experts(model, self.modules)
@@ -144,7 +145,7 @@ class ExpertParallel:
             if count % size:
                 raise ValueError(f"{where}: spmd.ep.experts: {path} has {count} experts, "
                                  f"which do not divide over the {size} ranks of "
-                                 f"{self.dim or 'the data dimension'!r}")
+                                 f"{dim or self.dim or 'the data dimension'!r}")
             for name in _weights(module):
                 out[f"{path}.{name}" if path else name] = path
         return out
@@ -294,7 +295,7 @@ def expert_parameters(preset: ExpertParallel, model: nn.Module, mesh: Any, strat
         raise ValueError(f"{where}: spmd.ep.experts(dim={dim!r}): the experts are split over "
                          f"a dimension the batch is split along; the strategy's are "
                          f"{strategy.data_dims}")
-    params = preset.parameters(model, mesh.size(dim), where)
+    params = preset.parameters(model, mesh.size(dim), where, dim)
     return {name: dim for name in params}
 
 
@@ -335,7 +336,8 @@ def plan_lines(plan: Any) -> list[str]:
     total = 0.0
     for path, (spec, rows, nbytes) in sorted(layers.items()):
         counts = spec.num_experts * 8
-        seconds = (4 * model.seconds("all_to_all", nbytes) + model.seconds("all_to_all", counts)
+        seconds = (4 * model.seconds("all_to_all", nbytes, "pairwise")
+                   + model.seconds("all_to_all", counts, "pairwise")
                    if spec.size > 1 else 0.0)
         total += seconds
         lines.append(f"{path:<36} {spec.num_experts:>7} {spec.local:>8} {rows:>8} "

@@ -313,6 +313,19 @@ def test_the_load_balancing_loss_is_the_whole_batchs():
         assert apart > 1e-6, f"rank {rank}: per-rank aux loss came out equal ({apart:.3g})"
 
 
+def test_a_plan_on_a_simulated_cluster_prices_the_expert_all_to_alls():
+    """Planned without processes for 8 GPUs of a published cluster (two nodes of 4): the
+    plan's expert section lists each layer and prices its all-to-alls on that link."""
+    from spmd.hardware import H100_SXM
+
+    mesh = spmd.Mesh.simulated((8,), dim_names=("ep",), hardware=H100_SXM(nodes_of=4))
+    x, _ = batch(0, rows=8)
+    text = str(spmd.inspect(MoELM(), x, mesh=mesh, placements=spmd.ep.experts()))
+    assert "expert parallelism along 'ep' (8 ranks)" in text
+    lines = [line for line in text.splitlines() if line.startswith("blocks.")]
+    assert len(lines) == 2 and all(float(line.split()[-1]) > 0 for line in lines), lines
+
+
 # -- bad input -------------------------------------------------------------------------
 
 
