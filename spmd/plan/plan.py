@@ -252,7 +252,8 @@ class Plan:
             for c in self.collectives:
                 lines.append(f"{c.name:<24} {c.kind:<11} {c.bytes:>12,}  {c.group:<10} "
                              f"{c.provenance.pass_name}: {c.provenance.reason}")
-        lines += ep_lines(self)
+        experts = ep_lines(self)
+        lines += experts
         if self.fallbacks:
             lines.append("")
             lines.append("synchronised by the eager safety net:")
@@ -263,8 +264,10 @@ class Plan:
             from spmd.plan.roofline import throughput
 
             lines.append(throughput(self))
+        apart = " (the buckets'; the expert all-to-alls above apart)" if experts else ""
         lines.append(f"predicted communication per step: "
-                     f"{self.predicted_communication_seconds() * 1e3:.3f} ms; plan {self.fingerprint()}")
+                     f"{self.predicted_communication_seconds() * 1e3:.3f} ms{apart}; "
+                     f"plan {self.fingerprint()}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
