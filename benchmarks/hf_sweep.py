@@ -36,12 +36,6 @@ SHORT = {"equal": "equal", "refused": "refused", "differs": "DIFFERS", "crash": 
 NO_EXPERTS = "no experts module: expert parallelism does not apply"
 
 
-def hf_sweep_strategies_only() -> tuple[str, ...]:
-    from tests import hf_sweep
-
-    return hf_sweep.EXPERTS_ONLY
-
-
 def cell_text(cell: dict) -> str:
     if cell["detail"] == NO_EXPERTS:
         return "—"
@@ -72,7 +66,9 @@ def table(cells: list[dict], built: dict[str, str], strategies: list[str],
         unrun = count["skipped"] + len(tried) - len(row)  # (a sweep stopped part-way)
         lines.append(f"| {s} | {count['equal']} | {count['refused']} | {count['differs']} "
                      f"| {count['crash']} | {count['hang']} | {unrun} |")
-    if any(s in hf_sweep_strategies_only() for s in strategies):
+    from tests.hf_sweep import EXPERTS_ONLY
+
+    if any(s in EXPERTS_ONLY for s in strategies):
         lines += ["", "`ep`: `spmd.ep.experts()` along the data dimension under ddp (`fsdp x ep`: "
                       "under fsdp); `—`: no experts module it recognises (one whose forward "
                       "takes `(hidden, top_k_index, top_k_weights)`): a dense family, or "

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from spmd.lowering.ops import define
+from spmd.lowering.placements import Placement, Replicate, Shard
 from spmd.lowering.specs import lookup, sending
 from spmd.runtime import collectives
 
@@ -58,7 +59,6 @@ class ExpertsSpec:
         module: the experts module's path in the model.
         num_experts: experts in the whole layer (``E``).
         size: ranks of the expert-parallel dimension they are split over.
-        rank: this rank's index along it.
         group: its process group (None: a simulated mesh, or one rank).
         mesh_dim: the mesh dimension's name.
         load: the last forward's tokens per local expert (from every rank).
@@ -67,7 +67,6 @@ class ExpertsSpec:
     module: str
     num_experts: int
     size: int
-    rank: int = 0
     group: Any = None
     mesh_dim: str = "ep"
     load: torch.Tensor | None = field(default=None, repr=False)
@@ -85,9 +84,10 @@ class ExpertsSpec:
         return self.group is not None and self.size > 1 and sending()
 
 
-def bound_rows(spec: ExpertsSpec, tokens: int, k: int) -> int:
-    """The static row count ``C`` a rank's experts receive (module doc)."""
-    return max(1, spec.size * tokens * k)
+def bound_rows(size: int, tokens: int, k: int) -> int:
+    """The static row count ``C`` a rank's experts receive (module doc), for ``tokens``
+    tokens of ``k`` choices on each of ``size`` ranks."""
+    return max(1, size * tokens * k)
 
 
 # -- routing --------------------------------------------------------------------------
@@ -97,9 +97,11 @@ def _route(top_k_index: torch.Tensor, handle: int) -> tuple[torch.Tensor, ...]:
     spec: ExpertsSpec = lookup(handle)
     tokens, k = top_k_index.shape
     flat = top_k_index.reshape(-1)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= spec.num_experts):
-        raise ValueError(f"{spec.module}: routed to expert {int(flat.max())} (or "
-                         f"{int(flat.min())}); the layer has experts 0..{spec.num_experts - 1}")
+    if flat.numel():
+        low, high = (int(v) for v in torch.aminmax(flat))
+        if low < 0 or high >= spec.num_experts:
+            raise ValueError(f"{spec.module}: routed to expert {high} (or {low}); the layer "
+                             f"has experts 0..{spec.num_experts - 1}")
     order = torch.argsort(flat, stable=True)
     send = torch.bincount(flat, minlength=spec.num_experts).view(spec.size, spec.local)
     recv = torch.empty_like(send)
@@ -109,7 +111,7 @@ def _route(top_k_index: torch.Tensor, handle: int) -> tuple[torch.Tensor, ...]:
         recv.copy_(send)
     per_expert = recv.sum(0)
     offs = torch.cumsum(per_expert, 0)
-    bound = bound_rows(spec, tokens, k)
+    bound = bound_rows(spec.size, tokens, k)
     if int(offs[-1]) > bound:
         raise RuntimeError(
             f"{spec.module}: this rank's experts received {int(offs[-1])} rows, more than "
@@ -227,46 +229,30 @@ ep_gather = define(
 # -- one product per expert -----------------------------------------------------------
 
 
+def _rows(offs: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of each local expert, from the offsets."""
+    ends = offs.tolist()
+    return [(e, start, end) for e, (start, end) in enumerate(zip([0, *ends[:-1]], ends))]
+
+
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
                 bias: torch.Tensor | None, transposed: bool, scale: float) -> torch.Tensor:
     out_features = w.shape[2] if transposed else w.shape[1]
     out = x.new_empty((x.shape[0], out_features))
-    ends = offs.tolist()
-    start = 0
-    for e, end in enumerate(ends):
+    for e, start, end in _rows(offs):
         if end > start:  # written in place: no temporary per expert
             weight = w[e] if transposed else w[e].t()
             if bias is None:
                 torch.mm(x[start:end], weight, out=out[start:end])
             else:
                 torch.addmm(bias[e], x[start:end], weight, out=out[start:end])
-        start = end
-    out[start:].zero_()  # the padding rows
+    out[int(offs[-1]) if offs.numel() else 0:].zero_()  # the padding rows
     return out
 
 
 def _fake_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
                      bias: torch.Tensor | None, transposed: bool, scale: float) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[2] if transposed else w.shape[1]))
-
-
-def _weight_grad(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, transposed: bool,
-                 scale: float) -> torch.Tensor:
-    experts = offs.shape[0]
-    shape = (experts, x.shape[1], grad.shape[1]) if transposed else (
-        experts, grad.shape[1], x.shape[1])
-    out = grad.new_empty(shape)
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        if end > start:
-            g, xs = grad[start:end], x[start:end]
-            torch.mm(xs.t(), g, out=out[e]) if transposed else torch.mm(g.t(), xs, out=out[e])
-            if scale != 1.0:
-                out[e].mul_(scale)
-        else:
-            out[e].zero_()  # an expert that received no row
-        start = end
-    return out
 
 
 def _fake_weight_grad(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor,
@@ -276,13 +262,25 @@ def _fake_weight_grad(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor,
                           (experts, grad.shape[1], x.shape[1]))
 
 
+def _weight_grad(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, transposed: bool,
+                 scale: float) -> torch.Tensor:
+    out = _fake_weight_grad(grad, x, offs, transposed, scale)
+    for e, start, end in _rows(offs):
+        if end > start:
+            g, xs = grad[start:end], x[start:end]
+            torch.mm(xs.t(), g, out=out[e]) if transposed else torch.mm(g.t(), xs, out=out[e])
+            if scale != 1.0:
+                out[e].mul_(scale)
+        else:
+            out[e].zero_()  # an expert that received no row
+    return out
+
+
 def _bias_grad(grad: torch.Tensor, offs: torch.Tensor, scale: float) -> torch.Tensor:
     out = grad.new_zeros((offs.shape[0], grad.shape[1]))
-    start = 0
-    for e, end in enumerate(offs.tolist()):
+    for e, start, end in _rows(offs):
         if end > start:
             out[e] = grad[start:end].sum(0)
-        start = end
     return out.mul_(scale) if scale != 1.0 else out
 
 
@@ -296,9 +294,6 @@ grouped_mm_weight = define(
 grouped_sum = define("grouped_sum(Tensor grad, Tensor offs, float scale) -> Tensor",
                      _bias_grad, _fake_bias_grad)
 
-# ops whose output is this rank's experts' complete gradient: Shard(0) along the
-# expert-parallel dimension (each rank its own experts), not a per-rank Varying value
-EXPERT_GRADIENTS = (grouped_mm_weight, grouped_sum)
 
 
 def _keep_product(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -360,5 +355,16 @@ def _data_mean_backward(ctx: Any, grad: torch.Tensor) -> tuple:
 data_mean = define("data_mean(Tensor x, int handle) -> Tensor", _data_mean, _fake_data_mean,
                    _data_mean_backward)
 
-# ops whose output is the same on every data rank (Replicate along the data dimensions)
-RANK_MEANS = (data_mean,)
+
+
+def data_placement(target: Any, dim: str, expert_dims: Any) -> Placement | None:
+    """The placement an op of this module gives on data dimension ``dim`` where it is
+    not the per-rank ``Varying`` every other op gives (propagation and the verifier
+    both ask): an expert gradient is this rank's experts' complete gradient,
+    ``Shard(0)`` along an expert-parallel dimension (``expert_dims``); a data-rank mean
+    is the same on every rank. None for any other op."""
+    if target in (grouped_mm_weight, grouped_sum) and dim in expert_dims:
+        return Shard(0)
+    if target is data_mean:
+        return Replicate()
+    return None

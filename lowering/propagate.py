@@ -33,8 +33,9 @@ import torch.fx as fx
 from spmd.lowering import rules
 from spmd.lowering.annotate import ShardingError
 from spmd.lowering.context import LoweringContext
-from spmd.lowering.placements import (Partial, Placement, Replicate, Shard, Sharding,
-                                     StridedShard, Varying)
+from spmd.lowering.experts import data_placement
+from spmd.lowering.placements import (Partial, Placement, Replicate, Sharding, StridedShard,
+                                     Varying)
 from spmd.lowering.redistribute import redistribution_path
 from spmd.lowering.state import Boundary, needs
 
@@ -224,10 +225,8 @@ def _rule(node: fx.Node, ctx: LoweringContext) -> Sharding | tuple[Sharding, ...
         if dim in strategy.data_dims:
             local = seeded(node) or any(not p.is_replicate() for p in incoming)
             placed: Placement | tuple = Varying() if local else Replicate()
-            if dim in strategy.experts.values() and _expert_gradient(node):
-                placed = Shard(0)  # this rank's experts' complete gradient (spmd.ep)
-            elif _expert_gradient(node, means=True):
-                placed = Replicate()  # a statistic averaged over the data ranks
+            # (spmd.ep's ops: an expert gradient, a data-rank mean)
+            placed = data_placement(node.target, dim, strategy.experts.values()) or placed
         elif node.target is operator.getitem and isinstance(node.args[0], fx.Node):
             source = node.args[0].meta["sharding"]
             placed = (source[node.args[1]] if isinstance(source, tuple) else source
@@ -283,13 +282,6 @@ def derive(gm: fx.GraphModule, ctx: LoweringContext) -> None:
                                      if isinstance(val, (tuple, list)) else source)
             continue
         node.meta["sharding"] = _rule(node, ctx)
-
-
-def _expert_gradient(node: fx.Node, means: bool = False) -> bool:
-    """``node`` is an expert weight gradient op (``means``: a data-rank mean op)."""
-    from spmd.lowering.experts import EXPERT_GRADIENTS, RANK_MEANS
-
-    return node.target in (RANK_MEANS if means else EXPERT_GRADIENTS)
 
 
 def _placing(node: fx.Node) -> bool:

@@ -52,8 +52,9 @@ from spmd.lowering import ops, rules
 from spmd.lowering import ranked as ranked_ops
 from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import is_collective
-from spmd.lowering.placements import (Partial, Placement, Replicate, Shard, Sharding, Varying,
+from spmd.lowering.placements import (Partial, Placement, Replicate, Sharding, Varying,
                                      divides)
+from spmd.lowering.experts import data_placement
 from spmd.lowering.propagate import module_of, seeded
 from spmd.lowering.reshard import RESHARDED, forward_name
 from spmd.lowering.rule_check import on_shards, random_like, run_op
@@ -113,18 +114,6 @@ def _origin(node: fx.Node, limit: int = 64) -> fx.Node:
         if not is_collective(current):
             frontier.extend(current.all_input_nodes)
     return node
-
-
-def _expert_gradient(node: fx.Node) -> bool:
-    from spmd.lowering.experts import EXPERT_GRADIENTS
-
-    return node.target in EXPERT_GRADIENTS
-
-
-def _rank_mean(node: fx.Node) -> bool:
-    from spmd.lowering.experts import RANK_MEANS
-
-    return node.target in RANK_MEANS
 
 
 def _rule_name(target: Any) -> str:
@@ -345,10 +334,9 @@ class _Verifier:
             if isinstance(p, Partial):
                 self.fail(node, f"reads {a.name} as a whole value on data dimension {dim!r}, "
                                 f"but it is {p!r} there: a partial sum, not reduced")
-        if dim in self.strategy.experts.values() and _expert_gradient(node):
-            return Shard(0)  # this rank's experts' gradient, complete (spmd.ep)
-        if _rank_mean(node):
-            return Replicate()  # averaged over the data ranks (spmd.ep.load_balancing_loss)
+        placed = data_placement(node.target, dim, self.strategy.experts.values())
+        if placed is not None:
+            return placed
         local = seeded(node) or any(not isinstance(p, Replicate) for p in incoming)
         return Varying() if local else Replicate()
 

@@ -218,15 +218,15 @@ def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
                 top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     from spmd.lowering import experts as ops
 
-    handle, size, local = self._spmd_ep  # (plain numbers: Dynamo traces no spec lookup)
+    # (plain numbers and names, found when it was placed: Dynamo traces no spec lookup)
+    handle, size, up, down = self._spmd_ep
     tokens, k = top_k_index.shape
     hidden = hidden_states.shape[-1]
-    up, down = _weights(self)[:2]
     transposed = bool(getattr(self, "is_transposed", False))
     scale = 1.0 / size
     order, send, recv, offs = ops.ep_route(top_k_index.to(torch.int64), handle)
     rows = hidden_states.repeat_interleave(k, dim=0)
-    xs = ops.ep_scatter(rows, order, send, recv, size * tokens * k, handle)
+    xs = ops.ep_scatter(rows, order, send, recv, ops.bound_rows(size, tokens, k), handle)
     h = ops.grouped_mm(xs, getattr(self, up), offs, getattr(self, f"{up}_bias", None),
                        transposed, scale)
     if up == "gate_up_proj":
@@ -271,12 +271,12 @@ def place_experts(module: nn.Module, strategy: Any, handles: Any) -> dict[str, A
         sub = module.get_submodule(path) if path else module
         size = mesh.size(dim)
         group = None if mesh.simulated else mesh.get_group(dim)
-        count = getattr(sub, _weights(sub)[0]).shape[0] * size  # stored: its own experts
-        spec = ExpertsSpec(module=path, num_experts=count, size=size,
-                           rank=0 if group is None else group.rank(), group=group,
+        names = _weights(sub)
+        count = getattr(sub, names[0]).shape[0] * size  # stored: its own experts
+        spec = ExpertsSpec(module=path, num_experts=count, size=size, group=group,
                            mesh_dim=dim)
         sub._spmd_ep_handle = handles.add(spec)
-        sub._spmd_ep = (sub._spmd_ep_handle, size, spec.local)
+        sub._spmd_ep = (sub._spmd_ep_handle, size, names[0], names[1])
         sub.__class__ = _ep_class(type(sub))
         specs[path] = spec
     return specs

@@ -320,11 +320,10 @@ def _place_expert(name: str, param: nn.Parameter, strategy: Strategy, dim: str
     are (no property: the model reads the stored tensor); the piece's spec serves the
     whole state dict and clipping."""
     mesh = strategy.mesh
-    piece = TPSpec(param=name, shape=tuple(param.shape),
-                   sharding=strategy.parameter_sharding(name), dims=(dim,),
+    stored = strategy.parameter_sharding(name)
+    piece = TPSpec(param=name, shape=tuple(param.shape), sharding=stored, dims=(dim,),
                    groups={dim: None if mesh.simulated else mesh.get_group(dim)})
     hold_piece(param, piece.piece(param.detach()), name)
-    stored = strategy.parameter_sharding(name)
     others = [d for d in strategy.data_dims if d != dim and mesh.size(d) > 1]
     param._spmd_placement = ParameterPlacement(  # type: ignore[attr-defined]
         name=name, shape=tuple(param.shape), sharding=stored, computed=stored,

@@ -88,12 +88,11 @@ def ops_job(rank: int, kinds: list[str]) -> dict:
         x = xs[rank].clone().requires_grad_()
         w = ws[rank].clone().requires_grad_()
         p = [t[mine].clone().requires_grad_() for t in (gu, dn, b)]
-        spec = X.ExpertsSpec(module="test", num_experts=experts, size=n, rank=rank,
-                             group=group)
+        spec = X.ExpertsSpec(module="test", num_experts=experts, size=n, group=group)
         h = handles.add(spec)
         order, send, recv, offs = X.ep_route(idx[rank], h)
         rows = X.ep_scatter(x.repeat_interleave(k, 0), order, send, recv,
-                            X.bound_rows(spec, tokens, k), h)
+                            X.bound_rows(n, tokens, k), h)
         gate, up = X.grouped_mm(rows, p[0], offs, p[2], False, 1.0).chunk(2, -1)
         ys = X.grouped_mm(F.silu(gate) * up, p[1], offs, None, False, 1.0)
         got = (X.ep_gather(ys, order, send, recv, h).view(tokens, k, hidden)
