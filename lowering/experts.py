@@ -42,13 +42,13 @@ from typing import Any
 
 import torch
 
-from spmd.lowering.ops import define
+from spmd.lowering.ops import define, tp_grad
 from spmd.lowering.placements import Placement, Replicate, Shard
 from spmd.lowering.specs import lookup, sending
 from spmd.runtime import collectives
 
 __all__ = ["ExpertsSpec", "ep_route", "ep_scatter", "ep_gather", "grouped_mm",
-           "bound_rows"]
+           "bound_rows", "ROUTED"]
 
 
 @dataclass(eq=False)
@@ -318,6 +318,13 @@ grouped_mm = define(
     _keep_product)
 
 
+# the ops whose values follow the routing (counts, offsets, row order): the verifier's
+# random values would be no routing at all (tests/graph/test_expert_rules.py checks their
+# rules on real routing)
+ROUTED = frozenset({ep_route, ep_scatter, ep_gather, grouped_mm, grouped_mm_weight,
+                    grouped_sum})
+
+
 # -- a router statistic over every data rank's tokens ---------------------------------
 
 
@@ -357,14 +364,23 @@ data_mean = define("data_mean(Tensor x, int handle) -> Tensor", _data_mean, _fak
 
 
 
-def data_placement(target: Any, dim: str, expert_dims: Any) -> Placement | None:
-    """The placement an op of this module gives on data dimension ``dim`` where it is
-    not the per-rank ``Varying`` every other op gives (propagation and the verifier
-    both ask): an expert gradient is this rank's experts' complete gradient,
-    ``Shard(0)`` along an expert-parallel dimension (``expert_dims``); a data-rank mean
-    is the same on every rank. None for any other op."""
-    if target in (grouped_mm_weight, grouped_sum) and dim in expert_dims:
-        return Shard(0)
+def data_placement(target: Any, dim: str, expert_dims: Any,
+                   incoming: tuple[Placement, ...] = ()) -> Placement | None:
+    """The placement an op gives on data dimension ``dim`` where it is not the per-rank
+    ``Varying`` every other op gives (propagation and the verifier both ask): an expert
+    gradient is this rank's experts' complete gradient, ``Shard(0)`` along an
+    expert-parallel dimension (``expert_dims``), and stays so through the piece a
+    tensor-parallel dimension cuts of it (``tp_grad``, an alias once planned); a
+    data-rank mean is the same on every rank. None for any other op."""
+    if dim in expert_dims:
+        if target in (grouped_mm_weight, grouped_sum):
+            return Shard(0)
+        if target in _PIECES and tuple(incoming[:1]) == (Shard(0),):
+            return Shard(0)
     if target is data_mean:
         return Replicate()
     return None
+
+
+# a tensor-parallel parameter's gradient piece, before and after planning
+_PIECES = (tp_grad, torch.ops.aten.alias.default)

@@ -226,7 +226,8 @@ def _rule(node: fx.Node, ctx: LoweringContext) -> Sharding | tuple[Sharding, ...
             local = seeded(node) or any(not p.is_replicate() for p in incoming)
             placed: Placement | tuple = Varying() if local else Replicate()
             # (spmd.ep's ops: an expert gradient, a data-rank mean)
-            placed = data_placement(node.target, dim, strategy.experts.values()) or placed
+            placed = data_placement(node.target, dim, strategy.experts.values(),
+                                    incoming) or placed
         elif node.target is operator.getitem and isinstance(node.args[0], fx.Node):
             source = node.args[0].meta["sharding"]
             placed = (source[node.args[1]] if isinstance(source, tuple) else source

@@ -54,7 +54,7 @@ from spmd.lowering.context import LoweringContext
 from spmd.lowering.graph import is_collective
 from spmd.lowering.placements import (Partial, Placement, Replicate, Sharding, Varying,
                                      divides)
-from spmd.lowering.experts import data_placement
+from spmd.lowering.experts import ROUTED, data_placement
 from spmd.lowering.propagate import module_of, seeded
 from spmd.lowering.reshard import RESHARDED, forward_name
 from spmd.lowering.rule_check import on_shards, random_like, run_op
@@ -334,7 +334,8 @@ class _Verifier:
             if isinstance(p, Partial):
                 self.fail(node, f"reads {a.name} as a whole value on data dimension {dim!r}, "
                                 f"but it is {p!r} there: a partial sum, not reduced")
-        placed = data_placement(node.target, dim, self.strategy.experts.values())
+        placed = data_placement(node.target, dim, self.strategy.experts.values(),
+                                incoming)
         if placed is not None:
             return placed
         local = seeded(node) or any(not isinstance(p, Replicate) for p in incoming)
@@ -439,6 +440,10 @@ class _Verifier:
         outs = output if isinstance(output, tuple) else (output,)
         if choice.fallback or all(isinstance(p, Replicate) for p in (*need, *outs)):
             return  # whole inputs give the whole output: nothing to check
+        if node.target in ROUTED:
+            self.unchecked.append(f"{node.name} on {dim!r}: its values follow the routing, "
+                                  f"which random values are not")
+            return
         locals_ = [_shape(a.meta["val"]) for a in args]
         others = self.others(node)
         if others is None or any(s is None for s in locals_):

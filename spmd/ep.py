@@ -219,7 +219,7 @@ def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
     from spmd.lowering import experts as ops
 
     # (plain numbers and names, found when it was placed: Dynamo traces no spec lookup)
-    handle, size, up, down = self._spmd_ep
+    handle, size, up, down, read = self._spmd_ep
     tokens, k = top_k_index.shape
     hidden = hidden_states.shape[-1]
     transposed = bool(getattr(self, "is_transposed", False))
@@ -227,19 +227,38 @@ def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
     order, send, recv, offs = ops.ep_route(top_k_index.to(torch.int64), handle)
     rows = hidden_states.repeat_interleave(k, dim=0)
     xs = ops.ep_scatter(rows, order, send, recv, ops.bound_rows(size, tokens, k), handle)
-    h = ops.grouped_mm(xs, getattr(self, up), offs, getattr(self, f"{up}_bias", None),
-                       transposed, scale)
+    h = ops.grouped_mm(xs, read(self, up), offs, read(self, f"{up}_bias"), transposed, scale)
     if up == "gate_up_proj":
         h = self._apply_gate(h) if hasattr(self, "_apply_gate") else _gate(self, h)
     else:
         h = self.act_fn(h)
-    ys = ops.grouped_mm(h, getattr(self, down), offs, getattr(self, f"{down}_bias", None),
-                        transposed, scale)
+    ys = ops.grouped_mm(h, read(self, down), offs, read(self, f"{down}_bias"), transposed,
+                        scale)
     if getattr(self, "has_post_expert_norm", False):
         ys = self.post_expert_norm(ys)
     back = ops.ep_gather(ys, order, send, recv, handle)
     out = (back.view(tokens, k, hidden) * top_k_weights.unsqueeze(-1).to(back.dtype)).sum(1)
     return out.to(hidden_states.dtype)
+
+
+@dataclass(frozen=True)
+class _Reads:
+    """How the experts forward reads each stacked weight: as stored (this rank's
+    experts), or, split by tensor parallelism too (``spmd.ep.experts`` beside a ``tp``
+    dimension), through ``spmd::tp_param`` (its handle here), which the compiler keeps
+    as this rank's piece and the eager path gathers along the tensor-parallel
+    dimensions."""
+
+    pieces: tuple[tuple[str, int], ...] = ()
+
+    def __call__(self, module: nn.Module, name: str) -> torch.Tensor | None:
+        value = getattr(module, name, None)
+        for known, handle in self.pieces:
+            if known == name:
+                from spmd.lowering.ops import tp_param
+
+                return tp_param(value, handle)
+        return value
 
 
 def _gate(self: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -276,20 +295,43 @@ def place_experts(module: nn.Module, strategy: Any, handles: Any) -> dict[str, A
         spec = ExpertsSpec(module=path, num_experts=count, size=size, group=group,
                            mesh_dim=dim)
         sub._spmd_ep_handle = handles.add(spec)
-        sub._spmd_ep = (sub._spmd_ep_handle, size, names[0], names[1])
+        sub._spmd_ep = (sub._spmd_ep_handle, size, names[0], names[1],
+                        _Reads(_tp_pieces(sub, path, strategy, handles)))
         sub.__class__ = _ep_class(type(sub))
         specs[path] = spec
     return specs
 
 
+def _tp_pieces(module: nn.Module, path: str, strategy: Any, handles: Any
+               ) -> tuple[tuple[str, int], ...]:
+    """(weight name, handle of its ``TPSpec``) for each stacked weight of ``module`` that
+    a tensor-parallel dimension splits as well: the spec cuts this rank's experts (whole
+    along the tensor-parallel dimensions) into its piece there."""
+    from spmd.lowering.placements import divides
+    from spmd.lowering.specs import TPSpec
+
+    mesh = strategy.mesh
+    found = []
+    for local in _weights(module):
+        name = f"{path}.{local}" if path else local
+        placed = strategy.tp_placement(name)
+        if not any(divides(p) for p in placed.values()):
+            continue
+        shape = list(getattr(module, local).shape)  # this rank's experts, its pieces
+        for dim, p in placed.items():
+            if divides(p):
+                shape[p.dim] *= mesh.size(dim)
+        spec = TPSpec(param=name, shape=tuple(shape), sharding=strategy.parameter_sharding(name),
+                      dims=strategy.tp_dims,
+                      groups={d: None if mesh.simulated else mesh.get_group(d)
+                              for d in strategy.tp_dims})
+        found.append((local, handles.add(spec)))
+    return tuple(found)
+
+
 def expert_parameters(preset: ExpertParallel, model: nn.Module, mesh: Any, strategy: Any,
                       where: str) -> Mapping[str, str]:
     """Parameter name -> expert-parallel mesh dimension, for ``prepare_model``."""
-    if strategy.tp_dims:
-        raise NotImplementedError(
-            f"{where}: spmd.ep.experts() beside tensor, sequence or context parallelism "
-            f"({', '.join(strategy.tp_dims)}) is not planned yet; expert parallelism composes "
-            f"with ddp and fsdp along the data dimension")
     dim = preset.dim or strategy.shard_dim or strategy.data_dim
     if dim is None or dim not in strategy.data_dims:
         raise ValueError(f"{where}: spmd.ep.experts(dim={dim!r}): the experts are split over "

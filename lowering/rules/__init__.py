@@ -28,8 +28,8 @@ __all__ = ["Decision", "Rule", "Traits", "register", "lookup", "traits", "tensor
            "shape", "replicate_all", "registered", "FAMILIES", "SHAPE_ARG"]
 
 # the families register their rules on import
-from spmd.lowering.rules import (attention, dropout, embedding, losses, matmul,
+from spmd.lowering.rules import (attention, dropout, embedding, experts, losses, matmul,
                                  norms, parameters, pointwise, reductions, views)
 
-del attention, dropout, embedding, losses, matmul, norms, parameters, pointwise, reductions
-del views
+del attention, dropout, embedding, experts, losses, matmul, norms, parameters, pointwise
+del reductions, views

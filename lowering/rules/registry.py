@@ -175,4 +175,4 @@ def is_shard(p: Placement) -> bool:
 
 
 FAMILIES = ("pointwise", "matmul", "views", "reductions", "norms", "embedding", "dropout",
-            "losses", "attention", "parameters")
+            "losses", "attention", "parameters", "experts")

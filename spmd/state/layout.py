@@ -321,8 +321,9 @@ def _place_expert(name: str, param: nn.Parameter, strategy: Strategy, dim: str
     whole state dict and clipping."""
     mesh = strategy.mesh
     stored = strategy.parameter_sharding(name)
-    piece = TPSpec(param=name, shape=tuple(param.shape), sharding=stored, dims=(dim,),
-                   groups={dim: None if mesh.simulated else mesh.get_group(dim)})
+    dims = (dim, *strategy.tp_dims)  # (split by expert, and by tensor parallelism)
+    piece = TPSpec(param=name, shape=tuple(param.shape), sharding=stored, dims=dims,
+                   groups={d: None if mesh.simulated else mesh.get_group(d) for d in dims})
     hold_piece(param, piece.piece(param.detach()), name)
     others = [d for d in strategy.data_dims if d != dim and mesh.size(d) > 1]
     param._spmd_placement = ParameterPlacement(  # type: ignore[attr-defined]

@@ -1,0 +1,152 @@
+"""Expert parallelism's ops on a tensor-parallel dimension (``spmd.ep`` beside ``tp``):
+expert tensor parallelism, as Megatron-Core's and torchtitan's.
+
+Along the expert-parallel (data) dimension every rank has its own rows
+(:func:`spmd.lowering.experts.data_placement`); along a tensor-parallel one the routing
+is the same on every rank (the tokens are), so the rows moved and multiplied can be
+split by their features as any activation:
+
+- ``ep_route``: whole; routing reads every choice of every token.
+- ``ep_scatter``/``ep_gather`` move whole rows between ranks of the expert-parallel
+  dimension: rows split by their features (``Shard(1)``), or partial sums, move as they
+  are, and the row order (``order``, the counts) must be whole.
+- ``grouped_mm`` is one matrix product per expert over contiguous rows: the ways of
+  ``mm`` (``rules/matmul.py``) with rows never split (the offsets index them): a
+  weight split by its output features gives a column-parallel product (the bias split
+  with it), split by its input features with the rows' features a row-parallel one
+  (each rank's product a partial sum; not with a bias, which would be added once per
+  rank), a partial factor times a whole one a partial sum.
+- ``grouped_mm_weight`` (a weight's gradient, ``rows.T @ grad`` per expert) and
+  ``grouped_sum`` (a bias's) follow: split output features of the gradient give the
+  weight's output features split, split input rows' features its input features.
+
+The gate of a packed ``gate_up_proj`` split ``StridedShard(out, 2)`` (each rank its part
+of the gate and of the up projection) is read by ``chunk`` on the strided features,
+which the view rules place; so each placement here carries ``StridedShard`` too.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from spmd.lowering import experts as ops
+from spmd.lowering.placements import Partial, Placement, Replicate, Shard, StridedShard
+from spmd.lowering.rules.registry import Decision, register, shape, tensor_args
+
+R = Replicate
+
+
+def _features(p: Placement, dim: int, length: int, size: int) -> Placement | None:
+    """``p`` (a ``Shard``/``StridedShard`` of some tensor's features) moved to dimension
+    ``dim`` of another of ``length`` there; None when it is not one or does not divide."""
+    if isinstance(p, StridedShard):
+        return StridedShard(dim, p.split) if length % (p.split * size) == 0 else None
+    if isinstance(p, Shard):
+        return Shard(dim) if length % size == 0 else None
+    return None
+
+
+def _splits(p: Placement) -> bool:
+    return isinstance(p, (Shard, StridedShard))
+
+
+@register(ops.ep_route)
+def ep_route(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> Decision:
+    return Decision(output=(R(), R(), R(), R()), inputs=(R(),),
+                    reason="routing reads every choice of every token")
+
+
+def _moves(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    rows = inputs[0]
+    whole_order = (R(),) * (len(inputs) - 1)
+    found = []
+    if isinstance(rows, Partial):
+        found.append(Decision(output=rows, inputs=(rows, *whole_order),
+                              reason="partial sums of rows move as they are"))
+    elif _splits(rows) and rows.dim == 1:
+        found.append(Decision(output=rows, inputs=(rows, *whole_order),
+                              reason="rows split by their features move whole"))
+    found.append(Decision(output=R(), inputs=(R(), *whole_order), reason="whole rows"))
+    return found
+
+
+register(ops.ep_scatter, strided=True)(_moves)
+register(ops.ep_gather, strided=True)(_moves)
+
+
+@register(ops.grouped_mm, strided=True)
+def grouped_mm(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    transposed = bool(node.args[4])
+    w = shape(tensor_args(node)[1])
+    out_dim, in_dim = (2, 1) if transposed else (1, 2)
+    px, pw = inputs[0], inputs[1]
+    has_bias = len(inputs) == 4
+    found = []
+
+    def way(x: Placement, weight: Placement, bias: Placement | None, out: Placement,
+            why: str) -> None:
+        need = (x, weight, R()) + ((bias,) if has_bias else ())
+        found.append(Decision(output=out, inputs=need, reason=why))
+
+    if isinstance(px, Partial) and not has_bias and isinstance(pw, Replicate):
+        way(px, R(), None, px, "a partial factor times whole weights")
+    if isinstance(pw, Partial) and not has_bias and isinstance(px, Replicate):
+        way(R(), pw, None, pw, "whole rows times partial weights")
+    # the weight's output features split (or its bias's): column-parallel
+    for source, at in ((pw, out_dim), *(((inputs[3], 1),) if has_bias else ())):
+        if _splits(source) and source.dim == at:
+            cols = _features(source, out_dim, w[out_dim], size)
+            out = _features(source, 1, w[out_dim], size)
+            if cols is not None and out is not None:
+                way(R(), cols, out if has_bias else None, out,
+                    "each expert's output features split (column-parallel)")
+                break
+    # the contraction split on both factors: row-parallel
+    for source, at in ((px, 1), (pw, in_dim)):
+        if not has_bias and _splits(source) and source.dim == at:
+            rows_in = _features(source, 1, w[in_dim], size)
+            weights_in = _features(source, in_dim, w[in_dim], size)
+            if rows_in is not None and weights_in is not None:
+                way(rows_in, weights_in, None, Partial("sum"),
+                    "each expert's input features split (row-parallel): each rank's "
+                    "product a partial sum")
+                break
+    way(R(), R(), R() if has_bias else None, R(), "whole factors")
+    return found
+
+
+@register(ops.grouped_mm_weight, strided=True)
+def grouped_mm_weight(node: fx.Node, inputs: tuple[Placement, ...], size: int
+                      ) -> list[Decision]:
+    transposed = bool(node.args[3])
+    out_dim, in_dim = (2, 1) if transposed else (1, 2)
+    grad, rows = shape(tensor_args(node)[0]), shape(tensor_args(node)[1])
+    pg, px = inputs[0], inputs[1]
+    found = []
+    if isinstance(pg, Partial) and isinstance(px, Replicate):
+        found.append(Decision(output=pg, inputs=(pg, R(), R()),
+                              reason="a partial gradient times whole rows"))
+    if isinstance(px, Partial) and isinstance(pg, Replicate):
+        found.append(Decision(output=px, inputs=(R(), px, R()),
+                              reason="a whole gradient times partial rows"))
+    if _splits(pg) and pg.dim == 1:
+        out = _features(pg, out_dim, grad[1], size)
+        if out is not None:
+            found.append(Decision(output=out, inputs=(pg, R(), R()),
+                                  reason="the gradient's output features split"))
+    if _splits(px) and px.dim == 1:
+        out = _features(px, in_dim, rows[1], size)
+        if out is not None:
+            found.append(Decision(output=out, inputs=(R(), px, R()),
+                                  reason="the rows' input features split"))
+    found.append(Decision(output=R(), inputs=(R(), R(), R()), reason="whole factors"))
+    return found
+
+
+@register(ops.grouped_sum, strided=True)
+def grouped_sum(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    pg = inputs[0]
+    if isinstance(pg, Partial) or (_splits(pg) and pg.dim == 1):
+        return [Decision(output=pg, inputs=(pg, R()),
+                         reason="each expert's rows summed, features as they are")]
+    return [Decision(output=R(), inputs=(R(), R()), reason="whole rows")]
