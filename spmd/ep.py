@@ -41,8 +41,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["experts", "ExpertParallel", "find_experts", "expert_load", "split_experts",
-           "load_balancing_loss"]
+__all__ = ["experts", "ExpertParallel", "ExpertTensorParallel", "find_experts", "expert_load",
+           "split_experts", "load_balancing_loss"]
 
 
 def _weights(module: nn.Module) -> tuple[str, ...]:
@@ -110,14 +110,20 @@ def find_experts(model: nn.Module, patterns: tuple[str, ...] = ()) -> dict[str, 
 
 @dataclass(frozen=True)
 class ExpertParallel:
-    """Expert parallelism along data dimension ``dim`` (:func:`experts`)."""
+    """Expert parallelism along data dimension ``dim`` (:func:`experts`), and expert
+    tensor parallelism along ``tensor_parallel`` (:class:`ExpertTensorParallel`)."""
 
     dim: str | None = None
     modules: tuple[str, ...] = ()
+    tensor_parallel: str | None = None
 
-    # not a tensor-parallel dimension: the batch is split along it (spmd.tp.tp_dims_of)
-    dims: tuple[str, ...] = ()
     expert_parallel = True  # (how spmd.lowering.options tells it from a tp preset)
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """The tensor-parallel dimensions it names (spmd.tp.tp_dims_of): the expert
+        tensor-parallel one; not ``dim``, which the batch is split along."""
+        return (self.tensor_parallel,) if self.tensor_parallel else ()
 
     def resolve(self, model: nn.Module) -> dict[str, Any]:
         return {}
@@ -151,8 +157,51 @@ class ExpertParallel:
         return out
 
 
-def experts(*, dim: str | None = None, modules: tuple[str, ...] | list[str] = ()
-            ) -> ExpertParallel:
+@dataclass(frozen=True)
+class ExpertTensorParallel:
+    """Expert tensor parallelism (Megatron-Core's ``expert_tensor_parallel_size``,
+    torchtitan's ``ExpertTensorParallel``): each expert's weights split by their features
+    along tensor-parallel dimension ``dim``, as a Megatron MLP's, placements the compiler
+    plans like any other (what :func:`experts` adds with ``tensor_parallel=``).
+
+    - ``gate_up_proj`` column-parallel: split by its output features, each rank its part
+      of the gate and its part of the up projection (``StridedShard(out, 2)``: the two
+      halves split alike, so ``chunk(2)`` pairs them); a module with its own
+      ``_apply_gate`` (GPT-OSS's interleaved gate and up columns) ``Shard(out)``, which
+      keeps each pair on one rank; ``up_proj`` (no gate) ``Shard(out)``.
+    - ``down_proj`` row-parallel: split by its input features; the rows' partial sums go
+      back by the all-to-all as they are and are reduced once, after the combine.
+    - biases: split as their weight's output features; ``down_proj_bias`` whole.
+    """
+
+    dim: str
+    modules: tuple[str, ...] = ()
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        return (self.dim,)
+
+    def resolve(self, model: nn.Module) -> dict[str, dict[str, Any]]:
+        from spmd.lowering.placements import Shard, StridedShard
+
+        placed: dict[str, Any] = {}
+        for path, module in find_experts(model, self.modules).items():
+            transposed = bool(getattr(module, "is_transposed", False))
+            out_dim, in_dim = (2, 1) if transposed else (1, 2)
+            names = _weights(module)
+            up = names[0]
+            packed = up == "gate_up_proj" and not hasattr(module, "_apply_gate")
+            columns = StridedShard(out_dim, 2) if packed else Shard(out_dim)
+            base = f"{path}." if path else ""
+            placed[f"{base}{up}"] = columns
+            placed[f"{base}down_proj"] = Shard(in_dim)
+            if f"{up}_bias" in names:
+                placed[f"{base}{up}_bias"] = StridedShard(1, 2) if packed else Shard(1)
+        return {self.dim: placed}
+
+
+def experts(*, dim: str | None = None, modules: tuple[str, ...] | list[str] = (),
+            tensor_parallel: str | None = None) -> ExpertParallel:
     """Expert parallelism: each experts module's experts split by expert index over the
     ranks of data dimension ``dim``.
 
@@ -161,30 +210,48 @@ def experts(*, dim: str | None = None, modules: tuple[str, ...] | list[str] = ()
             (default: the strategy's data dimension, the sharding one for ``fsdp``).
         modules: module paths (or glob patterns) of the experts modules; default every
             module shaped as one (:func:`find_experts`).
+        tensor_parallel: a tensor-parallel mesh dimension to split each expert's weights
+            along as well (expert tensor parallelism, :class:`ExpertTensorParallel`);
+            default: the experts are whole along every tensor-parallel dimension (each
+            such rank computes them on the same tokens, as Megatron-Core with
+            ``expert_tensor_parallel_size=1``).
 
-    Pass it as ``placements=``, alone or in a list with other presets.
+    Pass it as ``placements=``, alone or in a list with other presets (``spmd.tp.megatron()``
+    for the attention).
     """
     if dim is not None and (not isinstance(dim, str) or not dim):
         raise TypeError(f"spmd.ep.experts: dim must be a mesh dimension's name, got {dim!r}")
     if isinstance(modules, str) or not all(isinstance(m, str) for m in modules):
         raise TypeError(f"spmd.ep.experts: modules must be a sequence of module paths, got "
                         f"{modules!r}")
-    return ExpertParallel(dim=dim, modules=tuple(modules))
+    if tensor_parallel is not None and (not isinstance(tensor_parallel, str)
+                                        or not tensor_parallel):
+        raise TypeError(f"spmd.ep.experts: tensor_parallel must be a mesh dimension's name, "
+                        f"got {tensor_parallel!r}")
+    if tensor_parallel is not None and tensor_parallel == dim:
+        raise ValueError(f"spmd.ep.experts: tensor_parallel={tensor_parallel!r} is the "
+                         f"experts' own dimension; name another")
+    return ExpertParallel(dim=dim, modules=tuple(modules), tensor_parallel=tensor_parallel)
 
 
 def split_experts(placements: Any) -> tuple[Any, ExpertParallel | None]:
-    """``placements`` without its expert-parallel preset, and that preset (None if it has
-    none); ``ValueError`` for two."""
+    """``placements`` without its expert-parallel preset (with the expert tensor-parallel
+    placements it asks for instead), and that preset (None if it has none);
+    ``ValueError`` for two."""
     if isinstance(placements, ExpertParallel):
-        return None, placements
+        placements = [placements]
     if not isinstance(placements, (list, tuple)):
         return placements, None
     found = [p for p in placements if isinstance(p, ExpertParallel)]
     if len(found) > 1:
         raise ValueError("placements hold spmd.ep.experts() twice; pass one (its modules= "
                          "names every experts module)")
+    if not found:
+        return placements, None
     rest = [p for p in placements if not isinstance(p, ExpertParallel)]
-    return (rest or None) if found else placements, (found[0] if found else None)
+    if found[0].tensor_parallel is not None:
+        rest.append(ExpertTensorParallel(found[0].tensor_parallel, found[0].modules))
+    return rest or None, found[0]
 
 
 def expert_load(model: nn.Module) -> dict[str, torch.Tensor]:

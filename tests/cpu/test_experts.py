@@ -131,9 +131,9 @@ def test_dispatch_compute_combine_equal_one_computation(op_runs, kind):
 ROWS = [2, 1, 3]  # per rank, step by step: the batch size changes
 
 
-def _train(model, rank: int | None, world: int, clip: float = 0.5) -> dict:
+def _train(model, rank: int | None, world: int, clip: float = 0.5, sizes=ROWS) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    for step, rows in enumerate(ROWS):
+    for step, rows in enumerate(sizes):
         x, y = batch(step, rows=rows * world)
         part = slice(None) if rank is None else slice(rank * rows, (rank + 1) * rows)
         F.cross_entropy(model(x[part]).flatten(0, 1), y[part].flatten()).backward()
@@ -211,6 +211,73 @@ def test_expert_parallel_model_trains_like_one_process(layout, skew):
             assert any(load[-1] == 0 for load in loads.values()), loads
     # gathered: every rank of an expert group sees every expert's load
     assert all(r["load"].keys() == runs[0]["load"].keys() for r in runs)
+
+
+# -- beside tensor parallelism: 2 x 2 ranks -------------------------------------------
+
+# Megatron's attention and shared expert on "tp" (qkv split by head groups)
+_ATTENTION = {"blocks.*.qkv.weight": spmd.StridedShard(0, 3),
+              "blocks.*.qkv.bias": spmd.StridedShard(0, 3), "blocks.*.proj.weight": spmd.Shard(1),
+              "blocks.*.moe.shared.0.weight": spmd.Shard(0),
+              "blocks.*.moe.shared.0.bias": spmd.Shard(0),
+              "blocks.*.moe.shared.2.weight": spmd.Shard(1)}
+
+TP_LAYOUTS = {  # name -> (strategy, the experts split on "tp" too, batch sizes per step)
+    # the experts whole on "tp" (Megatron-Core's expert_tensor_parallel_size=1); the batch
+    # size changes: the recompiled dynamic graphs run on the eager path (tensor
+    # parallelism plans fixed shapes), whose experts gather their pieces
+    "ddp x ep x tp": ("ddp", False, ROWS),
+    # expert tensor parallelism: gate_up column-parallel, down row-parallel
+    "fsdp x ep x etp": ("fsdp", True, [2, 2, 2]),
+}
+
+
+def tp_job(rank: int, base, strategy: str, split: bool, sizes) -> dict:
+    from ..zoo import data_index
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
+    mesh = spmd.Mesh((2, 2), dim_names=("ep", "tp"))
+    model = spmd.parallelize(copy.deepcopy(base), mesh=mesh, strategy=strategy, placements=[
+        spmd.ep.experts(tensor_parallel="tp" if split else None), {"tp": dict(_ATTENTION)}])
+    planned = model._spmd.setup.strategy
+    index, count = data_index(planned.mesh, planned)
+    out = _train(model, index, count, sizes=sizes)
+    out["plan"] = str(spmd.inspect(model))
+    out["stored"] = tuple(model.module.blocks[0].moe.experts.gate_up_proj.shape)
+    out["index"] = index
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("layout", list(TP_LAYOUTS))
+def test_expert_parallel_beside_tensor_parallelism_trains_like_one_process(layout):
+    """2 x 2 ranks ("ep", "tp"): the experts split by expert index along "ep" and, with
+    ``tensor_parallel="tp"``, by their features along "tp"; routing skewed so that an
+    expert gets no token. Equal to one process on the whole batch."""
+    strategy, split, sizes = TP_LAYOUTS[layout]
+    torch.manual_seed(0)
+    base = MoELM(skew=4.0).double()
+    want = _train(copy.deepcopy(base), None, 2, sizes=sizes)
+    runs = dist.spawn(tp_job, args=(base, strategy, split, sizes), nprocs=4,
+                      start_method="forkserver", timeout=115)
+    for rank, got in enumerate(runs):
+        # its 4 experts of 8; with expert tensor parallelism half of each one's features
+        assert got["stored"] == (EXPERTS // 2, 12 if split else 24, 16), got["stored"]
+        for key, value in want["state"].items():
+            diff = float((got["state"][key] - value).abs().max())
+            assert diff < ATOL, f"rank {rank}: {key} differs by {diff:.3g}"
+        row = got["index"]
+        diff = float((got["eval"] - want["eval"][row:row + 1]).abs().max())
+        assert diff < ATOL, f"rank {rank}: the evaluation differs by {diff:.3g}"
+        plan = got["plan"]
+        assert "expert parallelism along 'ep' (2 ranks)" in plan
+        # the experts' weights are never gathered along "tp" by the compiled step
+        gathers = [line for line in plan.splitlines()
+                   if line.startswith("all_gather") and "grouped_mm" in line]
+        assert not gathers, gathers
+        if sizes != ROWS:  # fixed shapes: every training step ran the planned graph
+            assert "graph1 (recompiled" not in plan and "graph2 (" not in plan, plan
 
 
 # -- checkpoints: saved split by expert, restored under another layout ------------------
@@ -385,11 +452,14 @@ def test_the_automatic_layout_and_pipelines_with_experts_are_refused_until_plann
                          pipeline=spmd.pp.schedule("gpipe", microbatches=2))
 
 
-def test_expert_parallelism_beside_tensor_parallelism_is_refused_until_planned():
-    mesh = spmd.Mesh.simulated((2, 2), dim_names=("ep", "tp"))
-    with pytest.raises(NotImplementedError, match="beside tensor, sequence or context"):
-        spmd.parallelize(MoELM(), mesh=mesh, placements=[
-            spmd.ep.experts(), {"tp": {"blocks.*.qkv.weight": spmd.Shard(0)}}])
+def test_expert_tensor_parallelism_names_another_dimension():
+    with pytest.raises(TypeError, match="tensor_parallel must be a mesh dimension's name"):
+        spmd.ep.experts(tensor_parallel=2)
+    with pytest.raises(ValueError, match="is the experts' own dimension"):
+        spmd.ep.experts(dim="ep", tensor_parallel="ep")
+    with pytest.raises(ValueError, match="placements name mesh dimension 'tp'"):
+        spmd.parallelize(MoELM(), mesh=spmd.Mesh.simulated((2,), dim_names=("ep",)),
+                         placements=spmd.ep.experts(tensor_parallel="tp"))
 
 
 def test_routing_to_an_expert_that_does_not_exist_names_it():
