@@ -49,7 +49,7 @@ LR, CLIP = 1e-2, 0.5
 OUTCOMES = ("equal", "refused", "differs", "crash", "hang")
 
 # name -> (mesh shape, dimension names, strategy, preset: "" none, "tp" the family's own
-# tensor-parallel plan, "ep" its experts split by index over the data ranks)
+# tensor-parallel plan, "ep" its experts split by index over the data ranks, "ep+tp" both)
 STRATEGIES: dict[str, tuple[tuple[int, ...], tuple[str, ...], str, str]] = {
     "ddp": ((2,), ("dp",), "ddp", ""),
     "fsdp": ((2,), ("fsdp",), "fsdp", ""),
@@ -57,9 +57,12 @@ STRATEGIES: dict[str, tuple[tuple[int, ...], tuple[str, ...], str, str]] = {
     "fsdp x tp": ((2, 2), ("fsdp", "tp"), "fsdp", "tp"),
     "ep": ((2,), ("ep",), "ddp", "ep"),
     "fsdp x ep": ((2,), ("ep",), "fsdp", "ep"),
+    # the family's own plan on "tp" and its experts split by index on "ep" and by their
+    # features on "tp" (expert tensor parallelism)
+    "ep x tp": ((2, 2), ("ep", "tp"), "ddp", "ep+tp"),
 }
 # the strategies only a mixture of experts takes (a cell of any other family is not run)
-EXPERTS_ONLY = ("ep", "fsdp x ep")
+EXPERTS_ONLY = ("ep", "fsdp x ep", "ep x tp")
 _REFUSALS = ("ValueError", "TypeError", "NotImplementedError", "ShardingError",
              "EmptyBackwardError", "Infeasible")
 
@@ -203,7 +206,9 @@ def _cell(family: str, strategy: str) -> dict:
     stage = "parallelize"
     try:
         mesh = spmd.Mesh(shape, dim_names=names)
-        placements = {"tp": spmd.tp.megatron(), "ep": spmd.ep.experts()}.get(preset)
+        placements = {"tp": spmd.tp.megatron(), "ep": spmd.ep.experts(),
+                      "ep+tp": [spmd.ep.experts(tensor_parallel="tp"), spmd.tp.megatron()]
+                      }.get(preset)
         model = spmd.parallelize(build(family), mesh=mesh, strategy=kind,
                                  placements=placements)
         planned = model._spmd.setup.strategy
