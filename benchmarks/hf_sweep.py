@@ -70,7 +70,10 @@ def table(cells: list[dict], built: dict[str, str], strategies: list[str],
 
     if any(s in EXPERTS_ONLY for s in strategies):
         lines += ["", "`ep`: `spmd.ep.experts()` along the data dimension under ddp (`fsdp x ep`: "
-                      "under fsdp); `—`: no experts module it recognises (one whose forward "
+                      "under fsdp; `ep x tp`: 2 x 2 ranks, the family's own tensor-parallel "
+                      "plan where it has one and `spmd.ep.experts(tensor_parallel=\"tp\")`, "
+                      "the experts split by their features too); `—`: no experts module it "
+                      "recognises (one whose forward "
                       "takes `(hidden, top_k_index, top_k_weights)`): a dense family, or "
                       "Llama 4, whose experts run on tokens routed before them."]
     summary = len(lines)

@@ -57,8 +57,8 @@ STRATEGIES: dict[str, tuple[tuple[int, ...], tuple[str, ...], str, str]] = {
     "fsdp x tp": ((2, 2), ("fsdp", "tp"), "fsdp", "tp"),
     "ep": ((2,), ("ep",), "ddp", "ep"),
     "fsdp x ep": ((2,), ("ep",), "fsdp", "ep"),
-    # the family's own plan on "tp" and its experts split by index on "ep" and by their
-    # features on "tp" (expert tensor parallelism)
+    # the family's own plan on "tp" (where it has one) and its experts split by index on
+    # "ep" and by their features on "tp" (expert tensor parallelism)
     "ep x tp": ((2, 2), ("ep", "tp"), "ddp", "ep+tp"),
 }
 # the strategies only a mixture of experts takes (a cell of any other family is not run)
@@ -206,11 +206,10 @@ def _cell(family: str, strategy: str) -> dict:
     stage = "parallelize"
     try:
         mesh = spmd.Mesh(shape, dim_names=names)
+        model = build(family)
         placements = {"tp": spmd.tp.megatron(), "ep": spmd.ep.experts(),
-                      "ep+tp": [spmd.ep.experts(tensor_parallel="tp"), spmd.tp.megatron()]
-                      }.get(preset)
-        model = spmd.parallelize(build(family), mesh=mesh, strategy=kind,
-                                 placements=placements)
+                      "ep+tp": _experts_and_plan(model)}.get(preset)
+        model = spmd.parallelize(model, mesh=mesh, strategy=kind, placements=placements)
         planned = model._spmd.setup.strategy
         index, count = data_index(planned.mesh, planned)
         per = ROWS // count
@@ -236,6 +235,19 @@ def _cell(family: str, strategy: str) -> dict:
         return {"error": type(e).__name__, "message": _first_line(e), "stage": stage,
                 "trace": traceback.format_exc()[-3000:],
                 "seconds": time.perf_counter() - start}
+
+
+def _experts_and_plan(model: torch.nn.Module) -> list:
+    """The experts split by index on "ep" and by features on "tp", beside the family's
+    own tensor-parallel plan where it has one (the experts alone on "tp" where
+    ``spmd.tp.megatron`` finds no layer to split)."""
+    import spmd
+
+    try:
+        spmd.tp.megatron(model)
+    except ValueError:
+        return [spmd.ep.experts(tensor_parallel="tp")]
+    return [spmd.ep.experts(tensor_parallel="tp"), spmd.tp.megatron()]
 
 
 def run_cells(rank: int, cells: list[tuple[str, str]], progress: str) -> dict:

@@ -27,7 +27,7 @@ CI: dict[str, tuple[str, ...]] = {
     "phi": ("ddp", "tp"),                 # partial rotary, biases, a dense head
     "olmo2": ("fsdp", "tp"),              # q and k norms over the split heads
     "granite_swa": ("tp", "fsdp x tp"),   # attention sinks split by their own key
-    "qwen3_moe": ("tp",),                 # experts (batched) beside a split attention
+    "qwen3_moe": ("tp", "ep x tp"),       # experts beside a split attention; split by both
     "gemma": ("ddp", "fsdp"),             # a scaled, tied embedding
     "deepseek_v3": ("ep",),               # experts split by index: sigmoid, grouped top-k
     "gpt_oss": ("fsdp x ep",),            # experts transposed, biased, an interleaved gate
