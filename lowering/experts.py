@@ -365,17 +365,21 @@ data_mean = define("data_mean(Tensor x, int handle) -> Tensor", _data_mean, _fak
 
 
 def data_placement(target: Any, dim: str, expert_dims: Any,
-                   incoming: tuple[Placement, ...] = ()) -> Placement | None:
+                   incoming: tuple[Placement, ...] = (), inserted: bool = False
+                   ) -> Placement | None:
     """The placement an op gives on data dimension ``dim`` where it is not the per-rank
     ``Varying`` every other op gives (propagation and the verifier both ask): an expert
     gradient is this rank's experts' complete gradient, ``Shard(0)`` along an
     expert-parallel dimension (``expert_dims``), and stays so through the piece a
-    tensor-parallel dimension cuts of it (``tp_grad``, an alias once planned); a
+    tensor-parallel dimension cuts of it (``tp_grad``, an alias once planned) and
+    through what the planner inserted to move it along a tensor-parallel dimension
+    (``inserted``: its gathers, local steps and their reshapes); a
     data-rank mean is the same on every rank. None for any other op."""
     if dim in expert_dims:
         if target in (grouped_mm_weight, grouped_sum):
             return Shard(0)
-        if target in _PIECES and tuple(incoming[:1]) == (Shard(0),):
+        if (target in _PIECES or inserted) and incoming and \
+                all(p == Shard(0) for p in incoming):
             return Shard(0)
     if target is data_mean:
         return Replicate()

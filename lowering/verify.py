@@ -335,7 +335,7 @@ class _Verifier:
                 self.fail(node, f"reads {a.name} as a whole value on data dimension {dim!r}, "
                                 f"but it is {p!r} there: a partial sum, not reduced")
         placed = data_placement(node.target, dim, self.strategy.experts.values(),
-                                incoming)
+                                incoming, "spmd_tp_inserted" in node.meta)
         if placed is not None:
             return placed
         local = seeded(node) or any(not isinstance(p, Replicate) for p in incoming)

@@ -166,9 +166,10 @@ class ExpertTensorParallel:
 
     - ``gate_up_proj`` column-parallel: split by its output features, each rank its part
       of the gate and its part of the up projection (``StridedShard(out, 2)``: the two
-      halves split alike, so ``chunk(2)`` pairs them); a module with its own
-      ``_apply_gate`` (GPT-OSS's interleaved gate and up columns) ``Shard(out)``, which
-      keeps each pair on one rank; ``up_proj`` (no gate) ``Shard(out)``.
+      halves split alike, so ``chunk(2)`` pairs them); a gate that pairs adjacent columns
+      (GPT-OSS's interleaved ``gate_up[..., ::2]``, found by probing the module's
+      ``_apply_gate``) ``Shard(out)``, which keeps each pair on one rank; ``up_proj``
+      (no gate) ``Shard(out)``.
     - ``down_proj`` row-parallel: split by its input features; the rows' partial sums go
       back by the all-to-all as they are and are reduced once, after the combine.
     - biases: split as their weight's output features; ``down_proj_bias`` whole.
@@ -190,7 +191,7 @@ class ExpertTensorParallel:
             out_dim, in_dim = (2, 1) if transposed else (1, 2)
             names = _weights(module)
             up = names[0]
-            packed = up == "gate_up_proj" and not hasattr(module, "_apply_gate")
+            packed = up == "gate_up_proj" and _gate_pairs(module) != "adjacent"
             columns = StridedShard(out_dim, 2) if packed else Shard(out_dim)
             base = f"{path}." if path else ""
             placed[f"{base}{up}"] = columns
@@ -198,6 +199,26 @@ class ExpertTensorParallel:
             if f"{up}_bias" in names:
                 placed[f"{base}{up}_bias"] = StridedShard(1, 2) if packed else Shard(1)
         return {self.dim: placed}
+
+
+def _gate_pairs(module: nn.Module) -> str:
+    """Which columns of ``gate_up`` the module's gate pairs: ``"halves"`` (column ``i``
+    with ``I + i``, ``chunk(2)``), ``"adjacent"`` (``2i`` with ``2i + 1``) or ``""``
+    (unknown), read from what each output of ``_apply_gate`` on 4 columns depends on."""
+    gate = getattr(module, "_apply_gate", None)
+    if gate is None:
+        return "halves"  # the experts forward's own chunk(2)
+    probe = torch.linspace(0.1, 0.4, 4, dtype=torch.float64).view(1, 4)
+    try:
+        jac = torch.autograd.functional.jacobian(lambda t: gate(t).sum(0), probe)
+    except Exception:  # a gate that will not run on a probe: unknown
+        return ""
+    uses = [tuple(bool(v) for v in row) for row in (jac.reshape(2, 4) != 0)]
+    if uses == [(True, False, True, False), (False, True, False, True)]:
+        return "halves"
+    if uses == [(True, True, False, False), (False, False, True, True)]:
+        return "adjacent"
+    return ""
 
 
 def experts(*, dim: str | None = None, modules: tuple[str, ...] | list[str] = (),
