@@ -130,12 +130,10 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
     """
     from spmd.ep import split_experts
 
-    if split_experts(placements)[1] is not None and (strategy == "auto" or pipeline):
-        what = "strategy='auto' does not search" if strategy == "auto" else \
-            "a pipeline (pipeline=) does not plan"
+    if split_experts(placements)[1] is not None and strategy == "auto":
         raise NotImplementedError(
-            f"parallelize: {what} expert parallelism yet; pass strategy='ddp', 'fsdp', "
-            f"'zero1', 'zero2' or 'hsdp' with spmd.ep.experts() and no pipeline")
+            "parallelize: strategy='auto' does not search expert parallelism yet; pass "
+            "strategy='ddp', 'fsdp', 'zero1', 'zero2' or 'hsdp' with spmd.ep.experts()")
     if strategy == "auto":
         from spmd.auto.live import parallelize_auto
 

@@ -68,6 +68,8 @@ def _routed(module: nn.Module) -> bool:
     """Its forward takes the routing: ``forward(hidden, top_k_index, top_k_weights)``
     (a module whose experts are applied another way, e.g. Llama 4's to tokens already
     repeated per expert, or a stacked shared expert, is not one)."""
+    if type(module).forward is nn.Module.forward:
+        return False  # no forward of its own (a pipeline stage's holder of parameters)
     try:
         params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
@@ -116,6 +118,9 @@ class ExpertParallel:
     dim: str | None = None
     modules: tuple[str, ...] = ()
     tensor_parallel: str | None = None
+    # a pipeline stage's expert parameters, by name (their modules were placed on the
+    # whole model before it was traced: spmd.pipeline)
+    names: tuple[str, ...] = ()
 
     expert_parallel = True  # (how spmd.lowering.options tells it from a tp preset)
 
@@ -132,6 +137,8 @@ class ExpertParallel:
                    ) -> dict[str, str]:
         """Each expert parameter's name -> the module holding it; ``ValueError`` naming a
         layer whose experts do not divide over ``size`` ranks, or a model without any."""
+        if self.names:  # a pipeline stage's, checked on the whole model
+            return {name: name.rpartition(".")[0] for name in self.names}
         found = find_experts(model, self.modules)
         if not found:
             what = (f"no module matching {list(self.modules)} is" if self.modules
@@ -376,6 +383,8 @@ def place_experts(module: nn.Module, strategy: Any, handles: Any) -> dict[str, A
     paths = {name.rpartition(".")[0]: dim for name, dim in strategy.experts.items()}
     for path, dim in sorted(paths.items()):
         sub = module.get_submodule(path) if path else module
+        if not _routed(sub):  # a pipeline stage's: placed on the whole model, and traced
+            continue
         size = mesh.size(dim)
         group = None if mesh.simulated else mesh.get_group(dim)
         names = _weights(sub)
@@ -415,6 +424,47 @@ def _tp_pieces(module: nn.Module, path: str, strategy: Any, handles: Any
                               for d in strategy.tp_dims})
         found.append((local, handles.add(spec)))
     return tuple(found)
+
+
+def place_for_pipeline(preset: ExpertParallel, model: nn.Module, mesh: Any, handles: Any,
+                       where: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``pipeline=`` with expert parallelism: the whole model's experts modules given the
+    expert-parallel forward before it is traced (each stage's graph then holds the
+    expert ops), their specs over dimension ``preset.dim`` of the stage mesh ``mesh``.
+    Each expert parameter's name -> (that dimension, its shape on this rank, which the
+    trace reads: the stages store only their experts)."""
+    from spmd.lowering.experts import ExpertsSpec
+
+    if preset.tensor_parallel is not None:
+        raise NotImplementedError(
+            f"{where}: expert tensor parallelism in a pipeline is not planned yet (each "
+            f"stage's experts would need their pieces read in the traced graph); pass "
+            f"spmd.ep.experts() without tensor_parallel=")
+    dims = () if mesh is None else mesh.dim_names
+    dim = preset.dim or (dims[0] if len(dims) == 1 else None)
+    if dim is None or dim not in dims:
+        raise ValueError(
+            f"{where}: spmd.ep.experts(dim={preset.dim!r}) in a pipeline: the experts are "
+            f"split over a dimension of the stages' mesh (besides the pipeline's: "
+            f"{dims}); name it with dim=")
+    size = mesh.size(dim)
+    params = preset.parameters(model, size, where, dim)
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for path in sorted(set(params.values())):
+        sub = model.get_submodule(path) if path else model
+        names = _weights(sub)
+        count = getattr(sub, names[0]).shape[0]  # whole until a stage stores its own
+        spec = ExpertsSpec(module=path, num_experts=count, size=size,
+                           group=None if mesh.simulated else mesh.get_group(dim),
+                           mesh_dim=dim)
+        sub._spmd_ep_handle = handles.add(spec)
+        sub._spmd_ep = (sub._spmd_ep_handle, size, names[0], names[1], _Reads())
+        sub.__class__ = _ep_class(type(sub))
+        for local in names:
+            shape = list(getattr(sub, local).shape)
+            shape[0] //= size
+            out[f"{path}.{local}" if path else local] = (dim, tuple(shape))
+    return out
 
 
 def expert_parameters(preset: ExpertParallel, model: nn.Module, mesh: Any, strategy: Any,

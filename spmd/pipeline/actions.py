@@ -196,7 +196,8 @@ class Actions:
 
     def _reduce_accumulated(self) -> None:
         """``ddp`` stages: the microbatches' summed gradients averaged over the data
-        dimension, once per step."""
+        dimension, once per step (an expert's, ``spmd.ep``, complete along its own
+        dimension: averaged along the others only)."""
         if not self._composed:
             return
         from spmd.runtime.collectives import all_reduce
@@ -205,7 +206,16 @@ class Actions:
             st = getattr(module, "_spmd", None)
             if st is None or st.sharded or not st.communicates:
                 continue
-            grads = [p.grad for p in module.parameters() if p.grad is not None]
+            strategy = st.setup.strategy
+            named = [(n, p) for n, p in module.named_parameters() if p.grad is not None]
+            grads = [p.grad for n, p in named if n not in strategy.experts]
+            for name, p in named:
+                own = strategy.experts.get(name)
+                for dim in (d for d in strategy.data_dims if own and d != own):
+                    size = strategy.mesh.size(dim)
+                    if size > 1:
+                        all_reduce(p.grad, group=strategy.mesh.get_group(dim))
+                        p.grad /= size
             for dtype in sorted({g.dtype for g in grads}, key=str):
                 same = [g for g in grads if g.dtype == dtype]
                 flat = torch.cat([g.reshape(-1) for g in same])

@@ -82,6 +82,20 @@ class PipelineModule(Actions, Stored, nn.Module, Program):
         self._others = mesh[others] if others else None
         if self._others is not None and self._others.size() > 1 and not mesh.simulated:
             self._others._whole_group = stage_mesh_group(mesh, schedule.dim)
+        # spmd.ep: the experts modules take the expert-parallel forward before the model
+        # is traced (each stage's graph holds the expert ops); name -> (dimension, the
+        # shape this rank stores and the trace reads)
+        self._experts: dict[str, tuple[str, tuple[int, ...]]] = {}
+        from spmd.ep import split_experts
+
+        preset = split_experts(options.placements)[1]
+        if preset is not None:
+            from spmd.ep import place_for_pipeline
+            from spmd.lowering.specs import Handles
+
+            self._expert_handles = Handles()
+            self._experts = place_for_pipeline(preset, module, self._others,
+                                               self._expert_handles, where)
         self._split_points: tuple[str, ...] | None = schedule.split_points
         self._chosen = "named by the user" if schedule.split_points else ""
         self._programs: dict[Any, Traced] = {}
@@ -130,7 +144,8 @@ class PipelineModule(Actions, Stored, nn.Module, Program):
                           f"step, such as a loss weight, as tensors", stacklevel=3)
         args, target = pytree.tree_unflatten(leaves, spec)
         n = self.schedule.stages(self._ranks)
-        with standing_in(self.module, {**self._released, **self._placed()}):
+        with standing_in(self.module, {**self._released, **self._placed(),
+                                       **self._expert_shapes()}):
             marked = list(self._split_points) if self._split_points else candidates(self.module)
             traced = trace(self.module, loss_fn, args, target, marked, self._where,
                            cast=self._options.param_dtype)
@@ -210,6 +225,12 @@ class PipelineModule(Actions, Stored, nn.Module, Program):
         return {name: (layout.records[name].shape, self.module.get_parameter(name).dtype)
                 for name in set(layout.shards) | set(layout.pieces)}
 
+    def _expert_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The experts as a stage stores them (this rank's), for tracing: name ->
+        (shape, dtype)."""
+        return {name: (shape, self.module.get_parameter(name).dtype)
+                for name, (_, shape) in self._experts.items()}
+
     def _read(self, result: Cut) -> set[str]:
         """What some stage of ``result`` holds: its parameters and buffers, with the other
         buffers of the modules owning those (``StageModule`` holds them too)."""
@@ -268,7 +289,8 @@ class PipelineModule(Actions, Stored, nn.Module, Program):
         options = self._options
         if options.placements is not None:
             options = replace(options, placements=stage_placements(
-                self.module, self._mesh, options.placements, stage.params, self._where))
+                self.module, self._mesh, options.placements, stage.params, self._where,
+                self._experts))
         # buffers are broadcast once per step (PipelineModule.step), not per microbatch:
         # a microbatch's saved views of them must not change before its backward
         options = replace(options, broadcast_buffers=False, pipeline=None)

@@ -70,6 +70,9 @@ class PipelinePlan:
     optimizer_seconds: float = 0.0
     hardware: str = ""
     auto: Any = None  # strategy="auto": the layouts tried (spmd.auto.pipeline.PipelineSearch)
+    # what the stage plans' graphs refer to by handle and no stage owns (spmd.ep's specs,
+    # placed on the whole model): alive as long as the plan
+    keep: Any = field(default=None, repr=False)
 
     @property
     def step_seconds(self) -> float:

@@ -85,7 +85,7 @@ def plan_pipeline(pm: Any, args: tuple, *, target: Any, loss_fn: Any) -> Any:
             opts = stage_options
             if options.placements is not None:
                 opts = replace(stage_options, placements=stage_placements(
-                    model, mesh, options.placements, stage.params, where))
+                    model, mesh, options.placements, stage.params, where, pm._experts))
             sub = others if others is not None else type(mesh).simulated(
                 1, hardware=mesh.hardware)
             kwargs = {f: getattr(opts, f) for f in (
@@ -151,6 +151,7 @@ def plan_pipeline(pm: Any, args: tuple, *, target: Any, loss_fn: Any) -> Any:
                    send=lambda n: link.alpha + link.beta * n, stage_plans=plans,
                    capacity=capacity, optimizer_seconds=optimizer,
                    hardware=hardware.name if hardware is not None else "")
+    result.keep = getattr(pm, "_expert_handles", None)
     over = [st for st in result.stages if st.fits is False]
     if over:
         st = max(over, key=lambda r: r.peak_bytes or 0)

@@ -149,11 +149,30 @@ def stage_mesh_group(mesh: Mesh, dim: str) -> Any:
 
 
 def stage_placements(model: nn.Module, mesh: Mesh, placements: Any, stage_params: Any,
-                     where: str) -> dict[str, dict[str, Any]]:
+                     where: str, experts: Any = None) -> Any:
     """The tensor-parallel placements of one stage's parameters, by name (a preset such
     as ``megatron()`` resolved on the whole model, where it can see the layers), for the
     stage parallelized on its own. Placements of module outputs (sequence and context
-    parallelism) are refused: a stage has its parameters, not the model's modules."""
+    parallelism) are refused: a stage has its parameters, not the model's modules.
+    ``experts`` (expert parameter name -> (dimension, shape), ``spmd.ep`` in a
+    pipeline): the stage's own go with them, by name, in a list; None when nothing is
+    placed."""
+    from dataclasses import replace
+
+    from spmd.ep import split_experts
+    from spmd.state.resolve import resolve_layout
+
+    placements, preset = split_experts(placements)
+    mine = tuple(n for n in stage_params if n in (experts or {}))
+    ep = [replace(preset, dim=experts[mine[0]][0], names=mine)] if preset and mine else []
+    if placements is None:
+        return ep or None
+    explicit = _explicit(model, mesh, placements, stage_params, where)
+    return ep + [explicit] if ep else explicit
+
+
+def _explicit(model: nn.Module, mesh: Mesh, placements: Any, stage_params: Any,
+              where: str) -> dict[str, dict[str, Any]]:
     from spmd.state.resolve import resolve_layout
 
     params, activations = resolve_layout(model, mesh, placements, where)

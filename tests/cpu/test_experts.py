@@ -280,6 +280,93 @@ def test_expert_parallel_beside_tensor_parallelism_trains_like_one_process(layou
             assert "graph1 (recompiled" not in plan and "graph2 (" not in plan, plan
 
 
+# -- in a pipeline: pp x ep, 2 x 2 ranks -----------------------------------------------
+
+PP_ROWS = [2, 4, 2]  # per data rank, step by step (a new shape traces the stages again)
+
+
+def _lm_loss(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def _pp_model(family: str):
+    """(model, loss_fn, batch(step, rows)) of the own MoE model or a zoo family."""
+    if family == "own":
+        torch.manual_seed(0)
+        return MoELM(skew=4.0).double(), _lm_loss, lambda k, rows: batch(k, rows=rows)
+    from ..zoo import entry
+
+    e = entry(family)
+    return e.model(), e.loss_fn, lambda k, rows: e.make_batch(step=k, rows=rows)
+
+
+def _train_pipeline(step, model, batch_of, rank: int | None) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for k, rows in enumerate(PP_ROWS):
+        x, y = batch_of(k, 2 * rows)
+        part = slice(None) if rank is None else slice(rank * rows, (rank + 1) * rows)
+        step(x[part], y[part])
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+
+
+def pp_job(rank: int, family: str, strategy: str, schedule: str) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
+    mesh = spmd.Mesh((2, 2), dim_names=("pp", "ep"))
+    model, loss_fn, batch_of = _pp_model(family)
+    pm = spmd.parallelize(model, mesh=mesh, strategy=strategy, placements=spmd.ep.experts(),
+                          pipeline=spmd.pp.schedule(schedule, microbatches=2))
+    me = mesh.coordinate()[1]
+    _train_pipeline(lambda x, y: pm.step(x, y, loss_fn), model, batch_of, me)
+    out = {"state": {k: v.detach().clone() for k, v in pm.state_dict().items()},
+           "stored": {n: tuple(p.shape) for n, p in model.named_parameters()
+                      if "experts" in n and p.numel()},
+           "load": {k: v.tolist() for k, v in spmd.ep.expert_load(model).items()},
+           "plan": "\n".join(str(p) for p in pm.plan().stage_plans.values())}
+    dist.destroy_process_group()
+    return out
+
+
+PP_CASES = {  # name -> (model, strategy on "ep", schedule)
+    "own ddp 1f1b": ("own", "ddp", "1f1b"),
+    "own fsdp gpipe": ("own", "fsdp", "gpipe"),
+    "mixtral ddp 1f1b": ("mixtral", "ddp", "1f1b"),  # transformers' Mixtral, zoo config
+}
+
+
+@pytest.mark.parametrize("case", list(PP_CASES))
+def test_expert_parallel_stages_of_a_pipeline_train_like_one_process(case):
+    """pp x ep: the model cut into 2 stages over "pp", each stage's experts split by
+    expert index over "ep" (the rest of it under ddp or fsdp there); 2 microbatches, the
+    batch size changing, clipping over every stage. Each rank's stages equal one process
+    on the whole batch, and hold only their own experts."""
+    family, strategy, schedule = PP_CASES[case]
+    reference, loss_fn, batch_of = _pp_model(family)
+    experts = next(m.gate_up_proj.shape[0] for n, m in reference.named_modules()
+                   if n.endswith("experts"))
+    _train_pipeline(lambda x, y: loss_fn(reference(x), y).backward(), reference, batch_of,
+                    None)
+    want = reference.state_dict()
+    runs = dist.spawn(pp_job, args=(family, strategy, schedule), nprocs=4,
+                      start_method="forkserver", timeout=115)
+    held = set()
+    for rank, got in enumerate(runs):
+        assert got["state"], f"rank {rank} holds no stage"
+        for key, value in got["state"].items():
+            diff = float((value - want[key]).abs().max())
+            assert diff < ATOL, f"rank {rank}: {key} differs by {diff:.3g}"
+        held |= set(got["state"])
+        # this rank's experts only: half of each layer's
+        assert got["stored"] and all(shape[0] == experts // 2
+                                     for shape in got["stored"].values()), got["stored"]
+        assert "expert parallelism along 'ep' (2 ranks)" in got["plan"], got["plan"]
+    assert held == set(want)  # the pipeline's ranks hold every entry between them
+    if family == "own":  # skewed: some expert of some stage got no token
+        assert any(0 in load for r in runs for load in r["load"].values())
+
+
 # -- checkpoints: saved split by expert, restored under another layout ------------------
 
 
@@ -392,6 +479,26 @@ def test_a_plan_on_a_simulated_cluster_prices_the_expert_all_to_alls():
     assert len(lines) == 2 and all(float(line.split()[-1]) > 0 for line in lines), lines
 
 
+def test_a_pipeline_plan_on_a_simulated_cluster_lists_each_stages_experts():
+    """pp x ep planned without processes (2 stages of 2 blocks on 2 x 4 simulated H100s):
+    each stage's plan holds the expert ops of its own blocks and prices them on "ep"."""
+    from spmd.hardware import H100_SXM
+
+    mesh = spmd.Mesh.simulated((2, 4), dim_names=("pp", "ep"), hardware=H100_SXM(nodes_of=4))
+    x, y = batch(0, rows=8)
+    plan = spmd.inspect(MoELM(layers=4), x, target=y, loss_fn=_lm_loss, mesh=mesh,
+                        placements=spmd.ep.experts(),
+                        pipeline=spmd.pp.schedule("1f1b", microbatches=4))
+    layers = []
+    for index, stage in sorted(plan.stage_plans.items()):
+        text = str(stage)
+        assert "expert parallelism along 'ep' (4 ranks)" in text, text
+        layers.append([line.split()[0] for line in text.splitlines()
+                       if line.startswith("blocks.")])
+    assert layers == [["blocks.0.moe.experts", "blocks.1.moe.experts"],
+                      ["blocks.2.moe.experts", "blocks.3.moe.experts"]], layers
+
+
 # -- bad input -------------------------------------------------------------------------
 
 
@@ -442,13 +549,14 @@ def test_an_experts_module_with_more_than_its_experts_is_refused_by_name():
         spmd.parallelize(model, mesh=spmd.Mesh.simulated(2), placements=spmd.ep.experts())
 
 
-def test_the_automatic_layout_and_pipelines_with_experts_are_refused_until_planned():
+def test_the_automatic_layout_with_experts_is_refused_until_planned():
     with pytest.raises(NotImplementedError, match="strategy='auto' does not search expert"):
         spmd.parallelize(MoELM(), mesh=spmd.Mesh.simulated(2), strategy="auto",
                          placements=spmd.ep.experts())
-    with pytest.raises(NotImplementedError, match="a pipeline .* does not plan expert"):
-        spmd.parallelize(MoELM(), mesh=spmd.Mesh.simulated((2, 2), dim_names=("pp", "ep")),
-                         placements=spmd.ep.experts(),
+    with pytest.raises(NotImplementedError, match="expert tensor parallelism in a pipeline"):
+        spmd.parallelize(MoELM(), mesh=spmd.Mesh.simulated((2, 2, 2),
+                                                           dim_names=("pp", "ep", "tp")),
+                         placements=spmd.ep.experts(tensor_parallel="tp"),
                          pipeline=spmd.pp.schedule("gpipe", microbatches=2))
 
 
