@@ -131,6 +131,12 @@ LONG: dict[str, tuple[float, str]] = {
     "tests/cpu/test_experts.py::test_expert_parallel_model_trains_like_one_process[zero2-routed]": (
         9, "test_fuzz_loops' fixed zero2 loop with its experts split (no_sync, a frozen "
            "layer, an eager loss term)"),
+    # 2026-12-05: expert parallelism beside tensor parallelism and in pipelines
+    "tests/cpu/test_experts.py::test_expert_parallel_beside_tensor_parallelism_trains_like_one_process[ddp x ep x tp]": (
+        20, "its [fsdp x ep x etp] case (the experts split on 'tp' too, compiled) and "
+            "test_hf_sweep's qwen3_moe under ep x tp"),
+    "tests/cpu/test_experts.py::test_expert_parallel_stages_of_a_pipeline_train_like_one_process[own fsdp gpipe]": (
+        9, "its [own ddp 1f1b] and [mixtral ddp 1f1b] cases (the same stages' experts)"),
     # 2026-12-05: room for expert parallelism's tests (CI measured 1035 s before them)
     "tests/cpu/test_across_hosts.py::test_the_loops_users_write_across_hosts_in_two_levels": (
         26, "test_training_loops (the same loops on one host) and "

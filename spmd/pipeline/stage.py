@@ -160,7 +160,6 @@ def stage_placements(model: nn.Module, mesh: Mesh, placements: Any, stage_params
     from dataclasses import replace
 
     from spmd.ep import split_experts
-    from spmd.state.resolve import resolve_layout
 
     placements, preset = split_experts(placements)
     mine = tuple(n for n in stage_params if n in (experts or {}))
