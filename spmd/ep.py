@@ -470,6 +470,12 @@ def place_for_pipeline(preset: ExpertParallel, model: nn.Module, mesh: Any, hand
 def expert_parameters(preset: ExpertParallel, model: nn.Module, mesh: Any, strategy: Any,
                       where: str) -> Mapping[str, str]:
     """Parameter name -> expert-parallel mesh dimension, for ``prepare_model``."""
+    if strategy.context_dims:
+        raise NotImplementedError(
+            f"{where}: spmd.ep.experts() beside context parallelism "
+            f"({', '.join(strategy.context_dims)}) is not planned yet (each rank's part of "
+            f"the sequence would be gathered to route it); expert parallelism composes with "
+            f"the data strategies, tensor and sequence parallelism and pipelines")
     dim = preset.dim or strategy.shard_dim or strategy.data_dim
     if dim is None or dim not in strategy.data_dims:
         raise ValueError(f"{where}: spmd.ep.experts(dim={dim!r}): the experts are split over "

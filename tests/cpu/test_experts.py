@@ -560,6 +560,12 @@ def test_the_automatic_layout_with_experts_is_refused_until_planned():
                          pipeline=spmd.pp.schedule("gpipe", microbatches=2))
 
 
+def test_expert_parallelism_beside_context_parallelism_is_refused_until_planned():
+    mesh = spmd.Mesh.simulated((2, 2), dim_names=("ep", "cp"))
+    with pytest.raises(NotImplementedError, match="beside context parallelism \\(cp\\)"):
+        spmd.parallelize(MoELM(), mesh=mesh, placements=[spmd.ep.experts(), spmd.cp.ring()])
+
+
 def test_expert_tensor_parallelism_names_another_dimension():
     with pytest.raises(TypeError, match="tensor_parallel must be a mesh dimension's name"):
         spmd.ep.experts(tensor_parallel=2)
