@@ -26,7 +26,10 @@ one data dimension (``"ep"``): rank ``r`` holds experts ``r * L .. (r + 1) * L -
 
 Shapes are static, as a graph needs: ``C = size * T * k`` rows, enough for every choice
 of every rank's tokens to reach this rank's experts (dropless). The padding rows
-are zeros, never sent back, and add nothing to any gradient.
+are zeros, never sent back, and add nothing to any gradient. Under a capacity factor
+(GShard, Switch) each expert takes at most :func:`capacity` pairs from each rank, the
+first in (token, choice) order; the others are dropped (never sent, their rows come
+back zero) and ``C`` shrinks to ``size * L * capacity`` where that is smaller.
 
 Scaling: the gradient of each local expert holds the contributions of every rank's
 tokens, each scaled by its own rank's loss; the data dimension's average (what
@@ -37,6 +40,7 @@ touches the experts' gradients along ``"ep"``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +51,7 @@ from spmd.lowering.placements import Placement, Replicate, Shard
 from spmd.lowering.specs import lookup, sending
 from spmd.runtime import collectives
 
-__all__ = ["ExpertsSpec", "ep_route", "ep_scatter", "ep_gather", "grouped_mm",
+__all__ = ["ExpertsSpec", "ep_route", "ep_scatter", "ep_gather", "grouped_mm", "capacity",
            "bound_rows", "ROUTED"]
 
 
@@ -61,7 +65,10 @@ class ExpertsSpec:
         size: ranks of the expert-parallel dimension they are split over.
         group: its process group (None: a simulated mesh, or one rank).
         mesh_dim: the mesh dimension's name.
+        capacity_factor: None: dropless; else each expert takes at most
+            :func:`capacity` of each rank's (token, choice) pairs, the rest dropped.
         load: the last forward's tokens per local expert (from every rank).
+        dropped: the last forward's pairs this rank dropped, per expert (all ``E``).
     """
 
     module: str
@@ -69,7 +76,9 @@ class ExpertsSpec:
     size: int
     group: Any = None
     mesh_dim: str = "ep"
+    capacity_factor: float | None = None
     load: torch.Tensor | None = field(default=None, repr=False)
+    dropped: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def local(self) -> int:
@@ -84,10 +93,26 @@ class ExpertsSpec:
         return self.group is not None and self.size > 1 and sending()
 
 
-def bound_rows(size: int, tokens: int, k: int) -> int:
+def capacity(capacity_factor: float | None, tokens: int, k: int, experts: int) -> int | None:
+    """The (token, choice) pairs of one rank an expert takes under a capacity factor
+    (GShard's and Switch's expert capacity, per group of tokens: here each rank's):
+    ``ceil(capacity_factor * tokens * k / experts)``; None: dropless."""
+    if capacity_factor is None:
+        return None
+    return max(1, math.ceil(capacity_factor * tokens * k / experts))
+
+
+def bound_rows(size: int, tokens: int, k: int, local: int = 1,
+               capacity_factor: float | None = None, experts: int = 1) -> int:
     """The static row count ``C`` a rank's experts receive (module doc), for ``tokens``
-    tokens of ``k`` choices on each of ``size`` ranks."""
-    return max(1, size * tokens * k)
+    tokens of ``k`` choices on each of ``size`` ranks: every pair (dropless), or under a
+    capacity factor at most :func:`capacity` per local expert (``local``) from each
+    rank."""
+    rows = size * tokens * k
+    cap = capacity(capacity_factor, tokens, k, experts)
+    if cap is not None:
+        rows = min(rows, size * local * cap)
+    return max(1, rows)
 
 
 # -- routing --------------------------------------------------------------------------
@@ -103,7 +128,17 @@ def _route(top_k_index: torch.Tensor, handle: int) -> tuple[torch.Tensor, ...]:
             raise ValueError(f"{spec.module}: routed to expert {high} (or {low}); the layer "
                              f"has experts 0..{spec.num_experts - 1}")
     order = torch.argsort(flat, stable=True)
-    send = torch.bincount(flat, minlength=spec.num_experts).view(spec.size, spec.local)
+    counts = torch.bincount(flat, minlength=spec.num_experts)
+    cap = capacity(spec.capacity_factor, tokens, k, spec.num_experts)
+    if cap is not None:
+        # each expert keeps its first ``cap`` pairs in (token, choice) order; the kept
+        # pairs come first in ``order`` (by expert), the dropped after (never sent)
+        starts = torch.cumsum(counts, 0) - counts
+        kept = (torch.arange(flat.numel()) - starts[flat[order]]) < cap
+        order = torch.cat([order[kept], order[~kept]])
+        spec.dropped = (counts - counts.clamp(max=cap)).detach().clone()
+        counts = counts.clamp(max=cap)
+    send = counts.view(spec.size, spec.local)
     recv = torch.empty_like(send)
     if spec.communicates:
         collectives.all_to_all_single(recv, send.contiguous(), group=spec.group)
@@ -111,7 +146,8 @@ def _route(top_k_index: torch.Tensor, handle: int) -> tuple[torch.Tensor, ...]:
         recv.copy_(send)
     per_expert = recv.sum(0)
     offs = torch.cumsum(per_expert, 0)
-    bound = bound_rows(spec.size, tokens, k)
+    bound = bound_rows(spec.size, tokens, k, spec.local, spec.capacity_factor,
+                       spec.num_experts)
     if int(offs[-1]) > bound:
         raise RuntimeError(
             f"{spec.module}: this rank's experts received {int(offs[-1])} rows, more than "
@@ -168,7 +204,8 @@ def _scatter(rows: torch.Tensor, order: torch.Tensor, send: torch.Tensor,
              recv: torch.Tensor, bound: int, handle: int) -> torch.Tensor:
     spec: ExpertsSpec = lookup(handle)
     got = int(recv.sum())
-    arrived = _exchange(rows[order], got, send.sum(1).tolist(), recv.sum(1).tolist(), spec)
+    sent = order[:int(send.sum())]  # (a capacity's dropped pairs are not sent)
+    arrived = _exchange(rows[sent], got, send.sum(1).tolist(), recv.sum(1).tolist(), spec)
     out = rows.new_empty((bound, *rows.shape[1:]))
     torch.index_select(arrived, 0, _expert_major(recv), out=out[:got])
     out[got:].zero_()  # the padding: zeros, which add nothing anywhere
@@ -181,10 +218,14 @@ def _gather(ys: torch.Tensor, order: torch.Tensor, send: torch.Tensor,
     got = int(recv.sum())
     by_source = torch.empty_like(ys[:got])
     by_source[_expert_major(recv)] = ys[:got]
-    back = _exchange(by_source, int(send.sum()), recv.sum(1).tolist(), send.sum(1).tolist(),
-                     spec)
-    out = torch.empty_like(back)
-    out[order] = back
+    sent = int(send.sum())
+    back = _exchange(by_source, sent, recv.sum(1).tolist(), send.sum(1).tolist(), spec)
+    if sent == order.numel():
+        out = torch.empty_like(back)
+        out[order] = back
+    else:  # a dropped pair comes back as zeros: its token keeps only its other choices
+        out = back.new_zeros((order.numel(), *back.shape[1:]))
+        out[order[:sent]] = back
     return out
 
 

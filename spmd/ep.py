@@ -35,14 +35,14 @@ from __future__ import annotations
 import fnmatch
 import inspect
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["experts", "ExpertParallel", "ExpertTensorParallel", "find_experts", "expert_load",
-           "split_experts", "load_balancing_loss"]
+           "dropped_tokens", "split_experts", "load_balancing_loss"]
 
 
 def _weights(module: nn.Module) -> tuple[str, ...]:
@@ -121,6 +121,7 @@ class ExpertParallel:
     # a pipeline stage's expert parameters, by name (their modules were placed on the
     # whole model before it was traced: spmd.pipeline)
     names: tuple[str, ...] = ()
+    capacity_factor: float | None = None
 
     expert_parallel = True  # (how spmd.lowering.options tells it from a tp preset)
 
@@ -229,7 +230,8 @@ def _gate_pairs(module: nn.Module) -> str:
 
 
 def experts(*, dim: str | None = None, modules: tuple[str, ...] | list[str] = (),
-            tensor_parallel: str | None = None) -> ExpertParallel:
+            tensor_parallel: str | None = None, capacity_factor: float | None = None
+            ) -> ExpertParallel:
     """Expert parallelism: each experts module's experts split by expert index over the
     ranks of data dimension ``dim``.
 
@@ -243,6 +245,13 @@ def experts(*, dim: str | None = None, modules: tuple[str, ...] | list[str] = ()
             default: the experts are whole along every tensor-parallel dimension (each
             such rank computes them on the same tokens, as Megatron-Core with
             ``expert_tensor_parallel_size=1``).
+        capacity_factor: None (default): dropless, every (token, choice) pair reaches its
+            expert however uneven the routing. A number: GShard's and Switch's expert
+            capacity, per rank: each expert takes at most ``ceil(capacity_factor * T * k
+            / E)`` of each rank's ``T`` tokens' pairs, the first in (token, choice)
+            order, and the rest are dropped (the token keeps its other choices and the
+            residual); the rows a rank's experts receive, and their memory, are bounded
+            by it. :func:`dropped_tokens` says what the last forward dropped.
 
     Pass it as ``placements=``, alone or in a list with other presets (``spmd.tp.megatron()``
     for the attention).
@@ -259,7 +268,13 @@ def experts(*, dim: str | None = None, modules: tuple[str, ...] | list[str] = ()
     if tensor_parallel is not None and tensor_parallel == dim:
         raise ValueError(f"spmd.ep.experts: tensor_parallel={tensor_parallel!r} is the "
                          f"experts' own dimension; name another")
-    return ExpertParallel(dim=dim, modules=tuple(modules), tensor_parallel=tensor_parallel)
+    if capacity_factor is not None and (isinstance(capacity_factor, bool) or not isinstance(
+            capacity_factor, (int, float)) or not capacity_factor > 0):
+        raise ValueError(f"spmd.ep.experts: capacity_factor must be a positive number (or "
+                         f"None: dropless), got {capacity_factor!r}")
+    return ExpertParallel(dim=dim, modules=tuple(modules), tensor_parallel=tensor_parallel,
+                          capacity_factor=None if capacity_factor is None
+                          else float(capacity_factor))
 
 
 def split_experts(placements: Any) -> tuple[Any, ExpertParallel | None]:
@@ -306,34 +321,31 @@ def expert_load(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def dropped_tokens(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Under a capacity factor (:func:`experts`), the (token, choice) pairs the last
+    forward dropped per expert of each expert-parallel layer (module path -> ``(E,)``
+    counts summed over the expert-parallel group; zeros when dropless or nothing was
+    dropped); every rank must call it."""
+    from spmd.lowering.specs import lookup
+    from spmd.runtime.collectives import all_reduce
+
+    out: dict[str, torch.Tensor] = {}
+    for path, module in model.named_modules():
+        handle = getattr(module, "_spmd_ep_handle", None)
+        if handle is None:
+            continue
+        spec = lookup(handle)
+        if spec.load is None:
+            continue
+        total = (spec.dropped.clone() if spec.dropped is not None
+                 else spec.load.new_zeros(spec.num_experts))
+        if spec.communicates:
+            all_reduce(total, group=spec.group)
+        out[path] = total
+    return out
+
+
 # -- the forward that replaces the experts module's --------------------------------------
-
-
-def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    from spmd.lowering import experts as ops
-
-    # (plain numbers and names, found when it was placed: Dynamo traces no spec lookup)
-    handle, size, up, down, read = self._spmd_ep
-    tokens, k = top_k_index.shape
-    hidden = hidden_states.shape[-1]
-    transposed = bool(getattr(self, "is_transposed", False))
-    scale = 1.0 / size
-    order, send, recv, offs = ops.ep_route(top_k_index.to(torch.int64), handle)
-    rows = hidden_states.repeat_interleave(k, dim=0)
-    xs = ops.ep_scatter(rows, order, send, recv, ops.bound_rows(size, tokens, k), handle)
-    h = ops.grouped_mm(xs, read(self, up), offs, read(self, f"{up}_bias"), transposed, scale)
-    if up == "gate_up_proj":
-        h = self._apply_gate(h) if hasattr(self, "_apply_gate") else _gate(self, h)
-    else:
-        h = self.act_fn(h)
-    ys = ops.grouped_mm(h, read(self, down), offs, read(self, f"{down}_bias"), transposed,
-                        scale)
-    if getattr(self, "has_post_expert_norm", False):
-        ys = self.post_expert_norm(ys)
-    back = ops.ep_gather(ys, order, send, recv, handle)
-    out = (back.view(tokens, k, hidden) * top_k_weights.unsqueeze(-1).to(back.dtype)).sum(1)
-    return out.to(hidden_states.dtype)
 
 
 @dataclass(frozen=True)
@@ -356,6 +368,46 @@ class _Reads:
         return value
 
 
+class _Placed(NamedTuple):
+    """What the experts forward reads of its layer: plain numbers and names, found when
+    it was placed (Dynamo traces no spec lookup)."""
+
+    handle: int
+    size: int
+    experts: int
+    up: str
+    down: str
+    read: _Reads
+    capacity_factor: float | None
+
+
+def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    from spmd.lowering import experts as ops
+
+    handle, size, experts, up, down, read, capacity_factor = self._spmd_ep
+    tokens, k = top_k_index.shape
+    hidden = hidden_states.shape[-1]
+    transposed = bool(getattr(self, "is_transposed", False))
+    scale = 1.0 / size
+    order, send, recv, offs = ops.ep_route(top_k_index.to(torch.int64), handle)
+    rows = hidden_states.repeat_interleave(k, dim=0)
+    bound = ops.bound_rows(size, tokens, k, experts // size, capacity_factor, experts)
+    xs = ops.ep_scatter(rows, order, send, recv, bound, handle)
+    h = ops.grouped_mm(xs, read(self, up), offs, read(self, f"{up}_bias"), transposed, scale)
+    if up == "gate_up_proj":
+        h = self._apply_gate(h) if hasattr(self, "_apply_gate") else _gate(self, h)
+    else:
+        h = self.act_fn(h)
+    ys = ops.grouped_mm(h, read(self, down), offs, read(self, f"{down}_bias"), transposed,
+                        scale)
+    if getattr(self, "has_post_expert_norm", False):
+        ys = self.post_expert_norm(ys)
+    back = ops.ep_gather(ys, order, send, recv, handle)
+    out = (back.view(tokens, k, hidden) * top_k_weights.unsqueeze(-1).to(back.dtype)).sum(1)
+    return out.to(hidden_states.dtype)
+
+
 def _gate(self: nn.Module, h: torch.Tensor) -> torch.Tensor:
     gate, up = h.chunk(2, dim=-1)
     return self.act_fn(gate) * up
@@ -373,11 +425,11 @@ def _ep_class(cls: type) -> type:
     return sub
 
 
-def place_experts(module: nn.Module, strategy: Any, handles: Any) -> dict[str, Any]:
+def place_experts(module: nn.Module, strategy: Any, handles: Any,
+                  preset: ExpertParallel | None = None) -> dict[str, Any]:
     """Give every experts module of ``module`` that ``strategy.experts`` names the
-    expert-parallel forward (its class swapped) and a spec; the specs by module path."""
-    from spmd.lowering.experts import ExpertsSpec
-
+    expert-parallel forward (its class swapped) and a spec (the ``preset``'s capacity
+    factor); the specs by module path."""
     mesh = strategy.mesh
     specs: dict[str, Any] = {}
     paths = {name.rpartition(".")[0]: dim for name, dim in strategy.experts.items()}
@@ -385,18 +437,28 @@ def place_experts(module: nn.Module, strategy: Any, handles: Any) -> dict[str, A
         sub = module.get_submodule(path) if path else module
         if not _routed(sub):  # a pipeline stage's: placed on the whole model, and traced
             continue
-        size = mesh.size(dim)
-        group = None if mesh.simulated else mesh.get_group(dim)
-        names = _weights(sub)
-        count = getattr(sub, names[0]).shape[0] * size  # stored: its own experts
-        spec = ExpertsSpec(module=path, num_experts=count, size=size, group=group,
-                           mesh_dim=dim)
-        sub._spmd_ep_handle = handles.add(spec)
-        sub._spmd_ep = (sub._spmd_ep_handle, size, names[0], names[1],
-                        _Reads(_tp_pieces(sub, path, strategy, handles)))
-        sub.__class__ = _ep_class(type(sub))
-        specs[path] = spec
+        count = getattr(sub, _weights(sub)[0]).shape[0] * mesh.size(dim)  # its own, stored
+        specs[path] = _place(sub, path, count, mesh, dim, handles,
+                             _Reads(_tp_pieces(sub, path, strategy, handles)), preset)
     return specs
+
+
+def _place(sub: nn.Module, path: str, count: int, mesh: Any, dim: str, handles: Any,
+           read: _Reads, preset: ExpertParallel | None) -> Any:
+    """One experts module given the expert-parallel forward (its class swapped) and the
+    spec of its ``count`` experts over ``dim``."""
+    from spmd.lowering.experts import ExpertsSpec
+
+    size = mesh.size(dim)
+    factor = preset.capacity_factor if preset is not None else None
+    spec = ExpertsSpec(module=path, num_experts=count, size=size,
+                       group=None if mesh.simulated else mesh.get_group(dim), mesh_dim=dim,
+                       capacity_factor=factor)
+    names = _weights(sub)
+    sub._spmd_ep_handle = handles.add(spec)
+    sub._spmd_ep = _Placed(sub._spmd_ep_handle, size, count, names[0], names[1], read, factor)
+    sub.__class__ = _ep_class(type(sub))
+    return spec
 
 
 def _tp_pieces(module: nn.Module, path: str, strategy: Any, handles: Any
@@ -433,8 +495,6 @@ def place_for_pipeline(preset: ExpertParallel, model: nn.Module, mesh: Any, hand
     expert ops), their specs over dimension ``preset.dim`` of the stage mesh ``mesh``.
     Each expert parameter's name -> (that dimension, its shape on this rank, which the
     trace reads: the stages store only their experts)."""
-    from spmd.lowering.experts import ExpertsSpec
-
     if preset.tensor_parallel is not None:
         raise NotImplementedError(
             f"{where}: expert tensor parallelism in a pipeline is not planned yet (each "
@@ -454,12 +514,7 @@ def place_for_pipeline(preset: ExpertParallel, model: nn.Module, mesh: Any, hand
         sub = model.get_submodule(path) if path else model
         names = _weights(sub)
         count = getattr(sub, names[0]).shape[0]  # whole until a stage stores its own
-        spec = ExpertsSpec(module=path, num_experts=count, size=size,
-                           group=None if mesh.simulated else mesh.get_group(dim),
-                           mesh_dim=dim)
-        sub._spmd_ep_handle = handles.add(spec)
-        sub._spmd_ep = (sub._spmd_ep_handle, size, names[0], names[1], _Reads())
-        sub.__class__ = _ep_class(type(sub))
+        _place(sub, path, count, mesh, dim, handles, _Reads(), preset)
         for local in names:
             shape = list(getattr(sub, local).shape)
             shape[0] //= size
@@ -515,7 +570,10 @@ def plan_lines(plan: Any) -> list[str]:
         return []
     first = next(iter(layers.values()))[0]
     model = plan.cost_model
-    lines = ["", f"expert parallelism along {first.mesh_dim!r} ({first.size} ranks), dropless; "
+    kept = ("dropless" if first.capacity_factor is None else
+            f"capacity factor {first.capacity_factor:g} (each expert at most "
+            f"ceil({first.capacity_factor:g}·T·k/E) of each rank's pairs, the rest dropped)")
+    lines = ["", f"expert parallelism along {first.mesh_dim!r} ({first.size} ranks), {kept}; "
                  f"all-to-alls priced for even routing:",
              f"{'layer':<36} {'experts':>7} {'per rank':>8} {'rows out':>8} "
              f"{'bytes out':>10} {'pred µs/step':>12}"]

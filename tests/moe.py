@@ -11,6 +11,8 @@ one-process forward."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -29,12 +31,33 @@ class Experts(nn.Module):
             self.gate_up_proj_bias = nn.Parameter(torch.randn(experts, 2 * inter) * 0.1)
             self.down_proj_bias = nn.Parameter(torch.randn(experts, hidden) * 0.1)
         self.act_fn = nn.SiLU()
+        # the one-process reference of a capacity factor: the tokens in ``groups``
+        # contiguous groups (the ranks' rows), each expert keeping its first
+        # ceil(factor * T/groups * k / E) pairs of each group in (token, choice) order
+        self.capacity_factor: float | None = None
+        self.groups = 1
+
+    def kept(self, top_k_index: torch.Tensor) -> torch.Tensor:
+        keep = torch.ones_like(top_k_index, dtype=torch.bool)
+        if self.capacity_factor is None:
+            return keep
+        tokens, k = top_k_index.shape
+        per = tokens // self.groups
+        cap = math.ceil(self.capacity_factor * per * k / self.num_experts)
+        for g in range(self.groups):
+            seen: dict[int, int] = {}
+            mask = keep[g * per:(g + 1) * per].view(-1)
+            for i, e in enumerate(top_k_index[g * per:(g + 1) * per].reshape(-1).tolist()):
+                seen[e] = seen.get(e, 0) + 1
+                mask[i] = seen[e] <= cap
+        return keep
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden)
+        keep = self.kept(top_k_index)
         for e in range(self.num_experts):
-            token, choice = torch.where(top_k_index == e)
+            token, choice = torch.where((top_k_index == e) & keep)
             if token.numel() == 0:
                 continue
             h = hidden[token] @ self.gate_up_proj[e].t()

@@ -71,9 +71,10 @@ class ModuleState(Program):
             self.placed_activations = place_activations(module, setup.strategy, self.handles)
         self.experts: dict = {}
         if setup.strategy.experts:  # spmd.ep: experts split by index, their own forward
-            from spmd.ep import place_experts
+            from spmd.ep import place_experts, split_experts
 
-            self.experts = place_experts(module, setup.strategy, self.handles)
+            self.experts = place_experts(module, setup.strategy, self.handles,
+                                         split_experts(options.placements)[1])
         self.shards: dict[str, ShardSpec] = self.layout.shards
         self.sharded = setup.strategy.shards_parameters
         self.params = dict(module.named_parameters())

@@ -213,6 +213,57 @@ def test_expert_parallel_model_trains_like_one_process(layout, skew):
     assert all(r["load"].keys() == runs[0]["load"].keys() for r in runs)
 
 
+# -- a capacity factor: tokens dropped as one process with the same groups drops them -----
+
+
+def capacity_job(rank: int, base, factor: float) -> dict:
+    from ..zoo import data_index
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
+    mesh = spmd.Mesh((2,), dim_names=("ep",))
+    model = spmd.parallelize(copy.deepcopy(base), mesh=mesh, strategy="fsdp",
+                             placements=spmd.ep.experts(capacity_factor=factor))
+    planned = model._spmd.setup.strategy
+    index, count = data_index(planned.mesh, planned)
+    out = _train(model, index, count)
+    out["dropped"] = {k: v.tolist() for k, v in spmd.ep.dropped_tokens(model).items()}
+    out["plan"] = str(spmd.inspect(model))
+    out["index"] = index
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_capacity_factor_drops_what_one_process_with_the_same_groups_drops():
+    """``capacity_factor=1``: each expert takes at most ceil(T·k/E) of each rank's pairs
+    (routing skewed: the first experts overflow). Equal to one process whose experts
+    drop the same pairs of each rank's tokens (tests/moe.py's reference: the batch in the
+    ranks' groups), the batch size changing; ``dropped_tokens`` says what was dropped."""
+    torch.manual_seed(0)
+    base = MoELM(skew=4.0).double()
+    reference = copy.deepcopy(base)
+    for block in reference.blocks:
+        block.moe.experts.capacity_factor, block.moe.experts.groups = 1.0, 2
+    want = _train(reference, None, 2)
+    dropless = _train(copy.deepcopy(base), None, 2)
+    apart = max(float((want["state"][k] - v).abs().max()) for k, v in dropless["state"].items())
+    assert apart > 1e-4, "the reference dropped nothing: the test would test nothing"
+    runs = dist.spawn(capacity_job, args=(base, 1.0), nprocs=2, start_method="forkserver",
+                      timeout=110)
+    for rank, got in enumerate(runs):
+        for key, value in want["state"].items():
+            diff = float((got["state"][key] - value).abs().max())
+            assert diff < ATOL, f"rank {rank}: {key} differs by {diff:.3g}"
+        row = got["index"]
+        diff = float((got["eval"] - want["eval"][row:row + 1]).abs().max())
+        assert diff < ATOL, f"rank {rank}: the evaluation differs by {diff:.3g}"
+        assert "capacity factor 1" in got["plan"], got["plan"]
+        # the skewed router overflows the first experts: pairs were dropped, by them
+        dropped = got["dropped"]["blocks.0.moe.experts"]
+        assert dropped[0] > 0 and dropped[-1] == 0, dropped
+    assert runs[0]["dropped"] == runs[1]["dropped"]  # summed over the group
+
+
 # -- beside tensor parallelism: 2 x 2 ranks -------------------------------------------
 
 # Megatron's attention and shared expert on "tp" (qkv split by head groups)
@@ -564,6 +615,12 @@ def test_expert_parallelism_beside_context_parallelism_is_refused_until_planned(
     mesh = spmd.Mesh.simulated((2, 2), dim_names=("ep", "cp"))
     with pytest.raises(NotImplementedError, match="beside context parallelism \\(cp\\)"):
         spmd.parallelize(MoELM(), mesh=mesh, placements=[spmd.ep.experts(), spmd.cp.ring()])
+
+
+def test_a_capacity_factor_must_be_a_positive_number():
+    for bad in (0, -1.0, "1.25", True):
+        with pytest.raises(ValueError, match="capacity_factor must be a positive number"):
+            spmd.ep.experts(capacity_factor=bad)
 
 
 def test_expert_tensor_parallelism_names_another_dimension():
