@@ -262,7 +262,11 @@ class TwoLevelCostModel(CostModel):
         """The time of the cheaper algorithm (``algorithm`` None), of the flat ring
         (``"ring"``) or of the two-level one (``"hierarchical"``): timed at start-up
         where the job measured this group's collectives of this kind, else by the
-        formulas."""
+        formulas. An all-to-all (pairwise) is priced per link: each rank's bytes for
+        the other nodes' ranks on its network path, those for its own node's over
+        NVLink at the same time."""
+        if kind == "all_to_all" and algorithm in (None, "pairwise"):
+            return self._all_to_all(nbytes)
         if algorithm is None:
             flat, two = self._both(kind, nbytes)
             return flat if two is None else min(flat, two)
@@ -294,6 +298,15 @@ class TwoLevelCostModel(CostModel):
         if two is None:
             two = self._two_level(kind, nbytes)
         return flat, two
+
+    def _all_to_all(self, nbytes: int) -> float:
+        k, p = self.per_node, self.world_size
+        if k <= 1 or p % k:
+            return CostModel.seconds(self, "all_to_all", nbytes, "pairwise")
+        beta = self.beta if self.outer_beta is None else self.outer_beta
+        across = (p - k) * self.alpha + (p - k) / p * nbytes * beta
+        within = (k - 1) * self.inner_alpha + (k - 1) / p * nbytes * self.inner_beta
+        return max(across, within)
 
     def _two_level(self, kind: str, nbytes: int) -> float | None:
         k = self.per_node

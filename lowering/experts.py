@@ -277,7 +277,8 @@ def _rows(offs: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
-                bias: torch.Tensor | None, transposed: bool, scale: float) -> torch.Tensor:
+                bias: torch.Tensor | None, transposed: bool, scale: float,
+                expected: int = 0) -> torch.Tensor:
     out_features = w.shape[2] if transposed else w.shape[1]
     out = x.new_empty((x.shape[0], out_features))
     for e, start, end in _rows(offs):
@@ -292,19 +293,20 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
 
 
 def _fake_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
-                     bias: torch.Tensor | None, transposed: bool, scale: float) -> torch.Tensor:
+                     bias: torch.Tensor | None, transposed: bool, scale: float,
+                     expected: int = 0) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[2] if transposed else w.shape[1]))
 
 
 def _fake_weight_grad(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor,
-                      transposed: bool, scale: float) -> torch.Tensor:
+                      transposed: bool, scale: float, expected: int = 0) -> torch.Tensor:
     experts = offs.shape[0]
     return grad.new_empty((experts, x.shape[1], grad.shape[1]) if transposed else
                           (experts, grad.shape[1], x.shape[1]))
 
 
 def _weight_grad(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, transposed: bool,
-                 scale: float) -> torch.Tensor:
+                 scale: float, expected: int = 0) -> torch.Tensor:
     out = _fake_weight_grad(grad, x, offs, transposed, scale)
     for e, start, end in _rows(offs):
         if end > start:
@@ -330,33 +332,52 @@ def _fake_bias_grad(grad: torch.Tensor, offs: torch.Tensor, scale: float) -> tor
 
 
 grouped_mm_weight = define(
-    "grouped_mm_weight(Tensor grad, Tensor x, Tensor offs, bool transposed, float scale) "
-    "-> Tensor", _weight_grad, _fake_weight_grad)
+    "grouped_mm_weight(Tensor grad, Tensor x, Tensor offs, bool transposed, float scale, "
+    "SymInt expected=0) -> Tensor", _weight_grad, _fake_weight_grad)
 grouped_sum = define("grouped_sum(Tensor grad, Tensor offs, float scale) -> Tensor",
                      _bias_grad, _fake_bias_grad)
 
 
 
 def _keep_product(ctx: Any, inputs: tuple, output: Any) -> None:
-    x, w, offs, bias, transposed, scale = inputs
+    x, w, offs, bias, transposed, scale, *expected = inputs
     ctx.save_for_backward(x, w, offs)
     ctx.has_bias, ctx.transposed, ctx.scale = bias is not None, transposed, scale
+    ctx.expected = expected[0] if expected else 0
 
 
 def _grouped_mm_backward(ctx: Any, grad: torch.Tensor) -> tuple:
     x, w, offs = ctx.saved_tensors
     grad = grad.contiguous()
     # d(x @ w.T)/dx = grad @ w: the same product with the weight read the other way
-    gx = grouped_mm(grad, w, offs, None, not ctx.transposed, 1.0)
-    gw = grouped_mm_weight(grad, x, offs, ctx.transposed, ctx.scale)
+    gx = grouped_mm(grad, w, offs, None, not ctx.transposed, 1.0, ctx.expected)
+    gw = grouped_mm_weight(grad, x, offs, ctx.transposed, ctx.scale, ctx.expected)
     gb = grouped_sum(grad, offs, ctx.scale) if ctx.has_bias else None
-    return gx, gw, None, gb, None, None
+    return gx, gw, None, gb, None, None, None
 
 
 grouped_mm = define(
     "grouped_mm(Tensor x, Tensor w, Tensor offs, Tensor? bias, bool transposed, "
-    "float scale) -> Tensor", _grouped_mm, _fake_grouped_mm, _grouped_mm_backward,
+    "float scale, SymInt expected=0) -> Tensor", _grouped_mm, _fake_grouped_mm, _grouped_mm_backward,
     _keep_product)
+
+
+def product_flops(node: Any) -> int:
+    """A grouped product's FLOPs as a plan prices them: ``2 · rows · in · out`` on the
+    rows its experts receive under even routing (the ``expected`` argument: this rank's
+    ``T · k``, capped by a capacity), not the static bound the graph pads to."""
+    def val(a: Any) -> Any:
+        return a.meta.get("val") if hasattr(a, "meta") else a
+
+    args = list(node.args) + [node.kwargs.get("expected", 0)] * (7 - len(node.args))
+    if node.target is grouped_mm:
+        x, out, expected = val(args[0]), val(node), args[6]
+        inner, outer = x.shape[1], out.shape[1]
+    else:
+        grad, x, expected = val(args[0]), val(args[1]), args[5]
+        inner, outer = grad.shape[1], x.shape[1]
+    rows = expected if isinstance(expected, int) and expected > 0 else x.shape[0]
+    return int(2 * rows * inner * outer)
 
 
 # the ops whose values follow the routing (counts, offsets, row order): the verifier's

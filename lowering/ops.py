@@ -74,14 +74,29 @@ def define(schema: str, impl: Any, fake: Any, backward: Any = None,
     name = schema.split("(", 1)[0]
     _lib.define(schema)
     _lib.impl(name, impl, "CompositeExplicitAutograd")
+    # on meta tensors (a model planned on the meta device, its graphs timed there) the
+    # fake kernel is the op: shapes only, nothing read or sent
+    _lib.impl(name, fake, "Meta")
     torch.library.register_fake(f"spmd::{name}", fake, lib=_lib)
     op = getattr(torch.ops.spmd, name).default
     if backward is not None:
         torch.library.register_autograd(f"spmd::{name}", backward,
                                         setup_context=setup_context or _keep_handle,
                                         lib=_lib)
-    FAKES[op], IMPLEMENTATIONS[op] = fake, impl
+    FAKES[op], IMPLEMENTATIONS[op] = fake, _shapes_on_meta(impl, fake)
     return op
+
+
+def _shapes_on_meta(impl: Any, fake: Any) -> Any:
+    """``impl`` as the emitted graphs call it (not through the dispatcher): on meta
+    tensors its fake kernel, as the dispatcher's Meta kernel is."""
+    def run(*args: Any) -> Any:
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.is_meta:
+                return fake(*args)
+        return impl(*args)
+    run.__name__ = getattr(impl, "__name__", "run")
+    return run
 
 
 def _keep_handle(ctx: Any, inputs: tuple, output: Any) -> None:

@@ -46,7 +46,7 @@ _FREE = ("view", "_unsafe_view", "t", "transpose", "permute", "expand", "alias",
          "reshape", "unbind", "as_strided", "_reshape_alias", "view_as_real",
          "view_as_complex")
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward",
-            "_convolution")
+            "_convolution", "grouped_mm", "grouped_mm_weight")
 
 
 def _name(node: fx.Node) -> str:
@@ -82,8 +82,12 @@ def node_flops(node: fx.Node, *, causal_halved: bool = True) -> int:
 
     from spmd.lowering.meta_trace import ATTENTION, attention_causal
 
+    from spmd.lowering import experts
+
     if node.op != "call_function":
         return 0
+    if node.target in (experts.grouped_mm, experts.grouped_mm_weight):
+        return experts.product_flops(node)
     attention = node.target in ATTENTION
     if attention:
         flops = _attention_flops(node)

@@ -100,10 +100,13 @@ def node_cost(node: fx.Node) -> float:
 
 def _phase(timeline: Timeline, graph: fx.GraphModule | None, label: str, seconds: float,
            collectives: dict[str, Any], t: float, network_free: float,
-           overlap: float, weights: dict[str, float] | None = None) -> tuple[float, float]:
+           overlap: float, weights: dict[str, float] | None = None,
+           blocking: dict[str, tuple[str, float]] | None = None) -> tuple[float, float]:
     """Replay one graph from time ``t``: compute nodes take their share of ``seconds``
     (slowed by communication beside them), collectives queue on the network, a wait
-    blocks until its collective is done. Returns (end of the graph, network free at)."""
+    blocks until its collective is done, and a node in ``blocking`` (an expert
+    all-to-all inside an op: name -> (label, seconds)) holds the compute until its
+    transfer is done. Returns (end of the graph, network free at)."""
     if graph is None:
         timeline.spans.append(Span(lane="compute", label=label, start=t, end=t + seconds))
         return t + seconds, network_free
@@ -115,6 +118,18 @@ def _phase(timeline: Timeline, graph: fx.GraphModule | None, label: str, seconds
     flights: list[tuple[float, float]] = []
     segment = t
     for node, cost in zip(nodes, costs):
+        held = (blocking or {}).get(node.name)
+        if held is not None:  # the op sends and waits: nothing computes meanwhile
+            if t > segment:
+                timeline.spans.append(Span(lane="compute", label=label, start=segment, end=t))
+            begin = max(t, network_free)
+            network_free = begin + held[1]
+            timeline.spans.append(Span(lane="communication", label=f"{held[0]} all-to-all",
+                                       start=begin, end=network_free))
+            timeline.spans.append(Span(lane="exposed", label=f"{label} waits for "
+                                       f"{node.name}", start=t, end=network_free))
+            t = segment = network_free
+            continue
         c = collectives.get(node.name)
         if c is not None and c.bucket < 0:  # ring attention: its blocks' sends overlap
             begin = max(t, network_free)    # its own compute; it ends when both are done
@@ -179,19 +194,29 @@ def predict(plan: Plan, optimizer: str | None = "adamw", clip_grad_norm: bool = 
     overlap = plan.cost_model.overlap
     t = network_free = 0.0
     names = list(plan.compute)
+    # spmd.ep's all-to-alls run inside ops: on a simulated cluster the roofline prices
+    # their compute only, so their transfers are added; a live plan's measured graph
+    # times hold them already
+    simulated = plan.mesh is not None and plan.mesh.hardware is not None
+    blocking: dict[str, dict[str, tuple[str, float]]] = {}
+    if simulated:
+        from spmd.ep import all_to_all_seconds
+
+        blocking = all_to_all_seconds(plan)
     for name in names:
         fwd = plan.compute[name][0] * compute_scale
         t, network_free = _phase(timeline, plan.graphs.get(f"{name}.forward"),
                                  f"{name} forward", fwd, by_phase.get((name, "forward"), {}),
                                  t, network_free, overlap,
-                                 plan.node_seconds.get(f"{name}.forward"))
+                                 plan.node_seconds.get(f"{name}.forward"),
+                                 blocking.get(f"{name}.forward"))
     for name in reversed(names):
         bwd = plan.compute[name][1] * compute_scale
         phase = "backward" if f"{name}.backward" in plan.graphs else "step"
         key = f"{name}.{phase}"  # a whole step traced as one graph: its collectives too
         t, network_free = _phase(timeline, plan.graphs.get(key), f"{name} {phase}", bwd,
                                  by_phase.get((name, phase), {}), t, network_free,
-                                 overlap, plan.node_seconds.get(key))
+                                 overlap, plan.node_seconds.get(key), blocking.get(key))
     hardware = plan.mesh.hardware if plan.mesh is not None else None
     whole_step = any(key.endswith(".step") for key in plan.graphs)
     if hardware is not None and not whole_step and (optimizer or clip_grad_norm):

@@ -105,8 +105,9 @@ def _alias(out: torch.Tensor, source: WriteThrough) -> torch.Tensor:
         return out
     with torch._C.DisableTorchFunctionSubclass():
         root = source._spmd_root
+        # the same storage, not the same address: every meta tensor's address is 0
         shares = (out.device == root.device and out.layout is torch.strided
-                  and out.untyped_storage().data_ptr() == root.untyped_storage().data_ptr())
+                  and out.untyped_storage()._cdata == root.untyped_storage()._cdata)
     if not shares:
         return out
     view = out.as_subclass(WriteThrough)

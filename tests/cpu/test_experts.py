@@ -528,6 +528,35 @@ def test_a_plan_on_a_simulated_cluster_prices_the_expert_all_to_alls():
     assert "expert parallelism along 'ep' (8 ranks)" in text
     lines = [line for line in text.splitlines() if line.startswith("blocks.")]
     assert len(lines) == 2 and all(float(line.split()[-1]) > 0 for line in lines), lines
+    assert "per link" in text
+
+
+def test_the_all_to_all_across_nodes_is_priced_per_link_and_counted_in_the_step():
+    """On 2 nodes of 4 H100s, an all-to-all's bytes for the other node's ranks go on each
+    GPU's network path, those for its own node's over NVLink at the same time: cheaper
+    than the flat pairwise price on the network alone. The predicted step holds the
+    expert all-to-alls, blocking (exposed)."""
+    from spmd.ep import all_to_all_seconds
+    from spmd.hardware import H100_SXM
+    from spmd.lowering.cost_model import CostModel, along
+
+    mesh = spmd.Mesh.simulated((8,), dim_names=("ep",), hardware=H100_SXM(nodes_of=4))
+    link = along(mesh, "ep", None)
+    n = 64 << 20
+    across = 4 * link.alpha + 4 / 8 * n * (link.outer_beta or link.beta)
+    within = 3 * link.inner_alpha + 3 / 8 * n * link.inner_beta
+    assert link.seconds("all_to_all", n) == pytest.approx(max(across, within))
+    assert link.seconds("all_to_all", n) < CostModel.seconds(link, "all_to_all", n, "pairwise")
+    x, _ = batch(0, rows=8)
+    plan = spmd.inspect(MoELM(), x, mesh=mesh, placements=spmd.ep.experts())
+    priced = all_to_all_seconds(plan)
+    # per layer: the counts and the rows out and back in forward, again in backward
+    assert sorted(len(nodes) for nodes in priced.values()) == [4, 6], priced
+    total = sum(t for nodes in priced.values() for _, t in nodes.values())
+    timeline = plan.predicted_timeline()
+    assert timeline.exposed_seconds >= total > 0
+    spans = [s for s in timeline.lane("communication") if s.label.endswith("all-to-all")]
+    assert len(spans) == 10 and sum(s.seconds for s in spans) == pytest.approx(total)
 
 
 def test_a_pipeline_plan_on_a_simulated_cluster_lists_each_stages_experts():
