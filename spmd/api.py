@@ -128,12 +128,6 @@ def parallelize(obj: Any = None, *, mesh: Mesh | None = None, strategy: str = "d
         loss_fn(model(x), y).backward()          # .grad arrives averaged across ranks
         print(spmd.inspect(model))
     """
-    from spmd.ep import split_experts
-
-    if split_experts(placements)[1] is not None and strategy == "auto":
-        raise NotImplementedError(
-            "parallelize: strategy='auto' does not search expert parallelism yet; pass "
-            "strategy='ddp', 'fsdp', 'zero1', 'zero2' or 'hsdp' with spmd.ep.experts()")
     if strategy == "auto":
         from spmd.auto.live import parallelize_auto
 

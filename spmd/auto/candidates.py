@@ -20,6 +20,7 @@ from spmd.lowering.strategy import KINDS, kind_of
 from spmd.runtime.mesh import Mesh
 
 __all__ = ["Roles", "Candidate", "parse_budget", "checkpoint_modules", "plan_candidate",
+           "layout_placements",
            "roles_of", "kinds_for", "strategy_mesh", "gib", "SEARCHED"]
 
 # the data strategies tried on one data dimension: the rows of KINDS marked searched
@@ -182,6 +183,7 @@ class Candidate(Planned):
     pieces: dict[str, Any] = field(default_factory=dict)  # parameter -> tp placement
     recompute: tuple[str, ...] = ()
     source: str = "hand-written"  # or "solver"
+    experts: Any = None  # spmd.ep.experts(): the experts split along the data dimension
 
     def row(self, budget: float, chosen: bool) -> str:
         if self.error:
@@ -199,6 +201,14 @@ def tiled(args: tuple, factor: int) -> tuple:
     return pytree.tree_unflatten(out, spec)
 
 
+def layout_placements(roles: Roles, pieces: dict[str, Any], experts: Any) -> Any:
+    """The ``placements`` of a layout: its pieces on the tensor-parallel dimension and its
+    expert-parallel preset; None for neither."""
+    given = ([{"tp": dict(pieces)}] if roles.tp is not None else []) + (
+        [experts] if experts is not None else [])
+    return given[0] if len(given) == 1 else (given or None)
+
+
 def plan_candidate(model: nn.Module, args: tuple, mesh: Mesh, cand: Candidate,
                     options: dict, optimizer: str, ref: Candidate | None = None) -> Candidate:
     """Plan ``cand`` for real on a copy of ``model``. Without a hardware model the compute
@@ -211,8 +221,9 @@ def plan_candidate(model: nn.Module, args: tuple, mesh: Mesh, cand: Candidate,
     checkpoint_modules(copy_, cand.recompute)
     kwargs = {**options, **kind_of(cand.strategy).arguments}
     strategy = kwargs.pop("strategy")
-    if cand.roles.tp is not None:
-        kwargs["placements"] = {"tp": dict(cand.pieces)}
+    placements = layout_placements(cand.roles, cand.pieces, cand.experts)
+    if placements is not None:
+        kwargs["placements"] = placements
     try:
         plan = plan_model(copy_, tiled(args, cand.roles.tile),
                           strategy_mesh(mesh, cand.roles, cand.strategy), strategy, kwargs)
@@ -224,7 +235,7 @@ def plan_candidate(model: nn.Module, args: tuple, mesh: Mesh, cand: Candidate,
                       f"which the prediction would not price")
         return cand
     if (ref is not None and ref.plan is not None and mesh.hardware is None
-            and cand.roles.tp is None and not cand.recompute
+            and cand.roles.tp is None and not cand.recompute and cand.experts is None
             and set(plan.compute) == set(ref.plan.compute)):
         plan.compute = dict(ref.plan.compute)
     cand.plan = plan

@@ -17,7 +17,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from spmd.auto.search import AutoPlan, plan_auto
-from spmd.auto.candidates import Candidate, checkpoint_modules, parse_budget, strategy_mesh
+from spmd.auto.candidates import (Candidate, checkpoint_modules, layout_placements,
+                                  parse_budget, strategy_mesh)
 from spmd.lowering.strategy import kind_of
 from spmd.runtime.mesh import Mesh
 
@@ -69,7 +70,7 @@ _STEPS = 3  # measured steps of each (after one that compiles)
 
 
 def _layout(c: Candidate) -> tuple:
-    return (c.strategy, c.roles, dict(c.pieces), tuple(c.recompute), c.label)
+    return (c.strategy, c.roles, dict(c.pieces), tuple(c.recompute), c.label, c.experts)
 
 
 def _free_bytes(module: nn.Module) -> int:
@@ -113,12 +114,13 @@ def _measure(module: nn.Module, mesh: Mesh, layouts: list[tuple], args: tuple,
     from spmd.runtime.reduction import ReduceOp
 
     out = []
-    for kind, roles, pieces, recompute, _ in layouts:
+    for kind, roles, pieces, recompute, _, experts in layouts:
         copy_ = copy.deepcopy(module)
         checkpoint_modules(copy_, recompute)
         kwargs = dict(options)
-        if roles.tp is not None:
-            kwargs["placements"] = {"tp": dict(pieces)}
+        placements = layout_placements(roles, pieces, experts)
+        if placements is not None:
+            kwargs["placements"] = placements
         opts = Options.from_kwargs(where, **{**kwargs, **kind_of(kind).arguments})
         run = parallelize_instance(copy_, opts, strategy_mesh(mesh, roles, kind))
         times = []
@@ -207,13 +209,15 @@ def _first_call(module: nn.Module, mesh: Mesh | None, memory_budget: Any,
                     f"{_STEPS} steps (the predictions within {_WITHIN}x of the best): "
                     + ", ".join(f"{lay[4]} {t * 1e3:.2f} ms" for lay, t in zip(layouts, measured))
                     + f"; runs {layouts[pick][4]}")
-    kind, roles, pieces, recompute, label = layouts[pick]
+    kind, roles, pieces, recompute, label, experts = layouts[pick]
     checkpoint_modules(module, recompute)
     kwargs = dict(options)
-    if roles.tp is not None:
-        kwargs["placements"] = {"tp": dict(pieces)}
+    placements = layout_placements(roles, pieces, experts)
+    if placements is not None:
+        kwargs["placements"] = placements
     opts = Options.from_kwargs(where, **{**kwargs, **kind_of(kind).arguments})
     parallelize_instance(module, opts, strategy_mesh(mesh, roles, kind))
-    fingerprint = hashlib.sha256(repr(layouts[pick][:4]).encode()).hexdigest()[:16]
+    key = layouts[pick][:4] + (layouts[pick][5],)
+    fingerprint = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
     module._spmd.auto = Searched(summary=summary, fingerprint=fingerprint, runs=label)
     return module(*args)

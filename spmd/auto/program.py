@@ -32,6 +32,11 @@ def pattern_of(name: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", f".{name}.")[1:-1]
 
 
+def _block_pattern(name: str) -> str:
+    """``name`` with only its first index starred (the block's)."""
+    return re.sub(r"\.\d+\.", ".*.", f".{name}.", count=1)[1:-1]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Group:
     pattern: str
@@ -50,8 +55,19 @@ def groups_of(model: nn.Module, pieces: dict[str, Any]) -> list[Group]:
             continue
         key = (pattern_of(name), tuple(p.shape), p.dtype, repr(pieces.get(name)))
         by.setdefault(key, []).append(name)
+    # one pattern, several groups (a block's nn.Sequential: "shared.0.weight" and
+    # "shared.2.weight" are both "shared.*.weight"): those keep their own indices but
+    # the first (the block's), so that each group is one variable of the program
+    seen: dict[str, int] = {}
+    for key in by:
+        seen[key[0]] = seen.get(key[0], 0) + 1
+    regrouped: dict[tuple, list[str]] = {}
+    for key, names in by.items():
+        if seen[key[0]] > 1:
+            key = (_block_pattern(names[0]), *key[1:])
+        regrouped.setdefault(key, []).extend(names)
     out = []
-    for (pattern, shape, dtype, _), names in by.items():
+    for (pattern, shape, dtype, _), names in regrouped.items():
         p = params[names[0]]
         out.append(Group(pattern=pattern, names=tuple(names), numel=p.numel(),
                           itemsize=p.element_size(), piece=pieces.get(names[0]),

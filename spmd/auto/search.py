@@ -152,7 +152,7 @@ class AutoPlan:
     def fingerprint(self) -> str:
         c = self.chosen
         key = repr((c.strategy, c.roles, sorted((k, repr(v)) for k, v in c.pieces.items()),
-                    c.recompute))
+                    c.recompute) + ((c.experts,) if c.experts is not None else ()))
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -167,10 +167,20 @@ def plan_auto(model: nn.Module, args: tuple, *, mesh: Mesh, memory_budget: Any =
     """Search the layout of ``model`` on ``mesh`` (see the module doc); the
     :class:`AutoPlan`, whose ``chosen.plan`` is the chosen layout's
     :class:`~spmd.plan.plan.Plan`. ``args``: one rank's batch when every dimension is data."""
+    from spmd.ep import ExpertParallel, find_experts, split_experts
     from spmd.lowering.annotate import PlanningError
     from spmd.tp import megatron, tp_dims_of
 
     started = time.perf_counter()
+    # expert parallelism: forced where placements hold spmd.ep.experts(), else tried
+    # beside each layout where the model has experts modules
+    placements, forced = split_experts(placements)
+    if forced is not None and forced.tensor_parallel is not None:
+        raise NotImplementedError(f"{where}: strategy='auto' with expert tensor parallelism "
+                                  f"(tensor_parallel=) is not searched yet; pass "
+                                  f"spmd.ep.experts() without it")
+    experts = forced if forced is not None else (
+        ExpertParallel() if find_experts(model) else None)
     budget = parse_budget(memory_budget, where)
     if not math.isfinite(budget) and mesh.hardware is not None:
         budget = float(mesh.hardware.device.memory_bytes)
@@ -236,6 +246,10 @@ def plan_auto(model: nn.Module, args: tuple, *, mesh: Mesh, memory_budget: Any =
             label = kind if roles.tp is None else f"{kind} x megatron tp on {roles.tp!r}"
             if roles.tp is None and kind == ref_kind and not named and ref.roles == roles:
                 cand = replace(ref, label=kind)
+                if ref.plan is not None and ref.plan.fallbacks:  # (the reference may be)
+                    cand.error = (f"left to the eager safety net "
+                                  f"({ref.plan.fallbacks[0].reason[:120]}), which the "
+                                  f"prediction would not price")
             else:
                 cand = plan_candidate(model, args, mesh, Candidate(
                     label=label, strategy=kind, roles=roles,
@@ -243,6 +257,11 @@ def plan_auto(model: nn.Module, args: tuple, *, mesh: Mesh, memory_budget: Any =
             base[kind] = cand
             if roles.tp is not None or not named:
                 candidates.append(cand)
+                if experts is not None:  # the same layout, its experts split by index
+                    candidates.append(plan_candidate(model, args, mesh, Candidate(
+                        label=f"{label} x ep", strategy=kind, roles=roles,
+                        pieces=dict(pieces) if roles.tp else {}, experts=experts),
+                        options, optimizer, ref))
         if not any(not c.error for k, c in base.items() if k != "@data"):
             continue
         search = build_program(model, roles, mesh, base, pieces, budget, optimizer, options, io)
@@ -267,7 +286,8 @@ def plan_auto(model: nn.Module, args: tuple, *, mesh: Mesh, memory_budget: Any =
             if cand.error or cand.peak <= budget:
                 break
             target -= cand.peak - budget  # its real peak overshot: ask for that much less
-    fitting = [c for c in candidates if c.fits(budget)]
+    fitting = [c for c in candidates if c.fits(budget)
+               and (forced is None or c.experts is not None)]
     if not fitting:
         planned = [c for c in candidates if not c.error]
         least = min(planned, key=lambda c: c.peak, default=None)

@@ -194,15 +194,12 @@ def predict(plan: Plan, optimizer: str | None = "adamw", clip_grad_norm: bool = 
     overlap = plan.cost_model.overlap
     t = network_free = 0.0
     names = list(plan.compute)
-    # spmd.ep's all-to-alls run inside ops: on a simulated cluster the roofline prices
-    # their compute only, so their transfers are added; a live plan's measured graph
-    # times hold them already
-    simulated = plan.mesh is not None and plan.mesh.hardware is not None
-    blocking: dict[str, dict[str, tuple[str, float]]] = {}
-    if simulated:
-        from spmd.ep import all_to_all_seconds
+    # spmd.ep's all-to-alls run inside ops: neither the roofline (a simulated cluster)
+    # nor the timing run (one rank alone, sending nothing) prices their transfers, so
+    # they are added, blocking
+    from spmd.ep import all_to_all_seconds
 
-        blocking = all_to_all_seconds(plan)
+    blocking = all_to_all_seconds(plan)
     for name in names:
         fwd = plan.compute[name][0] * compute_scale
         t, network_free = _phase(timeline, plan.graphs.get(f"{name}.forward"),

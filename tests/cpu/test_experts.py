@@ -579,6 +579,64 @@ def test_a_pipeline_plan_on_a_simulated_cluster_lists_each_stages_experts():
                       ["blocks.2.moe.experts", "blocks.3.moe.experts"]], layers
 
 
+# -- strategy="auto" over expert parallelism ---------------------------------------------
+
+
+def test_the_automatic_layout_plans_each_layout_with_and_without_expert_parallelism():
+    """A model with experts modules: every data strategy is planned as it is and with its
+    experts split ("x ep"), each priced with its all-to-alls; with ``spmd.ep.experts()``
+    given, the chosen layout is one that splits them."""
+    mesh = spmd.Mesh.simulated((8,), dim_names=("ep",), hardware=_h100())
+    x, _ = batch(0, rows=4)
+    auto = spmd.inspect(MoELM(), x, mesh=mesh, strategy="auto").auto
+    labels = {c.label for c in auto.candidates}
+    assert {"fsdp x ep", "ddp x ep", "zero2 x ep"} <= labels, labels
+    with_ep = [c for c in auto.candidates if c.experts is not None and not c.error]
+    assert with_ep and all(c.seconds > 0 and "expert parallelism along" in str(c.plan)
+                           for c in with_ep)
+    forced = spmd.inspect(MoELM(), x, mesh=mesh, strategy="auto",
+                          placements=spmd.ep.experts()).auto
+    assert forced.chosen.experts is not None and forced.chosen.label.endswith(" x ep")
+    assert forced.chosen.seconds == min(c.seconds for c in forced.candidates
+                                        if c.experts is not None and c.fits(forced.budget))
+
+
+def _h100():
+    from spmd.hardware import H100_SXM
+
+    return H100_SXM(nodes_of=4)
+
+
+def auto_job(rank: int, base) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
+    mesh = spmd.Mesh((2,), dim_names=("ep",))
+    model = spmd.parallelize(copy.deepcopy(base), mesh=mesh, strategy="auto",
+                             placements=spmd.ep.experts())
+    out = _train(model, rank, 2, sizes=[2, 2, 2])
+    out["auto"] = model._spmd.auto.summary
+    out["stored"] = tuple(model.module.blocks[0].moe.experts.gate_up_proj.shape)
+    dist.destroy_process_group()
+    return out
+
+
+def test_the_automatic_layout_with_experts_trains_like_one_process():
+    """``strategy="auto"`` with ``spmd.ep.experts()`` on 2 live ranks: the search (on rank
+    0, sent to the other) picks a layout that splits the experts, and it trains equal to
+    one process."""
+    torch.manual_seed(0)
+    base = MoELM().double()
+    want = _train(copy.deepcopy(base), None, 2, sizes=[2, 2, 2])
+    runs = dist.spawn(auto_job, args=(base,), nprocs=2, start_method="forkserver",
+                      timeout=115)
+    for rank, got in enumerate(runs):
+        assert got["stored"][0] == EXPERTS // 2, got["stored"]
+        assert "x ep" in got["auto"].splitlines()[0], got["auto"]
+        for key, value in want["state"].items():
+            diff = float((got["state"][key] - value).abs().max())
+            assert diff < ATOL, f"rank {rank}: {key} differs by {diff:.3g}"
+
+
 # -- bad input -------------------------------------------------------------------------
 
 
@@ -629,10 +687,10 @@ def test_an_experts_module_with_more_than_its_experts_is_refused_by_name():
         spmd.parallelize(model, mesh=spmd.Mesh.simulated(2), placements=spmd.ep.experts())
 
 
-def test_the_automatic_layout_with_experts_is_refused_until_planned():
-    with pytest.raises(NotImplementedError, match="strategy='auto' does not search expert"):
-        spmd.parallelize(MoELM(), mesh=spmd.Mesh.simulated(2), strategy="auto",
-                         placements=spmd.ep.experts())
+def test_expert_tensor_parallelism_in_a_pipeline_or_searched_is_refused_until_planned():
+    with pytest.raises(NotImplementedError, match="strategy='auto' with expert tensor"):
+        spmd.inspect(MoELM(), batch(0, rows=2)[0], mesh=spmd.Mesh.simulated(2),
+                     strategy="auto", placements=spmd.ep.experts(tensor_parallel="tp"))
     with pytest.raises(NotImplementedError, match="expert tensor parallelism in a pipeline"):
         spmd.parallelize(MoELM(), mesh=spmd.Mesh.simulated((2, 2, 2),
                                                            dim_names=("pp", "ep", "tp")),
