@@ -160,8 +160,10 @@ def _bucket_shards(gm: fx.GraphModule, ctx: LoweringContext, cap: int, reason: s
         infos = [n.meta["spmd_collective"] for n in singles]
         specs = [lookup(i.handle).shards[0] for i in infos]
         total = sum(i.bytes for i in infos)
-        # a bucket's parameters share their dtypes and the dimension they are sharded along
-        keys = [(i.dtype, i.wire_dtype, i.mesh_dim, s.dim) for i, s in zip(infos, specs)]
+        # a bucket's parameters share their dtypes, the dimension they are sharded along
+        # and whether they are averaged across replicas (hsdp; an expert is not)
+        keys = [(i.dtype, i.wire_dtype, i.mesh_dim, s.dim, s.replicate_size)
+                for i, s in zip(infos, specs)]
         if fixed:
             limit, why_cap = cap, reason
         else:

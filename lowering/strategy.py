@@ -328,11 +328,22 @@ class Strategy:
         expert = self.experts.get(param) if param is not None else None
         if expert is not None:
             placed[expert] = Shard(0)  # its own experts, on this rank for good
+            if self.shards_inside(param):  # and sharded further, fsdp's way
+                placed[self.shard_dim] = Shard(0)  # type: ignore[index]
         elif self.shard_dim is not None:
             placed[self.shard_dim] = Shard(self.shard_dims.get(param, 0) if param else 0)
         if param is not None:
             placed.update(self.tp_placement(param))
         return Sharding.on(self.mesh, placed)
+
+    def shards_inside(self, param: str) -> bool:
+        """An expert parameter (``spmd.ep``) that the strategy also shards along its
+        sharding dimension, that being another data dimension than the experts' (``hsdp``
+        with the experts along the replicas' dimension: torchtitan's experts sharded
+        over ``dp_shard_mod_ep``), gathered for use and reduce-scattered there."""
+        expert = self.experts.get(param)
+        return (expert is not None and self.shards_parameters and self.shard_dim is not None
+                and self.shard_dim != expert and self.mesh.size(self.shard_dim) > 1)
 
     def local_gradient(self, param: str) -> Sharding:
         """Each rank's gradient of a parameter as the graph leaves it.
@@ -346,8 +357,9 @@ class Strategy:
         expert = self.experts.get(param)
         if expert is not None:  # complete along its own dimension, averaged along others
             local = self.parameter_sharding(param)
+            inside = self.shard_dim if self.shards_inside(param) else None
             for dim in self.data_dims:
-                if dim != expert and self.mesh.size(dim) > 1:
+                if dim not in (expert, inside) and self.mesh.size(dim) > 1:
                     local = local.with_placement(dim, Partial("avg"))
             return local
         if self.shard_dim is not None or self.data_size == 1:

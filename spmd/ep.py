@@ -48,18 +48,17 @@ __all__ = ["experts", "ExpertParallel", "ExpertTensorParallel", "find_experts", 
 def _weights(module: nn.Module) -> tuple[str, ...]:
     """The stacked expert parameters of an experts module (its first dimension is the
     expert index), or () for any other module."""
-    up = "gate_up_proj" if isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) \
-        else "up_proj"
+    own = module._parameters  # (a placed module reads some through properties)
+    up = "gate_up_proj" if isinstance(own.get("gate_up_proj"), nn.Parameter) else "up_proj"
     names = [up, "down_proj"]
-    params = [getattr(module, n, None) for n in names]
+    params = [own.get(n) for n in names]
     if not all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in params):
         return ()
     experts = params[0].shape[0]
     if params[1].shape[0] != experts:
         return ()
     for n in list(names):
-        bias = getattr(module, f"{n}_bias", None)
-        if isinstance(bias, nn.Parameter):
+        if isinstance(own.get(f"{n}_bias"), nn.Parameter):
             names.append(f"{n}_bias")
     return tuple(names)
 
@@ -359,7 +358,9 @@ class _Reads:
     pieces: tuple[tuple[str, int], ...] = ()
 
     def __call__(self, module: nn.Module, name: str) -> torch.Tensor | None:
-        value = getattr(module, name, None)
+        if name not in module._parameters:  # (no getattr with a default: Dynamo guards
+            return None                     # it with hasattr, which would gather it)
+        value = getattr(module, name)
         for known, handle in self.pieces:
             if known == name:
                 from spmd.lowering.ops import tp_param
@@ -441,10 +442,17 @@ def place_experts(module: nn.Module, strategy: Any, handles: Any,
         sub = module.get_submodule(path) if path else module
         if not _routed(sub):  # a pipeline stage's: placed on the whole model, and traced
             continue
-        count = getattr(sub, _weights(sub)[0]).shape[0] * mesh.size(dim)  # its own, stored
+        count = _whole(sub, _weights(sub)[0])[0]
         specs[path] = _place(sub, path, count, mesh, dim, handles,
                              _Reads(_tp_pieces(sub, path, strategy, handles)), preset)
     return specs
+
+
+def _whole(module: nn.Module, name: str) -> tuple[int, ...]:
+    """The whole shape of a placed parameter (from its record, without reading it: a
+    sharded one would be gathered)."""
+    param = module._parameters[name]
+    return tuple(param._spmd_placement.shape)
 
 
 def _place(sub: nn.Module, path: str, count: int, mesh: Any, dim: str, handles: Any,
@@ -480,10 +488,8 @@ def _tp_pieces(module: nn.Module, path: str, strategy: Any, handles: Any
         placed = strategy.tp_placement(name)
         if not any(divides(p) for p in placed.values()):
             continue
-        shape = list(getattr(module, local).shape)  # this rank's experts, its pieces
-        for dim, p in placed.items():
-            if divides(p):
-                shape[p.dim] *= mesh.size(dim)
+        shape = list(_whole(module, local))  # this rank's experts, whole on "tp"
+        shape[0] //= mesh.size(strategy.experts[name])
         spec = TPSpec(param=name, shape=tuple(shape), sharding=strategy.parameter_sharding(name),
                       dims=strategy.tp_dims,
                       groups={d: None if mesh.simulated else mesh.get_group(d)

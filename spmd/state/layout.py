@@ -30,7 +30,7 @@ import math
 import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
@@ -293,7 +293,7 @@ def _place(name: str, param: nn.Parameter, setup: Setup, options: Options, handl
     shape = tuple(param.shape)
     expert = strategy.experts.get(name)
     if expert is not None:
-        return _place_expert(name, param, strategy, expert)
+        return _place_expert(name, param, setup, options, handles, expert)
     placed = strategy.tp_placement(name)
     piece = shard = None
     value = param.detach()
@@ -314,20 +314,38 @@ def _place(name: str, param: nn.Parameter, setup: Setup, options: Options, handl
     return shard, piece, pair
 
 
-def _place_expert(name: str, param: nn.Parameter, strategy: Strategy, dim: str
+def _place_expert(name: str, param: nn.Parameter, setup: Setup, options: Options,
+                  handles: Handles, dim: str
                   ) -> tuple[ShardSpec | None, TPSpec | None, tuple[int, int]]:
     """An expert parameter (``spmd.ep``): this rank's experts, stored and computed as they
     are (no property: the model reads the stored tensor); the piece's spec serves the
-    whole state dict and clipping."""
+    whole state dict and clipping. Sharded further along another data dimension
+    (``Strategy.shards_inside``): this rank's shard of its experts, read through the
+    gather (a property), its gradient reduce-scattered there, averaged nowhere else."""
+    strategy = setup.strategy
     mesh = strategy.mesh
     stored = strategy.parameter_sharding(name)
+    whole = tuple(param.shape)
     dims = (dim, *strategy.tp_dims)  # (split by expert, and by tensor parallelism)
-    piece = TPSpec(param=name, shape=tuple(param.shape), sharding=stored, dims=dims,
+    sharding = Sharding.on(mesh, {d: stored[d] for d in dims})
+    piece = TPSpec(param=name, shape=tuple(param.shape), sharding=sharding, dims=dims,
                    groups={d: None if mesh.simulated else mesh.get_group(d) for d in dims})
-    hold_piece(param, piece.piece(param.detach()), name)
+    value = piece.piece(param.detach())
+    if strategy.shards_inside(name):
+        shard = replace(_shard_spec(name, tuple(value.shape), param, setup, options),
+                        replicate_group=None, replicate_size=1, replicate_dim="")
+        hold_piece(param, shard.shard_of(value), name)
+        param._spmd_placement = ParameterPlacement(  # type: ignore[attr-defined]
+            name=name, shape=whole, sharding=stored,
+            computed=stored.with_placement(strategy.shard_dim, Replicate()),
+            local_shape=shard.local_shape, rows=shard.rows,
+            padding=shard.rows - shard.valid_rows(), gathered=strategy.gathered,
+            reduced=strategy.reduced)
+        return shard, piece, (handles.add(shard), _NONE)
+    hold_piece(param, value, name)
     others = [d for d in strategy.data_dims if d != dim and mesh.size(d) > 1]
     param._spmd_placement = ParameterPlacement(  # type: ignore[attr-defined]
-        name=name, shape=tuple(param.shape), sharding=stored, computed=stored,
+        name=name, shape=whole, sharding=stored, computed=stored,
         local_shape=piece.local_shape, rows=piece.local_shape[0], padding=0,
         reduced=Reduced.ALL_REDUCE if others else Reduced.NONE)
     return None, piece, (_NONE, _NONE)
