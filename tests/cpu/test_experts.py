@@ -173,7 +173,7 @@ LAYOUTS = {  # name -> (strategy, mesh shape, dimension names, the experts' dime
     "fsdp": ("fsdp", (2,), ("ep",), None),
     "zero2": ("zero2", (2,), ("dp",), None),
     # 2 x 2: the experts split along the sharding dimension and replicated along "dp", or
-    # split along "dp" and averaged along the sharding one
+    # split along "dp" and sharded further along the sharding one (dp_shard_mod_ep)
     "hsdp-ep-on-fsdp": ("hsdp", (2, 2), ("dp", "fsdp"), "fsdp"),
     "hsdp-ep-on-dp": ("hsdp", (2, 2), ("dp", "fsdp"), "dp"),
 }
