@@ -137,6 +137,9 @@ LONG: dict[str, tuple[float, str]] = {
             "test_hf_sweep's qwen3_moe under ep x tp"),
     "tests/cpu/test_experts.py::test_expert_parallel_stages_of_a_pipeline_train_like_one_process[own fsdp gpipe]": (
         9, "its [own ddp 1f1b] and [mixtral ddp 1f1b] cases (the same stages' experts)"),
+    "tests/cpu/test_experts.py::test_the_automatic_layout_plans_each_layout_with_and_without_expert_parallelism": (
+        15, "test_the_automatic_layout_with_experts_trains_like_one_process (a live search "
+            "with the experts split) and tests/cpu/test_auto.py"),
     # 2026-12-05: room for expert parallelism's tests (CI measured 1035 s before them)
     "tests/cpu/test_across_hosts.py::test_the_loops_users_write_across_hosts_in_two_levels": (
         26, "test_training_loops (the same loops on one host) and "

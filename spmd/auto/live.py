@@ -89,8 +89,7 @@ def _finalists(auto: AutoPlan, model_bytes: int, free: int) -> list[Candidate]:
     """The fitting layouts worth measuring: predicted within ``_WITHIN`` of the best, at
     most ``_FINALISTS``, where a whole copy of the model and its predicted peak fit in
     half the memory free now (measuring runs copies); else the predicted best alone."""
-    fitting = sorted((c for c in auto.candidates if c.fits(auto.budget)),
-                     key=lambda c: c.seconds)
+    fitting = sorted((c for c in auto.candidates if auto.admits(c)), key=lambda c: c.seconds)
     best = auto.chosen
     close = [c for c in fitting if c.seconds <= best.seconds * _WITHIN][:_FINALISTS]
     if best not in close:

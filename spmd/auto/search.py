@@ -86,6 +86,11 @@ class AutoPlan:
     solve_seconds: float
     seconds: float
     optimizer: str
+    experts_forced: bool = False  # placements held spmd.ep.experts(): only layouts with it
+
+    def admits(self, c: Candidate) -> bool:
+        """Whether ``c`` fits the budget and is a layout the caller allowed."""
+        return c.fits(self.budget) and (not self.experts_forced or c.experts is not None)
 
     def summary(self) -> str:
         lines = [f"strategy='auto' on {self.mesh} under a budget of {gib(self.budget)} "
@@ -302,7 +307,8 @@ def plan_auto(model: nn.Module, args: tuple, *, mesh: Mesh, memory_budget: Any =
     chosen = min(fitting, key=lambda c: (round(c.seconds, 12), c.source != "hand-written"))
     return AutoPlan(budget=budget, mesh=mesh, chosen=chosen, candidates=candidates,
                     searches=searches, solve_seconds=solve_seconds,
-                    seconds=time.perf_counter() - started, optimizer=optimizer)
+                    seconds=time.perf_counter() - started, optimizer=optimizer,
+                    experts_forced=forced is not None)
 
 
 def _what_would_fit(least: Candidate | None, budget: float, optimizer: str, mesh: Mesh
