@@ -132,12 +132,12 @@ LONG: dict[str, tuple[float, str]] = {
         9, "test_fuzz_loops' fixed zero2 loop with its experts split (no_sync, a frozen "
            "layer, an eager loss term)"),
     # 2026-12-05: expert parallelism beside tensor parallelism and in pipelines
-    "tests/cpu/test_experts.py::test_expert_parallel_beside_tensor_parallelism_trains_like_one_process[ddp x ep x tp]": (
+    "tests/cpu/test_experts_compose.py::test_expert_parallel_beside_tensor_parallelism_trains_like_one_process[ddp x ep x tp]": (
         20, "its [fsdp x ep x etp] case (the experts split on 'tp' too, compiled) and "
             "test_hf_sweep's qwen3_moe under ep x tp"),
-    "tests/cpu/test_experts.py::test_expert_parallel_stages_of_a_pipeline_train_like_one_process[own fsdp gpipe]": (
+    "tests/cpu/test_experts_compose.py::test_expert_parallel_stages_of_a_pipeline_train_like_one_process[own fsdp gpipe]": (
         9, "its [own ddp 1f1b] and [mixtral ddp 1f1b] cases (the same stages' experts)"),
-    "tests/cpu/test_experts.py::test_the_automatic_layout_plans_each_layout_with_and_without_expert_parallelism": (
+    "tests/cpu/test_experts_compose.py::test_the_automatic_layout_plans_each_layout_with_and_without_expert_parallelism": (
         15, "test_the_automatic_layout_with_experts_trains_like_one_process (a live search "
             "with the experts split) and tests/cpu/test_auto.py"),
     # 2026-12-05: room for expert parallelism's tests (CI measured 1035 s before them)
