@@ -97,9 +97,7 @@ def main() -> None:
                        if n.name.startswith("ep_scatter"))
         val = scatter.args[0].meta["val"]
         nbytes = val.numel() * val.element_size()
-        k, n = link.per_node, link.world_size
-        across = (n - k) * link.alpha + (n - k) / n * nbytes * (link.outer_beta or link.beta)
-        within = (k - 1) * link.inner_alpha + (k - 1) / n * nbytes * link.inner_beta
+        across, within = link.all_to_all_links(nbytes)
         timeline = plan.predicted_timeline()
         step = timeline.step_seconds
         from spmd.plan.roofline import step_flops

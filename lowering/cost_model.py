@@ -299,14 +299,19 @@ class TwoLevelCostModel(CostModel):
             two = self._two_level(kind, nbytes)
         return flat, two
 
-    def _all_to_all(self, nbytes: int) -> float:
+    def all_to_all_links(self, nbytes: int) -> tuple[float, float]:
+        """A pairwise all-to-all of each rank's ``nbytes`` by link: (the bytes for other
+        nodes' ranks on each rank's network path, those for its own node's over NVLink),
+        which run at the same time."""
         k, p = self.per_node, self.world_size
-        if k <= 1 or p % k:
-            return CostModel.seconds(self, "all_to_all", nbytes, "pairwise")
         beta = self.beta if self.outer_beta is None else self.outer_beta
-        across = (p - k) * self.alpha + (p - k) / p * nbytes * beta
-        within = (k - 1) * self.inner_alpha + (k - 1) / p * nbytes * self.inner_beta
-        return max(across, within)
+        return ((p - k) * self.alpha + (p - k) / p * nbytes * beta,
+                (k - 1) * self.inner_alpha + (k - 1) / p * nbytes * self.inner_beta)
+
+    def _all_to_all(self, nbytes: int) -> float:
+        if self.per_node <= 1 or self.world_size % self.per_node:
+            return CostModel.seconds(self, "all_to_all", nbytes, "pairwise")
+        return max(self.all_to_all_links(nbytes))
 
     def _two_level(self, kind: str, nbytes: int) -> float | None:
         k = self.per_node

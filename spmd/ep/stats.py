@@ -4,7 +4,7 @@ every data rank's tokens."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -15,17 +15,10 @@ def expert_load(model: nn.Module) -> dict[str, torch.Tensor]:
     """The last forward's token count per expert of each expert-parallel layer (module
     path -> ``(E,)`` counts over every rank), gathered over the expert-parallel group:
     every rank must call it."""
-    from spmd.lowering.specs import lookup
     from spmd.runtime.collectives import all_gather_into_tensor
 
     out: dict[str, torch.Tensor] = {}
-    for path, module in model.named_modules():
-        handle = getattr(module, "_spmd_ep_handle", None)
-        if handle is None:
-            continue
-        spec = lookup(handle)
-        if spec.load is None:
-            continue
+    for path, spec in _layers(model):
         whole = spec.load.new_zeros(spec.num_experts)
         if spec.communicates:
             all_gather_into_tensor(whole, spec.load.contiguous(), group=spec.group)
@@ -40,23 +33,27 @@ def dropped_tokens(model: nn.Module) -> dict[str, torch.Tensor]:
     forward dropped per expert of each expert-parallel layer (module path -> ``(E,)``
     counts summed over the expert-parallel group; zeros when dropless or nothing was
     dropped); every rank must call it."""
-    from spmd.lowering.specs import lookup
     from spmd.runtime.collectives import all_reduce
 
     out: dict[str, torch.Tensor] = {}
-    for path, module in model.named_modules():
-        handle = getattr(module, "_spmd_ep_handle", None)
-        if handle is None:
-            continue
-        spec = lookup(handle)
-        if spec.load is None:
-            continue
+    for path, spec in _layers(model):
         total = (spec.dropped.clone() if spec.dropped is not None
                  else spec.load.new_zeros(spec.num_experts))
         if spec.communicates:
             all_reduce(total, group=spec.group)
         out[path] = total
     return out
+
+
+def _layers(model: nn.Module) -> Iterator[tuple[str, Any]]:
+    """(module path, its ``ExpertsSpec``) of each expert-parallel layer of ``model`` that
+    has run a forward."""
+    from spmd.lowering.specs import lookup
+
+    for path, module in model.named_modules():
+        handle = getattr(module, "_spmd_ep_handle", None)
+        if handle is not None and lookup(handle).load is not None:
+            yield path, lookup(handle)
 
 
 def load_balancing_loss(router_logits: Any, top_k: int, model: nn.Module | None = None,
