@@ -153,21 +153,41 @@ def _train(model, rank: int | None, world: int, clip: float = 0.5, sizes=ROWS) -
             "eval": evaluated}
 
 
-def model_job(rank: int, base, strategy: str, shape=(2,), names=("ep",), dim=None) -> dict:
+def train_parallel(base, shape, names, strategy: str, placements, sizes=ROWS) -> tuple:
+    """This rank's run: the process group, ``base`` parallelized on ``Mesh(shape, names)``
+    and trained by :func:`_train` on its data rank's rows; the model, and what ``_train``
+    gives with the plan, this rank's data index and its stored ``gate_up_proj`` shape.
+    The caller destroys the group."""
     from ..zoo import data_index
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=90))
-    mesh = spmd.Mesh(shape, dim_names=names)
-    model = spmd.parallelize(copy.deepcopy(base), mesh=mesh, strategy=strategy,
-                             placements=spmd.ep.experts(dim=dim))
+    model = spmd.parallelize(copy.deepcopy(base), mesh=spmd.Mesh(shape, dim_names=names),
+                             strategy=strategy, placements=placements)
     planned = model._spmd.setup.strategy
     index, count = data_index(planned.mesh, planned)
-    out = _train(model, index, count)
-    out["load"] = {k: v.tolist() for k, v in spmd.ep.expert_load(model).items()}
+    out = _train(model, index, count, sizes=sizes)
     out["plan"] = str(spmd.inspect(model))
-    out["stored"] = tuple(model.module.blocks[0].moe.experts._parameters["gate_up_proj"].shape)
     out["index"] = index
+    out["stored"] = tuple(model.module.blocks[0].moe.experts._parameters["gate_up_proj"].shape)
+    return model, out
+
+
+def assert_like_one_process(got: dict, want: dict, rank: int, evaluation: bool = True) -> None:
+    """Every parameter of a rank's run (and, with ``evaluation``, its evaluation forward
+    on its rows) within ``ATOL`` of one process's."""
+    for key, value in want["state"].items():
+        diff = float((got["state"][key] - value).abs().max())
+        assert diff < ATOL, f"rank {rank}: {key} differs by {diff:.3g}"
+    if evaluation:
+        row = got["index"]
+        diff = float((got["eval"] - want["eval"][row:row + 1]).abs().max())
+        assert diff < ATOL, f"rank {rank}: the evaluation differs by {diff:.3g}"
+
+
+def model_job(rank: int, base, strategy: str, shape=(2,), names=("ep",), dim=None) -> dict:
+    model, out = train_parallel(base, shape, names, strategy, spmd.ep.experts(dim=dim))
+    out["load"] = {k: v.tolist() for k, v in spmd.ep.expert_load(model).items()}
     dist.destroy_process_group()
     return out
 
@@ -201,12 +221,7 @@ def test_expert_parallel_model_trains_like_one_process(layout, skew):
     rows = EXPERTS // ep // (2 if layout == "hsdp-ep-on-dp" else 1)
     for rank, got in enumerate(runs):
         assert got["stored"][0] == rows, got["stored"]
-        for key, value in want["state"].items():
-            diff = float((got["state"][key] - value).abs().max())
-            assert diff < ATOL, f"rank {rank}: {key} differs by {diff:.3g}"
-        row = got["index"]
-        diff = float((got["eval"] - want["eval"][row:row + 1]).abs().max())
-        assert diff < ATOL, f"rank {rank}: the evaluation differs by {diff:.3g}"
+        assert_like_one_process(got, want, rank)
         # the experts' ops broke no graph: every region is a first call, a recompile for
         # the new batch size or the evaluation's; nothing left to the eager path
         assert "graph break" not in got["plan"] and "eager safety net" not in got["plan"]
@@ -224,19 +239,9 @@ def test_expert_parallel_model_trains_like_one_process(layout, skew):
 
 
 def capacity_job(rank: int, base, factor: float) -> dict:
-    from ..zoo import data_index
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
-    mesh = spmd.Mesh((2,), dim_names=("ep",))
-    model = spmd.parallelize(copy.deepcopy(base), mesh=mesh, strategy="fsdp",
-                             placements=spmd.ep.experts(capacity_factor=factor))
-    planned = model._spmd.setup.strategy
-    index, count = data_index(planned.mesh, planned)
-    out = _train(model, index, count)
+    model, out = train_parallel(base, (2,), ("ep",), "fsdp",
+                                spmd.ep.experts(capacity_factor=factor))
     out["dropped"] = {k: v.tolist() for k, v in spmd.ep.dropped_tokens(model).items()}
-    out["plan"] = str(spmd.inspect(model))
-    out["index"] = index
     dist.destroy_process_group()
     return out
 
@@ -258,12 +263,7 @@ def test_a_capacity_factor_drops_what_one_process_with_the_same_groups_drops():
     runs = dist.spawn(capacity_job, args=(base, 1.0), nprocs=2, start_method="forkserver",
                       timeout=110)
     for rank, got in enumerate(runs):
-        for key, value in want["state"].items():
-            diff = float((got["state"][key] - value).abs().max())
-            assert diff < ATOL, f"rank {rank}: {key} differs by {diff:.3g}"
-        row = got["index"]
-        diff = float((got["eval"] - want["eval"][row:row + 1]).abs().max())
-        assert diff < ATOL, f"rank {rank}: the evaluation differs by {diff:.3g}"
+        assert_like_one_process(got, want, rank)
         assert "capacity factor 1" in got["plan"], got["plan"]
         # the skewed router overflows the first experts: pairs were dropped, by them
         dropped = got["dropped"]["blocks.0.moe.experts"]

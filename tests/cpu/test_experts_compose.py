@@ -26,7 +26,7 @@ import spmd
 from spmd import runtime as dist
 
 from ..moe import EXPERTS, MoELM, batch
-from .test_experts import ATOL, ROWS, _train
+from .test_experts import ATOL, ROWS, _train, assert_like_one_process, train_parallel
 
 
 # -- beside tensor parallelism: 2 x 2 ranks -------------------------------------------
@@ -49,19 +49,9 @@ TP_LAYOUTS = {  # name -> (strategy, the experts split on "tp" too, batch sizes 
 
 
 def tp_job(rank: int, base, strategy: str, split: bool, sizes) -> dict:
-    from ..zoo import data_index
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
-    mesh = spmd.Mesh((2, 2), dim_names=("ep", "tp"))
-    model = spmd.parallelize(copy.deepcopy(base), mesh=mesh, strategy=strategy, placements=[
-        spmd.ep.experts(tensor_parallel="tp" if split else None), {"tp": dict(_ATTENTION)}])
-    planned = model._spmd.setup.strategy
-    index, count = data_index(planned.mesh, planned)
-    out = _train(model, index, count, sizes=sizes)
-    out["plan"] = str(spmd.inspect(model))
-    out["stored"] = tuple(model.module.blocks[0].moe.experts._parameters["gate_up_proj"].shape)
-    out["index"] = index
+    _, out = train_parallel(base, (2, 2), ("ep", "tp"), strategy, [
+        spmd.ep.experts(tensor_parallel="tp" if split else None), {"tp": dict(_ATTENTION)}],
+        sizes)
     dist.destroy_process_group()
     return out
 
@@ -80,12 +70,7 @@ def test_expert_parallel_beside_tensor_parallelism_trains_like_one_process(layou
     for rank, got in enumerate(runs):
         # its 4 experts of 8; with expert tensor parallelism half of each one's features
         assert got["stored"] == (EXPERTS // 2, 12 if split else 24, 16), got["stored"]
-        for key, value in want["state"].items():
-            diff = float((got["state"][key] - value).abs().max())
-            assert diff < ATOL, f"rank {rank}: {key} differs by {diff:.3g}"
-        row = got["index"]
-        diff = float((got["eval"] - want["eval"][row:row + 1]).abs().max())
-        assert diff < ATOL, f"rank {rank}: the evaluation differs by {diff:.3g}"
+        assert_like_one_process(got, want, rank)
         plan = got["plan"]
         assert "expert parallelism along 'ep' (2 ranks)" in plan
         # the experts' weights are never gathered along "tp" by the compiled step
@@ -256,6 +241,4 @@ def test_the_automatic_layout_with_experts_trains_like_one_process():
     for rank, got in enumerate(runs):
         assert got["stored"][0] == EXPERTS // 2, got["stored"]
         assert "x ep" in got["auto"].splitlines()[0], got["auto"]
-        for key, value in want["state"].items():
-            diff = float((got["state"][key] - value).abs().max())
-            assert diff < ATOL, f"rank {rank}: {key} differs by {diff:.3g}"
+        assert_like_one_process(got, want, rank, evaluation=False)
