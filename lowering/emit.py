@@ -28,12 +28,13 @@ __all__ = ["emit"]
 
 
 
-def _direct() -> dict:
+def _direct(meta: bool) -> dict:
     """Our ops' Python implementations, called straight instead of through the
-    dispatcher."""
+    dispatcher; for a graph of meta tensors (a model planned on the meta device) their
+    fake kernels, as the dispatcher's Meta kernels are: shapes only, nothing read."""
     from spmd.lowering import optimizer  # noqa: F401  (defines optimizer_step)
 
-    return dict(ops.IMPLEMENTATIONS)
+    return dict(ops.FAKES if meta else ops.IMPLEMENTATIONS)
 
 
 def _entry_point(target: object) -> object:
@@ -74,7 +75,9 @@ class _Emitter:
         self.globals: dict[str, Any] = {"__builtins__": __builtins__}
         self.bound: dict[int, str] = {}
         self.names: dict[fx.Node, str] = {}
-        self.direct = _direct()
+        self.direct = _direct(any(
+            isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_meta
+            for n in gm.graph.nodes if n.op == "placeholder"))
 
     def bind(self, value: Any, prefix: str = "c") -> str:
         key = id(value)

@@ -83,20 +83,8 @@ def define(schema: str, impl: Any, fake: Any, backward: Any = None,
         torch.library.register_autograd(f"spmd::{name}", backward,
                                         setup_context=setup_context or _keep_handle,
                                         lib=_lib)
-    FAKES[op], IMPLEMENTATIONS[op] = fake, _shapes_on_meta(impl, fake)
+    FAKES[op], IMPLEMENTATIONS[op] = fake, impl
     return op
-
-
-def _shapes_on_meta(impl: Any, fake: Any) -> Any:
-    """``impl`` as the emitted graphs call it (not through the dispatcher): on meta
-    tensors its fake kernel, as the dispatcher's Meta kernel is."""
-    def run(*args: Any) -> Any:
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.is_meta:
-                return fake(*args)
-        return impl(*args)
-    run.__name__ = getattr(impl, "__name__", "run")
-    return run
 
 
 def _keep_handle(ctx: Any, inputs: tuple, output: Any) -> None:
