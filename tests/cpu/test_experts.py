@@ -412,6 +412,28 @@ def test_the_all_to_all_across_nodes_is_priced_per_link_and_counted_in_the_step(
     assert len(spans) == 10 and sum(s.seconds for s in spans) == pytest.approx(total)
 
 
+def test_a_model_on_the_meta_device_is_planned_with_its_experts_split():
+    """transformers' DeepSeek-V3 (tiny, normalised top-k: an in-place division of the
+    routing weights) built on the meta device is captured and planned, its experts
+    split: nothing is read from a meta tensor, and no activation is taken for a
+    parameter written in place."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, norm_topk_prob=True, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.DeepseekV3ForCausalLM(config)
+    ids = torch.zeros((1, 8), dtype=torch.int64, device="meta")
+    plan = spmd.inspect(model, ids, mesh=spmd.Mesh.simulated((2,), dim_names=("ep",)),
+                        strategy="fsdp", placements=spmd.ep.experts())
+    text = str(plan)
+    assert not plan.fallbacks and "1 captured region(s)" in text, text
+    assert "model.layers.1.mlp.experts" in text
+
+
 # -- bad input -------------------------------------------------------------------------
 
 
