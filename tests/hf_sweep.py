@@ -49,7 +49,8 @@ LR, CLIP = 1e-2, 0.5
 OUTCOMES = ("equal", "refused", "differs", "crash", "hang")
 
 # name -> (mesh shape, dimension names, strategy, preset: "" none, "tp" the family's own
-# tensor-parallel plan, "ep" its experts split by index over the data ranks, "ep+tp" both)
+# tensor-parallel plan, "ep" its experts split by index over the data ranks, "ep+tp" both);
+# a mesh with a "pp" dimension cuts the model into a pipeline's stages along it
 STRATEGIES: dict[str, tuple[tuple[int, ...], tuple[str, ...], str, str]] = {
     "ddp": ((2,), ("dp",), "ddp", ""),
     "fsdp": ((2,), ("fsdp",), "fsdp", ""),
@@ -60,9 +61,12 @@ STRATEGIES: dict[str, tuple[tuple[int, ...], tuple[str, ...], str, str]] = {
     # the family's own plan on "tp" (where it has one) and its experts split by index on
     # "ep" and by their features on "tp" (expert tensor parallelism)
     "ep x tp": ((2, 2), ("ep", "tp"), "ddp", "ep+tp"),
+    # 2 stages (1F1B, 2 microbatches), each stage's experts split by index on "ep"
+    "pp x ep": ((2, 2), ("pp", "ep"), "ddp", "ep"),
 }
 # the strategies only a mixture of experts takes (a cell of any other family is not run)
-EXPERTS_ONLY = ("ep", "fsdp x ep", "ep x tp")
+EXPERTS_ONLY = ("ep", "fsdp x ep", "ep x tp", "pp x ep")
+MICROBATCHES = 2  # of a pipelined cell, per data rank
 _REFUSALS = ("ValueError", "TypeError", "NotImplementedError", "ShardingError",
              "EmptyBackwardError", "Infeasible")
 
@@ -183,9 +187,15 @@ def reference(family: str) -> dict[Any, Any] | str:
 
 
 def data_size(strategy: str) -> int:
-    """The number of data-parallel ranks of a strategy (its mesh without "tp")."""
+    """The number of data-parallel ranks of a strategy (its mesh without "tp" and "pp")."""
     shape, names = STRATEGIES[strategy][:2]
-    return math.prod(n for n, d in zip(shape, names) if d != "tp")
+    return math.prod(n for n, d in zip(shape, names) if d not in ("tp", "pp"))
+
+
+def pipelined(strategy: str) -> bool:
+    """Whether the strategy cuts the model into a pipeline's stages (each rank then holds
+    its stages' parameters only, and a step's output is its loss)."""
+    return "pp" in STRATEGIES[strategy][1]
 
 
 def _first_line(e: BaseException) -> str:
@@ -209,6 +219,8 @@ def _cell(family: str, strategy: str) -> dict:
         model = build(family)
         placements = {"tp": spmd.tp.megatron(), "ep": spmd.ep.experts(),
                       "ep+tp": _experts_and_plan(model)}.get(preset)
+        if pipelined(strategy):
+            return _pipelined_cell(model, mesh, kind, placements, start)
         model = spmd.parallelize(model, mesh=mesh, strategy=kind, placements=placements)
         planned = model._spmd.setup.strategy
         index, count = data_index(planned.mesh, planned)
@@ -232,6 +244,44 @@ def _cell(family: str, strategy: str) -> dict:
         return {"rows": (rows.start, rows.stop), "outputs": outputs, "params": params,
                 "eager": eager, "seconds": time.perf_counter() - start}
     except Exception as e:  # the cell's outcome, classified by the caller
+        return {"error": type(e).__name__, "message": _first_line(e), "stage": stage,
+                "trace": traceback.format_exc()[-3000:],
+                "seconds": time.perf_counter() - start}
+
+
+def _pipelined_cell(model: torch.nn.Module, mesh, kind: str, placements, start: float
+                    ) -> dict:
+    """A pipelined cell on this rank: the model cut into stages along "pp" (1F1B,
+    :data:`MICROBATCHES` per data rank), each stage parallelized on the other dimensions.
+    Its outputs are the steps' losses (the logits stay on the last stage); its parameters
+    this rank's stages' only. Raises as :func:`_cell` reports."""
+    import spmd
+
+    stage = "parallelize"
+    try:
+        pm = spmd.parallelize(model, mesh=mesh, strategy=kind, placements=placements,
+                              pipeline=spmd.pp.schedule("1f1b", microbatches=MICROBATCHES))
+        data = [i for i, name in enumerate(mesh.dim_names) if name != "pp"]
+        index = sum(mesh.coordinate()[i] * math.prod(mesh.shape[j] for j in data[k + 1:])
+                    for k, i in enumerate(data))
+        per = ROWS // math.prod(mesh.shape[i] for i in data)
+        rows = slice(index * per, (index + 1) * per)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        losses = []
+        for step in range(STEPS):
+            stage = f"step {step}"
+            x, y = make_batch(step)
+            losses.append(pm.step(x[rows], y[rows], lm_loss).detach().clone())
+            pm.clip_grad_norm_(CLIP)
+            opt.step()
+            opt.zero_grad()
+        stage = "state"
+        params = {k: v.detach().clone() for k, v in pm.state_dict().items()}
+        eager = sum(len(p.fallbacks) + len({o.op for o in p.placed if o.fallback})
+                    for p in pm.plan().stage_plans.values())
+        return {"rows": (rows.start, rows.stop), "losses": losses, "outputs": [],
+                "params": params, "eager": eager, "seconds": time.perf_counter() - start}
+    except Exception as e:
         return {"error": type(e).__name__, "message": _first_line(e), "stage": stage,
                 "trace": traceback.format_exc()[-3000:],
                 "seconds": time.perf_counter() - start}
@@ -312,6 +362,9 @@ def judge(family: str, strategy: str, ranks: list[dict],
     floor = wanted["floor"]
     tolerance = ATOL if floor is None else max(ATOL, 10 * floor)
     worst, where = 0.0, ""
+    staged = pipelined(strategy)  # each rank holds its stages' entries; all of them together
+    if staged and set().union(*(r["params"] for r in ranks)) != want_params.keys():
+        worst, where = math.inf, "the stages' state_dicts together: other keys"
     for rank, run in enumerate(ranks):
         lo, hi = run["rows"]
         for step, (got, ref) in enumerate(zip(run["outputs"], want_outputs)):
@@ -319,11 +372,12 @@ def judge(family: str, strategy: str, ranks: list[dict],
                 else math.inf
             if diff > worst:
                 worst, where = diff, f"rank {rank} step {step} output"
-        if run["params"].keys() != want_params.keys():
+        keys = run["params"].keys()
+        if not keys <= want_params.keys() if staged else keys != want_params.keys():
             worst, where = math.inf, f"rank {rank}: other state_dict keys"
             continue
-        for key, ref in want_params.items():
-            got = run["params"][key]
+        for key in keys:
+            got, ref = run["params"][key], want_params[key]
             diff = (got - ref).abs().max().item() if got.shape == ref.shape else math.inf
             if diff > worst:
                 worst, where = diff, f"rank {rank} {key}"
