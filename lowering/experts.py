@@ -21,7 +21,8 @@ one data dimension (``"ep"``): rank ``r`` holds experts ``r * L .. (r + 1) * L -
   a static bound ``C`` (below); ``ep_gather`` is its exact reverse, so each is the
   other's backward.
 - ``grouped_mm`` multiplies each expert's rows by its weight (``torch._grouped_mm``
-  where the build and dtype take it, a loop otherwise); its backward gives the input's
+  where the build, device and dtype take it: float32 and narrower on CPU, bfloat16 on
+  CUDA; a loop of ``torch.mm`` otherwise, float64 included); its backward gives the input's
   gradient and each expert's weight (and bias) gradient, the latter times ``scale``.
 
 Shapes are static, as a graph needs: ``C = size * T * k`` rows, enough for every choice
@@ -276,9 +277,51 @@ def _rows(offs: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(e, start, end) for e, (start, end) in enumerate(zip([0, *ends[:-1]], ends))]
 
 
+# the dtypes torch._grouped_mm takes, by device type (CPU: checked here on torch 2.13; CUDA:
+# what its meta kernel admits); any other device or dtype (float64) takes the loop
+_GROUPED_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16),
+                   "cuda": (torch.bfloat16,)}
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Whether a matrix's layout is one ``torch._grouped_mm`` reads: one of its last two
+    dimensions dense, the other's stride a multiple of 16 bytes."""
+    unit = 16 // t.element_size()
+    rows, cols = t.stride()[-2:]
+    return (cols == 1 and rows % unit == 0) or (rows == 1 and cols % unit == 0)
+
+
+def grouped_kernel(*mats: torch.Tensor) -> bool:
+    """Whether the grouped products of these operands run as one ``torch._grouped_mm``
+    (the build has it, the device and dtype are ones it takes, each matrix is laid out as
+    it reads them) rather than as a loop of ``torch.mm`` over the experts. Both give the
+    same rows; the padding rows are zeros either way."""
+    first = mats[0]
+    return (hasattr(torch, "_grouped_mm")
+            and first.dtype in _GROUPED_DTYPES.get(first.device.type, ())
+            and all(m.dtype == first.dtype and _aligned(m) for m in mats))
+
+
+def _by_kernel(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight[e]`` on each expert's rows by ``torch._grouped_mm`` (``weight``:
+    (experts, in, out), any layout it reads), the padding rows zeroed without reading
+    the offsets on the host."""
+    ends = offs.to(torch.int32)
+    out = torch._grouped_mm(x, weight, offs=ends)
+    row = torch.arange(x.shape[0], device=x.device)
+    expert = torch.bucketize(row, ends, right=True)  # len(offs) on a padding row
+    if bias is not None:
+        out += torch.cat([bias, bias.new_zeros((1, bias.shape[1]))])[expert]
+    return out.masked_fill_((expert == offs.shape[0]).unsqueeze(1), 0)
+
+
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
                 bias: torch.Tensor | None, transposed: bool, scale: float,
                 expected: int = 0) -> torch.Tensor:
+    weight = w if transposed else w.transpose(1, 2)  # (experts, in, out)
+    if grouped_kernel(x, weight):
+        return _by_kernel(x, weight, offs, bias)
     out_features = w.shape[2] if transposed else w.shape[1]
     out = x.new_empty((x.shape[0], out_features))
     for e, start, end in _rows(offs):
@@ -307,6 +350,11 @@ def _fake_weight_grad(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor,
 
 def _weight_grad(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, transposed: bool,
                  scale: float, expected: int = 0) -> torch.Tensor:
+    # each expert's (in, out) or (out, in) product of its rows, contracted over them
+    a, b = (x.t(), grad) if transposed else (grad.t(), x)
+    if grouped_kernel(a, b):
+        out = torch._grouped_mm(a, b, offs=offs.to(torch.int32))  # an empty expert's: 0
+        return out.mul_(scale) if scale != 1.0 else out
     out = _fake_weight_grad(grad, x, offs, transposed, scale)
     for e, start, end in _rows(offs):
         if end > start:

@@ -130,6 +130,39 @@ def test_dispatch_compute_combine_equal_one_computation(op_runs, kind):
             assert (sum(load) == 0) == (rank != 0), (rank, load)
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["out-in", "in-out"])
+@pytest.mark.parametrize("hidden", [8, 6], ids=["aligned", "unaligned"])
+def test_grouped_products_by_torchs_grouped_mm_equal_the_loop(transposed, hidden):
+    """float32 on CPU: ``spmd::grouped_mm`` runs as one ``torch._grouped_mm`` where the
+    rows' stride is a multiple of 16 bytes (8 features), else as the loop of ``torch.mm``
+    (6). Forward and backward (rows, weights, bias) equal the float64 loop's to float32's
+    rounding, an expert that received no row included, and the padding rows are zero."""
+    from spmd.lowering import experts as X
+
+    gen = torch.Generator().manual_seed(3)
+    experts, out_features, rows = 4, 12, 40
+    offs = torch.tensor([10, 10, 30, 36])  # expert 1 gets no row; rows 36.. are padding
+    shape = (experts, hidden, out_features) if transposed else (experts, out_features, hidden)
+    x64 = torch.randn(rows, hidden, dtype=torch.float64, generator=gen)
+    x64[36:] = 0  # what ep_scatter pads with
+    w64 = torch.randn(shape, dtype=torch.float64, generator=gen)
+    b64 = torch.randn(experts, out_features, dtype=torch.float64, generator=gen)
+    seed = torch.randn(rows, out_features, dtype=torch.float64, generator=gen)
+    runs = []
+    for dtype in (torch.float64, torch.float32):
+        x, w, b = (t.to(dtype).detach().requires_grad_() for t in (x64, w64, b64))
+        y = X.grouped_mm(x, w, offs, b, transposed, 0.5)
+        (y * seed.to(dtype)).sum().backward()
+        runs.append([t.double() for t in (y, x.grad, w.grad, b.grad)])
+    kernel = X.grouped_kernel(x, w if transposed else w.transpose(1, 2))
+    assert kernel == (hidden == 8)  # 6 float32 features: 24 bytes, the loop
+    assert float(runs[1][0][36:].abs().max()) == 0.0  # the padding rows
+    assert float(runs[1][2][1].abs().max()) == 0.0  # the idle expert's weight gradient
+    for name, want, got in zip(["output", "rows' gradient", "weights' gradient",
+                                "bias gradient"], *runs):
+        assert float((got - want).abs().max()) < 1e-4 * (1 + float(want.abs().max())), name
+
+
 # -- parallelize: a model of our own ---------------------------------------------------
 
 ROWS = [2, 1, 3]  # per rank, step by step: the batch size changes
