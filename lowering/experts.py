@@ -68,6 +68,9 @@ class ExpertsSpec:
         mesh_dim: the mesh dimension's name.
         capacity_factor: None: dropless; else each expert takes at most
             :func:`capacity` of each rank's (token, choice) pairs, the rest dropped.
+        context_dims: the mesh dimensions the sequence is split over (context
+            parallelism): along them each rank routes its own part of the sequence over
+            its expert-parallel group (``spmd.lowering.rules.experts``).
         load: the last forward's tokens per local expert (from every rank).
         dropped: the last forward's pairs this rank dropped, per expert (all ``E``).
     """
@@ -78,6 +81,7 @@ class ExpertsSpec:
     group: Any = None
     mesh_dim: str = "ep"
     capacity_factor: float | None = None
+    context_dims: tuple[str, ...] = ()
     load: torch.Tensor | None = field(default=None, repr=False)
     dropped: torch.Tensor | None = field(default=None, repr=False)
 
@@ -408,6 +412,66 @@ grouped_mm = define(
     "grouped_mm(Tensor x, Tensor w, Tensor offs, Tensor? bias, bool transposed, "
     "float scale, SymInt expected=0) -> Tensor", _grouped_mm, _fake_grouped_mm, _grouped_mm_backward,
     _keep_product)
+
+
+# the rows even routing brings, by position: a rank's share where its rows are split
+EXPECTED_ARG = {grouped_mm: 6, grouped_mm_weight: 5}
+
+
+# where rows an experts layer received leave it: back to their tokens, or summed into a
+# weight's gradient; and the arguments of the expert ops that hold such rows
+_EXITS = (ep_gather, grouped_mm_weight, grouped_sum)
+_ROW_ARGS = {grouped_mm: (0,), grouped_mm_weight: (0, 1), grouped_sum: (0,), ep_gather: (0,)}
+
+
+def received_rows(graph: Any, dim: str) -> set:
+    """The values of ``graph`` that hold rows its experts layers received where the
+    routing was each rank's own on ``dim`` (a context dimension: ``ep_scatter`` placed
+    ``Shard(0)`` there, :mod:`spmd.lowering.rules.experts`): from each ``ep_scatter``
+    through what is computed from them, the values saved for the backward included,
+    until ``ep_gather`` or a weight's gradient. Read as a split of some whole tensor,
+    they are none (each rank's rows are its own); ``tensor_parallel`` refuses to
+    redistribute them."""
+    def split(node: Any) -> bool:
+        spec = node.meta.get("sharding")
+        return not isinstance(spec, tuple) and spec is not None and spec[dim] == Shard(0)
+
+    found = {n for n in graph.nodes if n.target is ep_scatter and split(n)}
+    grew = bool(found)
+    while grew:
+        grew = False
+        for node in graph.nodes:
+            if node.op != "call_function":
+                continue
+            inputs = node.all_input_nodes
+            if node not in found and node.target not in (*_EXITS, ep_scatter) and any(
+                    a in found for a in inputs):
+                found.add(node)
+                grew = True
+            if node.target in _ROW_ARGS:
+                sideways = [node.args[k] for k in _ROW_ARGS[node.target]]
+            elif node in found and node.target is not ep_scatter:
+                sideways = inputs  # operands of an op on received rows: received rows
+            else:
+                continue
+            for a in sideways:
+                if hasattr(a, "meta") and a not in found and split(a) and (
+                        node in found or node.target in _ROW_ARGS and any(
+                            b in found for b in inputs)):
+                    found.add(a)
+                    grew = True
+    return found
+
+
+def local_expected(node: Any, choices: dict[str, Any], mesh: Any) -> tuple:
+    """``node``'s arguments with its ``expected`` rows (:func:`product_flops`) divided
+    by the ranks its rows are split over (``Shard(0)`` on a context dimension)."""
+    k = EXPECTED_ARG[node.target]
+    if len(node.args) <= k or not isinstance(node.args[k], int):
+        return node.args
+    ranks = math.prod(mesh.size(dim) for dim, c in choices.items()
+                      if c.decision.required(c.inputs)[0] == Shard(0))
+    return (*node.args[:k], node.args[k] // ranks, *node.args[k + 1:])
 
 
 def product_flops(node: Any) -> int:

@@ -102,6 +102,9 @@ def run_op(node: fx.Node, tensors: Sequence[torch.Tensor], others: dict[fx.Node,
     args, kwargs = map_aggregate((node.args, node.kwargs), value)
     if shape is not None and node.target in rules.SHAPE_ARG:
         args = (args[0], shape, *args[2:])
+    if shape is not None and node.target in rules.ROWS_ARG:
+        k = rules.ROWS_ARG[node.target]
+        args = (*args[:k], shape[0], *args[k + 1:])
     with torch.no_grad():
         return (op or node.target)(*args, **kwargs)
 

@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_aggregate
 
-from spmd.lowering import ops, ranked, rules
+from spmd.lowering import experts, ops, ranked, rules
 from spmd.lowering.ops import place, tp_grad, tp_param
 from spmd.lowering.specs import RankSpec, lookup
 from spmd.lowering.annotate import PlanningError, ShardingError, graph_outputs
@@ -116,6 +116,14 @@ class _Localizer:
         self.gm, self.ctx = gm, ctx
         self.dims = ctx.strategy.tp_dims
         self.brought: dict[tuple[fx.Node, str, Placement], fx.Node] = {}
+        self._received: dict[str, set[fx.Node]] = {}
+
+    def received(self, dim: str) -> set[fx.Node]:
+        """The values holding rows an experts layer received on ``dim``
+        (:func:`spmd.lowering.experts.received_rows`), found once per graph."""
+        if dim not in self._received:
+            self._received[dim] = experts.received_rows(self.gm.graph, dim)
+        return self._received[dim]
 
     def expected(self, node: fx.Node) -> Any:
         """The local shapes of ``node``'s value(s) under its sharding."""
@@ -135,6 +143,13 @@ class _Localizer:
         have = spec[dim]
         if have == want:
             return value
+        if dim in self.ctx.strategy.context_dims and value in self.received(dim):
+            raise PlanningError(
+                f"{self.ctx.graph_name}: {user.target} ({user.name}{_where(user)}) needs "
+                f"{value.name} {have!r} -> {want!r} on {dim!r}, but it holds rows an "
+                f"experts layer received on this rank (each rank's own, routed from its "
+                f"part of the sequence): no redistribution moves them; the op between the "
+                f"expert products has no rule that keeps them split along their rows")
         key = (value, dim, want)
         if key in self.brought:
             return self.brought[key]
@@ -256,6 +271,11 @@ class _Localizer:
             want = self.expected(node)
         if node.target in rules.SHAPE_ARG:
             node.args = (node.args[0], list(want), *node.args[2:])
+        if node.target in rules.ROWS_ARG:
+            k = rules.ROWS_ARG[node.target]
+            node.args = (*node.args[:k], want[0], *node.args[k + 1:])
+        if node.target in experts.EXPECTED_ARG:
+            node.args = experts.local_expected(node, choices, self.ctx.mesh)
         if node.target in _SPLITS and isinstance(want, list) and want and want[0] is not None:
             # sizes written for the whole tensor: a split into equal parts along a
             # dimension the pieces divide (a fused q, k, v output's blocks) is the same

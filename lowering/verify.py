@@ -404,7 +404,8 @@ class _Verifier:
         inputs = [torch.empty(self.whole_shape(s, h, dims), dtype=a.meta["val"].dtype,
                               device="meta") for s, h, a in zip(shapes, have, args)]
         target_shape = (self.whole_shape(_shape(vals[0]), outs[0], dims)
-                        if node.target in rules.SHAPE_ARG else None)
+                        if node.target in rules.SHAPE_ARG or node.target in rules.ROWS_ARG
+                        else None)
         ranked = ranked_ops.RANKED.get(node.target)  # (its own op computes a rank's part)
         try:
             whole = run_op(node, inputs, others, target_shape,
@@ -452,7 +453,8 @@ class _Verifier:
         shapes = [self.whole_shape(s, h, [dim]) for s, h in zip(locals_, have)]
         outs_s = result if isinstance(result, tuple) else (result,)
         target_shape = (self.whole_shape(_shape(node.meta["val"]), outs_s[0], [dim])
-                        if node.target in rules.SHAPE_ARG else None)
+                        if node.target in rules.SHAPE_ARG or node.target in rules.ROWS_ARG
+                        else None)
         key = (node.target, self.mesh.size(dim), need, output, tuple(map(tuple, shapes)),
                tuple(str(a.meta["val"].dtype) for a in args), repr(target_shape),
                repr([a for a in node.args if not isinstance(a, fx.Node)]),

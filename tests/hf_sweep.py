@@ -63,9 +63,12 @@ STRATEGIES: dict[str, tuple[tuple[int, ...], tuple[str, ...], str, str]] = {
     "ep x tp": ((2, 2), ("ep", "tp"), "ddp", "ep+tp"),
     # 2 stages (1F1B, 2 microbatches), each stage's experts split by index on "ep"
     "pp x ep": ((2, 2), ("pp", "ep"), "ddp", "ep"),
+    # the sequence split over "cp" (ring attention), each rank's part of it routed to the
+    # experts split by index on "ep"
+    "cp x ep": ((2, 2), ("ep", "cp"), "ddp", "ep+cp"),
 }
 # the strategies only a mixture of experts takes (a cell of any other family is not run)
-EXPERTS_ONLY = ("ep", "fsdp x ep", "ep x tp", "pp x ep")
+EXPERTS_ONLY = ("ep", "fsdp x ep", "ep x tp", "pp x ep", "cp x ep")
 MICROBATCHES = 2  # of a pipelined cell, per data rank
 _REFUSALS = ("ValueError", "TypeError", "NotImplementedError", "ShardingError",
              "EmptyBackwardError", "Infeasible")
@@ -187,9 +190,10 @@ def reference(family: str) -> dict[Any, Any] | str:
 
 
 def data_size(strategy: str) -> int:
-    """The number of data-parallel ranks of a strategy (its mesh without "tp" and "pp")."""
+    """The number of data-parallel ranks of a strategy (its mesh without "tp", "pp" and
+    "cp")."""
     shape, names = STRATEGIES[strategy][:2]
-    return math.prod(n for n, d in zip(shape, names) if d not in ("tp", "pp"))
+    return math.prod(n for n, d in zip(shape, names) if d not in ("tp", "pp", "cp"))
 
 
 def pipelined(strategy: str) -> bool:
@@ -218,7 +222,8 @@ def _cell(family: str, strategy: str) -> dict:
         mesh = spmd.Mesh(shape, dim_names=names)
         model = build(family)
         placements = {"tp": spmd.tp.megatron(), "ep": spmd.ep.experts(),
-                      "ep+tp": _experts_and_plan(model)}.get(preset)
+                      "ep+tp": _experts_and_plan(model),
+                      "ep+cp": [spmd.ep.experts(), spmd.cp.ring()]}.get(preset)
         if pipelined(strategy):
             return _pipelined_cell(model, mesh, kind, placements, start)
         model = spmd.parallelize(model, mesh=mesh, strategy=kind, placements=placements)

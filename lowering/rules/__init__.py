@@ -19,13 +19,14 @@ reason; never guessed. Rules live one file per op family, next to this one, and 
 on import.
 """
 
-from spmd.lowering.rules.registry import (FAMILIES, SHAPE_ARG, _FAMILY, _RULES, Decision, Rule,
-                                          Traits, is_shard, lookup, norm_dim, op, outputs_of,
+from spmd.lowering.rules.registry import (FAMILIES, ROWS_ARG, SHAPE_ARG, _FAMILY, _RULES,
+                                          Decision, Rule, Traits, is_shard, lookup, norm_dim, op, outputs_of,
                                           partial_op, register, registered, replicate_all,
                                           shape, tensor_args, traits)
 
 __all__ = ["Decision", "Rule", "Traits", "register", "lookup", "traits", "tensor_args",
-           "shape", "replicate_all", "registered", "FAMILIES", "SHAPE_ARG"]
+           "shape", "replicate_all", "registered", "FAMILIES", "SHAPE_ARG",
+           "ROWS_ARG"]
 
 # the families register their rules on import
 from spmd.lowering.rules import (attention, dropout, embedding, experts, losses, matmul,

@@ -30,10 +30,12 @@ from __future__ import annotations
 import torch.fx as fx
 
 from spmd.lowering import experts as ops
-from spmd.lowering.placements import Partial, Placement, Replicate, Shard, StridedShard
-from spmd.lowering.rules.registry import Decision, register, shape, tensor_args
+from spmd.lowering.placements import (Partial, Placement, Replicate, Shard, StridedShard,
+                                     Varying)
+from spmd.lowering.rules.registry import ROWS_ARG, Decision, register, shape, tensor_args
+from spmd.lowering.specs import lookup
 
-R = Replicate
+R, V = Replicate, Varying
 
 
 def _features(p: Placement, dim: int, length: int, size: int) -> Placement | None:
@@ -50,15 +52,44 @@ def _splits(p: Placement) -> bool:
     return isinstance(p, (Shard, StridedShard))
 
 
-@register(ops.ep_route)
-def ep_route(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> Decision:
+def _token_rows(p: Placement) -> Placement:
+    """The placement of a (token, choice) pair's rows when the tokens' rows are ``p`` on a
+    context dimension: split along the rows as they are (each token's ``k`` choices stay
+    together), or, whole, as each rank's contiguous part."""
+    if isinstance(p, (Shard, StridedShard)) and p.dim == 0:
+        return p
+    return Shard(0)
+
+
+@register(ops.ep_route, strided=True, wants_dim=True)
+def ep_route(node: fx.Node, inputs: tuple[Placement, ...], size: int, dim: str) -> Decision:
+    if dim in lookup(node.args[1]).context_dims:
+        rows = _token_rows(inputs[0])
+        return Decision(output=(rows, V(), V(), V()), inputs=(rows,),
+                        reason="each rank routes its own part of the sequence over its "
+                               "expert-parallel group (the counts are its own)")
     return Decision(output=(R(), R(), R(), R()), inputs=(R(),),
                     reason="routing reads every choice of every token")
+
+
+def _routed(metadata: tuple[Placement, ...]) -> bool:
+    """The routing was this rank's own on this dimension (a context dimension:
+    :func:`ep_route`): the rows the experts receive are this rank's alone, ``Shard(0)``
+    of every rank's, and never redistributed (``tensor_parallel`` refuses to)."""
+    return any(isinstance(p, V) for p in metadata)
 
 
 def _moves(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     rows = inputs[0]
     whole_order = (R(),) * (len(inputs) - 1)
+    if _routed(inputs[2:]):
+        order = _token_rows(inputs[1])
+        if node.target is ops.ep_scatter:
+            return [Decision(output=Shard(0), inputs=(order, order, V(), V()),
+                             reason="this rank's pairs sent to its experts' ranks; what "
+                                    "its experts receive is its own")]
+        return [Decision(output=order, inputs=(Shard(0), order, V(), V()),
+                         reason="each rank's rows back to its own pairs")]
     found = []
     if isinstance(rows, Partial):
         found.append(Decision(output=rows, inputs=(rows, *whole_order),
@@ -71,6 +102,9 @@ def _moves(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Deci
 
 
 register(ops.ep_scatter, strided=True)(_moves)
+# its static row bound, traced for the whole sequence: a rank's share where its rows are
+# split along a context dimension (``tensor_parallel`` rewrites it)
+ROWS_ARG[ops.ep_scatter] = 4
 register(ops.ep_gather, strided=True)(_moves)
 
 
@@ -81,6 +115,10 @@ def grouped_mm(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[
     out_dim, in_dim = (2, 1) if transposed else (1, 2)
     px, pw = inputs[0], inputs[1]
     has_bias = len(inputs) == 4
+    if _routed(inputs[2:3]):
+        return [Decision(output=Shard(0), inputs=(Shard(0), R(), V()) + ((R(),) if has_bias
+                                                                     else ()),
+                         reason="each rank's experts on the rows it received")]
     found = []
 
     def way(x: Placement, weight: Placement, bias: Placement | None, out: Placement,
@@ -122,6 +160,9 @@ def grouped_mm_weight(node: fx.Node, inputs: tuple[Placement, ...], size: int
     out_dim, in_dim = (2, 1) if transposed else (1, 2)
     grad, rows = shape(tensor_args(node)[0]), shape(tensor_args(node)[1])
     pg, px = inputs[0], inputs[1]
+    if _routed(inputs[2:3]):
+        return [Decision(output=Partial("sum"), inputs=(Shard(0), Shard(0), V()),
+                         reason="each rank's part of the sequence: a partial sum")]
     found = []
     if isinstance(pg, Partial) and isinstance(px, Replicate):
         found.append(Decision(output=pg, inputs=(pg, R(), R()),
@@ -146,6 +187,9 @@ def grouped_mm_weight(node: fx.Node, inputs: tuple[Placement, ...], size: int
 @register(ops.grouped_sum, strided=True)
 def grouped_sum(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     pg = inputs[0]
+    if _routed(inputs[1:2]):
+        return [Decision(output=Partial("sum"), inputs=(Shard(0), V()),
+                         reason="each rank's part of the sequence: a partial sum")]
     if isinstance(pg, Partial) or (_splits(pg) and pg.dim == 1):
         return [Decision(output=pg, inputs=(pg, R()),
                          reason="each expert's rows summed, features as they are")]

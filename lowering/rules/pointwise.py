@@ -166,7 +166,7 @@ def to_copy(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Dec
 
 
 @register(op("new_zeros.default"), op("new_ones.default"), op("new_empty.default"),
-          op("new_full.default"))
+          op("new_full.default"), strided=True)
 def new(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     """A new tensor of a size written for the whole tensor (``x.new_zeros(size)``) takes
     only its dtype and device from ``x``: whole on every rank, nothing sent."""
@@ -174,11 +174,11 @@ def new(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decisio
 
 
 @register(op("zeros_like.default"), op("ones_like.default"), op("empty_like.default"),
-          op("full_like.default"))
+          op("full_like.default"), strided=True)
 def like(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     """A new tensor shaped like its input: sharded like it; a Partial input's local tensor
     is whole-shaped, so the new one is replicated, nothing sent."""
     (p,) = inputs
-    if isinstance(p, Shard):
+    if isinstance(p, (Shard, StridedShard)):
         return [Decision(output=p, reason="a new tensor shaped like its sharded input")]
     return [Decision(output=Replicate(), reason="values do not depend on the input's")]

@@ -87,7 +87,8 @@ _LOSS_PARALLEL = {op("_log_softmax.default"): "sharded_log_softmax",
 
 
 @register(op("_softmax.default"), op("_log_softmax.default"), op("_safe_softmax.default"),
-          op("_softmax_backward_data.default"), op("_log_softmax_backward_data.default"))
+          op("_softmax_backward_data.default"), op("_log_softmax_backward_data.default"),
+          strided=True)
 def softmax(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     dim = _softmax_dim(node)
     decisions = []
@@ -105,7 +106,7 @@ def softmax(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Dec
                    f"all-reduced inside the op",
             ranked=getattr(ranked_ops, ranked)))
     for p in inputs:
-        if isinstance(p, Shard) and p.dim != dim:
+        if isinstance(p, (Shard, StridedShard)) and p.dim != dim:
             decisions.append(Decision(output=p, inputs=(p,) * len(inputs),
                                       reason=f"normalised along {dim}, sharded along {p.dim}"))
             break

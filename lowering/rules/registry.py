@@ -25,6 +25,11 @@ aten = torch.ops.aten
 SHAPE_ARG = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
                        aten.expand.default, aten.slice_backward.default,
                        aten.select_backward.default})
+# ops with an argument that is their output's row count (dimension 0), written for the
+# whole tensor, by its position: rewritten as SHAPE_ARG's are (``spmd::ep_scatter``'s
+# static bound, its rows split along a context dimension); filled in by
+# ``spmd.lowering.experts``
+ROWS_ARG: dict[object, int] = {}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -78,19 +78,25 @@ def strided_map(src: Sequence[int], dst: Sequence[int], dim: int, size: int
 def unstride_map(src: Sequence[int], dst: Sequence[int], p: StridedShard, size: int
                  ) -> Placement | None:
     """Where ``StridedShard(d, k)`` of ``src`` goes under a reshape: ``Shard(e)`` where the
-    blocks are split back out in front of a dimension ``e`` that divides, the same
-    ``StridedShard`` where dimension ``d`` is untouched, else None."""
+    blocks are split back out in front of a dimension ``e`` that divides; the same
+    ``StridedShard`` on dimension ``e`` where ``d`` is untouched, merged with the
+    dimensions after it, or split from some of them so that each rank's part of a block
+    stays whole indices of ``e`` (an MoE layer's tokens of a split sequence repeated for
+    their ``k`` choices, ``[T, k, H] -> [T * k, H]``, and back); else None."""
     if math.prod(src) != math.prod(dst):
         return None
     d, k = p.dim, p.split
     before = math.prod(src[:d])
     rest = math.prod(src[d:]) // k
+    # one rank's contiguous part of each block, in elements of dimension d and after it
+    part = src[d] // (k * size) * math.prod(src[d + 1:]) if src[d] % (k * size) == 0 else 0
     for e in range(len(dst)):
         if (math.prod(dst[:e]) == before * k and math.prod(dst[e:]) == rest and dst[e] > 1
                 and dst[e] % size == 0):
             return Shard(e)
-        if math.prod(dst[:e]) == before and dst[e] == src[d] and math.prod(
-                dst[e + 1:]) == math.prod(src[d + 1:]):
+        inner = math.prod(dst[e + 1:])
+        if (math.prod(dst[:e]) == before and part and part % inner == 0
+                and dst[e] * inner == src[d] * math.prod(src[d + 1:])):
             return StridedShard(e, k)
     return None
 
@@ -147,16 +153,21 @@ def transpose(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[D
 
 
 
-@register(op("expand.default"))
+def _moved(p: Shard | StridedShard, dim: int) -> Placement:
+    """``p`` on dimension ``dim`` instead (a ``StridedShard`` keeps its blocks)."""
+    return StridedShard(dim, p.split) if isinstance(p, StridedShard) else Shard(dim)
+
+
+@register(op("expand.default"), strided=True)
 def expand(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     (p,) = inputs
-    if not isinstance(p, Shard):
+    if not isinstance(p, (Shard, StridedShard)):
         return [Decision(output=p, reason="a view of a whole or partial value")]
     src, dst = shape(tensor_args(node)[0]), shape(node)
     od = p.dim + len(dst) - len(src)
     if src[p.dim] != dst[od]:
         return _whole(node, inputs, "expanded along its sharded dimension")
-    return [Decision(output=Shard(od), reason="a broadcast view keeps the shards")]
+    return [Decision(output=_moved(p, od), reason="a broadcast view keeps the shards")]
 
 
 def _squeezes(node: fx.Node, dim: int, ndim: int) -> bool:
@@ -171,19 +182,20 @@ def _squeezes(node: fx.Node, dim: int, ndim: int) -> bool:
     return False
 
 
-@register(op("unsqueeze.default"), op("squeeze.dim"), op("squeeze.dims"), op("squeeze.default"))
+@register(op("unsqueeze.default"), op("squeeze.dim"), op("squeeze.dims"), op("squeeze.default"),
+          strided=True)
 def squeeze(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     (p,) = inputs
-    if not isinstance(p, Shard):
+    if not isinstance(p, (Shard, StridedShard)):
         return [Decision(output=p, reason="a view of a whole or partial value")]
     src, dst = shape(tensor_args(node)[0]), shape(node)
     if src[p.dim] == size and _squeezes(node, p.dim, len(src)):
         return _whole(node, inputs, f"sharded dimension {p.dim} is 1 long on each rank, "
                                     f"where the squeeze would remove it")
     mapped = reshape_map(src, dst, p.dim, size)
-    if mapped is None:
+    if mapped is None or (isinstance(p, StridedShard) and dst[mapped] != src[p.dim]):
         return _whole(node, inputs, "squeezes its sharded dimension")
-    return [Decision(output=Shard(mapped), reason=f"dimension {p.dim} becomes {mapped}")]
+    return [Decision(output=_moved(p, mapped), reason=f"dimension {p.dim} becomes {mapped}")]
 
 
 def _cut_dim(node: fx.Node) -> int:

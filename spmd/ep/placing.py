@@ -111,7 +111,8 @@ def place_experts(module: nn.Module, strategy: Any, handles: Any,
             continue
         count = _whole(sub, _weights(sub)[0])[0]
         specs[path] = _place(sub, path, count, mesh, dim, handles,
-                             _Reads(_tp_pieces(sub, path, strategy, handles)), preset)
+                             _Reads(_tp_pieces(sub, path, strategy, handles)), preset,
+                             strategy.context_dims)
     return specs
 
 
@@ -123,16 +124,18 @@ def _whole(module: nn.Module, name: str) -> tuple[int, ...]:
 
 
 def _place(sub: nn.Module, path: str, count: int, mesh: Any, dim: str, handles: Any,
-           read: _Reads, preset: ExpertParallel | None) -> Any:
+           read: _Reads, preset: ExpertParallel | None, context: tuple[str, ...] = ()
+           ) -> Any:
     """One experts module given the expert-parallel forward (its class swapped) and the
-    spec of its ``count`` experts over ``dim``."""
+    spec of its ``count`` experts over ``dim`` (``context``: the dimensions the sequence
+    is split over)."""
     from spmd.lowering.experts import ExpertsSpec
 
     size = mesh.size(dim)
     factor = preset.capacity_factor if preset is not None else None
     spec = ExpertsSpec(module=path, num_experts=count, size=size,
                        group=None if mesh.simulated else mesh.get_group(dim), mesh_dim=dim,
-                       capacity_factor=factor)
+                       capacity_factor=factor, context_dims=tuple(context))
     names = _weights(sub)
     sub._spmd_ep_handle = handles.add(spec)
     sub._spmd_ep = _Placed(sub._spmd_ep_handle, size, count, names[0], names[1], read, factor)

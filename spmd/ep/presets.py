@@ -266,12 +266,12 @@ def split_experts(placements: Any) -> tuple[Any, ExpertParallel | None]:
 def expert_parameters(preset: ExpertParallel, model: nn.Module, mesh: Any, strategy: Any,
                       where: str) -> Mapping[str, str]:
     """Parameter name -> expert-parallel mesh dimension, for ``prepare_model``."""
-    if strategy.context_dims:
+    if strategy.context_dims and preset.capacity_factor is not None:
         raise NotImplementedError(
-            f"{where}: spmd.ep.experts() beside context parallelism "
-            f"({', '.join(strategy.context_dims)}) is not planned yet (each rank's part of "
-            f"the sequence would be gathered to route it); expert parallelism composes with "
-            f"the data strategies, tensor and sequence parallelism and pipelines")
+            f"{where}: spmd.ep.experts(capacity_factor={preset.capacity_factor}) beside "
+            f"context parallelism ({', '.join(strategy.context_dims)}) is not planned yet "
+            f"(each rank's part of the sequence would need its own capacity); dropless "
+            f"expert parallelism composes with it")
     dim = preset.dim or strategy.shard_dim or strategy.data_dim
     if dim is None or dim not in strategy.data_dims:
         raise ValueError(f"{where}: spmd.ep.experts(dim={dim!r}): the experts are split over "
