@@ -168,10 +168,11 @@ def test_grouped_products_by_torchs_grouped_mm_equal_the_loop(transposed, hidden
 ROWS = [2, 1, 3]  # per rank, step by step: the batch size changes
 
 
-def _train(model, rank: int | None, world: int, clip: float = 0.5, sizes=ROWS) -> dict:
+def _train(model, rank: int | None, world: int, clip: float = 0.5, sizes=ROWS,
+           seq: int = 6) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     for step, rows in enumerate(sizes):
-        x, y = batch(step, rows=rows * world)
+        x, y = batch(step, rows=rows * world, seq=seq)
         part = slice(None) if rank is None else slice(rank * rows, (rank + 1) * rows)
         F.cross_entropy(model(x[part]).flatten(0, 1), y[part].flatten()).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -179,14 +180,15 @@ def _train(model, rank: int | None, world: int, clip: float = 0.5, sizes=ROWS) -
         opt.zero_grad()
     with torch.no_grad():  # an evaluation forward after training
         model.eval()
-        x, _ = batch(99, rows=world)
+        x, _ = batch(99, rows=world, seq=seq)
         evaluated = model(x if rank is None else x[rank:rank + 1]).detach().clone()
         model.train()
     return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "eval": evaluated}
 
 
-def train_parallel(base, shape, names, strategy: str, placements, sizes=ROWS) -> tuple:
+def train_parallel(base, shape, names, strategy: str, placements, sizes=ROWS,
+                   seq: int = 6) -> tuple:
     """This rank's run: the process group, ``base`` parallelized on ``Mesh(shape, names)``
     and trained by :func:`_train` on its data rank's rows; the model, and what ``_train``
     gives with the plan, this rank's data index and its stored ``gate_up_proj`` shape.
@@ -199,7 +201,7 @@ def train_parallel(base, shape, names, strategy: str, placements, sizes=ROWS) ->
                              strategy=strategy, placements=placements)
     planned = model._spmd.setup.strategy
     index, count = data_index(planned.mesh, planned)
-    out = _train(model, index, count, sizes=sizes)
+    out = _train(model, index, count, sizes=sizes, seq=seq)
     out["plan"] = str(spmd.inspect(model))
     out["index"] = index
     out["stored"] = tuple(model.module.blocks[0].moe.experts._parameters["gate_up_proj"].shape)
@@ -528,10 +530,11 @@ def test_expert_tensor_parallelism_in_a_pipeline_or_searched_is_refused_until_pl
                          pipeline=spmd.pp.schedule("gpipe", microbatches=2))
 
 
-def test_expert_parallelism_beside_context_parallelism_is_refused_until_planned():
+def test_a_capacity_factor_beside_context_parallelism_is_refused_until_planned():
     mesh = spmd.Mesh.simulated((2, 2), dim_names=("ep", "cp"))
     with pytest.raises(NotImplementedError, match="beside context parallelism \\(cp\\)"):
-        spmd.parallelize(MoELM(), mesh=mesh, placements=[spmd.ep.experts(), spmd.cp.ring()])
+        spmd.parallelize(MoELM(), mesh=mesh, placements=[spmd.ep.experts(capacity_factor=1.0),
+                                                         spmd.cp.ring()])
 
 
 def test_a_capacity_factor_must_be_a_positive_number():

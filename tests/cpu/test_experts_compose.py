@@ -4,6 +4,9 @@ equal to one process on the whole batch:
 
 - beside tensor parallelism (2 x 2: the experts whole on "tp", or split by their
   features too: ``spmd.ep.experts(tensor_parallel="tp")``);
+- beside context parallelism (2 x 2: each rank routes its own part of the sequence over
+  its "ep" group), and the refusal of an op that would gather the rows its experts
+  received;
 - in a pipeline (2 x 2: each stage's experts split over "ep"), and its plan on a
   simulated cluster;
 - searched by ``strategy="auto"`` (each layout with and without its experts split; a
@@ -79,6 +82,71 @@ def test_expert_parallel_beside_tensor_parallelism_trains_like_one_process(layou
         assert not gathers, gathers
         if sizes != ROWS:  # fixed shapes: every training step ran the planned graph
             assert "graph1 (recompiled" not in plan and "graph2 (" not in plan, plan
+
+
+# -- beside context parallelism: 2 x 2 ranks ("ep", "cp") -----------------------------
+
+CP_LAYOUTS = {  # name -> (strategy, batch sizes per step)
+    # fixed shapes: every step runs the planned graph (each rank routes its part of the
+    # sequence)
+    "ddp x ep x cp": ("ddp", [2, 2, 2]),
+    # the batch size changes: the recompiled dynamic graphs run on the eager path (every
+    # rank the whole sequence, routed over its expert-parallel group)
+    "fsdp x ep x cp": ("fsdp", ROWS),
+}
+CP_SEQ = 8  # a causal ring over 2 ranks, load-balanced: 4 chunks
+
+
+def cp_job(rank: int, base, strategy: str, sizes) -> dict:
+    _, out = train_parallel(base, (2, 2), ("ep", "cp"), strategy,
+                            [spmd.ep.experts(), spmd.cp.ring()], sizes, seq=CP_SEQ)
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("layout", list(CP_LAYOUTS))
+def test_expert_parallel_beside_context_parallelism_trains_like_one_process(layout):
+    """2 x 2 ranks ("ep", "cp"): the sequence split over "cp" (ring attention), the
+    experts by expert index over "ep"; each rank routes its own part of the sequence
+    over its "ep" group. Routing skewed so that an expert gets no token. Equal to one
+    process on the whole batch; the planned step gathers nothing along "cp" but the
+    caller's output (the router, the token rows repeated for their choices and the
+    combine keep the sequence split)."""
+    strategy, sizes = CP_LAYOUTS[layout]
+    torch.manual_seed(0)
+    base = MoELM(skew=4.0).double()
+    want = _train(copy.deepcopy(base), None, 2, sizes=sizes, seq=CP_SEQ)
+    runs = dist.spawn(cp_job, args=(base, strategy, sizes), nprocs=4,
+                      start_method="forkserver", timeout=115)
+    for rank, got in enumerate(runs):
+        assert got["stored"] == (EXPERTS // 2, 24, 16), got["stored"]
+        assert_like_one_process(got, want, rank)
+        plan = got["plan"]
+        assert "expert parallelism along 'ep' (2 ranks)" in plan
+        if sizes == CP_LAYOUTS["ddp x ep x cp"][1]:
+            gathers = [line for line in plan.splitlines()
+                       if line.startswith("all_gather") and "/cp/" in line]
+            assert len(gathers) == 1 and "the caller receives whole" in gathers[0], gathers
+            assert "(recompiled" not in plan, plan  # every training step planned
+
+
+class _Mish(torch.nn.Module):
+    def forward(self, x):
+        return F.mish(x)  # aten.mish: no sharding rule
+
+
+def test_an_op_between_the_expert_products_that_would_gather_received_rows_is_an_error():
+    """Beside context parallelism the rows an experts layer receives are each rank's own
+    (no split of a whole tensor): an activation without a sharding rule, which would
+    gather them along "cp", is refused naming it, never run on gathered rows."""
+    model = MoELM()
+    for block in model.blocks:
+        block.moe.experts.act_fn = _Mish()
+    mesh = spmd.Mesh.simulated((2, 2), dim_names=("ep", "cp"))
+    x, _ = batch(0, rows=2, seq=CP_SEQ)
+    with pytest.raises(spmd.ShardingError, match="mish .*holds rows an experts layer "
+                                                  "received"):
+        spmd.inspect(model, x, mesh=mesh, placements=[spmd.ep.experts(), spmd.cp.ring()])
 
 
 # -- in a pipeline: pp x ep, 2 x 2 ranks -----------------------------------------------

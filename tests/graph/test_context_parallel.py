@@ -8,6 +8,8 @@ tests/cpu/test_ring_attention.py."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -150,7 +152,12 @@ def test_strided_shard_maps_and_round_trips():
     p = StridedShard(0, 2)
     assert unstride_map([16, 16], [2, 8, 16], p, 2) == Shard(1)
     assert unstride_map([16, 16], [16, 4, 4], p, 2) == p
-    assert unstride_map([16, 16], [4, 4, 16], p, 2) is None
+    # the strided dimension split from, or merged with, dimensions after it: each rank's
+    # part of a block (4 of 8 rows) is whole indices of the new dimension
+    assert unstride_map([16, 16], [4, 4, 16], p, 2) == p
+    assert unstride_map([16, 2, 16], [32, 16], p, 2) == p  # [T, k, H] -> [T * k, H]
+    assert unstride_map([32, 16], [16, 2, 16], p, 2) == p
+    assert unstride_map([8, 6], [3, 16], p, 2) is None  # a part of 12 is no whole index
     x = torch.arange(16 * 3.).view(16, 3)
     pieces = to_locals(x, p, 2)
     # rank r: rows r*4 .. r*4+3 of each block of 8
@@ -200,3 +207,34 @@ def test_a_model_without_an_embedding_needs_its_modules_named():
 def test_a_dimension_the_mesh_lacks_is_refused():
     with pytest.raises(ValueError, match="'cp'"):
         _plan(shape=(2,), names=("dp",))
+
+
+def _factorings(total: int, parts: int) -> list[list[int]]:
+    if parts == 1:
+        return [[total]]
+    return [[d, *rest] for d in range(1, total + 1) if total % d == 0
+            for rest in _factorings(total // d, parts - 1)]
+
+
+@pytest.mark.parametrize("src,split", [([16, 16], 2), ([16, 2, 16], 2), ([8, 6], 2),
+                                       ([12, 4], 3), ([24, 3, 2], 2)])
+def test_a_reshape_of_a_strided_shard_keeps_each_ranks_elements(src, split):
+    """Every reshape of every 1-3 dimensional shape that ``unstride_map`` places: each
+    rank's piece of the reshaped whole is its piece of the input, reshaped."""
+    from spmd.lowering.placements import StridedShard
+    from spmd.lowering.redistribute import to_locals
+    from spmd.lowering.rules.views import unstride_map
+
+    size, total = 2, math.prod(src)
+    x = torch.arange(float(total)).view(src)
+    p = StridedShard(0, split)
+    placed = 0
+    for dst in (d for n in (1, 2, 3) for d in _factorings(total, n)):
+        out = unstride_map(src, dst, p, size)
+        if out is None:
+            continue
+        mine, theirs = to_locals(x, p, size), to_locals(x.reshape(dst), out, size)
+        for a, b in zip(mine, theirs):
+            assert torch.equal(a.reshape(b.shape), b), (src, dst, out)
+        placed += 1
+    assert placed
