@@ -1,7 +1,8 @@
 """Issue 43's sweep, whole: every Hugging Face causal-LM family that the installed
 transformers builds offline from ``tests/hf_catalogue.py``'s tiny configs, trained 3 AdamW
 steps with clipping in float64 under ddp, fsdp, tp (2 ranks, the family's own plan) and
-fsdp x tp (2 x 2), each compared with one process (``tests/hf_sweep.py`` says how a cell
+fsdp x tp (2 x 2) and, for the mixtures of experts, ep, fsdp x ep, ep x tp, pp x ep and
+cp x ep, each compared with one process (``tests/hf_sweep.py`` says how a cell
 is judged: equal, refused, differs, crash, hang).
 
     python benchmarks/hf_sweep.py [--only llama,glm] [--strategies ddp,tp] [--again]
@@ -72,7 +73,11 @@ def table(cells: list[dict], built: dict[str, str], strategies: list[str],
         lines += ["", "`ep`: `spmd.ep.experts()` along the data dimension under ddp (`fsdp x ep`: "
                       "under fsdp; `ep x tp`: 2 x 2 ranks, the family's own tensor-parallel "
                       "plan where it has one and `spmd.ep.experts(tensor_parallel=\"tp\")`, "
-                      "the experts split by their features too); `—`: no experts module it "
+                      "the experts split by their features too; `pp x ep`: 2 x 2 ranks, "
+                      "2 stages (1F1B, 2 microbatches) each with its experts split on "
+                      "\"ep\"; `cp x ep`: 2 x 2 ranks, the sequence split over \"cp\" "
+                      "(ring attention), each rank's part routed to the experts split on "
+                      "\"ep\"); `—`: no experts module it "
                       "recognises (one whose forward "
                       "takes `(hidden, top_k_index, top_k_weights)`): a dense family, or "
                       "Llama 4, whose experts run on tokens routed before them."]

@@ -31,7 +31,7 @@ aten = torch.ops.aten
 
 # values are undefined: only shapes are compared
 _SHAPES_ONLY = frozenset({aten.empty_like.default, aten.empty.memory_format,
-                          aten.new_empty.default})
+                          aten.new_empty.default, aten.new_empty_strided.default})
 
 
 def is_random(node: fx.Node) -> bool:

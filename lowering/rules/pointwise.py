@@ -165,8 +165,15 @@ def to_copy(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Dec
 
 
 
+@register(op("copy.default"), strided=True)
+def copy(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
+    """``self.copy_(src)`` made functional: ``src``'s values, broadcast, in a tensor
+    shaped as ``self``: elementwise (an in-place write into a slice of an activation)."""
+    return broadcast_decisions(node, inputs, size)
+
+
 @register(op("new_zeros.default"), op("new_ones.default"), op("new_empty.default"),
-          op("new_full.default"), strided=True)
+          op("new_full.default"), op("new_empty_strided.default"), strided=True)
 def new(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
     """A new tensor of a size written for the whole tensor (``x.new_zeros(size)``) takes
     only its dtype and device from ``x``: whole on every rank, nothing sent."""

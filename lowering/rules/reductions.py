@@ -127,14 +127,20 @@ def topk(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decisi
     return [replicate_all(node, "top-k along its sharded dimension needs the whole tensor")]
 
 
-@register(op("scatter.src"), op("scatter.value"), strided=True)
+@register(op("scatter.src"), op("scatter.value"), op("scatter_add.default"),
+          op("gather.default"), strided=True)
 def scatter(node: fx.Node, inputs: tuple[Placement, ...], size: int) -> list[Decision]:
-    """``self.scatter(dim, index, src)``: rows placed along ``dim`` within each slice of
-    the other dimensions, so a shard along another dimension of all three stays (an MoE
-    router's dense scores from its top-k)."""
+    """``self.scatter(dim, index, src)``, ``scatter_add`` and ``self.gather(dim,
+    index)``: values moved along ``dim`` within each slice of the other dimensions, so a
+    shard along another dimension of all of them stays, where they are equally long
+    there (an MoE router's dense scores from its top-k, DeepSeek's scores of its chosen
+    experts)."""
     dim = norm_dim(int(node.args[1]), len(shape(tensor_args(node)[0])))
+    verb = "gathered" if node.target is op("gather.default") else "scattered"
     for p in inputs:
         if isinstance(p, (Shard, StridedShard)) and p.dim != dim:
-            return [Decision(output=p, inputs=(p,) * len(inputs),
-                             reason=f"scattered along {dim}, sharded along {p.dim}")]
-    return [replicate_all(node, "scattered along its sharded dimension")]
+            if len({shape(a)[p.dim] for a in tensor_args(node)}) == 1:
+                return [Decision(output=p, inputs=(p,) * len(inputs),
+                                 reason=f"{verb} along {dim}, sharded along {p.dim}")]
+            break
+    return [replicate_all(node, f"{verb} along its sharded dimension")]
