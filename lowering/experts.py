@@ -71,6 +71,11 @@ class ExpertsSpec:
         context_dims: the mesh dimensions the sequence is split over (context
             parallelism): along them each rank routes its own part of the sequence over
             its expert-parallel group (``spmd.lowering.rules.experts``).
+        context_group: the process group along the (one) context dimension, whose
+            ranks route parts of one sequence (None: none, or a simulated mesh).
+        parts: how many parts of the sequence the last forward's routing was one of
+            (the planned graph beside context parallelism: ``cp``; eager, or without
+            it: 1); :func:`spmd.ep.expert_load` sums the parts.
         load: the last forward's tokens per local expert (from every rank).
         dropped: the last forward's pairs this rank dropped, per expert (all ``E``).
     """
@@ -82,6 +87,8 @@ class ExpertsSpec:
     mesh_dim: str = "ep"
     capacity_factor: float | None = None
     context_dims: tuple[str, ...] = ()
+    context_group: Any = None
+    parts: int = 1
     load: torch.Tensor | None = field(default=None, repr=False)
     dropped: torch.Tensor | None = field(default=None, repr=False)
 
@@ -123,8 +130,10 @@ def bound_rows(size: int, tokens: int, k: int, local: int = 1,
 # -- routing --------------------------------------------------------------------------
 
 
-def _route(top_k_index: torch.Tensor, handle: int) -> tuple[torch.Tensor, ...]:
+def _route(top_k_index: torch.Tensor, handle: int, parts: int = 1
+           ) -> tuple[torch.Tensor, ...]:
     spec: ExpertsSpec = lookup(handle)
+    spec.parts = parts
     tokens, k = top_k_index.shape
     flat = top_k_index.reshape(-1)
     if flat.numel():
@@ -163,7 +172,8 @@ def _route(top_k_index: torch.Tensor, handle: int) -> tuple[torch.Tensor, ...]:
     return order, send, recv, offs
 
 
-def _fake_route(top_k_index: torch.Tensor, handle: int) -> tuple[torch.Tensor, ...]:
+def _fake_route(top_k_index: torch.Tensor, handle: int, parts: int = 1
+                ) -> tuple[torch.Tensor, ...]:
     spec: ExpertsSpec = lookup(handle)
     n = top_k_index.numel()
     new = top_k_index.new_empty
@@ -173,7 +183,8 @@ def _fake_route(top_k_index: torch.Tensor, handle: int) -> tuple[torch.Tensor, .
 
 
 ep_route = define(
-    "ep_route(Tensor top_k_index, int handle) -> (Tensor, Tensor, Tensor, Tensor)",
+    "ep_route(Tensor top_k_index, int handle, int parts=1) -> "
+    "(Tensor, Tensor, Tensor, Tensor)",
     _route, _fake_route)
 
 
@@ -463,14 +474,18 @@ def received_rows(graph: Any, dim: str) -> set:
     return found
 
 
-def local_expected(node: Any, choices: dict[str, Any], mesh: Any) -> tuple:
-    """``node``'s arguments with its ``expected`` rows (:func:`product_flops`) divided
-    by the ranks its rows are split over (``Shard(0)`` on a context dimension)."""
-    k = EXPECTED_ARG[node.target]
+def local_args(node: Any, choices: dict[str, Any], mesh: Any) -> tuple:
+    """``node``'s arguments for a rank whose rows are split along context dimensions
+    (``Shard(0)`` or ``StridedShard(0, b)`` there): a grouped product's ``expected``
+    rows (:func:`product_flops`) divided by the ranks they are split over, and
+    ``ep_route`` told how many parts of the sequence it routes one of."""
+    ranks = math.prod(mesh.size(dim) for dim, c in choices.items()
+                      if getattr(c.decision.required(c.inputs)[0], "dim", None) == 0)
+    k = EXPECTED_ARG.get(node.target, 2)  # ep_route's parts
+    if node.target is ep_route:
+        return (*node.args[:2], ranks)
     if len(node.args) <= k or not isinstance(node.args[k], int):
         return node.args
-    ranks = math.prod(mesh.size(dim) for dim, c in choices.items()
-                      if c.decision.required(c.inputs)[0] == Shard(0))
     return (*node.args[:k], node.args[k] // ranks, *node.args[k + 1:])
 
 

@@ -24,8 +24,8 @@ def all_to_all_seconds(plan: Any) -> dict[str, dict[str, tuple[str, float]]]:
         for node in graph.graph.nodes:
             if node.target not in (ops.ep_route, ops.ep_scatter, ops.ep_gather):
                 continue
-            try:
-                spec = lookup(node.args[-1])
+            try:  # (ep_route's handle comes before how many parts it routes one of)
+                spec = lookup(node.args[1] if node.target is ops.ep_route else node.args[-1])
             except RuntimeError:  # a plan that outlived its model
                 continue
             if spec.size <= 1:

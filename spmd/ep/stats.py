@@ -13,9 +13,10 @@ import torch.nn.functional as F
 
 def expert_load(model: nn.Module) -> dict[str, torch.Tensor]:
     """The last forward's token count per expert of each expert-parallel layer (module
-    path -> ``(E,)`` counts over every rank), gathered over the expert-parallel group:
-    every rank must call it."""
-    from spmd.runtime.collectives import all_gather_into_tensor
+    path -> ``(E,)`` counts over every rank), gathered over the expert-parallel group and,
+    where each rank routed its part of the sequence (beside context parallelism),
+    summed over the parts: every rank must call it."""
+    from spmd.runtime.collectives import all_gather_into_tensor, all_reduce
 
     out: dict[str, torch.Tensor] = {}
     for path, spec in _layers(model):
@@ -24,6 +25,8 @@ def expert_load(model: nn.Module) -> dict[str, torch.Tensor]:
             all_gather_into_tensor(whole, spec.load.contiguous(), group=spec.group)
         else:
             whole.copy_(spec.load.repeat(spec.size))
+        if spec.parts > 1 and spec.context_group is not None:
+            all_reduce(whole, group=spec.context_group)
         out[path] = whole
     return out
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import spmd
 from spmd import runtime as dist
 
-from ..moe import EXPERTS, MoELM, batch
+from ..moe import EXPERTS, TOP_K, MoELM, batch
 from .test_experts import ATOL, ROWS, _train, assert_like_one_process, train_parallel
 
 
@@ -98,8 +98,9 @@ CP_SEQ = 8  # a causal ring over 2 ranks, load-balanced: 4 chunks
 
 
 def cp_job(rank: int, base, strategy: str, sizes) -> dict:
-    _, out = train_parallel(base, (2, 2), ("ep", "cp"), strategy,
-                            [spmd.ep.experts(), spmd.cp.ring()], sizes, seq=CP_SEQ)
+    model, out = train_parallel(base, (2, 2), ("ep", "cp"), strategy,
+                                [spmd.ep.experts(), spmd.cp.ring()], sizes, seq=CP_SEQ)
+    out["load"] = {k: v.tolist() for k, v in spmd.ep.expert_load(model).items()}
     dist.destroy_process_group()
     return out
 
@@ -121,6 +122,10 @@ def test_expert_parallel_beside_context_parallelism_trains_like_one_process(layo
     for rank, got in enumerate(runs):
         assert got["stored"] == (EXPERTS // 2, 24, 16), got["stored"]
         assert_like_one_process(got, want, rank)
+        # the last forward (an evaluation, one row per data rank): every (token, choice)
+        # of the whole batch counted once, each rank's part of the sequence summed
+        assert got["load"] == runs[0]["load"]
+        assert all(sum(load) == 2 * CP_SEQ * TOP_K for load in got["load"].values())
         plan = got["plan"]
         assert "expert parallelism along 'ep' (2 ranks)" in plan
         if sizes == CP_LAYOUTS["ddp x ep x cp"][1]:

@@ -1,7 +1,8 @@
 """Issue 43's sweep as a test: Hugging Face causal-LM families from tiny configs
 (``tests/hf_catalogue.py``) trained 3 AdamW steps with clipping in float64 under ddp, fsdp,
 tp (the family's own plan, 2 ranks), fsdp x tp (2 x 2) and, for mixtures of experts, ep
-and fsdp x ep (``spmd.ep.experts()``, 2 ranks), each compared with one process
+and fsdp x ep (``spmd.ep.experts()``, 2 ranks), ep x tp, pp x ep and cp x ep (2 x 2),
+each compared with one process
 (``tests/hf_sweep.py`` judges a cell: equal, refused, differs, crash, hang).
 
 Profiles (``SPMD_HF``): ``ci`` (the default) runs :data:`CI`, families chosen for what the
@@ -29,7 +30,10 @@ CI: dict[str, tuple[str, ...]] = {
     "granite_swa": ("tp", "fsdp x tp"),   # attention sinks split by their own key
     "qwen3_moe": ("tp", "ep x tp"),       # experts beside a split attention; split by both
     "gemma": ("ddp", "fsdp"),             # a scaled, tied embedding
-    "deepseek_v3": ("ep",),               # experts split by index: sigmoid, grouped top-k
+    # experts split by index: sigmoid, grouped top-k; beside a split sequence (its
+    # router's gather and scatter_add, the rotary copy_ into a slice keep it split)
+    "deepseek_v3": ("ep", "cp x ep"),
+    "mixtral": ("pp x ep",),              # each stage of a pipeline its experts split
     "gpt_oss": ("fsdp x ep",),            # experts transposed, biased, an interleaved gate
 }
 
