@@ -94,6 +94,7 @@ def unstride_map(src: Sequence[int], dst: Sequence[int], p: StridedShard, size: 
         if (math.prod(dst[:e]) == before * k and math.prod(dst[e:]) == rest and dst[e] > 1
                 and dst[e] % size == 0):
             return Shard(e)
+    for e in range(len(dst)):
         inner = math.prod(dst[e + 1:])
         if (math.prod(dst[:e]) == before and part and part % inner == 0
                 and dst[e] * inner == src[d] * math.prod(src[d + 1:])):
