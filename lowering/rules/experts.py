@@ -1,5 +1,6 @@
-"""Expert parallelism's ops on a tensor-parallel dimension (``spmd.ep`` beside ``tp``):
-expert tensor parallelism, as Megatron-Core's and torchtitan's.
+"""Expert parallelism's ops on a tensor-parallel dimension (``spmd.ep`` beside ``tp``:
+expert tensor parallelism, as Megatron-Core's and torchtitan's) and on a context-parallel
+one (beside ``cp``).
 
 Along the expert-parallel (data) dimension every rank has its own rows
 (:func:`spmd.lowering.experts.data_placement`); along a tensor-parallel one the routing
@@ -19,6 +20,17 @@ split by their features as any activation:
 - ``grouped_mm_weight`` (a weight's gradient, ``rows.T @ grad`` per expert) and
   ``grouped_sum`` (a bias's) follow: split output features of the gradient give the
   weight's output features split, split input rows' features its input features.
+
+Along a context dimension (``"cp"``: the sequence split, ``ExpertsSpec.context_dims``)
+each rank routes its own part of the sequence over its expert-parallel group: ``ep_route``
+keeps the tokens' rows split (``Shard(0)``, or ``StridedShard(0, b)`` where the batch is
+merged with the sequence) and its counts and offsets are each rank's own (``Varying``);
+``ep_scatter`` gives the rows this rank's experts receive as ``Shard(0)`` (the rows of
+every rank, one after the other; its static bound is rewritten for the rank's share,
+``ROWS_ARG``), which the grouped products keep; ``ep_gather`` returns them to the
+tokens' split; the weights' gradients are partial sums over the sequence. The received
+rows are no split of any whole tensor: ``tensor_parallel`` refuses to redistribute them
+(:func:`spmd.lowering.experts.received_rows`).
 
 The gate of a packed ``gate_up_proj`` split ``StridedShard(out, 2)`` (each rank its part
 of the gate and of the up projection) is read by ``chunk`` on the strided features,
