@@ -21,8 +21,8 @@ one data dimension (``"ep"``): rank ``r`` holds experts ``r * L .. (r + 1) * L -
   a static bound ``C`` (below); ``ep_gather`` is its exact reverse, so each is the
   other's backward.
 - ``grouped_mm`` multiplies each expert's rows by its weight (``torch._grouped_mm``
-  where the build, device and dtype take it: float32 and narrower on CPU, bfloat16 on
-  CUDA; a loop of ``torch.mm`` otherwise, float64 included); its backward gives the input's
+  where the build, device and dtype take it: bfloat16 on CUDA; a loop of ``torch.mm``
+  otherwise, on CPU, where the loop measured faster, and in float64); its backward gives the input's
   gradient and each expert's weight (and bias) gradient, the latter times ``scale``.
 
 Shapes are static, as a graph needs: ``C = size * T * k`` rows, enough for every choice
@@ -292,10 +292,12 @@ def _rows(offs: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(e, start, end) for e, (start, end) in enumerate(zip([0, *ends[:-1]], ends))]
 
 
-# the dtypes torch._grouped_mm takes, by device type (CPU: checked here on torch 2.13; CUDA:
-# what its meta kernel admits); any other device or dtype (float64) takes the loop
-_GROUPED_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16),
-                   "cuda": (torch.bfloat16,)}
+# the dtypes grouped products run in as torch._grouped_mm, by device type: on CUDA what its
+# meta kernel admits; any other device or dtype (float64) takes the loop. torch 2.13's CPU
+# kernel takes float32 and narrower (tests/cpu/test_experts.py runs it so) but measured
+# slower here than the loop (benchmarks/moe.py's shapes: a forward 8.1 against 6.4 ms)
+_GROUPED_DTYPES: dict[str, tuple[torch.dtype, ...]] = {"cuda": (torch.bfloat16,)}
+CPU_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _aligned(t: torch.Tensor) -> bool:

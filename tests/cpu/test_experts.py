@@ -132,12 +132,17 @@ def test_dispatch_compute_combine_equal_one_computation(op_runs, kind):
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["out-in", "in-out"])
 @pytest.mark.parametrize("hidden", [8, 6], ids=["aligned", "unaligned"])
-def test_grouped_products_by_torchs_grouped_mm_equal_the_loop(transposed, hidden):
-    """float32 on CPU: ``spmd::grouped_mm`` runs as one ``torch._grouped_mm`` where the
-    rows' stride is a multiple of 16 bytes (8 features), else as the loop of ``torch.mm``
-    (6). Forward and backward (rows, weights, bias) equal the float64 loop's to float32's
-    rounding, an expert that received no row included, and the padding rows are zero."""
+def test_grouped_products_by_torchs_grouped_mm_equal_the_loop(transposed, hidden,
+                                                             monkeypatch):
+    """float32 on CPU, ``torch._grouped_mm`` allowed there (on CUDA it is the default;
+    on CPU the loop is faster): ``spmd::grouped_mm`` runs as one ``torch._grouped_mm``
+    where the rows' stride is a multiple of 16 bytes (8 features), else as the loop of
+    ``torch.mm`` (6). Forward and backward (rows, weights, bias) equal the float64 loop's
+    to float32's rounding, an expert that received no row included, and the padding rows
+    are zero."""
     from spmd.lowering import experts as X
+
+    monkeypatch.setitem(X._GROUPED_DTYPES, "cpu", X.CPU_GROUPED_DTYPES)
 
     gen = torch.Generator().manual_seed(3)
     experts, out_features, rows = 4, 12, 40
