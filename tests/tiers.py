@@ -140,6 +140,11 @@ LONG: dict[str, tuple[float, str]] = {
     "tests/cpu/test_experts_compose.py::test_the_automatic_layout_plans_each_layout_with_and_without_expert_parallelism": (
         15, "test_the_automatic_layout_with_experts_trains_like_one_process (a live search "
             "with the experts split) and tests/cpu/test_auto.py"),
+    # 2026-12-05: expert parallelism beside context parallelism
+    "tests/cpu/test_experts_compose.py::test_expert_parallel_beside_context_parallelism_trains_like_one_process[fsdp x ep x cp]": (
+        19, "its [ddp x ep x cp] case (the planned graph, each rank routing its part) "
+            "and test_hf_sweep's deepseek_v3 under cp x ep; the eager path beside cp: "
+            "tests/cpu/test_training_loops.py"),
     # 2026-12-05: room for expert parallelism's tests (CI measured 1035 s before them)
     "tests/cpu/test_across_hosts.py::test_the_loops_users_write_across_hosts_in_two_levels": (
         26, "test_training_loops (the same loops on one host) and "

@@ -30,10 +30,9 @@ CI: dict[str, tuple[str, ...]] = {
     "granite_swa": ("tp", "fsdp x tp"),   # attention sinks split by their own key
     "qwen3_moe": ("tp", "ep x tp"),       # experts beside a split attention; split by both
     "gemma": ("ddp", "fsdp"),             # a scaled, tied embedding
-    # experts split by index: sigmoid, grouped top-k; beside a split sequence (its
+    # experts split by index (sigmoid, grouped top-k) beside a split sequence (its
     # router's gather and scatter_add, the rotary copy_ into a slice keep it split)
-    "deepseek_v3": ("ep", "cp x ep"),
-    "mixtral": ("pp x ep",),              # each stage of a pipeline its experts split
+    "deepseek_v3": ("cp x ep",),
     "gpt_oss": ("fsdp x ep",),            # experts transposed, biased, an interleaved gate
 }
 
