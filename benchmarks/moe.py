@@ -4,7 +4,7 @@ and the all-to-all's predicted time against the measured one for uneven splits.
 
     python benchmarks/moe.py [--steps 10] [--rounds 5] [--width 256] [--experts 8]
                              [--inter 512] [--layers 2] [--seq 128] [--batch 4] [--top-k 2]
-                             [--variants ...] [--memory] [--all-to-all]
+                             [--variants ...] [--memory] [--all-to-all] [--grouped]
 
 Two local ranks (processes), one thread each, Gloo over loopback; the same mixture-of-
 experts language model (token embedding, ``--layers`` blocks of RMSNorm, causal
@@ -37,6 +37,10 @@ set (``ru_maxrss``) from before the first step to after ``--steps`` steps, on ra
 of its rows to rank 1, rank 1 a share ``1 - s`` to rank 0) for several sizes and skews,
 median of 20 calls, against the cost model's pairwise formula priced on the larger of
 the two ranks' outgoing bytes (what the slower rank waits for).
+
+``--grouped``: one expert layer's grouped products on one rank's rows, the loop of
+``torch.mm`` the compiler runs on CPU against ``torch._grouped_mm`` (which it runs on
+CUDA), forward and with the backward, rounds alternating (:func:`grouped_main`).
 """
 
 from __future__ import annotations
@@ -284,6 +288,52 @@ def all_to_all_main(rank: int, sizes: list[int], skews: list[float]) -> list | N
         return rows_out if rank == 0 else None
 
 
+def grouped_main(args) -> list[tuple[str, float, float]]:
+    """One expert layer's grouped products (``gate_up``, the gate, ``down``) and their
+    backward at the model's shapes on one rank's rows (``2·T·k`` padded rows, ``T·k``
+    real ones spread evenly over ``E/2`` local experts), float32, one thread: the loop
+    of ``torch.mm`` against ``torch._grouped_mm`` (allowed on CPU for the run), rounds
+    alternating; (what, loop ms, kernel ms) per round's median of 10 calls."""
+    from spmd.lowering import experts as X
+
+    torch.set_num_threads(1)
+    tokens, k, local = args.batch * args.seq, args.top_k, args.experts // 2
+    real, bound = tokens * k, 2 * tokens * k
+    offs = torch.linspace(real / local, real, local).round().long()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(bound, args.width, generator=g)
+    gate_up = torch.randn(local, 2 * args.inter, args.width, generator=g)
+    down = torch.randn(local, args.width, args.inter, generator=g)
+
+    def layer(backward: bool) -> None:
+        xs, gu, dn = (t.detach().requires_grad_(backward) for t in (x, gate_up, down))
+        h = X.grouped_mm(xs, gu, offs, None, False, 0.5, real)
+        gate, up = h.chunk(2, -1)
+        y = X.grouped_mm(F.silu(gate) * up, dn, offs, None, False, 0.5, real)
+        if backward:
+            y.sum().backward()
+
+    def ms(backward: bool) -> float:
+        layer(backward)
+        times = []
+        for _ in range(10):
+            start = time.perf_counter()
+            layer(backward)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+    found = []
+    for _ in range(args.rounds):
+        for backward in (False, True):
+            X._GROUPED_DTYPES.pop("cpu", None)
+            loop = ms(backward)
+            X._GROUPED_DTYPES["cpu"] = X.CPU_GROUPED_DTYPES
+            kernel = ms(backward)
+            X._GROUPED_DTYPES.pop("cpu", None)
+            found.append(("forward and backward" if backward else "forward", loop, kernel))
+    return found
+
+
 def main() -> None:
     p = harness.parser(__doc__, steps=10, rounds=5)
     p.add_argument("--width", type=int, default=256)
@@ -297,6 +347,7 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--memory", action="store_true")
     p.add_argument("--all-to-all", action="store_true")
+    p.add_argument("--grouped", action="store_true")
     args = p.parse_args()
     args.variants = harness.choices(args.variants, VARIANTS, p)
     print(f"model: width {args.width}, {args.layers} layers, {args.experts} experts of "
@@ -310,6 +361,18 @@ def main() -> None:
         for nbytes, skew, measured, predicted in found:
             harness.row(f"{nbytes:,}", f"{skew:.2f}", f"{measured * 1e3:.3f}",
                         f"{predicted * 1e3:.3f}", f"{predicted / measured:.2f}")
+        return
+    if args.grouped:
+        found = grouped_main(args)
+        harness.table(("products", "loop ms", "torch._grouped_mm ms",
+                       "kernel / loop (spread)"), "lrrl")
+        for what in ("forward", "forward and backward"):
+            mine = [(loop, kernel) for w, loop, kernel in found if w == what]
+            loop = statistics.median(a for a, _ in mine)
+            kernel = statistics.median(b for _, b in mine)
+            ratios = [b / a for a, b in mine]
+            harness.row(what, f"{loop:.2f}", f"{kernel:.2f}",
+                        f"{kernel / loop:.2f} ({min(ratios):.2f}–{max(ratios):.2f})")
         return
     found = harness.spawn(rank_main, args, nprocs=2)[0]
     times = found["times"]

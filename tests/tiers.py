@@ -145,6 +145,12 @@ LONG: dict[str, tuple[float, str]] = {
         19, "its [ddp x ep x cp] case (the planned graph, each rank routing its part) "
             "and test_hf_sweep's deepseek_v3 under cp x ep; the eager path beside cp: "
             "tests/cpu/test_training_loops.py"),
+    "tests/cpu/test_experts_compose.py::test_expert_parallel_stages_of_a_pipeline_train_like_one_process[mixtral ddp 1f1b]": (
+        16, "its [own ddp 1f1b] case (the same stages' experts); every transformers MoE "
+            "family under pp x ep: the sweep (SPMD_HF=full)"),
+    "tests/cpu/test_checkpoint_manager.py::test_the_loops_users_write_restart_bit_for_bit[ddp]": (
+        20, "its [fsdp] case (the same loops, the state sharded) and "
+            "test_a_killed_rank_restarts_and_finishes_bit_for_bit[ddp-checkpoint]"),
     # 2026-12-05: room for expert parallelism's tests (CI measured 1035 s before them)
     "tests/cpu/test_across_hosts.py::test_the_loops_users_write_across_hosts_in_two_levels": (
         26, "test_training_loops (the same loops on one host) and "

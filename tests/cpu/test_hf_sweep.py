@@ -28,7 +28,7 @@ CI: dict[str, tuple[str, ...]] = {
     "phi": ("ddp", "tp"),                 # partial rotary, biases, a dense head
     "olmo2": ("fsdp", "tp"),              # q and k norms over the split heads
     "granite_swa": ("tp", "fsdp x tp"),   # attention sinks split by their own key
-    "qwen3_moe": ("tp", "ep x tp"),       # experts beside a split attention; split by both
+    "qwen3_moe": ("ep x tp",),            # experts beside its split attention, split by both
     "gemma": ("ddp", "fsdp"),             # a scaled, tied embedding
     # experts split by index (sigmoid, grouped top-k) beside a split sequence (its
     # router's gather and scatter_add, the rotary copy_ into a slice keep it split)
