@@ -139,11 +139,15 @@ def test_a_replica_sharded_inside_loses_a_rank_and_comes_back_healed(tmp_path, s
     launcher stops its rank 0 and restarts the replica, which joins as r2.1 and is
     healed shard by shard from a peer. Equal, step by step, to one process
     fed the batches of each step's members."""
+    # the survivors' quorum at step 4 waits up to the timeout for r2.1, which has beaten
+    # but may still be setting up: 60 s of room on a loaded machine (at 30, once, the
+    # survivors went on and finished without it, which then had no peer to heal from)
+    room = ("--timeout", "60")
     with _store() as port:
-        survivors = [_replica_job(port, r, tmp_path, strategy, "--wait-for", "r2.1:4")
+        survivors = [_replica_job(port, r, tmp_path, strategy, "--wait-for", "r2.1:4", *room)
                      for r in ("r0", "r1")]
         lost = _replica_job(port, "r2", tmp_path, strategy, "--die", "2", "--die-rank", "1",
-                            restarts=1)
+                            *room, restarts=1)
         results = _finished((*survivors, lost), tmp_path, ("r0", "r1", "r2.1"))
     assert "restarting the job (restart 1 of 1) after rank 1" in lost.err_text
     steps = results["r0"]["steps"]
