@@ -429,6 +429,8 @@ grouped_mm = define(
 
 # the rows even routing brings, by position: a rank's share where its rows are split
 EXPECTED_ARG = {grouped_mm: 6, grouped_mm_weight: 5}
+# the ops whose arguments tensor_parallel rewrites for a rank's part (:func:`local_args`)
+LOCAL_ARGS = frozenset({*EXPECTED_ARG, ep_route})
 
 
 # where rows an experts layer received leave it: back to their tokens, or summed into a
@@ -483,9 +485,9 @@ def local_args(node: Any, choices: dict[str, Any], mesh: Any) -> tuple:
     ``ep_route`` told how many parts of the sequence it routes one of."""
     ranks = math.prod(mesh.size(dim) for dim, c in choices.items()
                       if getattr(c.decision.required(c.inputs)[0], "dim", None) == 0)
-    k = EXPECTED_ARG.get(node.target, 2)  # ep_route's parts
     if node.target is ep_route:
         return (*node.args[:2], ranks)
+    k = EXPECTED_ARG[node.target]
     if len(node.args) <= k or not isinstance(node.args[k], int):
         return node.args
     return (*node.args[:k], node.args[k] // ranks, *node.args[k + 1:])

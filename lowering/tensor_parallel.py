@@ -274,7 +274,7 @@ class _Localizer:
         if node.target in rules.ROWS_ARG:
             k = rules.ROWS_ARG[node.target]
             node.args = (*node.args[:k], want[0], *node.args[k + 1:])
-        if node.target in experts.EXPECTED_ARG or node.target is experts.ep_route:
+        if node.target in experts.LOCAL_ARGS:
             node.args = experts.local_args(node, choices, self.ctx.mesh)
         if node.target in _SPLITS and isinstance(want, list) and want and want[0] is not None:
             # sizes written for the whole tensor: a split into equal parts along a

@@ -209,13 +209,19 @@ def _first_line(e: BaseException) -> str:
 
 def _cell(family: str, strategy: str) -> dict:
     """This rank's run of one cell: its rows, outputs and parameters, or where and what it
-    raised."""
+    raised. A pipelined cell (:func:`pipelined`: 1F1B, :data:`MICROBATCHES` per data
+    rank, each stage parallelized on the other dimensions) gives the steps' losses
+    instead of outputs (the logits stay on the last stage), and its stages' parameters
+    only."""
+    import types
+
     import spmd
 
     from .hf_catalogue import build
     from .zoo import data_index
 
     shape, names, kind, preset = STRATEGIES[strategy]
+    staged = pipelined(strategy)
     start = time.perf_counter()
     stage = "parallelize"
     try:
@@ -224,69 +230,40 @@ def _cell(family: str, strategy: str) -> dict:
         placements = {"tp": spmd.tp.megatron(), "ep": spmd.ep.experts(),
                       "ep+tp": _experts_and_plan(model),
                       "ep+cp": [spmd.ep.experts(), spmd.cp.ring()]}.get(preset)
-        if pipelined(strategy):
-            return _pipelined_cell(model, mesh, kind, placements, start)
-        model = spmd.parallelize(model, mesh=mesh, strategy=kind, placements=placements)
-        planned = model._spmd.setup.strategy
-        index, count = data_index(planned.mesh, planned)
+        if staged:
+            model = spmd.parallelize(
+                model, mesh=mesh, strategy=kind, placements=placements,
+                pipeline=spmd.pp.schedule("1f1b", microbatches=MICROBATCHES))
+            data = types.SimpleNamespace(data_dims=tuple(d for d in names if d != "pp"))
+            index, count = data_index(mesh, data)
+        else:
+            model = spmd.parallelize(model, mesh=mesh, strategy=kind, placements=placements)
+            planned = model._spmd.setup.strategy
+            index, count = data_index(planned.mesh, planned)
         per = ROWS // count
         rows = slice(index * per, (index + 1) * per)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        outputs = []
+        outputs, losses = [], []
         for step in range(STEPS):
             stage = f"step {step}"
             x, y = make_batch(step)
-            out = model(x[rows])
-            outputs.append(out.detach().clone())
-            lm_loss(out, y[rows]).backward()
+            if staged:
+                losses.append(model.step(x[rows], y[rows], lm_loss).detach().clone())
+            else:
+                out = model(x[rows])
+                outputs.append(out.detach().clone())
+                lm_loss(out, y[rows]).backward()
             model.clip_grad_norm_(CLIP)
             opt.step()
             opt.zero_grad()
         stage = "state"
         params = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        plan = spmd.inspect(model)
-        eager = len(plan.fallbacks) + len({p.op for p in plan.placed if p.fallback})
-        return {"rows": (rows.start, rows.stop), "outputs": outputs, "params": params,
-                "eager": eager, "seconds": time.perf_counter() - start}
-    except Exception as e:  # the cell's outcome, classified by the caller
-        return {"error": type(e).__name__, "message": _first_line(e), "stage": stage,
-                "trace": traceback.format_exc()[-3000:],
-                "seconds": time.perf_counter() - start}
-
-
-def _pipelined_cell(model: torch.nn.Module, mesh, kind: str, placements, start: float
-                    ) -> dict:
-    """A pipelined cell on this rank: the model cut into stages along "pp" (1F1B,
-    :data:`MICROBATCHES` per data rank), each stage parallelized on the other dimensions.
-    Its outputs are the steps' losses (the logits stay on the last stage); its parameters
-    this rank's stages' only. Raises as :func:`_cell` reports."""
-    import spmd
-
-    stage = "parallelize"
-    try:
-        pm = spmd.parallelize(model, mesh=mesh, strategy=kind, placements=placements,
-                              pipeline=spmd.pp.schedule("1f1b", microbatches=MICROBATCHES))
-        data = [i for i, name in enumerate(mesh.dim_names) if name != "pp"]
-        index = sum(mesh.coordinate()[i] * math.prod(mesh.shape[j] for j in data[k + 1:])
-                    for k, i in enumerate(data))
-        per = ROWS // math.prod(mesh.shape[i] for i in data)
-        rows = slice(index * per, (index + 1) * per)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        losses = []
-        for step in range(STEPS):
-            stage = f"step {step}"
-            x, y = make_batch(step)
-            losses.append(pm.step(x[rows], y[rows], lm_loss).detach().clone())
-            pm.clip_grad_norm_(CLIP)
-            opt.step()
-            opt.zero_grad()
-        stage = "state"
-        params = {k: v.detach().clone() for k, v in pm.state_dict().items()}
+        plans = model.plan().stage_plans.values() if staged else [spmd.inspect(model)]
         eager = sum(len(p.fallbacks) + len({o.op for o in p.placed if o.fallback})
-                    for p in pm.plan().stage_plans.values())
-        return {"rows": (rows.start, rows.stop), "losses": losses, "outputs": [],
+                    for p in plans)
+        return {"rows": (rows.start, rows.stop), "outputs": outputs, "losses": losses,
                 "params": params, "eager": eager, "seconds": time.perf_counter() - start}
-    except Exception as e:
+    except Exception as e:  # the cell's outcome, classified by the caller
         return {"error": type(e).__name__, "message": _first_line(e), "stage": stage,
                 "trace": traceback.format_exc()[-3000:],
                 "seconds": time.perf_counter() - start}

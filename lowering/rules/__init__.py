@@ -20,9 +20,9 @@ on import.
 """
 
 from spmd.lowering.rules.registry import (FAMILIES, ROWS_ARG, SHAPE_ARG, _FAMILY, _RULES,
-                                          Decision, Rule, Traits, is_shard, lookup, norm_dim, op, outputs_of,
-                                          partial_op, register, registered, replicate_all,
-                                          shape, tensor_args, traits)
+                                          Decision, Rule, Traits, is_shard, lookup, norm_dim,
+                                          op, outputs_of, partial_op, register, registered,
+                                          replicate_all, shape, tensor_args, traits)
 
 __all__ = ["Decision", "Rule", "Traits", "register", "lookup", "traits", "tensor_args",
            "shape", "replicate_all", "registered", "FAMILIES", "SHAPE_ARG",

@@ -27,8 +27,8 @@ SHAPE_ARG = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshap
                        aten.select_backward.default})
 # ops with an argument that is their output's row count (dimension 0), written for the
 # whole tensor, by its position: rewritten as SHAPE_ARG's are (``spmd::ep_scatter``'s
-# static bound, its rows split along a context dimension); filled in by
-# ``spmd.lowering.experts``
+# static bound, its rows split along a context dimension); filled in by the rules that
+# register such ops (``rules/experts.py``)
 ROWS_ARG: dict[object, int] = {}
 
 
