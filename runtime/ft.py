@@ -125,6 +125,10 @@ class Manager:
         # joins only once every rank of its replica beats, so not before that one
         self._quorum = -1
         self._first = self._next_quorum()
+        # known before the first beat: whoever sees this replica beating also finds it
+        # among the newcomers a quorum waits for (registered only when its first rank
+        # proposed, a survivor's quorum could close in between and leave it peerless)
+        self._known()
         self._has_state = False
         self._group_members: list[str] | None = None
         self._stop = threading.Event()

@@ -62,7 +62,7 @@ def main() -> None:
     p.add_argument("--stall", type=int, default=-1, help="stop (SIGSTOP) in that step, "
                    "after the backward, until the test continues it")
     p.add_argument("--wait-for", default="", help="REPLICA:STEP: at STEP, wait until "
-                   "that replica has started (its first beat in the store)")
+                   "that replica has started (every rank's first beat in the store)")
     p.add_argument("--strategy", default="", help="fsdp or ddp inside the replica (run "
                    "under spmd-run)")
     p.add_argument("--store-host", default="127.0.0.1", help="where the ft store is served")
@@ -110,7 +110,8 @@ def main() -> None:
     wait_for, wait_step = (args.wait_for.split(":") + [""])[:2] if args.wait_for else ("", "")
     while ft.step < args.steps:
         if wait_for and ft.step == int(wait_step):  # the test's replacement: started
-            store.wait([f"ft/beat/{wait_for}/0"], timedelta(seconds=60))
+            store.wait([f"ft/beat/{wait_for}/{k}" for k in range(size)],
+                       timedelta(seconds=60))  # (every rank of it: then it is alive)
         if args.wait_dropped and ft.step == int(args.wait_dropped.split(":")[1]):
             who, deadline = args.wait_dropped.split(":")[0], time.monotonic() + 60
             while store.check([f"ft/member/{who}"]) and time.monotonic() < deadline:

@@ -87,6 +87,41 @@ def test_a_lost_replica_is_dropped_and_a_replacement_is_healed_from_a_peer(tmp_p
         assert torch.equal(got, want)  # healed, then stepped alike: the same bits
 
 
+def test_a_replica_beating_is_awaited_by_the_next_quorum_before_it_asks_to_join():
+    """A newcomer that has started (its Manager beats) but not yet asked for a quorum is
+    waited for by the others' next one, which then heals it; it used to be registered
+    only once it proposed, so a quorum closing in between went on without it (and a
+    survivor that finished left it with no peer to heal from: CI saw that)."""
+    import threading
+
+    from spmd.runtime.ft import Manager
+
+    with _store() as port:
+        store = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30))
+
+        def manager(rid, state):
+            return Manager(store, rid, timeout=timedelta(seconds=20), rank=0, world_size=1,
+                           state_dict=lambda: dict(state),
+                           load_state_dict=lambda got: state.update(got))
+
+        old_state, new_state = {"w": torch.arange(3.0)}, {"w": torch.zeros(3)}
+        old = manager("old", old_state)
+        assert old.start_step() == ["old"]
+        old.end_step()
+        new = manager("new", new_state)  # beating; it asks for a quorum later
+        got = {}
+        thread = threading.Thread(target=lambda: got.update(old=old.start_step()))
+        thread.start()
+        store.wait(["ft/q/1/join/old/0"], timedelta(seconds=30))  # old asked for its quorum
+        got["new"] = new.start_step()
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        old.close()
+        new.close()
+    assert got == {"old": ["new", "old"], "new": ["new", "old"]}
+    assert new.step == old.step == 1 and torch.equal(new_state["w"], old_state["w"])
+
+
 def _progress(out, name):
     try:
         return int((out / f"{name}.progress").read_text() or 0)
@@ -139,15 +174,11 @@ def test_a_replica_sharded_inside_loses_a_rank_and_comes_back_healed(tmp_path, s
     launcher stops its rank 0 and restarts the replica, which joins as r2.1 and is
     healed shard by shard from a peer. Equal, step by step, to one process
     fed the batches of each step's members."""
-    # the survivors' quorum at step 4 waits up to the timeout for r2.1, which has beaten
-    # but may still be setting up: 60 s of room on a loaded machine (at 30, once, the
-    # survivors went on and finished without it, which then had no peer to heal from)
-    room = ("--timeout", "60")
     with _store() as port:
-        survivors = [_replica_job(port, r, tmp_path, strategy, "--wait-for", "r2.1:4", *room)
+        survivors = [_replica_job(port, r, tmp_path, strategy, "--wait-for", "r2.1:4")
                      for r in ("r0", "r1")]
         lost = _replica_job(port, "r2", tmp_path, strategy, "--die", "2", "--die-rank", "1",
-                            *room, restarts=1)
+                            restarts=1)
         results = _finished((*survivors, lost), tmp_path, ("r0", "r1", "r2.1"))
     assert "restarting the job (restart 1 of 1) after rank 1" in lost.err_text
     steps = results["r0"]["steps"]
