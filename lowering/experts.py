@@ -71,11 +71,12 @@ class ExpertsSpec:
         context_dims: the mesh dimensions the sequence is split over (context
             parallelism): along them each rank routes its own part of the sequence over
             its expert-parallel group (``spmd.lowering.rules.experts``).
-        context_group: the process group along the (one) context dimension, whose
-            ranks route parts of one sequence (None: none, or a simulated mesh).
+        context_groups: the process group along each context dimension, whose ranks
+            route parts of one sequence (empty: none, or a simulated mesh).
         parts: how many parts of the sequence the last forward's routing was one of
-            (the planned graph beside context parallelism: ``cp``; eager, or without
-            it: 1); :func:`spmd.ep.expert_load` sums the parts.
+            (the planned graph beside context parallelism: the product of the context
+            dimensions' sizes; eager, or without it: 1); :func:`spmd.ep.expert_load`
+            sums the parts over every context group in turn.
         load: the last forward's tokens per local expert (from every rank).
         dropped: the last forward's pairs this rank dropped, per expert (all ``E``).
     """
@@ -87,7 +88,7 @@ class ExpertsSpec:
     mesh_dim: str = "ep"
     capacity_factor: float | None = None
     context_dims: tuple[str, ...] = ()
-    context_group: Any = None
+    context_groups: tuple[Any, ...] = ()
     parts: int = 1
     load: torch.Tensor | None = field(default=None, repr=False)
     dropped: torch.Tensor | None = field(default=None, repr=False)

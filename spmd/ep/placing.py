@@ -136,8 +136,8 @@ def _place(sub: nn.Module, path: str, count: int, mesh: Any, dim: str, handles: 
     spec = ExpertsSpec(module=path, num_experts=count, size=size,
                        group=None if mesh.simulated else mesh.get_group(dim), mesh_dim=dim,
                        capacity_factor=factor, context_dims=tuple(context),
-                       context_group=(mesh.get_group(context[0]) if len(context) == 1
-                                      and not mesh.simulated else None))
+                       context_groups=(() if mesh.simulated else
+                                       tuple(mesh.get_group(d) for d in context)))
     names = _weights(sub)
     sub._spmd_ep_handle = handles.add(spec)
     sub._spmd_ep = _Placed(sub._spmd_ep_handle, size, count, names[0], names[1], read, factor)

@@ -25,8 +25,9 @@ def expert_load(model: nn.Module) -> dict[str, torch.Tensor]:
             all_gather_into_tensor(whole, spec.load.contiguous(), group=spec.group)
         else:
             whole.copy_(spec.load.repeat(spec.size))
-        if spec.parts > 1 and spec.context_group is not None:
-            all_reduce(whole, group=spec.context_group)
+        if spec.parts > 1:  # (a sum over a product of dimensions: one after another)
+            for group in spec.context_groups:
+                all_reduce(whole, group=group)
         out[path] = whole
     return out
 
