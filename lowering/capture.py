@@ -112,6 +112,9 @@ class Capture:
         self._owner = weakref.ref(owner)
         self.profiler: Any = None  # a spmd.plan.profiling.Profiler while one records
         self.forward_runs = 0  # compiled forward graphs run (the owner sees Dynamo skip them)
+        # why the next graphs Dynamo compiles were compiled, where the owner knows better
+        # than their inputs tell (an expert layer's headroom grew); cleared by the owner
+        self.recompiling: str | None = None
 
     def owner(self) -> CaptureOwner:
         owner = self._owner()
@@ -161,7 +164,7 @@ class Capture:
         from spmd.lowering.meta_trace import rewrite_for_meta
 
         record.traced_as = rewrite_for_meta(gm, example_inputs, self.fused_attention)
-        record.reason = _reason(record, records)
+        record.reason = _reason(record, records, self.recompiling)
         record.compute, record.compute_reason = self.choose_compute(example_inputs)
         records.append(record)
         inductor = record.compute == "inductor"
@@ -262,14 +265,18 @@ class Capture:
                             )(gm, example_inputs)
 
 
-def _reason(record: GraphRecord, earlier: list[GraphRecord]) -> str:
-    """Why Dynamo compiled ``record``, in the plan's words."""
+def _reason(record: GraphRecord, earlier: list[GraphRecord], known: str | None = None
+            ) -> str:
+    """Why Dynamo compiled ``record``, in the plan's words (``known``: what the owner
+    changed that made it, if it did)."""
     data = ", ".join(str(tuple(i.shape)).replace(" ", "") for i in record.inputs
                      if i.kind == "data" and i.tensor) or "none"
     if not torch.is_grad_enabled():  # Dynamo compiles in the caller's grad mode
         return f"inference (no_grad); data {data}"
     if not earlier:
         return f"first call; data {data}"
+    if known is not None:
+        return f"recompiled: {known}; data {data}"
     if any(r.structure == record.structure for r in earlier):
         dynamic = any(not i.tensor for i in record.inputs)
         return (f"recompiled for new input sizes, {'dynamic' if dynamic else 'static'}; "

@@ -30,7 +30,11 @@ of every rank's tokens to reach this rank's experts (dropless). The padding rows
 are zeros, never sent back, and add nothing to any gradient. Under a capacity factor
 (GShard, Switch) each expert takes at most :func:`capacity` pairs from each rank, the
 first in (token, choice) order; the others are dropped (never sent, their rows come
-back zero) and ``C`` shrinks to ``size * L * capacity`` where that is smaller.
+back zero) and ``C`` shrinks to ``size * L * capacity`` where that is smaller. With a
+headroom ``h`` (``spmd.ep.experts(headroom=)``) a dropless ``C`` is ``ceil(h * T * k)``:
+``ep_route`` then learns whether any rank of the mesh received more (one all-reduce of
+the largest count) and every rank raises :class:`ExpertsOverflow`, which the module's
+forward answers by growing ``h`` and running again (``spmd.program.module``).
 
 Scaling: the gradient of each local expert holds the contributions of every rank's
 tokens, each scaled by its own rank's loss; the data dimension's average (what
@@ -51,9 +55,21 @@ from spmd.lowering.ops import define, tp_grad
 from spmd.lowering.placements import Placement, Replicate, Shard
 from spmd.lowering.specs import lookup, sending
 from spmd.runtime import collectives
+from spmd.runtime.reduction import ReduceOp
 
-__all__ = ["ExpertsSpec", "ep_route", "ep_scatter", "ep_gather", "grouped_mm", "capacity",
-           "bound_rows", "ROUTED"]
+__all__ = ["ExpertsSpec", "ExpertsOverflow", "ep_route", "ep_scatter", "ep_gather",
+           "grouped_mm", "capacity", "bound_rows", "ROUTED"]
+
+
+class ExpertsOverflow(RuntimeError):
+    """A dropless layer with a headroom (``spmd.ep.experts(headroom=)``): some rank's
+    experts received more rows than its static bound. Raised on every rank alike (they
+    agreed on the largest count), in the routing, before any row moved."""
+
+    def __init__(self, module: str, need: int, bound: int, pairs: int) -> None:
+        super().__init__(f"{module}: a rank's experts received {need} rows, more than the "
+                         f"{bound} its headroom bounds them at ({pairs} pairs per rank)")
+        self.module, self.need, self.bound, self.pairs = module, need, bound, pairs
 
 
 @dataclass(eq=False)
@@ -77,6 +93,13 @@ class ExpertsSpec:
             (the planned graph beside context parallelism: the product of the context
             dimensions' sizes; eager, or without it: 1); :func:`spmd.ep.expert_load`
             sums the parts over every context group in turn.
+        headroom: dropless only: the received rows are bounded at ``headroom * T * k``
+            (None: at every pair of every rank); grown where a forward overflowed.
+        context_ranks: the ranks of the context dimensions together (the parts a
+            headroom's bound is rounded to a multiple of).
+        agree_groups: the groups of every mesh dimension: the largest count is agreed
+            over them in turn (with a headroom; empty: a simulated mesh).
+        grown: how many times the headroom grew.
         load: the last forward's tokens per local expert (from every rank).
         dropped: the last forward's pairs this rank dropped, per expert (all ``E``).
     """
@@ -90,6 +113,10 @@ class ExpertsSpec:
     context_dims: tuple[str, ...] = ()
     context_groups: tuple[Any, ...] = ()
     parts: int = 1
+    headroom: float | None = None
+    context_ranks: int = 1
+    agree_groups: tuple[Any, ...] = ()
+    grown: int = 0
     load: torch.Tensor | None = field(default=None, repr=False)
     dropped: torch.Tensor | None = field(default=None, repr=False)
 
@@ -116,15 +143,20 @@ def capacity(capacity_factor: float | None, tokens: int, k: int, experts: int) -
 
 
 def bound_rows(size: int, tokens: int, k: int, local: int = 1,
-               capacity_factor: float | None = None, experts: int = 1) -> int:
+               capacity_factor: float | None = None, experts: int = 1,
+               headroom: float | None = None, parts: int = 1) -> int:
     """The static row count ``C`` a rank's experts receive (module doc), for ``tokens``
-    tokens of ``k`` choices on each of ``size`` ranks: every pair (dropless), or under a
-    capacity factor at most :func:`capacity` per local expert (``local``) from each
-    rank."""
+    tokens of ``k`` choices on each of ``size`` ranks: every pair (dropless), at most
+    ``ceil(headroom * tokens * k)`` with a headroom, rounded up to a multiple of
+    ``parts`` (the ranks a sequence is split over beside context parallelism, which
+    split these rows too), or under a capacity factor at most :func:`capacity` per local
+    expert (``local``) from each rank."""
     rows = size * tokens * k
     cap = capacity(capacity_factor, tokens, k, experts)
     if cap is not None:
         rows = min(rows, size * local * cap)
+    if headroom is not None:
+        rows = min(rows, math.ceil(headroom * tokens * k / parts) * parts)
     return max(1, rows)
 
 
@@ -161,8 +193,16 @@ def _route(top_k_index: torch.Tensor, handle: int, parts: int = 1
         recv.copy_(send)
     per_expert = recv.sum(0)
     offs = torch.cumsum(per_expert, 0)
-    bound = bound_rows(spec.size, tokens, k, spec.local, spec.capacity_factor,
-                       spec.num_experts)
+    # the graph's bound, traced for the whole sequence, is this rank's share of it
+    bound = bound_rows(spec.size, tokens * parts, k, spec.local, spec.capacity_factor,
+                       spec.num_experts, spec.headroom, spec.context_ranks) // parts
+    if spec.headroom is not None and spec.communicates:
+        # every rank of the mesh learns the largest count: all raise alike, or none
+        need = offs[-1:].clone()
+        for group in spec.agree_groups:
+            collectives.all_reduce(need, op=ReduceOp.MAX, group=group)
+        if int(need) > bound and bound < spec.size * tokens * k:
+            raise ExpertsOverflow(spec.module, int(need), bound, tokens * k)
     if int(offs[-1]) > bound:
         raise RuntimeError(
             f"{spec.module}: this rank's experts received {int(offs[-1])} rows, more than "

@@ -5,6 +5,7 @@ is traced (:func:`place_for_pipeline`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -47,20 +48,25 @@ class _Placed(NamedTuple):
     down: str
     read: _Reads
     capacity_factor: float | None
+    # the headroom in thousandths, rounded up (an int, which Dynamo specializes on a
+    # module; a float it would make an input): replaced where it grows, so Dynamo recompiles
+    headroom: int | None = None
+    parts: int = 1  # the ranks of the context dimensions: the bound a multiple of it
 
 
 def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     from spmd.lowering import experts as ops
 
-    handle, size, experts, up, down, read, capacity_factor = self._spmd_ep
+    handle, size, experts, up, down, read, capacity_factor, headroom, parts = self._spmd_ep
     tokens, k = top_k_index.shape
     hidden = hidden_states.shape[-1]
     transposed = bool(getattr(self, "is_transposed", False))
     scale = 1.0 / size
     order, send, recv, offs = ops.ep_route(top_k_index.to(torch.int64), handle)
     rows = hidden_states.repeat_interleave(k, dim=0)
-    bound = ops.bound_rows(size, tokens, k, experts // size, capacity_factor, experts)
+    bound = ops.bound_rows(size, tokens, k, experts // size, capacity_factor, experts,
+                           None if headroom is None else headroom / 1000, parts)
     # the rows even routing brings (a plan prices the products on them, not the bound)
     cap = ops.capacity(capacity_factor, tokens, k, experts)
     expected = tokens * k if cap is None else min(tokens * k, experts * cap)
@@ -78,6 +84,24 @@ def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
     back = ops.ep_gather(ys, order, send, recv, handle)
     out = (back.view(tokens, k, hidden) * top_k_weights.unsqueeze(-1).to(back.dtype)).sum(1)
     return out.to(hidden_states.dtype)
+
+
+def grow_headroom(model: nn.Module, specs: dict[str, Any], error: Any) -> float:
+    """Grow the headroom of the layer an :class:`~spmd.lowering.experts.ExpertsOverflow`
+    names so that what overflowed fits: at least doubled, at most every pair of every
+    rank (which no routing exceeds). Its forward reads the new one (Dynamo recompiles:
+    the placed tuple it guards on is replaced). The new headroom."""
+    spec = specs[error.module]
+    grown = min(float(spec.size), max(2 * spec.headroom, error.need / error.pairs))
+    spec.headroom = _thousandths(grown) / 1000  # (what the forward reads: the same bound)
+    spec.grown += 1
+    sub = model.get_submodule(error.module) if error.module else model
+    sub._spmd_ep = sub._spmd_ep._replace(headroom=_thousandths(grown))
+    return spec.headroom
+
+
+def _thousandths(headroom: float | None) -> int | None:
+    return None if headroom is None else math.ceil(headroom * 1000 - 1e-9)
 
 
 def _gate(self: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -133,14 +157,21 @@ def _place(sub: nn.Module, path: str, count: int, mesh: Any, dim: str, handles: 
 
     size = mesh.size(dim)
     factor = preset.capacity_factor if preset is not None else None
+    headroom = preset.headroom if preset is not None else None
+    live = not mesh.simulated
     spec = ExpertsSpec(module=path, num_experts=count, size=size,
-                       group=None if mesh.simulated else mesh.get_group(dim), mesh_dim=dim,
+                       group=mesh.get_group(dim) if live else None, mesh_dim=dim,
                        capacity_factor=factor, context_dims=tuple(context),
-                       context_groups=(() if mesh.simulated else
-                                       tuple(mesh.get_group(d) for d in context)))
+                       context_groups=tuple(mesh.get_group(d) for d in context) if live
+                       else (),
+                       headroom=None if headroom is None else _thousandths(headroom) / 1000,
+                       context_ranks=math.prod(mesh.size(d) for d in context),
+                       agree_groups=tuple(mesh.get_group(d) for d in mesh.dim_names
+                                          if mesh.size(d) > 1) if live else ())
     names = _weights(sub)
     sub._spmd_ep_handle = handles.add(spec)
-    sub._spmd_ep = _Placed(sub._spmd_ep_handle, size, count, names[0], names[1], read, factor)
+    sub._spmd_ep = _Placed(sub._spmd_ep_handle, size, count, names[0], names[1], read, factor,
+                           _thousandths(headroom), spec.context_ranks)
     sub.__class__ = _ep_class(type(sub))
     return spec
 
@@ -182,6 +213,12 @@ def place_for_pipeline(preset: ExpertParallel, model: nn.Module, mesh: Any, hand
             f"{where}: expert tensor parallelism in a pipeline is not planned yet (each "
             f"stage's experts would need their pieces read in the traced graph); pass "
             f"spmd.ep.experts() without tensor_parallel=")
+    if preset.headroom is not None:
+        raise NotImplementedError(
+            f"{where}: spmd.ep.experts(headroom={preset.headroom}) in a pipeline is not "
+            f"supported: a layer that overflows runs its forward again on every rank, "
+            f"and a pipeline's stages run theirs at different times; pass headroom=None "
+            f"(every pair of every rank) or a capacity_factor")
     dims = () if mesh is None else mesh.dim_names
     dim = preset.dim or (dims[0] if len(dims) == 1 else None)
     if dim is None or dim not in dims:

@@ -88,6 +88,7 @@ class ExpertParallel:
     # whole model before it was traced: spmd.pipeline)
     names: tuple[str, ...] = ()
     capacity_factor: float | None = None
+    headroom: float | None = None
 
     expert_parallel = True  # (how spmd.lowering.options tells it from a tp preset)
 
@@ -196,8 +197,8 @@ def _gate_pairs(module: nn.Module) -> str:
 
 
 def experts(*, dim: str | None = None, modules: tuple[str, ...] | list[str] = (),
-            tensor_parallel: str | None = None, capacity_factor: float | None = None
-            ) -> ExpertParallel:
+            tensor_parallel: str | None = None, capacity_factor: float | None = None,
+            headroom: float | None = None) -> ExpertParallel:
     """Expert parallelism: each experts module's experts split by expert index over the
     ranks of data dimension ``dim``.
 
@@ -218,6 +219,19 @@ def experts(*, dim: str | None = None, modules: tuple[str, ...] | list[str] = ()
             order, and the rest are dropped (the token keeps its other choices and the
             residual); the rows a rank's experts receive, and their memory, are bounded
             by it. :func:`dropped_tokens` says what the last forward dropped.
+        headroom: dropless only. The rows a rank's experts receive per layer are padded
+            to a static bound in the compiled graph: by default every pair of every rank
+            of ``dim`` (``n · T · k`` for ``n`` ranks of ``T`` tokens and top-``k``, what
+            the most uneven routing can bring), ``n`` times what even routing brings, in
+            memory and in the elementwise work between the expert products. A number
+            ``h >= 1`` bounds them at ``ceil(h · T · k)`` instead. Every rank learns, in
+            each layer's routing, whether any rank's experts received more (one small
+            all-reduce over the mesh); if so, the forward is run again on every rank
+            with that layer's headroom grown to fit (at least doubled, at most ``n``, the
+            graph recompiled, the random state restored): still dropless, the result the
+            same, only that forward slower. The grown headroom stays, and the plan says
+            how often it grew. Not in a pipeline (its stages run a forward at different
+            times).
 
     Pass it as ``placements=``, alone or in a list with other presets (``spmd.tp.megatron()``
     for the attention).
@@ -238,9 +252,19 @@ def experts(*, dim: str | None = None, modules: tuple[str, ...] | list[str] = ()
             capacity_factor, (int, float)) or not capacity_factor > 0):
         raise ValueError(f"spmd.ep.experts: capacity_factor must be a positive number (or "
                          f"None: dropless), got {capacity_factor!r}")
+    if headroom is not None and (isinstance(headroom, bool) or not isinstance(
+            headroom, (int, float)) or not headroom >= 1):
+        raise ValueError(f"spmd.ep.experts: headroom must be a number >= 1 (the rows a "
+                         f"rank's experts receive, in units of what even routing brings), "
+                         f"or None (every pair of every rank), got {headroom!r}")
+    if headroom is not None and capacity_factor is not None:
+        raise ValueError(f"spmd.ep.experts: headroom={headroom} bounds a dropless layer's "
+                         f"rows; capacity_factor={capacity_factor} already bounds them (by "
+                         f"dropping): pass one")
     return ExpertParallel(dim=dim, modules=tuple(modules), tensor_parallel=tensor_parallel,
                           capacity_factor=None if capacity_factor is None
-                          else float(capacity_factor))
+                          else float(capacity_factor),
+                          headroom=None if headroom is None else float(headroom))
 
 
 def split_experts(placements: Any) -> tuple[Any, ExpertParallel | None]:

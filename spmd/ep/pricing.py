@@ -53,7 +53,7 @@ def plan_lines(plan: Any) -> list[str]:
     from spmd.lowering.propagate import module_of
     from spmd.lowering.specs import lookup
 
-    layers: dict[str, tuple[Any, int, int]] = {}
+    layers: dict[str, tuple[Any, int, int, int]] = {}
     for name, graph in plan.graphs.items():
         if not name.endswith(".forward"):
             continue
@@ -66,7 +66,10 @@ def plan_lines(plan: Any) -> list[str]:
             except RuntimeError:
                 continue
             nbytes = int(val.numel()) * val.element_size() if val is not None else 0
-            layers[spec.module or module_of(node)] = (spec, int(val.shape[0]), nbytes)
+            bound = node.meta.get("val")
+            layers[spec.module or module_of(node)] = (
+                spec, int(val.shape[0]), nbytes,
+                int(bound.shape[0]) if bound is not None else 0)
     if not layers:
         return []
     seconds: dict[str, float] = {}
@@ -77,17 +80,23 @@ def plan_lines(plan: Any) -> list[str]:
     kept = ("dropless" if first.capacity_factor is None else
             f"capacity factor {first.capacity_factor:g} (each expert at most "
             f"ceil({first.capacity_factor:g}·T·k/E) of each rank's pairs, the rest dropped)")
+    if first.capacity_factor is None:
+        grown = sum(spec.grown for spec, *_ in layers.values())
+        kept += (" (rows in: every pair of every rank)" if first.headroom is None else
+                 f" (rows in: bounded by a headroom over even routing, grown where a "
+                 f"forward overflowed: {grown} time(s))")
     where = (f" on {plan.mesh.hardware.name}, per link" if plan.mesh is not None
              and plan.mesh.hardware is not None else "")
     lines = ["", f"expert parallelism along {first.mesh_dim!r} ({first.size} ranks), {kept}; "
                  f"all-to-alls priced for even routing{where}:",
              f"{'layer':<36} {'experts':>7} {'per rank':>8} {'rows out':>8} "
-             f"{'bytes out':>10} {'pred µs/step':>12}"]
+             f"{'bytes out':>10} {'rows in':>8} {'headroom':>8} {'pred µs/step':>12}"]
     total = 0.0
-    for path, (spec, rows, nbytes) in sorted(layers.items()):
+    for path, (spec, rows, nbytes, bound) in sorted(layers.items()):
         total += seconds.get(path, 0.0)
+        room = f"{bound / rows:.3g}" if rows else "-"
         lines.append(f"{path:<36} {spec.num_experts:>7} {spec.local:>8} {rows:>8} "
-                     f"{nbytes:>10,} {seconds.get(path, 0.0) * 1e6:>12.1f}")
+                     f"{nbytes:>10,} {bound:>8} {room:>8} {seconds.get(path, 0.0) * 1e6:>12.1f}")
     lines.append(f"expert all-to-alls per step: {total * 1e3:.3f} ms predicted, blocking "
                  f"(spmd.ep.expert_load(model): each expert's tokens in the last forward)")
     return lines

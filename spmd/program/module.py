@@ -239,7 +239,9 @@ class ModuleState(Program):
         if self.compiled is None:
             self.compiled = _compile(module, original, self.capture)
         self.agreement.check_inputs(args, kwargs)
-        out = self._run(module, original, args, kwargs)
+        out = (self._run_bounded(module, original, args, kwargs)
+               if any(spec.headroom is not None for spec in self.experts.values())
+               else self._run(module, original, args, kwargs))
         self.net.eager_forward = self.eager_forward
         if training and self.net.reducer.pending:
             # gradients accumulated under no_sync() wait in the reducer: make sure this
@@ -249,6 +251,32 @@ class ModuleState(Program):
             engine = torch.autograd.Variable._execution_engine
             _on_first_gradient(out, lambda: engine.queue_callback(self._end_profiled_step))
         return out
+
+    def _run_bounded(self, module: nn.Module, original: Any, args: tuple, kwargs: dict
+                     ) -> Any:
+        """:meth:`_run` where expert layers bound their received rows by a headroom
+        (``spmd.ep.experts(headroom=)``): when one overflowed on some rank (every rank
+        raised alike, before any row moved), its headroom is grown and the forward run
+        again from the same random state (the graph recompiles for the new bound). Each
+        layer grows at most until its bound holds every pair, which cannot overflow."""
+        from spmd.ep.placing import grow_headroom
+        from spmd.lowering.experts import ExpertsOverflow
+
+        state = _random_state()
+        try:
+            while True:
+                try:
+                    return self._run(module, original, args, kwargs)
+                except ExpertsOverflow as e:
+                    grown = grow_headroom(module, self.experts, e)
+                    log.warning("spmd: %s; its headroom grown to %.3g and the forward run "
+                                "again", e, grown)
+                    self.capture.recompiling = (f"the expert headroom of {e.module} grew to "
+                                                f"{grown:.3g} (a rank received {e.need} rows, "
+                                                f"more than its bound {e.bound})")
+                    _restore_random_state(state)
+        finally:
+            self.capture.recompiling = None
 
     def _run(self, module: nn.Module, original: Any, args: tuple, kwargs: dict) -> Any:
         """The compiled forward; if the model cannot be captured at all, the eager one,
@@ -365,3 +393,16 @@ def _compile(module: nn.Module, original: Any, capture: Capture) -> Any:
     fresh = types.FunctionType(code, own_globals, code.co_name, trampoline.__defaults__,
                                trampoline.__closure__)
     return torch.compile(fresh, backend=capture)
+
+
+def _random_state() -> tuple:
+    """The CPU generator's state and, where CUDA is initialized, every device's."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _restore_random_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)

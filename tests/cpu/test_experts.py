@@ -542,6 +542,78 @@ def test_a_capacity_factor_beside_context_parallelism_is_refused_until_planned()
                                                          spmd.cp.ring()])
 
 
+def test_a_headroom_is_a_number_of_at_least_one_for_dropless_layers_outside_pipelines():
+    for bad in (0.5, 0, "2", True):
+        with pytest.raises(ValueError, match="headroom must be a number >= 1"):
+            spmd.ep.experts(headroom=bad)
+    with pytest.raises(ValueError, match="capacity_factor=1.0 already bounds them"):
+        spmd.ep.experts(headroom=2, capacity_factor=1.0)
+    with pytest.raises(NotImplementedError, match=r"headroom=1.5\) in a pipeline"):
+        spmd.parallelize(MoELM(), mesh=spmd.Mesh.simulated((2, 2), dim_names=("pp", "ep")),
+                         placements=spmd.ep.experts(headroom=1.5),
+                         pipeline=spmd.pp.schedule("gpipe", microbatches=2))
+
+
+def _dropout_before_routing(model):
+    """``model`` with dropout on its token embeddings: a forward run again must draw the
+    same masks."""
+    model.embed.register_forward_hook(lambda m, i, out: F.dropout(out, 0.3, m.training))
+    return model
+
+
+def headroom_job(rank: int, base) -> dict:
+    from ..zoo import data_index
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
+    out = {}
+    for strategy, sizes in (("ddp", [2, 2, 2]), ("fsdp", ROWS)):
+        model = spmd.parallelize(copy.deepcopy(base), mesh=spmd.Mesh((2,), dim_names=("ep",)),
+                                 strategy=strategy, placements=spmd.ep.experts(headroom=1.0))
+        index, count = data_index(model._spmd.setup.strategy.mesh, model._spmd.setup.strategy)
+        got = _train(model, index, count, sizes=sizes)
+        got["index"], got["plan"] = index, str(spmd.inspect(model))
+        got["grown"] = {p: (spec.headroom, spec.grown) for p, spec in model._spmd.experts.items()}
+        out[strategy] = got
+    dropped = {}  # the same seed, with and without a headroom (which makes forwards rerun)
+    for headroom in (None, 1.0):
+        torch.manual_seed(7 + rank)
+        model = spmd.parallelize(_dropout_before_routing(copy.deepcopy(base)),
+                                 mesh=spmd.Mesh((2,), dim_names=("ep",)),
+                                 placements=spmd.ep.experts(headroom=headroom))
+        dropped[headroom] = _train(model, rank, 2, sizes=[2, 2])["state"]
+    out["dropout"] = dropped
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_headroom_bounds_the_received_rows_and_grows_where_a_forward_overflows():
+    """``spmd.ep.experts(headroom=1.0)``: each rank's experts receive at most ``T·k``
+    rows (what even routing brings) instead of ``2·T·k``; routing so skewed that every
+    pair goes to one rank overflows that bound, every rank learns it, and the forward
+    runs again with the layer's headroom grown (a recompiled graph; the eager path
+    with the batch size changing under fsdp). Still dropless: equal to one process in
+    float64. A forward run again draws the same dropout masks as one never stopped."""
+    torch.manual_seed(0)
+    base = MoELM(skew=4.0).double()
+    runs = dist.spawn(headroom_job, args=(base,), nprocs=2, start_method="forkserver",
+                      timeout=115)
+    for strategy, sizes in (("ddp", [2, 2, 2]), ("fsdp", ROWS)):
+        want = _train(copy.deepcopy(base), None, 2, sizes=sizes)
+        for rank, out in enumerate(runs):
+            got = out[strategy]
+            assert_like_one_process(got, want, rank)
+            # each layer overflowed once and grew to every pair of both ranks
+            assert set(got["grown"].values()) == {(2.0, 1)}, got["grown"]
+            plan = got["plan"]
+            assert "grown where a forward overflowed: 2 time(s)" in plan, plan
+            assert "recompiled: the expert headroom of blocks.0.moe.experts grew to 2" in plan
+    for rank, out in enumerate(runs):
+        whole, bounded = out["dropout"][None], out["dropout"][1.0]
+        for key, value in whole.items():
+            assert torch.equal(bounded[key], value), f"rank {rank}: {key} differs"
+
+
 def test_a_capacity_factor_must_be_a_positive_number():
     for bad in (0, -1.0, "1.25", True):
         with pytest.raises(ValueError, match="capacity_factor must be a positive number"):
