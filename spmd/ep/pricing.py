@@ -11,8 +11,10 @@ def all_to_all_seconds(plan: Any) -> dict[str, dict[str, tuple[str, float]]]:
     """Each graph's expert ops that move data between ranks, priced for even routing by
     the cost model along their dimension (on a simulated cluster, per link: what
     crosses nodes on the network, the rest on NVLink at once): graph key -> {node name:
-    (layer, seconds)}. ``ep_route`` exchanges the counts (``E`` int64s); ``ep_scatter``
-    sends its input's rows, ``ep_gather`` returns its output's (each rank's pairs)."""
+    (layer, seconds)}. ``ep_route`` exchanges the counts (``E`` int64s), and with a
+    headroom agrees the largest over the mesh (an all-reduce of one int64 along each of
+    its dimensions); ``ep_scatter`` sends its input's rows, ``ep_gather`` returns its
+    output's (each rank's pairs)."""
     from spmd.lowering import experts as ops
     from spmd.lowering.cost_model import along
     from spmd.lowering.propagate import module_of
@@ -35,12 +37,16 @@ def all_to_all_seconds(plan: Any) -> dict[str, dict[str, tuple[str, float]]]:
             else:
                 val = (node.args[0] if node.target is ops.ep_scatter else node).meta.get("val")
                 nbytes = int(val.numel()) * val.element_size() if val is not None else 0
-            model = models.get(spec.mesh_dim)
-            if model is None:
-                model = models[spec.mesh_dim] = along(plan.mesh, spec.mesh_dim,
-                                                      plan.cost_model)
-            out.setdefault(key, {})[node.name] = (
-                spec.module or module_of(node), model.seconds("all_to_all", nbytes))
+            def on(dim: str) -> Any:
+                if dim not in models:
+                    models[dim] = along(plan.mesh, dim, plan.cost_model)
+                return models[dim]
+
+            seconds = on(spec.mesh_dim).seconds("all_to_all", nbytes)
+            if node.target is ops.ep_route and spec.headroom is not None and plan.mesh:
+                seconds += sum(on(d).seconds("all_reduce", 8) for d in plan.mesh.dim_names
+                               if plan.mesh.size(d) > 1)
+            out.setdefault(key, {})[node.name] = (spec.module or module_of(node), seconds)
     return out
 
 
