@@ -14,7 +14,11 @@ initial weights, batches (each rank its own rows) and AdamW for every variant:
 
 - ``spmd ep``: ``spmd.parallelize(model, mesh=Mesh((2,), ("ep",)),
   placements=spmd.ep.experts())``: each rank holds half the experts; tokens routed by
-  ``spmd::ep_scatter``/``ep_gather`` (uneven all-to-all), the rest as ``ddp``;
+  ``spmd::ep_scatter``/``ep_gather`` (uneven all-to-all), the rest as ``ddp``; the rows
+  each rank's experts receive padded to every pair of both ranks (``2·T·k``);
+- ``spmd ep (headroom 1.25)``: the same with ``spmd.ep.experts(headroom=1.25)``: the rows
+  padded to ``1.25·T·k`` (a forward whose routing brings more runs again with the bound
+  grown; the warm-up round sees any such growth);
 - ``torch EP``: what torchtitan's expert parallelism does, written with torch: the
   experts module's forward sorts the (token, choice) rows by expert, exchanges the
   counts with ``all_to_all_single``, sends the rows with
@@ -55,7 +59,7 @@ import torch.nn.functional as F
 
 import harness
 
-VARIANTS = ("spmd ep", "torch EP", "spmd ddp", "1 process")
+VARIANTS = ("spmd ep", "spmd ep (headroom 1.25)", "torch EP", "spmd ddp", "1 process")
 
 
 class Experts(nn.Module):
@@ -207,9 +211,11 @@ def _make(name: str, args, rank: int, world: int):
     import spmd
 
     model = _build(args)
-    if name == "spmd ep":
+    if name.startswith("spmd ep"):
         mesh = spmd.Mesh((world,), dim_names=("ep",))
-        model = spmd.parallelize(model, mesh=mesh, placements=spmd.ep.experts())
+        headroom = 1.25 if name.endswith("(headroom 1.25)") else None
+        model = spmd.parallelize(model, mesh=mesh,
+                                 placements=spmd.ep.experts(headroom=headroom))
     elif name == "spmd ddp":
         model = spmd.parallelize(model, mesh=spmd.Mesh((world,), dim_names=("dp",)))
     elif name == "torch EP":
@@ -239,7 +245,9 @@ def rank_main(rank: int, args) -> dict | None:
         timed = harness.alternate({v: (lambda v=v: run(v)) for v in args.variants},
                                   args.rounds, barrier=tdist.barrier, per=args.steps,
                                   order=harness.rotated)
-        return {"times": timed.times, "losses": losses} if rank == 0 else None
+        grown = {v: sum(spec.grown for spec in made[v][0]._spmd.experts.values())
+                 for v in made if v.startswith("spmd ep")}
+        return {"times": timed.times, "losses": losses, "grown": grown} if rank == 0 else None
 
 
 def memory_main(rank: int, args, variant: str) -> float | None:
@@ -380,6 +388,7 @@ def main() -> None:
     for variant, v in harness.versus(times, "torch EP").items():
         harness.row(variant, f"{v.median * 1e3:.1f}", f"{v.ratio:.2f}", v.spread)
     print("last losses:", {k: round(v, 5) for k, v in found["losses"].items()})
+    print("headroom grown (times, over the run):", found["grown"])
     if args.memory:
         harness.table(("variant", "peak RSS growth, rank 0 (MiB)"), "lr")
         for variant in args.variants:
