@@ -35,7 +35,8 @@ from typing import Iterator, Mapping
 
 import torch.nn as nn
 
-__all__ = ["STYLES", "PlanEntry", "inside", "is_conv1d", "layer_kind", "plan_entries"]
+__all__ = ["STYLES", "PlanEntry", "inside", "is_conv1d", "layer_kind", "plan_entries",
+           "ep_plan_experts"]
 
 # transformers' tensor-parallel styles (ALL_PARALLEL_STYLES in
 # transformers/distributed/tensor_parallel.py, v5.25, and the older ones of v4.5x) -> the role
@@ -87,7 +88,11 @@ STYLES: dict[str, str] = {
 }
 
 # the styles of expert parallelism (transformers' base_model_ep_plan): experts split by
-# expert index, tokens dispatched to them. Not read as tensor parallelism.
+# expert index, tokens dispatched to them. Not read as tensor parallelism (a tensor-parallel
+# plan naming one is refused); spmd.ep.experts() reads them from base_model_ep_plan
+# (ep_plan_experts): an "ep_dispatch_experts" module, or the module of "grouped_gemm" weights
+_EP_MODULE_STYLES = ("ep_dispatch_experts",)
+_EP_WEIGHT_STYLES = ("grouped_gemm",)
 _REFUSED: dict[str, str] = {
     "ep_router": "expert-parallel routing",
     "ep_dispatch_experts": "expert-parallel dispatch of tokens to the ranks holding experts",
@@ -146,12 +151,14 @@ def _generic(name: str) -> str:
     return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
 
 
-def _base_models(model: nn.Module) -> Iterator[tuple[str, nn.Module, Mapping[str, str]]]:
+def _base_models(model: nn.Module, attr: str = "base_model_tp_plan",
+                 where: str = "spmd.tp.megatron"
+                 ) -> Iterator[tuple[str, nn.Module, Mapping[str, str]]]:
     """(path, module, plan) of every transformers base model in ``model`` whose config
-    has a non-empty ``base_model_tp_plan``."""
+    has a non-empty plan ``attr`` (``base_model_tp_plan``, ``base_model_ep_plan``)."""
     for path, module in model.named_modules():
         config = getattr(module, "config", None)
-        plan = getattr(config, "base_model_tp_plan", None)
+        plan = getattr(config, attr, None)
         prefix = getattr(module, "base_model_prefix", None)
         if not plan or not isinstance(prefix, str):
             continue
@@ -164,8 +171,8 @@ def _base_models(model: nn.Module) -> Iterator[tuple[str, nn.Module, Mapping[str
             # "language_model" over its .model): its base model is that child
         if not isinstance(plan, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
-            raise TypeError(f"spmd.tp.megatron: {type(config).__name__}.base_model_tp_plan "
-                            f"must map module name patterns to style names, got {plan!r}")
+            raise TypeError(f"{where}: {type(config).__name__}.{attr} must map module name "
+                            f"patterns to style names, got {plan!r}")
         yield path, module, plan
 
 
@@ -210,9 +217,10 @@ def _check_agrees(entry: PlanEntry, instances: Mapping[str, Mapping[str, str]]) 
 def _refuse(entry: PlanEntry) -> None:
     why = _REFUSED.get(entry.style)
     where = f"{entry.base}." if entry.base else ""
-    what = (f"an expert-parallel style ({why}): spmd has no expert parallelism yet; keep "
-            f"the experts whole by leaving them out of placements, or split each expert's "
-            f"weights with 'colwise'/'rowwise' keys" if why else
+    what = (f"an expert-parallel style ({why}), which a tensor-parallel plan does not "
+            f"apply: split the experts by expert index with spmd.ep.experts() (which reads "
+            f"the model's base_model_ep_plan), or split each expert's weights with "
+            f"'colwise'/'rowwise' keys" if why else
             "a style spmd does not know")
     raise ValueError(
         f"spmd.tp.megatron: {entry.describe()}: style {entry.style!r} is {what}. Write "
@@ -264,3 +272,40 @@ def plan_entries(model: nn.Module) -> tuple[list[PlanEntry], tuple[str, ...]]:
             _check_agrees(entry, instances)
             entries.append(entry)
     return entries, tuple(governed)
+
+
+def ep_plan_experts(model: nn.Module) -> dict[str, str]:
+    """The experts modules a transformers ``config.base_model_ep_plan`` in ``model``
+    splits by expert index (what ``spmd.ep.experts()`` places when it names no modules):
+    module path -> the plan entry naming it (``"Config.base_model_ep_plan['layers.*.mlp.
+    experts'] = 'ep_dispatch_experts'"``), for each module an ``ep_dispatch_experts`` key
+    matches and each module whose parameters a ``grouped_gemm`` key matches; {} where
+    no base model in ``model`` has such a plan. Keys match as in a tensor-parallel plan
+    (relative to the base model, layer numbers as ``*``); the plan's other styles
+    (tensor-parallel ones for dense layers over the expert ranks, a replicated norm) are
+    not read: spmd splits every other parameter by the strategy."""
+    found: dict[str, str] = {}
+    governed: list[str] = []
+    for base, module, plan in _base_models(model, "base_model_ep_plan", "spmd.ep.experts"):
+        if inside(base, tuple(governed)):
+            continue
+        governed.append(base)
+        config = type(module.config).__name__
+
+        def note(rel: str, key: str) -> None:
+            path = f"{base}.{rel}" if base and rel else base or rel
+            found.setdefault(path, f"{config}.base_model_ep_plan[{key!r}] = {plan[key]!r}")
+
+        dispatched = []
+        for rel, _ in module.named_modules():
+            key = _generic(rel)
+            if rel and plan.get(key) in _EP_MODULE_STYLES:
+                note(rel, key)
+                dispatched.append(rel)
+        for rel, _ in module.named_parameters():
+            key = _generic(rel)
+            owner = rel.rpartition(".")[0]
+            # a weight inside a dispatched module is that module's (a per-expert norm's)
+            if plan.get(key) in _EP_WEIGHT_STYLES and not inside(owner, tuple(dispatched)):
+                note(owner, key)
+    return found

@@ -66,7 +66,26 @@ def unsupported(module: nn.Module) -> str:
 def find_experts(model: nn.Module, patterns: tuple[str, ...] = ()) -> dict[str, nn.Module]:
     """The experts modules of ``model`` (path -> module): those shaped as the module doc
     says (stacked expert weights, a forward that takes the routing), or among those the
-    ones whose paths match ``patterns``."""
+    ones whose paths match ``patterns``. Without ``patterns``, a transformers model that
+    declares its experts (``config.base_model_ep_plan``, :func:`spmd.hf.ep_plan_experts`)
+    gets those; ``ValueError`` naming the plan's entry where one is not shaped so."""
+    if not patterns:
+        from spmd.hf import ep_plan_experts
+
+        planned = ep_plan_experts(model)
+        if planned:
+            out = {}
+            for path, entry in planned.items():
+                module = model.get_submodule(path) if path else model
+                if not (_weights(module) and _routed(module)):
+                    raise ValueError(
+                        f"spmd.ep.experts: {entry} names {path} ({type(module).__name__}), "
+                        f"which is not an experts module spmd can split by expert (stacked "
+                        f"gate_up_proj or up_proj and down_proj of shape (experts, ...), "
+                        f"forward(hidden, top_k_index, top_k_weights)); name the modules "
+                        f"with spmd.ep.experts(modules=[...])")
+                out[path] = module
+            return out
     found = {}
     for path, module in model.named_modules():
         if patterns and not any(fnmatch.fnmatchcase(path, p) for p in patterns):

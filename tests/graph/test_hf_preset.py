@@ -264,3 +264,33 @@ def test_a_wrapper_whose_prefix_names_no_attribute_keeps_its_plan():
     # 'colwise' (experts, inner, hidden)
     assert placed["hf.model.layers.0.feed_forward.experts.gate_up_proj"] == StridedShard(2, 2)
     assert placed["hf.model.layers.0.feed_forward.experts.down_proj"] == Shard(1)
+
+
+def test_spmd_ep_experts_reads_the_models_own_expert_parallel_plan():
+    """transformers' ``config.base_model_ep_plan`` (``"layers.*.mlp.experts":
+    "ep_dispatch_experts"``, its weights ``"grouped_gemm"``) names the modules
+    ``spmd.ep.experts()`` splits by expert index; one naming a module that is no experts
+    module is refused naming the plan's entry, before anything is placed; explicit
+    ``modules=`` win over the plan."""
+    from ..hf_catalogue import build
+
+    model = build("mixtral")
+    base = model.hf.model
+    assert base.config.base_model_ep_plan["layers.*.mlp.experts"] == "ep_dispatch_experts"
+    planned = spmd.hf.ep_plan_experts(model)
+    assert sorted(planned) == [f"hf.model.layers.{i}.mlp.experts"
+                               for i in range(len(base.layers))]
+    assert "MixtralConfig.base_model_ep_plan['layers.*.mlp.experts'] = " \
+           "'ep_dispatch_experts'" in planned["hf.model.layers.0.mlp.experts"]
+    assert set(spmd.ep.find_experts(model)) == set(planned)
+    # the plan, not the shapes: a plan that names the router is followed, and refused
+    base.config.base_model_ep_plan = {"layers.*.mlp.gate": "ep_dispatch_experts"}
+    with pytest.raises(ValueError, match=r"base_model_ep_plan\['layers.\*.mlp.gate'\] = "
+                                         r"'ep_dispatch_experts' names hf.model.layers.0.mlp"
+                                         r".gate \(MixtralTopKRouter\), which is not an "
+                                         r"experts module"):
+        spmd.parallelize(model, mesh=spmd.Mesh.simulated(2), placements=spmd.ep.experts())
+    assert set(spmd.ep.find_experts(model, ("*.experts",))) == set(planned)
+    # the plan's weights alone (no dispatch key) name their module
+    base.config.base_model_ep_plan = {"layers.*.mlp.experts.gate_up_proj": "grouped_gemm"}
+    assert set(spmd.hf.ep_plan_experts(model)) == set(planned)
