@@ -7,6 +7,9 @@
   and written once, in one launch; ``quantize_chunks`` is the sender's side.
 - ``sgd_step`` / ``adamw_step``: the optimizer applied straight from a reduced flat gradient
   bucket, parameters and state updated in one launch, matching ``torch.optim``.
+- ``grouped.grouped_mm`` / ``grouped.grouped_mm_weight``: a mixture of experts' products,
+  one matrix per expert over rows laid out expert by expert, and the weights' gradient,
+  one launch each (the experts' offsets read on the device).
 - ``implementation(device)``: ``"triton"`` or ``"torch"``, what the calls above use there
   (``SPMD_KERNELS``: ``auto``, ``torch`` or ``triton``; see ``spmd.kernels.dispatch``).
 

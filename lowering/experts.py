@@ -21,9 +21,11 @@ one data dimension (``"ep"``): rank ``r`` holds experts ``r * L .. (r + 1) * L -
   a static bound ``C`` (below); ``ep_gather`` is its exact reverse, so each is the
   other's backward.
 - ``grouped_mm`` multiplies each expert's rows by its weight (``torch._grouped_mm``
-  where the build, device and dtype take it: bfloat16 on CUDA; a loop of ``torch.mm``
-  otherwise, on CPU, where the loop measured faster, and in float64); its backward gives the input's
-  gradient and each expert's weight (and bias) gradient, the latter times ``scale``.
+  where the build, device and dtype take it: bfloat16 on CUDA; else ``spmd.kernels.
+  grouped``: one Triton launch on CUDA in float32, bfloat16 or float16, a loop of
+  ``torch.mm`` on CPU, where the loop measured faster, and in float64); its backward
+  gives the input's gradient and each expert's weight (and bias) gradient, the latter
+  times ``scale``.
 
 Shapes are static, as a graph needs: ``C = size * T * k`` rows, enough for every choice
 of every rank's tokens to reach this rank's experts (dropless). The padding rows
@@ -51,6 +53,7 @@ from typing import Any
 
 import torch
 
+from spmd.kernels import grouped
 from spmd.lowering.ops import define, tp_grad
 from spmd.lowering.placements import Placement, Replicate, Shard
 from spmd.lowering.specs import lookup, sending
@@ -327,12 +330,6 @@ ep_gather = define(
 # -- one product per expert -----------------------------------------------------------
 
 
-def _rows(offs: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(expert, first row, end row) of each local expert, from the offsets."""
-    ends = offs.tolist()
-    return [(e, start, end) for e, (start, end) in enumerate(zip([0, *ends[:-1]], ends))]
-
-
 # the dtypes grouped products run in as torch._grouped_mm, by device type: on CUDA what its
 # meta kernel admits; any other device or dtype (float64) takes the loop. torch 2.13's CPU
 # kernel takes float32 and narrower (tests/cpu/test_experts.py runs it so) but measured
@@ -380,17 +377,7 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
     weight = w if transposed else w.transpose(1, 2)  # (experts, in, out)
     if grouped_kernel(x, weight):
         return _by_kernel(x, weight, offs, bias)
-    out_features = w.shape[2] if transposed else w.shape[1]
-    out = x.new_empty((x.shape[0], out_features))
-    for e, start, end in _rows(offs):
-        if end > start:  # written in place: no temporary per expert
-            weight = w[e] if transposed else w[e].t()
-            if bias is None:
-                torch.mm(x[start:end], weight, out=out[start:end])
-            else:
-                torch.addmm(bias[e], x[start:end], weight, out=out[start:end])
-    out[int(offs[-1]) if offs.numel() else 0:].zero_()  # the padding rows
-    return out
+    return grouped.grouped_mm(x, weight, offs, bias)  # Triton on CUDA, else the loop
 
 
 def _fake_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
@@ -413,21 +400,12 @@ def _weight_grad(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, transp
     if grouped_kernel(a, b):
         out = torch._grouped_mm(a, b, offs=offs.to(torch.int32))  # an empty expert's: 0
         return out.mul_(scale) if scale != 1.0 else out
-    out = _fake_weight_grad(grad, x, offs, transposed, scale)
-    for e, start, end in _rows(offs):
-        if end > start:
-            g, xs = grad[start:end], x[start:end]
-            torch.mm(xs.t(), g, out=out[e]) if transposed else torch.mm(g.t(), xs, out=out[e])
-            if scale != 1.0:
-                out[e].mul_(scale)
-        else:
-            out[e].zero_()  # an expert that received no row
-    return out
+    return grouped.grouped_mm_weight(a, b, offs, scale)
 
 
 def _bias_grad(grad: torch.Tensor, offs: torch.Tensor, scale: float) -> torch.Tensor:
     out = grad.new_zeros((offs.shape[0], grad.shape[1]))
-    for e, start, end in _rows(offs):
+    for e, start, end in grouped.expert_rows(offs):
         if end > start:
             out[e] = grad[start:end].sum(0)
     return out.mul_(scale) if scale != 1.0 else out

@@ -132,17 +132,22 @@ def test_dispatch_compute_combine_equal_one_computation(op_runs, kind):
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["out-in", "in-out"])
 @pytest.mark.parametrize("hidden", [8, 6], ids=["aligned", "unaligned"])
-def test_grouped_products_by_torchs_grouped_mm_equal_the_loop(transposed, hidden,
-                                                             monkeypatch):
-    """float32 on CPU, ``torch._grouped_mm`` allowed there (on CUDA it is the default;
-    on CPU the loop is faster): ``spmd::grouped_mm`` runs as one ``torch._grouped_mm``
-    where the rows' stride is a multiple of 16 bytes (8 features), else as the loop of
-    ``torch.mm`` (6). Forward and backward (rows, weights, bias) equal the float64 loop's
-    to float32's rounding, an expert that received no row included, and the padding rows
+@pytest.mark.parametrize("path", ["torch._grouped_mm", "triton"])
+def test_grouped_products_by_a_kernel_equal_the_loop(transposed, hidden, path, monkeypatch):
+    """float32 on CPU, a kernel allowed there (on CUDA the default; on CPU the loop is
+    faster): ``spmd::grouped_mm`` runs as one ``torch._grouped_mm`` where the rows' stride
+    is a multiple of 16 bytes (8 features), else as the loop of ``torch.mm`` (6); under
+    ``SPMD_KERNELS=triton`` as spmd's Triton kernels (interpreted here), whatever the
+    stride. Forward and backward (rows, weights, bias) equal the float64 loop's to
+    float32's rounding, an expert that received no row included, and the padding rows
     are zero."""
+    from spmd.kernels import grouped
     from spmd.lowering import experts as X
 
-    monkeypatch.setitem(X._GROUPED_DTYPES, "cpu", X.CPU_GROUPED_DTYPES)
+    if path == "triton":
+        monkeypatch.setenv("SPMD_KERNELS", "triton")
+    else:
+        monkeypatch.setitem(X._GROUPED_DTYPES, "cpu", X.CPU_GROUPED_DTYPES)
 
     gen = torch.Generator().manual_seed(3)
     experts, out_features, rows = 4, 12, 40
@@ -160,7 +165,8 @@ def test_grouped_products_by_torchs_grouped_mm_equal_the_loop(transposed, hidden
         (y * seed.to(dtype)).sum().backward()
         runs.append([t.double() for t in (y, x.grad, w.grad, b.grad)])
     kernel = X.grouped_kernel(x, w if transposed else w.transpose(1, 2))
-    assert kernel == (hidden == 8)  # 6 float32 features: 24 bytes, the loop
+    assert kernel == (hidden == 8 and path != "triton")  # 6 float32 features: 24 bytes
+    assert grouped._triton(x) == (path == "triton")  # (float64 stays on the loop)
     assert float(runs[1][0][36:].abs().max()) == 0.0  # the padding rows
     assert float(runs[1][2][1].abs().max()) == 0.0  # the idle expert's weight gradient
     for name, want, got in zip(["output", "rows' gradient", "weights' gradient",
