@@ -144,6 +144,9 @@ class _Verifier:
         self.placed: dict[fx.Node, Any] = {}
         self.inputs: dict[fx.Node, Any] = {}  # placeholder -> its InputInfo (not backward)
         self.shards: set[fx.Node] = set()  # parameters' stored shards on a data dimension
+        # symbolic sizes of a rank's own rows (a dynamic graph's batch size, and sizes
+        # computed from it): what is built from them is the rank's own, as the plan says
+        self.rank_sized: set[fx.Node] = set()
         self.numerics = numerics
         self.checked = 0
         self.unchecked: list[str] = []
@@ -209,8 +212,29 @@ class _Verifier:
         return Verified(nodes=len(self.placed), decisions=self.checked,
                         unchecked=tuple(self.unchecked))
 
+    def _per_rank_size(self, node: fx.Node) -> bool:
+        """A symbolic size the plan places as each rank's own on a data dimension (a
+        dynamic graph's batch size: the rank's rows), or one computed from such a size or
+        from a tensor that is each rank's own there."""
+        if not isinstance(node.meta.get("val"), torch.SymInt):
+            return False
+        claimed = node.meta.get("sharding")
+        if isinstance(claimed, Sharding) and any(
+                dim in self.data and not isinstance(p, Replicate)
+                for dim, p in zip(self.mesh.dim_names, self.norm(claimed).placements)):
+            return True
+        for a in node.all_input_nodes:
+            have = self.placed.get(a)
+            if a in self.rank_sized or (isinstance(have, Sharding) and any(
+                    dim in self.data and not isinstance(p, Replicate)
+                    for dim, p in zip(self.mesh.dim_names, have.placements))):
+                return True
+        return False
+
     def placeholder(self, node: fx.Node) -> Any:
         if not isinstance(node.meta.get("val"), torch.Tensor):
+            if self._per_rank_size(node):
+                self.rank_sized.add(node)
             return None
         if self.ctx.role == "backward":
             # a saved value (the forward's verification checked what it saves); a tangent
@@ -244,6 +268,8 @@ class _Verifier:
         val = node.meta.get("val")
         tensors = val if isinstance(val, (tuple, list)) else [val]
         if not any(isinstance(t, torch.Tensor) for t in tensors):
+            if self._per_rank_size(node):
+                self.rank_sized.add(node)
             return None
         return self.op(node)
 
@@ -338,7 +364,8 @@ class _Verifier:
                                 incoming, "spmd_tp_inserted" in node.meta)
         if placed is not None:
             return placed
-        local = seeded(node) or any(not isinstance(p, Replicate) for p in incoming)
+        local = (seeded(node) or any(not isinstance(p, Replicate) for p in incoming)
+                 or any(a in self.rank_sized for a in node.all_input_nodes))
         return Varying() if local else Replicate()
 
     def decided(self, node: fx.Node, dim: str, args: list[fx.Node],

@@ -379,3 +379,96 @@ def test_the_automatic_layout_with_experts_trains_like_one_process():
         assert got["stored"][0] == EXPERTS // 2, got["stored"]
         assert "x ep" in got["auto"].splitlines()[0], got["auto"]
         assert_like_one_process(got, want, rank, evaluation=False)
+
+
+# -- transformers' families, the batch size changing ----------------------------------
+
+HF_FAMILIES = ("deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+HF_ROWS = [2, 1, 3]  # per rank, step by step
+
+
+def _hf_model(family: str):
+    """The family's tiny causal LM; DeepSeek-V3's routing (4 experts, top-2) skewed
+    through its bias-corrected selection: experts 0 and 1 chosen by every token, so that
+    every pair goes to rank 0 and rank 1's experts get none."""
+    from ..hf_catalogue import build
+
+    model = build(family)
+    for module in model.modules():
+        bias = getattr(module, "e_score_correction_bias", None)
+        if bias is not None:
+            with torch.no_grad():
+                bias[0], bias[1], bias[3] = 1e3, 1e3, -1e3
+    return model
+
+
+def _hf_tolerance(family: str) -> float:
+    """1e-9 for a family computed wholly in float64; for one that computes parts in
+    float32 (DeepSeek-V3's router), 10 times how far one process's run moves when every
+    parameter starts perturbed by float32's rounding (tests/hf_sweep.py's floor)."""
+    from ..hf_sweep import low_precision_ops
+
+    if not low_precision_ops(family):
+        return 1e-9
+    model = _hf_model(family)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 + 1e-7 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    nudged, plain = _hf_train(model, None, 2), _hf_train(_hf_model(family), None, 2)
+    return max(1e-9, 10 * max(float((nudged[k] - v).abs().max()) for k, v in plain.items()))
+
+
+def _hf_train(model, rank, world: int) -> dict:
+    from ..hf_sweep import CLIP, LR, lm_loss, make_batch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step, rows in enumerate(HF_ROWS):
+        x, y = make_batch(step, rows=rows * world)
+        part = slice(None) if rank is None else slice(rank * rows, (rank + 1) * rows)
+        lm_loss(model(x[part]), y[part]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def hf_job(rank: int, families, headroom) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
+    out = {}
+    for family in families:
+        model = spmd.parallelize(_hf_model(family), mesh=spmd.Mesh((2,), dim_names=("ep",)),
+                                 placements=spmd.ep.experts(headroom=headroom))
+        state = _hf_train(model, rank, 2)
+        out[family] = (state, {k: v.tolist() for k, v in spmd.ep.expert_load(model).items()},
+                       sum(spec.grown for spec in model._spmd.experts.values()))
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("families,headroom", [
+    (HF_FAMILIES[:2], None), (HF_FAMILIES[2:], None), (HF_FAMILIES[:1], 1.0)],
+    ids=["deepseek_v3+mixtral", "qwen2_moe+qwen3_moe+olmoe+gpt_oss", "deepseek_v3-headroom"])
+def test_transformers_families_under_ep_with_the_batch_size_changing(families, headroom):
+    """The MoE families the issue names, from transformers' tiny configs, under ep on 2
+    ranks with each rank's rows changing step by step (2, 1, 3: the dynamic graphs run
+    the eager path), AdamW and clipping, equal to one process in float64 (DeepSeek-V3,
+    whose router computes in float32, within 10 times its float32 floor). DeepSeek-V3's
+    routing is skewed through its bias-corrected selection so that every pair goes to
+    rank 0's experts and rank 1's get none; with a headroom of 1 that overflows, and the
+    forward runs again."""
+    runs = dist.spawn(hf_job, args=(families, headroom), nprocs=2,
+                      start_method="forkserver", timeout=115)
+    for family in families:
+        want = _hf_train(_hf_model(family), None, 2)
+        tolerance = _hf_tolerance(family)
+        for rank, out in enumerate(runs):
+            state, load, grown = out[family]
+            for key, value in want.items():
+                diff = float((state[key] - value).abs().max())
+                assert diff < tolerance, f"{family} rank {rank}: {key} differs by {diff:.3g}"
+            if family == "deepseek_v3":  # the last step's load (3 rows of 8 per rank)
+                for counts in load.values():
+                    assert counts == [2 * 3 * 8, 2 * 3 * 8, 0, 0], counts
+                assert (grown > 0) == (headroom is not None), grown
