@@ -158,6 +158,14 @@ LONG: dict[str, tuple[float, str]] = {
     "tests/cpu/test_ft.py::test_a_replica_whose_rank_stalls_names_it_and_is_replaced": (
         24, "test_a_replica_sharded_inside_loses_a_rank_and_comes_back_healed[fsdp] (a rank "
             "of a replica lost, restarted, healed) and the stalled replica's test"),
+    "tests/cpu/test_experts_compose.py::test_transformers_families_under_ep_with_the_batch_size_changing[qwen2_moe+qwen3_moe+olmoe+gpt_oss]": (
+        42, "its [deepseek_v3+mixtral] case (the same path, the eager graphs of a "
+            "transformers MoE), and those families' CI sweep cells"),
+    "tests/cpu/test_experts_compose.py::test_transformers_families_under_ep_with_the_batch_size_changing[deepseek_v3-headroom]": (
+        18, "test_experts' headroom test (every pair to one rank, ddp and fsdp, the rerun "
+            "with dropout) on the own model"),
+    "tests/cpu/test_experts_compose.py::test_expert_parallel_beside_context_parallelism_trains_like_one_process[ddp x ep x cp, headroom 1]": (
+        15, "its [ddp x ep x cp] case and test_experts' headroom test"),
     "tests/cpu/test_hf_sweep.py::test_a_family_trains_like_one_process_or_is_refused[granite_swa-fsdp x tp]": (
         16, "granite_swa-tp (the sinks split by their own key) and test_tp's fsdp2xtp2"),
 }
