@@ -5,7 +5,7 @@ factors. Nothing runs: the model is built on the meta device and planned by
 
     python benchmarks/moe_plan.py [--layers 5] [--dense 1] [--ep 64] [--nodes-of 8]
                                   [--seq 4096] [--factors none,1.25,1.0]
-                                  [--headrooms 2,1.25]
+                                  [--headrooms inf,1.25]
                                   [--strategy zero1] [--gpu H100_SXM]
 
 The model is transformers' ``DeepseekV3ForCausalLM`` at the published shape (DeepSeek-V3
@@ -21,10 +21,10 @@ of ``--nodes-of`` per node, one sequence of ``--seq`` tokens per rank. The H800 
 a preset: the H100 SXM's (``spmd.hardware``) stands in (the H800's NVLink is 400 GB/s
 against 900; the network, 400 Gb/s per GPU, is the same).
 
-For each capacity factor (``none``: dropless, the rows padded to every pair of every
-rank) and each dropless headroom (``spmd.ep.experts(headroom=)``: the rows bounded at
-that many times what even routing brings, the forward run again where a step overflows)
-the table gives the planning time, one
+For each capacity factor (``none``: dropless, the default: the rows bounded at twice
+what even routing brings, the forward run again where a step overflows) and each other
+dropless headroom (``spmd.ep.experts(headroom=)``; ``inf``: the rows padded to every
+pair of every rank) the table gives the planning time, one
 MoE layer's all-to-alls per step (the counts, then the rows out and back in forward and
 again in backward, for even routing), split into what crosses nodes (on each GPU's
 network path) and what stays in the node (NVLink, at the same time), the predicted step
@@ -64,7 +64,8 @@ def main() -> None:
     p.add_argument("--nodes-of", type=int, default=8)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--factors", default="none,1.25,1.0")
-    p.add_argument("--headrooms", default="2,1.25", help="dropless headrooms ('' for none)")
+    p.add_argument("--headrooms", default="inf,1.25", help="other dropless headrooms ('' "
+                   "for none; inf: every pair of every rank)")
     p.add_argument("--strategy", default="zero1")
     p.add_argument("--gpu", default="H100_SXM")
     args = p.parse_args()
@@ -84,9 +85,11 @@ def main() -> None:
           f"ranks on {cluster.name}, {args.strategy}, {args.seq} tokens per rank "
           f"({time.strftime('%Y-%m-%d')})")
     rows = []
-    cases = [(None if t == "none" else float(t), None, "none (dropless)" if t == "none" else t)
+    cases = [(None if t == "none" else float(t), None,
+              "none (dropless, default headroom 2)" if t == "none" else t)
              for t in args.factors.split(",") if t]
-    cases += [(None, float(t), f"dropless, headroom {t}") for t in args.headrooms.split(",") if t]
+    cases += [(None, float(t), "dropless, headroom inf (every pair)" if t == "inf"
+               else f"dropless, headroom {t}") for t in args.headrooms.split(",") if t]
     for factor, headroom, text in cases:
         with torch.device("meta"):
             model = DeepseekV3ForCausalLM(config(args.layers, args.dense)).to(torch.bfloat16)

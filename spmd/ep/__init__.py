@@ -31,12 +31,13 @@ top_k_weights (T, k))``.
 """
 
 from spmd.ep.placing import place_experts, place_for_pipeline
-from spmd.ep.presets import (ExpertParallel, ExpertTensorParallel, expert_parameters, experts,
-                             find_experts, split_experts, unsupported)
+from spmd.ep.presets import (DEFAULT_HEADROOM, ExpertParallel, ExpertTensorParallel,
+                             expert_parameters, experts, find_experts, split_experts,
+                             unsupported)
 from spmd.ep.pricing import all_to_all_seconds, plan_lines
 from spmd.ep.stats import dropped_tokens, expert_load, load_balancing_loss
 
 __all__ = ["experts", "ExpertParallel", "ExpertTensorParallel", "find_experts", "expert_load",
            "dropped_tokens", "split_experts", "load_balancing_loss", "all_to_all_seconds",
            "plan_lines", "place_experts", "place_for_pipeline", "expert_parameters",
-           "unsupported"]
+           "unsupported", "DEFAULT_HEADROOM"]

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 
-from spmd.ep.presets import ExpertParallel, _weights, _routed
+from spmd.ep.presets import DEFAULT_HEADROOM, ExpertParallel, _routed, _weights
 
 
 @dataclass(frozen=True)
@@ -147,9 +147,21 @@ def _whole(module: nn.Module, name: str) -> tuple[int, ...]:
     return tuple(param._spmd_placement.shape)
 
 
+def _headroom(preset: ExpertParallel | None, size: int, pipelined: bool) -> float | None:
+    """The headroom a layer's received rows are bounded by (``spmd.ep.experts``): None
+    where they are every pair of every rank (under a capacity factor, in a pipeline by
+    default, or a headroom of ``size`` and more, which is the same bound)."""
+    if preset is not None and preset.capacity_factor is not None:
+        return None
+    asked = preset.headroom if preset is not None else None
+    if asked is None:
+        asked = math.inf if pipelined else DEFAULT_HEADROOM
+    return None if asked >= size else asked
+
+
 def _place(sub: nn.Module, path: str, count: int, mesh: Any, dim: str, handles: Any,
-           read: _Reads, preset: ExpertParallel | None, context: tuple[str, ...] = ()
-           ) -> Any:
+           read: _Reads, preset: ExpertParallel | None, context: tuple[str, ...] = (),
+           pipelined: bool = False) -> Any:
     """One experts module given the expert-parallel forward (its class swapped) and the
     spec of its ``count`` experts over ``dim`` (``context``: the dimensions the sequence
     is split over)."""
@@ -157,7 +169,7 @@ def _place(sub: nn.Module, path: str, count: int, mesh: Any, dim: str, handles: 
 
     size = mesh.size(dim)
     factor = preset.capacity_factor if preset is not None else None
-    headroom = preset.headroom if preset is not None else None
+    headroom = _headroom(preset, size, pipelined)
     live = not mesh.simulated
     spec = ExpertsSpec(module=path, num_experts=count, size=size,
                        group=mesh.get_group(dim) if live else None, mesh_dim=dim,
@@ -213,12 +225,12 @@ def place_for_pipeline(preset: ExpertParallel, model: nn.Module, mesh: Any, hand
             f"{where}: expert tensor parallelism in a pipeline is not planned yet (each "
             f"stage's experts would need their pieces read in the traced graph); pass "
             f"spmd.ep.experts() without tensor_parallel=")
-    if preset.headroom is not None:
+    if preset.headroom is not None and preset.headroom != math.inf:
         raise NotImplementedError(
             f"{where}: spmd.ep.experts(headroom={preset.headroom}) in a pipeline is not "
             f"supported: a layer that overflows runs its forward again on every rank, "
-            f"and a pipeline's stages run theirs at different times; pass headroom=None "
-            f"(every pair of every rank) or a capacity_factor")
+            f"and a pipeline's stages run theirs at different times; leave headroom out "
+            f"(in a pipeline: every pair of every rank) or pass a capacity_factor")
     dims = () if mesh is None else mesh.dim_names
     dim = preset.dim or (dims[0] if len(dims) == 1 else None)
     if dim is None or dim not in dims:
@@ -233,7 +245,7 @@ def place_for_pipeline(preset: ExpertParallel, model: nn.Module, mesh: Any, hand
         sub = model.get_submodule(path) if path else model
         names = _weights(sub)
         count = getattr(sub, names[0]).shape[0]  # whole until a stage stores its own
-        _place(sub, path, count, mesh, dim, handles, _Reads(), preset)
+        _place(sub, path, count, mesh, dim, handles, _Reads(), preset, pipelined=True)
         for local in names:
             shape = list(getattr(sub, local).shape)
             shape[0] //= size

@@ -95,6 +95,11 @@ def find_experts(model: nn.Module, patterns: tuple[str, ...] = ()) -> dict[str, 
     return found
 
 
+# a dropless layer's default headroom (spmd.ep.experts): its received rows bounded at
+# twice what even routing brings; a forward whose routing brings more runs again
+DEFAULT_HEADROOM = 2.0
+
+
 @dataclass(frozen=True)
 class ExpertParallel:
     """Expert parallelism along data dimension ``dim`` (:func:`experts`), and expert
@@ -239,18 +244,19 @@ def experts(*, dim: str | None = None, modules: tuple[str, ...] | list[str] = ()
             residual); the rows a rank's experts receive, and their memory, are bounded
             by it. :func:`dropped_tokens` says what the last forward dropped.
         headroom: dropless only. The rows a rank's experts receive per layer are padded
-            to a static bound in the compiled graph: by default every pair of every rank
-            of ``dim`` (``n · T · k`` for ``n`` ranks of ``T`` tokens and top-``k``, what
-            the most uneven routing can bring), ``n`` times what even routing brings, in
-            memory and in the elementwise work between the expert products. A number
-            ``h >= 1`` bounds them at ``ceil(h · T · k)`` instead. Every rank learns, in
-            each layer's routing, whether any rank's experts received more (one small
-            all-reduce over the mesh); if so, the forward is run again on every rank
-            with that layer's headroom grown to fit (at least doubled, at most ``n``, the
-            graph recompiled, the random state restored): still dropless, the result the
-            same, only that forward slower. The grown headroom stays, and the plan says
-            how often it grew. Not in a pipeline (its stages run a forward at different
-            times).
+            to a static bound in the compiled graph: ``ceil(h · T · k)`` for ``T``
+            tokens of top-``k`` per rank, ``h`` times what even routing brings (memory,
+            and the elementwise work between the expert products, scale with it). Every
+            rank learns, in each layer's routing, whether any rank's experts received
+            more (one small all-reduce over the mesh); if so, the forward is run again on
+            every rank with that layer's headroom grown to fit (at least doubled, at most
+            ``n``, the ranks of ``dim``: every pair of every rank, which no routing
+            exceeds; the graph recompiled, the random state restored): still dropless,
+            the result the same, only that forward slower. The grown headroom stays, and
+            the plan says how often it grew. None (default): :data:`DEFAULT_HEADROOM`
+            (2), and in a pipeline every pair of every rank (its stages run a forward at
+            different times, so none is run again; a number there is refused).
+            ``math.inf``: every pair of every rank (``n · T · k``), never run again.
 
     Pass it as ``placements=``, alone or in a list with other presets (``spmd.tp.megatron()``
     for the attention).
@@ -274,8 +280,9 @@ def experts(*, dim: str | None = None, modules: tuple[str, ...] | list[str] = ()
     if headroom is not None and (isinstance(headroom, bool) or not isinstance(
             headroom, (int, float)) or not headroom >= 1):
         raise ValueError(f"spmd.ep.experts: headroom must be a number >= 1 (the rows a "
-                         f"rank's experts receive, in units of what even routing brings), "
-                         f"or None (every pair of every rank), got {headroom!r}")
+                         f"rank's experts receive, in units of what even routing brings; "
+                         f"math.inf: every pair of every rank), or None (the default), got "
+                         f"{headroom!r}")
     if headroom is not None and capacity_factor is not None:
         raise ValueError(f"spmd.ep.experts: headroom={headroom} bounds a dropless layer's "
                          f"rows; capacity_factor={capacity_factor} already bounds them (by "

@@ -560,6 +560,28 @@ def test_a_headroom_is_a_number_of_at_least_one_for_dropless_layers_outside_pipe
                          pipeline=spmd.pp.schedule("gpipe", microbatches=2))
 
 
+def test_the_default_headroom_is_two_and_every_pair_in_a_pipeline():
+    """Dropless by default with the rows bounded at twice what even routing brings
+    (``spmd.ep.DEFAULT_HEADROOM``) where that is below every pair of every rank; every
+    pair on 2 expert ranks (the same bound), with ``headroom=math.inf``, and in a
+    pipeline."""
+    import math
+
+    def headroom(mesh, preset, **kw):
+        model = MoELM()
+        spmd.parallelize(model, mesh=mesh, placements=preset, **kw)
+        return {m._spmd_ep.headroom for m in model.modules() if hasattr(m, "_spmd_ep")}
+
+    assert spmd.ep.DEFAULT_HEADROOM == 2.0
+    assert headroom(spmd.Mesh.simulated(4), spmd.ep.experts()) == {2000}  # thousandths
+    assert headroom(spmd.Mesh.simulated(4), spmd.ep.experts(headroom=1.5)) == {1500}
+    assert headroom(spmd.Mesh.simulated(4), spmd.ep.experts(headroom=math.inf)) == {None}
+    assert headroom(spmd.Mesh.simulated(2), spmd.ep.experts()) == {None}
+    assert headroom(spmd.Mesh.simulated(4), spmd.ep.experts(capacity_factor=1.0)) == {None}
+    assert headroom(spmd.Mesh.simulated((2, 4), dim_names=("pp", "ep")), spmd.ep.experts(),
+                    pipeline=spmd.pp.schedule("gpipe", microbatches=2)) == {None}
+
+
 def _dropout_before_routing(model):
     """``model`` with dropout on its token embeddings: a forward run again must draw the
     same masks."""
