@@ -642,6 +642,27 @@ def test_a_headroom_bounds_the_received_rows_and_grows_where_a_forward_overflows
             assert torch.equal(bounded[key], value), f"rank {rank}: {key} differs"
 
 
+def default_headroom_job(rank: int, base) -> dict:
+    model, out = train_parallel(base, (4,), ("ep",), "ddp", spmd.ep.experts(), [1, 1, 1])
+    out["grown"] = {p: (spec.headroom, spec.grown) for p, spec in model._spmd.experts.items()}
+    dist.destroy_process_group()
+    return out
+
+
+def test_the_default_headroom_on_four_expert_ranks_grows_where_routing_is_skewed():
+    """4 expert ranks, the default headroom of 2 (below every pair of every rank, 4):
+    routing so skewed that one rank's experts receive every pair overflows it; the
+    forward runs again with the bound grown to every pair, equal to one process."""
+    torch.manual_seed(0)
+    base = MoELM(skew=4.0).double()
+    want = _train(copy.deepcopy(base), None, 4, sizes=[1, 1, 1])
+    runs = dist.spawn(default_headroom_job, args=(base,), nprocs=4, start_method="forkserver",
+                      timeout=115)
+    for rank, got in enumerate(runs):
+        assert_like_one_process(got, want, rank)
+        assert set(got["grown"].values()) == {(4.0, 1)}, got["grown"]
+
+
 def test_a_capacity_factor_must_be_a_positive_number():
     for bad in (0, -1.0, "1.25", True):
         with pytest.raises(ValueError, match="capacity_factor must be a positive number"):
