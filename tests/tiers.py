@@ -162,12 +162,12 @@ LONG: dict[str, tuple[float, str]] = {
         42, "its [deepseek_v3+mixtral] case (the same path, the eager graphs of a "
             "transformers MoE), and those families' CI sweep cells"),
     "tests/cpu/test_experts_compose.py::test_transformers_families_under_ep_with_the_batch_size_changing[deepseek_v3-headroom]": (
-        18, "test_experts' headroom test (every pair to one rank, ddp and fsdp, the rerun "
+        18, "test_experts_headroom's 2-rank test (every pair to one rank, ddp and fsdp, the rerun "
             "with dropout) on the own model"),
     "tests/cpu/test_experts_compose.py::test_expert_parallel_beside_context_parallelism_trains_like_one_process[ddp x ep x cp, headroom 1]": (
-        15, "its [ddp x ep x cp] case and test_experts' headroom test"),
-    "tests/cpu/test_experts.py::test_the_default_headroom_on_four_expert_ranks_grows_where_routing_is_skewed": (
-        13, "test_a_headroom_bounds_the_received_rows_and_grows_where_a_forward_overflows "
+        15, "its [ddp x ep x cp] case and test_experts_headroom's 2-rank test"),
+    "tests/cpu/test_experts_headroom.py::test_the_default_headroom_on_four_expert_ranks_grows_where_routing_is_skewed": (
+        13, "its test_a_headroom_bounds_the_received_rows_and_grows_where_a_forward_overflows "
             "(the same overflow and rerun on 2 ranks) and the default's cases, planned"),
     "tests/cpu/test_experts_compose.py::test_expert_parallel_beside_context_parallelism_in_the_loops_users_write": (
         14, "test_expert_parallel_beside_context_parallelism_trains_like_one_process[ddp x "
