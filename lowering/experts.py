@@ -422,7 +422,6 @@ grouped_sum = define("grouped_sum(Tensor grad, Tensor offs, float scale) -> Tens
                      _bias_grad, _fake_bias_grad)
 
 
-
 def _keep_product(ctx: Any, inputs: tuple, output: Any) -> None:
     x, w, offs, bias, transposed, scale, *expected = inputs
     ctx.save_for_backward(x, w, offs)
@@ -573,7 +572,6 @@ def _data_mean_backward(ctx: Any, grad: torch.Tensor) -> tuple:
 
 data_mean = define("data_mean(Tensor x, int handle) -> Tensor", _data_mean, _fake_data_mean,
                    _data_mean_backward)
-
 
 
 def data_placement(target: Any, dim: str, expert_dims: Any,
