@@ -34,7 +34,6 @@ import contextlib
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import sys
@@ -50,6 +49,7 @@ import torch.nn as nn
 from spmd.checkpoint.files import (MANIFEST, CheckpointError, _crc, _fsync_dir, _save_file,
                                    check_checkpoint)
 from spmd.state.chunked import ChunkedTensor
+from spmd.state.rng import rng_state, set_rng_state
 
 __all__ = ["CheckpointManager", "CheckpointError", "SaveStats", "check_checkpoint"]
 
@@ -99,32 +99,6 @@ def _nbytes(value: Any) -> int:
     if isinstance(value, (list, tuple)):
         return sum(_nbytes(v) for v in value)
     return 0
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    if "python" in state:
-        random.setstate(state["python"])
-    if "torch" in state:
-        torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 @contextlib.contextmanager
@@ -323,7 +297,7 @@ class CheckpointManager:
         if buffers:  # each rank's (BatchNorm's statistics differ across ranks)
             mine["buffers"] = buffers
         if self.rng:
-            mine["rng"] = _rng_state()
+            mine["rng"] = rng_state()
         if self.dataloader is not None:
             mine["dataloader"] = self.dataloader.state_dict()
         job = {"step": step, "world_size": self.world_size,
@@ -534,7 +508,7 @@ class CheckpointManager:
             shared = not any(_differ(s.get("dataloader"), mine.get("dataloader"))
                              for s in saved[1:])
         if self.rng and "rng" in mine:
-            _set_rng_state(mine["rng"])
+            set_rng_state(mine["rng"])
             if differ:
                 log.warning("spmd.checkpoint: %s was saved by %d ranks whose %s random "
                             "generators differed, and this job has %d: those are left as "

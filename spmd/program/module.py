@@ -261,8 +261,9 @@ class ModuleState(Program):
         layer grows at most until its bound holds every pair, which cannot overflow."""
         from spmd.ep.placing import grow_headroom
         from spmd.lowering.experts import ExpertsOverflow
+        from spmd.state.rng import rng_state, set_rng_state
 
-        state = _random_state()
+        state = rng_state()
         try:
             while True:
                 try:
@@ -274,7 +275,7 @@ class ModuleState(Program):
                     self.capture.recompiling = (f"the expert headroom of {e.module} grew to "
                                                 f"{grown:.3g} (a rank received {e.need} rows, "
                                                 f"more than its bound {e.bound})")
-                    _restore_random_state(state)
+                    set_rng_state(state)
         finally:
             self.capture.recompiling = None
 
@@ -393,16 +394,3 @@ def _compile(module: nn.Module, original: Any, capture: Capture) -> Any:
     fresh = types.FunctionType(code, own_globals, code.co_name, trampoline.__defaults__,
                                trampoline.__closure__)
     return torch.compile(fresh, backend=capture)
-
-
-def _random_state() -> tuple:
-    """The CPU generator's state and, where CUDA is initialized, every device's."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _restore_random_state(state: tuple) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)

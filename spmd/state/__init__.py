@@ -4,5 +4,6 @@
   swap, state-dict hooks);
 - :mod:`~spmd.state.writethrough`: a parameter stored in pieces as eager code sees it;
 - :mod:`~spmd.state.ownership`: the modules of a parallelized model;
-- :mod:`~spmd.state.chunked`: one rank's part of a whole tensor for DCP (``spmd.checkpoint``).
+- :mod:`~spmd.state.chunked`: one rank's part of a whole tensor for DCP (``spmd.checkpoint``);
+- :mod:`~spmd.state.rng`: the random generators' state, taken and put back whole.
 """
