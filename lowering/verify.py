@@ -216,20 +216,14 @@ class _Verifier:
         """A symbolic size the plan places as each rank's own on a data dimension (a
         dynamic graph's batch size: the rank's rows), or one computed from such a size or
         from a tensor that is each rank's own there."""
-        if not isinstance(node.meta.get("val"), torch.SymInt):
-            return False
-        claimed = node.meta.get("sharding")
-        if isinstance(claimed, Sharding) and any(
+        def own(s: Any) -> bool:  # each rank's own on some data dimension
+            return isinstance(s, Sharding) and any(
                 dim in self.data and not isinstance(p, Replicate)
-                for dim, p in zip(self.mesh.dim_names, self.norm(claimed).placements)):
-            return True
-        for a in node.all_input_nodes:
-            have = self.placed.get(a)
-            if a in self.rank_sized or (isinstance(have, Sharding) and any(
-                    dim in self.data and not isinstance(p, Replicate)
-                    for dim, p in zip(self.mesh.dim_names, have.placements))):
-                return True
-        return False
+                for dim, p in zip(self.mesh.dim_names, self.norm(s).placements))
+
+        return isinstance(node.meta.get("val"), torch.SymInt) and (
+            own(node.meta.get("sharding")) or any(
+                a in self.rank_sized or own(self.placed.get(a)) for a in node.all_input_nodes))
 
     def placeholder(self, node: fx.Node) -> Any:
         if not isinstance(node.meta.get("val"), torch.Tensor):

@@ -151,6 +151,18 @@ def low_precision_ops(family: str) -> set[str]:
     return mode.ops
 
 
+def nudged(model: torch.nn.Module, by: float = 1e-7) -> torch.nn.Module:
+    """``model`` with every parameter perturbed by ``by`` of itself (float32's rounding at
+    1e-7), the same perturbation every call: how far a run then moves is the family's
+    float32 floor."""
+    if by:
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + by * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
 def reference(family: str) -> dict[Any, Any] | str:
     """One process: {1: on the whole batch, 2: on it as two data-parallel ranks' halves,
     gradients accumulated}, each (outputs, parameters), and ``"floor"``: None where the
@@ -169,12 +181,7 @@ def reference(family: str) -> dict[Any, Any] | str:
     from .hf_catalogue import build
 
     def once(parts: int = 1, nudge: float = 0.0) -> tuple[list[torch.Tensor], dict]:
-        model = build(family)
-        if nudge:
-            g = torch.Generator().manual_seed(7)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.mul_(1 + nudge * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        model = nudged(build(family), nudge)
         return train(model, slice(0, ROWS),
                      lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP), parts)
 

@@ -22,6 +22,12 @@ def all_to_all_seconds(plan: Any) -> dict[str, dict[str, tuple[str, float]]]:
 
     out: dict[str, dict[str, tuple[str, float]]] = {}
     models: dict[str, Any] = {}
+
+    def on(dim: str) -> Any:  # the cost model along a mesh dimension, made once
+        if dim not in models:
+            models[dim] = along(plan.mesh, dim, plan.cost_model)
+        return models[dim]
+
     for key, graph in plan.graphs.items():
         for node in graph.graph.nodes:
             if node.target not in (ops.ep_route, ops.ep_scatter, ops.ep_gather):
@@ -37,11 +43,6 @@ def all_to_all_seconds(plan: Any) -> dict[str, dict[str, tuple[str, float]]]:
             else:
                 val = (node.args[0] if node.target is ops.ep_scatter else node).meta.get("val")
                 nbytes = int(val.numel()) * val.element_size() if val is not None else 0
-            def on(dim: str) -> Any:
-                if dim not in models:
-                    models[dim] = along(plan.mesh, dim, plan.cost_model)
-                return models[dim]
-
             seconds = on(spec.mesh_dim).seconds("all_to_all", nbytes)
             if node.target is ops.ep_route and spec.headroom is not None and plan.mesh:
                 seconds += sum(on(d).seconds("all_reduce", 8) for d in plan.mesh.dim_names

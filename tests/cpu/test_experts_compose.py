@@ -406,17 +406,13 @@ def _hf_tolerance(family: str) -> float:
     """1e-9 for a family computed wholly in float64; for one that computes parts in
     float32 (DeepSeek-V3's router), 10 times how far one process's run moves when every
     parameter starts perturbed by float32's rounding (tests/hf_sweep.py's floor)."""
-    from ..hf_sweep import low_precision_ops
+    from ..hf_sweep import low_precision_ops, nudged
 
     if not low_precision_ops(family):
         return 1e-9
-    model = _hf_model(family)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(1 + 1e-7 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    nudged, plain = _hf_train(model, None, 2), _hf_train(_hf_model(family), None, 2)
-    return max(1e-9, 10 * max(float((nudged[k] - v).abs().max()) for k, v in plain.items()))
+    moved = _hf_train(nudged(_hf_model(family)), None, 2)
+    plain = _hf_train(_hf_model(family), None, 2)
+    return max(1e-9, 10 * max(float((moved[k] - v).abs().max()) for k, v in plain.items()))
 
 
 def _hf_train(model, rank, world: int) -> dict:
