@@ -133,3 +133,34 @@ def test_the_default_headroom_on_four_expert_ranks_grows_where_routing_is_skewed
     for rank, got in enumerate(runs):
         assert_like_one_process(got, want, rank)
         assert set(got["grown"].values()) == {(4.0, 1)}, got["grown"]
+
+
+def accumulating_job(rank: int, base) -> dict:
+    from .test_experts_compose import _train_accumulating
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
+    model = spmd.parallelize(copy.deepcopy(base), mesh=spmd.Mesh((2,), dim_names=("ep",)),
+                             placements=spmd.ep.experts(headroom=1.0))
+    out = _train_accumulating(model, rank, 2)
+    out["index"] = rank
+    out["grown"] = sum(spec.grown for spec in model._spmd.experts.values())
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_forward_run_again_inside_accumulation_and_a_frozen_step_trains_like_one_process():
+    """The loop users write around an overflowing headroom: two microbatches accumulated
+    per step (the first one's gradients already there when the second's forward runs
+    again), the routers frozen for a step and trained again, clipping, an evaluation
+    forward; equal to one process accumulating the same microbatches."""
+    from .test_experts_compose import _train_accumulating
+
+    torch.manual_seed(0)
+    base = MoELM(skew=4.0).double()
+    want = _train_accumulating(copy.deepcopy(base), None, 2)
+    runs = dist.spawn(accumulating_job, args=(base,), nprocs=2, start_method="forkserver",
+                      timeout=115)
+    for rank, got in enumerate(runs):
+        assert_like_one_process(got, want, rank)
+        assert got["grown"] > 0, got["grown"]
